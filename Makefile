@@ -1,0 +1,36 @@
+# Two commands matter: `make run` (serve the embedded default) and `make test` (the whole suite).
+# Each sets up what it needs on a fresh machine: a venv with pinned packages (torch first, pinned,
+# so no CUDA build is ever pulled), and for tests a redis-server binary.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+REQ_HASH := $(shell cat requirements.txt pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(REQ_HASH)
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-deps bench-engine demo-model clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	rm -f $(VENV)/.installed-*
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+test-deps:
+	@command -v redis-server >/dev/null 2>&1 || scripts/install_redis.sh
+
+run: setup
+	scripts/in_sandbox.sh $(PY) -m engine.demo
+
+test: setup test-deps
+	PY=$(PY) scripts/run_tests.sh $(PYTEST_ARGS)
+
+bench-engine: setup
+	scripts/in_sandbox.sh $(PY) -m engine.bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

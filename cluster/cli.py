@@ -1,0 +1,53 @@
+"""The `splitserve` command line. Subcommands live in a small registry; unknown ones are listed."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+
+def _demo_model(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="splitserve demo-model",
+                                     description="Write the deterministic demo checkpoint to DIR.")
+    parser.add_argument("dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from engine.demo_model import write_demo_model
+
+    print(write_demo_model(args.dir, seed=args.seed))
+
+
+def _bench_engine(argv: list[str]) -> None:
+    from engine.bench import main
+
+    main(argv)
+
+
+def _offline(argv: list[str]) -> None:
+    from engine.demo import main
+
+    main(argv)
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
+    "demo-model": (_demo_model, "write the demo checkpoint to a directory"),
+    "bench-engine": (_bench_engine, "offline throughput of the engine vs transformers.generate"),
+    "offline": (_offline, "generate offline with the in-process engine and print timings"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: splitserve COMMAND [ARGS]\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:<14} {help_text}")
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        sys.exit(f"splitserve: unknown command {name!r}; known: {', '.join(COMMANDS)}")
+    COMMANDS[name][0](rest)
+
+
+if __name__ == "__main__":
+    main()

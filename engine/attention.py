@@ -1,0 +1,102 @@
+"""Attention over the paged KV cache, in PyTorch, behind one function (`paged_attention`).
+
+Cache layout, per layer: K and V each `[num_kv_heads, num_blocks, block_size, head_dim]`. A token at
+position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+Heads lead so that one KV head's blocks are contiguous (a decode TP rank receives whole head slices).
+
+A step's tokens are laid out decode-first: the first `num_decode_tokens` rows are single-token decode
+queries (one per sequence), then each prefill chunk's rows. A GPU kernel can replace this module by
+keeping `AttentionMetadata` and the function's signature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    """One sequence's chunk of new tokens: rows [query_start, query_start + query_len) of the step."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # tokens the chunk attends to = cached/computed before it + query_len
+    context_slots: torch.Tensor | None  # [context_len] cache slots; None when the chunk has no prefix
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of every new token
+    num_decode_tokens: int
+    decode_slots: torch.Tensor | None  # [num_decode, max_context] int64 cache slots (padded)
+    decode_padding_mask: torch.Tensor | None  # [num_decode, max_context] bool, True = padding
+    prefills: tuple[PrefillSegment, ...]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ([tokens, kv_heads, head_dim]) into their slots."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
+    flat_v = v_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
+    flat_k.index_copy_(1, slot_mapping, k.transpose(0, 1))
+    flat_v.index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the step's new tokens.
+    Writes k/v into the cache, then returns attention outputs [tokens, heads * head_dim]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
+    n_dec = meta.num_decode_tokens
+    if n_dec:
+        out[:n_dec] = _decode_attention(q[:n_dec], k_cache, v_cache, meta, scale)
+    for seg in meta.prefills:
+        rows = slice(seg.query_start, seg.query_start + seg.query_len)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    num_kv_heads, num_blocks, block_size, head_dim = cache.shape
+    flat = cache.view(num_kv_heads, num_blocks * block_size, head_dim)
+    return flat.index_select(1, slots.reshape(-1))
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    group = num_heads // num_kv_heads
+    max_context = meta.decode_slots.shape[1]
+    keys = _gather(k_cache, meta.decode_slots).view(num_kv_heads, batch, max_context, head_dim)
+    values = _gather(v_cache, meta.decode_slots).view(num_kv_heads, batch, max_context, head_dim)
+    # [kv_heads, batch, group, head_dim]: each KV head serves `group` query heads (GQA/MQA).
+    queries = q.view(batch, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores.masked_fill_(meta.decode_padding_mask[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, values)  # [kv_heads, batch, group, head_dim]
+    return out.permute(1, 0, 2, 3).reshape(batch, num_heads * head_dim)
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, seg: PrefillSegment, scale: float) -> torch.Tensor:
+    query_len, num_heads, head_dim = q.shape
+    queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, head_dim]
+    if seg.context_slots is None:
+        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        keys = _gather(k_cache, seg.context_slots).unsqueeze(0)
+        values = _gather(v_cache, seg.context_slots).unsqueeze(0)
+        # Query i sits at absolute position (context_len - query_len + i) and sees keys up to it.
+        offset = seg.context_len - query_len
+        allowed = (torch.arange(seg.context_len)[None, :]
+                   <= torch.arange(offset, seg.context_len)[:, None])
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale,
+                                             enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1).reshape(query_len, num_heads * head_dim)

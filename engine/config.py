@@ -1,0 +1,123 @@
+"""Typed, frozen configuration: what the checkpoint says (`ModelConfig`) and how to run it (`EngineConfig`).
+
+`EngineConfig` is validated once at construction; cross-field rules live here, not in callers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import UnsupportedModelError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the checkpoint's config.json says, in the engine's own names."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    dtype: str
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    identity: str = ""  # stable id of the checkpoint (arch + digest of config.json); seeds block hashes
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        element_bytes = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run a model. `None` fields are derived from the checkpoint in `resolve()`."""
+
+    model_dir: str = ""
+    role: str = "colocated"
+    dtype: str = "auto"  # auto = the checkpoint's dtype
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None → kv_cache_memory_bytes / bytes per block
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_tokens: int = 512  # most prompt tokens one sequence computes in one step
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+    tp_size: int = 1
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        _require(self.dtype == "auto" or self.dtype in DTYPES,
+                 f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _require(self.block_size >= 1, "block_size must be >= 1")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
+        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs or self.max_num_batched_tokens >= 1,
+                 "max_num_batched_tokens must be >= 1")
+        _require(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens must be >= 1")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        _require(self.tp_size >= 1, "tp_size must be >= 1")
+
+    def num_blocks_for(self, model: ModelConfig) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        block_bytes = model.kv_bytes_per_token * self.block_size // self.tp_size
+        by_memory = max(1, self.kv_cache_memory_bytes // block_bytes)
+        # More than every sequence at full length (twice over, for the prefix cache) is never used.
+        blocks_per_seq = -(-self.max_len_for(model) // self.block_size)
+        return min(by_memory, 2 * self.max_num_seqs * blocks_per_seq)
+
+    def max_len_for(self, model: ModelConfig) -> int:
+        limit = model.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        _require(self.max_model_len <= limit,
+                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        return self.max_model_len
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig: {message}")
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
+    if requested == "auto":
+        if checkpoint_dtype not in DTYPES:
+            raise UnsupportedModelError(f"checkpoint dtype {checkpoint_dtype!r} is not one of {sorted(DTYPES)}")
+        return checkpoint_dtype
+    return requested

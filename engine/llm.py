@@ -1,0 +1,118 @@
+"""The offline API in the ecosystem's shape: `LLM(model_dir, **engine_args).generate(prompts, params)`."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Sequence as Seq
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.tokenizer import load_tokenizer
+
+
+class LLM:
+    """A colocated engine in this process. `model=None` serves the generated demo checkpoint."""
+
+    def __init__(self, model: str | Path | None = None, *, progress: bool = True, **engine_args):
+        if model is None:
+            from engine.demo_model import ensure_demo_model
+
+            model = ensure_demo_model()
+        self.config = EngineConfig(model_dir=str(model), **engine_args)
+        self.engine = LLMEngine(self.config, progress=progress)
+        self._tokenizer = None
+        self._request_ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.config.model_dir)
+        return self._tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 priorities: Seq[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in order. Prompts: a string, a token-id list, or a list of either.
+        A bad prompt or parameter raises InvalidRequestError before any of these requests runs."""
+        items = [self._encode(prompt, index) for index, prompt in enumerate(_as_prompt_list(prompts))]
+        params = _broadcast(sampling_params or SamplingParams(), len(items), "sampling_params")
+        prios = _broadcast(0, len(items), "priorities") if priorities is None else list(priorities)
+        ids = self._add_all(items, params, prios)
+        return self._run(ids, {rid: item for rid, item in zip(ids, items)}, use_tqdm)
+
+    def chat(self, conversations, sampling_params=None, **kwargs) -> list[RequestOutput]:
+        """Applies the checkpoint's chat template to one conversation or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True)
+                   for c in conversations]
+        prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def _encode(self, prompt, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", f"prompt {index} is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _add_all(self, items, params, prios) -> list[str]:
+        ids: list[str] = []
+        try:
+            for (_, tokens), sampling, priority in zip(items, params, prios):
+                request_id = f"offline-{next(self._request_ids)}"
+                self.engine.add_request(request_id, tokens, sampling, priority=priority)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # all or nothing: undo the ones already queued
+                self.engine.abort_request(request_id)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], items: dict, use_tqdm: bool) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                for update in self.engine.step():
+                    if update.finish_reason is not None and update.seq_id in pending:
+                        seq = self.engine.pop_finished(update.seq_id)
+                        outputs[update.seq_id] = self._output(seq, items[update.seq_id][0])
+                        pending.discard(update.seq_id)
+                        bar.update()
+        return [outputs[request_id] for request_id in ids]
+
+    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        text = seq.stop_text if seq.stop_text is not None else self._decode(seq.output_token_ids)
+        metrics = RequestMetrics(seq.arrival_time_s, seq.first_token_time_s, tuple(seq.token_times_s))
+        return RequestOutput(seq.seq_id, prompt, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids),
+                             text, seq.finish_reason.value, seq.num_cached_tokens, metrics,
+                             tuple(seq.logprobs) if seq.params.logprobs is not None else None)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        except Exception:  # a checkpoint without a tokenizer still serves token ids
+            return ""
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _broadcast(value, count: int, field_name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise InvalidRequestError(field_name, f"has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

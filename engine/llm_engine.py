@@ -1,0 +1,211 @@
+"""The engine loop: `step()` = schedule → run → postprocess.
+
+One engine serves three roles from the same code:
+- colocated: prefill and decode in one process (the offline `LLM` and the baseline);
+- prefill: a sequence finishes with `FinishReason.HANDOFF` right after its first token; its blocks stay
+  pinned (`handoff_blocks`) until the caller `release`s them after the KV transfer;
+- decode: `reserve` allocates blocks for KV that will arrive from a prefill worker, `adopt` then adds
+  the sequence (prompt computed, first token sampled) to the running batch.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from engine.block_hash import BlockHash, HashNamespace
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import load_model_config
+from engine.model_runner import ModelRunner, StepInput, build_step_input, order_chunks
+from engine.parallel import SINGLE_RANK, TensorParallelGroup
+from engine.request_checks import check_new_request
+from engine.sampler import Sampler, SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.stop_checker import StopChecker
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step did for one sequence: the tokens it produced and whether it finished."""
+
+    seq_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A prefill-role sequence ready to move: its computed KV lives in `block_ids`."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]  # prompt + first sampled token
+    num_computed_tokens: int  # tokens whose KV is in the blocks (the prompt)
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup = SINGLE_RANK,
+                 progress: bool = False, on_kv_event=None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_config = load_model_config(config.model_dir, config.dtype)
+        self.max_model_len = config.max_len_for(self.model_config)
+        self.num_blocks = config.num_blocks_for(self.model_config)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 on_event=on_kv_event)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.prefill_chunk_tokens), self.kv)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.num_blocks, tp,
+                                  progress)
+        self.sampler = Sampler(config.seed)
+        self.stops = StopChecker(config.model_dir, self.model_config.eos_token_ids, self.max_model_len)
+        self.seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, seq_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    priority: int = 0, tenant_salt: str = "", arrival_time_s: float | None = None) -> Sequence:
+        """Queue a request; raises InvalidRequestError naming the bad field (nothing else changes)."""
+        seq = self._new_sequence(seq_id, prompt_token_ids, params, priority, tenant_salt, arrival_time_s)
+        self.scheduler.add(seq)
+        self.seqs[seq_id] = seq
+        return seq
+
+    def abort_request(self, seq_id: str) -> bool:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        self.release(seq_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def _new_sequence(self, seq_id, prompt_token_ids, params, priority, tenant_salt, arrival_time_s):
+        if seq_id in self.seqs:
+            raise InvalidRequestError("request_id", f"{seq_id!r} is already in use")
+        tokens = check_new_request(prompt_token_ids, params, priority, self.model_config.vocab_size,
+                                   self.max_model_len, self.num_blocks, self.config.block_size)
+        namespace = HashNamespace(self.model_config.identity, self.config.block_size, tenant_salt)
+        return Sequence(seq_id=seq_id, token_ids=tokens, num_prompt_tokens=len(tokens), params=params,
+                        hash_namespace=namespace, priority=priority, arrival_order=next(self._arrivals),
+                        arrival_time_s=time.perf_counter() if arrival_time_s is None else arrival_time_s)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[SequenceUpdate]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return self._fail_unschedulable()
+        chunks = order_chunks(scheduled.chunks)
+        step_input = build_step_input(chunks, self.kv.block_table, self.config.block_size)
+        logits = self.execute(step_input)
+        return self._postprocess(chunks, logits)
+
+    def execute(self, step_input: StepInput) -> torch.Tensor:
+        """Runs the model; a tensor-parallel driver overrides this to fan the step out to its ranks."""
+        return self.runner.execute(step_input)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[SequenceUpdate]:
+        now = time.perf_counter()
+        sampling = [chunk for chunk in chunks if chunk.samples]
+        for chunk in chunks:
+            self._mark_computed(chunk)
+        rows = [self._sampling_row(chunk.seq) for chunk in sampling]
+        result = self.sampler(logits, rows) if rows else None
+        updates = []
+        for index, chunk in enumerate(sampling):
+            seq, token = chunk.seq, result.token_ids[index]
+            self._append_token(seq, token, result.logprobs[index], now)
+            reason = self.stops.check(seq, token)
+            if reason is None and self.config.role == "prefill":
+                reason = FinishReason.HANDOFF
+            if reason is not None:
+                self._finish(seq, reason)
+            updates.append(SequenceUpdate(seq.seq_id, (token,), reason))
+        return updates
+
+    def _fail_unschedulable(self) -> list[SequenceUpdate]:
+        # Nothing runs and the head of the queue still does not fit: it grew (prompt + output, after a
+        # preemption) beyond the whole pool. Ending it is the only way forward; waiting would spin.
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self.scheduler.waiting[0]
+        self._finish(seq, FinishReason.LENGTH)
+        return [SequenceUpdate(seq.seq_id, (), FinishReason.LENGTH)]
+
+    def _mark_computed(self, chunk: ScheduledChunk) -> None:
+        seq = chunk.seq
+        seq.num_computed_tokens = chunk.start + chunk.num_new_tokens
+        if self.kv.enable_prefix_caching:
+            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.refresh_block_hashes(),
+                                 seq.num_computed_tokens)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        stop_ids = self.model_config.eos_token_ids + seq.params.stop_token_ids
+        return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, stop_ids)
+
+    @staticmethod
+    def _append_token(seq: Sequence, token: int, logprobs, now: float) -> None:
+        seq.token_ids.append(token)
+        seq.token_times_s.append(now)
+        if seq.first_token_time_s is None:
+            seq.first_token_time_s = now
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprobs)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if reason is not FinishReason.HANDOFF:
+            self.kv.free(seq.seq_id)
+
+    def pop_finished(self, seq_id: str) -> Sequence:
+        """Hand a finished sequence's state to the caller and forget it (a hand-off keeps it)."""
+        seq = self.seqs[seq_id]
+        if seq.finish_reason is not FinishReason.HANDOFF:
+            del self.seqs[seq_id]
+        return seq
+
+    # ---- prefill role ---------------------------------------------------------------------------
+    def handoff_blocks(self, seq_id: str) -> Handoff:
+        seq = self.seqs[seq_id]
+        num_blocks = (seq.num_computed_tokens + self.config.block_size - 1) // self.config.block_size
+        return Handoff(seq_id, tuple(seq.token_ids), seq.num_computed_tokens,
+                       tuple(self.kv.block_table(seq_id)[:num_blocks]), tuple(seq.block_hashes))
+
+    def release(self, seq_id: str) -> None:
+        """Drop a sequence's pins after a hand-off (or a reservation that will not be used)."""
+        self.kv.free(seq_id)
+        self.seqs.pop(seq_id, None)
+
+    # ---- decode role ----------------------------------------------------------------------------
+    def reserve(self, seq_id: str, num_tokens: int) -> tuple[int, ...]:
+        """Allocate blocks for `num_tokens` of KV that another worker will fill; raises when full."""
+        if self.kv.has(seq_id) or seq_id in self.seqs:
+            raise InvalidRequestError("request_id", f"{seq_id!r} is already in use")
+        if not self.kv.can_allocate(seq_id, num_tokens):
+            raise MemoryError(f"no room for {num_tokens} tokens of KV ({self.kv.num_free_blocks} free blocks)")
+        return tuple(self.kv.allocate(seq_id, num_tokens))
+
+    def adopt(self, seq_id: str, token_ids: Seq[int], num_prompt_tokens: int, params: SamplingParams, *,
+              priority: int = 0, tenant_salt: str = "", arrival_time_s: float | None = None) -> Sequence:
+        """Continue a sequence whose first `len(token_ids) - 1` tokens' KV fills its reserved blocks."""
+        seq = self._new_sequence(seq_id, token_ids[:num_prompt_tokens], params, priority, tenant_salt,
+                                 arrival_time_s)
+        seq.token_ids = list(token_ids)
+        seq.num_computed_tokens = len(token_ids) - 1
+        seq.num_cached_tokens = 0
+        self.seqs[seq_id] = seq
+        self.scheduler.add_running(seq)
+        return seq

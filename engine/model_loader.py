@@ -1,0 +1,198 @@
+"""Reading a Hugging Face checkpoint directory: `config.json` → `ModelConfig`, safetensors → weights.
+
+Supported architectures are a registry (`ARCHITECTURES`); anything else fails naming what is known.
+Single-file and sharded (`model.safetensors.index.json`) checkpoints load the same way: every tensor is
+routed to the parameter that owns it, whose `weight_loader` keeps this rank's tensor-parallel slice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.config import EngineConfig, ModelConfig, RopeConfig, resolve_dtype
+from engine.errors import UnsupportedModelError
+from engine.models.decoder import PACKED_WEIGHTS, DecoderForCausalLM
+from engine.parallel import SINGLE_RANK, TensorParallelGroup
+
+
+@dataclass(frozen=True)
+class ArchitectureTraits:
+    qkv_bias: bool | None  # None: read `attention_bias` from the config
+    qk_norm: bool
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=False),
+    "MistralForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=False),
+    "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=True),
+}
+IDENTITY_SAMPLE_BYTES = 1 << 20  # weight bytes per shard folded into the model identity
+
+
+def load_model_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
+    model_dir = Path(model_dir)
+    config_path = _require_file(model_dir, "config.json")
+    raw = json.loads(config_path.read_text())
+    arch = _architecture(raw)
+    traits = ARCHITECTURES[arch]
+    if raw.get("mlp_bias") or (arch == "Qwen2ForCausalLM" and raw.get("attention_bias")):
+        raise UnsupportedModelError(f"{arch}: bias on MLP / output projections is not supported")
+    if raw.get("attention_bias") and traits.qkv_bias is None:
+        raise UnsupportedModelError(f"{arch}: attention_bias=true is not supported")
+    num_heads = raw["num_attention_heads"]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=_max_positions(raw),
+        rope=_rope_config(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=bool(traits.qkv_bias),
+        qk_norm=traits.qk_norm,
+        dtype=resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        eos_token_ids=_eos_ids(raw, model_dir),
+        bos_token_id=raw.get("bos_token_id"),
+        identity=_identity(arch, config_path, model_dir),
+    )
+
+
+def load_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, max_positions: int,
+               tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False) -> DecoderForCausalLM:
+    with torch.device("cpu"):
+        model = DecoderForCausalLM(model_cfg, max_positions, tp)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    files = _weight_files(Path(engine_cfg.model_dir))
+    total = sum(len(_tensor_names(path)) for path in files)
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
+        for path in files:
+            with safe_open(path, framework="pt") as handle:
+                for name in handle.keys():
+                    bar.update()
+                    if _skipped(name, model_cfg):
+                        continue
+                    loaded.add(_load_tensor(params, name, handle.get_tensor(name)))
+    missing = sorted(set(params) - loaded - _tied_names(model_cfg))
+    if missing:
+        raise UnsupportedModelError(f"checkpoint {engine_cfg.model_dir} lacks tensors: {missing[:5]}")
+    return model.eval()
+
+
+def _load_tensor(params: dict, name: str, tensor: torch.Tensor) -> str:
+    for fragment, (fused, shard_id) in PACKED_WEIGHTS.items():
+        if f".{fragment}." in name:
+            target = name.replace(f".{fragment}.", f".{fused}.")
+            param = _param(params, target, name)
+            param.weight_loader(param, tensor.to(param.dtype), shard_id)
+            return target
+    param = _param(params, name, name)
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        if param.shape != tensor.shape:
+            raise UnsupportedModelError(f"tensor {name} has shape {tuple(tensor.shape)}, "
+                                        f"expected {tuple(param.shape)}")
+        param.data.copy_(tensor.to(param.dtype))
+    else:
+        loader(param, tensor.to(param.dtype))
+    return name
+
+
+def _skipped(name: str, cfg: ModelConfig) -> bool:
+    # Old checkpoints carry RoPE buffers; tied checkpoints may carry a copy of the embedding.
+    return "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+
+
+def _param(params: dict, target: str, source: str):
+    if target not in params:
+        raise UnsupportedModelError(f"checkpoint tensor {source!r} has no place in the model")
+    return params[target]
+
+
+def _tied_names(cfg: ModelConfig) -> set[str]:
+    return {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+
+
+def _architecture(raw: dict) -> str:
+    archs = raw.get("architectures") or []
+    known = sorted(ARCHITECTURES)
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return arch
+    raise UnsupportedModelError(f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                                f"supported: {known}")
+
+
+def _rope_config(raw: dict) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings") if k in params}
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
+
+
+def _max_positions(raw: dict) -> int:
+    limit = raw.get("max_position_embeddings", 2048)
+    window = raw.get("sliding_window")
+    uses_window = window is not None and raw.get("use_sliding_window", True)
+    # Within the window, sliding-window attention equals full attention: serve up to the window only.
+    return min(limit, window) if uses_window else limit
+
+
+def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_path = model_dir / "generation_config.json"
+    sources = [raw.get("eos_token_id")]
+    if gen_path.exists():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [_require_file(model_dir, shard) for shard in shards]
+    return [_require_file(model_dir, "model.safetensors")]
+
+
+def _tensor_names(path: Path) -> list[str]:
+    with safe_open(path, framework="pt") as handle:
+        return list(handle.keys())
+
+
+def _identity(arch: str, config_path: Path, model_dir: Path) -> str:
+    # Config plus a sample of every weight file: distinguishes checkpoints of the same shape cheaply.
+    digest = hashlib.blake2b(config_path.read_bytes(), digest_size=16)
+    try:
+        files = _weight_files(model_dir)
+    except UnsupportedModelError:
+        files = []
+    for path in files:
+        with open(path, "rb") as handle:
+            digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+    return f"{arch}/{digest.hexdigest()}"
+
+
+def _require_file(model_dir: Path, name: str) -> Path:
+    path = model_dir / name
+    if not path.is_file():
+        raise UnsupportedModelError(f"checkpoint directory {model_dir} has no {name}")
+    return path

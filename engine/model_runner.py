@@ -1,0 +1,116 @@
+"""Turns a scheduled step into tensors and runs the model over the paged KV cache.
+
+`build_step_input` is pure: it reads the scheduler's chunks and the block tables and returns a
+`StepInput` of plain int64 tensors — the one message a tensor-parallel driver sends to its other ranks.
+`ModelRunner.execute` runs the forward pass on any rank and returns logits for the sampling rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSegment
+from engine.config import EngineConfig, ModelConfig
+from engine.model_loader import load_model
+from engine.parallel import SINGLE_RANK, TensorParallelGroup
+from engine.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class StepInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    num_decode_tokens: int  # the first rows are single-token chunks
+    decode_context_lens: torch.Tensor  # [num_decode]
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks], padded with block 0
+    prefill_query_lens: tuple[int, ...]
+    prefill_context_lens: tuple[int, ...]
+    prefill_block_tables: tuple[torch.Tensor, ...]
+    logits_indices: torch.Tensor  # rows whose logits are sampled, in chunk order
+
+
+def order_chunks(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
+    """Single-token chunks first (the batched decode path), then multi-token chunks."""
+    return [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens > 1]
+
+
+def build_step_input(chunks: Sequence[ScheduledChunk], block_table: Callable[[str], Sequence[int]],
+                     block_size: int) -> StepInput:
+    """`chunks` must already be in `order_chunks` order."""
+    ids, positions, slots, logits_rows = [], [], [], []
+    decode_tables, decode_lens = [], []
+    prefill_q, prefill_ctx, prefill_tables = [], [], []
+    for chunk in chunks:
+        table = block_table(chunk.seq.seq_id)
+        end = chunk.start + chunk.num_new_tokens
+        ids.extend(chunk.seq.token_ids[chunk.start:end])
+        positions.extend(range(chunk.start, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end))
+        if chunk.samples:
+            logits_rows.append(len(ids) - 1)
+        num_blocks = (end + block_size - 1) // block_size
+        if chunk.num_new_tokens == 1:
+            decode_tables.append(table[:num_blocks])
+            decode_lens.append(end)
+        else:
+            prefill_q.append(chunk.num_new_tokens)
+            prefill_ctx.append(end)
+            prefill_tables.append(torch.tensor(table[:num_blocks], dtype=torch.int64))
+    return StepInput(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_decode_tokens=len(decode_lens),
+        decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64),
+        decode_block_tables=_pad_tables(decode_tables),
+        prefill_query_lens=tuple(prefill_q),
+        prefill_context_lens=tuple(prefill_ctx),
+        prefill_block_tables=tuple(prefill_tables),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+    )
+
+
+def _pad_tables(tables: list[Sequence[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+def attention_metadata(step: StepInput, block_size: int) -> AttentionMetadata:
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    decode_slots = padding = None
+    if step.num_decode_tokens:
+        tables = step.decode_block_tables
+        decode_slots = (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)
+        padding = torch.arange(decode_slots.shape[1])[None, :] >= step.decode_context_lens[:, None]
+    segments, start = [], step.num_decode_tokens
+    for q_len, ctx_len, table in zip(step.prefill_query_lens, step.prefill_context_lens,
+                                     step.prefill_block_tables):
+        slots = None
+        if ctx_len > q_len:  # attends to earlier KV in the cache (prefix hit or an earlier chunk)
+            slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
+        segments.append(PrefillSegment(start, q_len, ctx_len, slots))
+        start += q_len
+    return AttentionMetadata(step.slot_mapping, step.num_decode_tokens, decode_slots, padding,
+                             tuple(segments))
+
+
+class ModelRunner:
+    """Owns the model weights and this rank's KV cache tensor."""
+
+    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
+                 num_blocks: int, tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False):
+        self.block_size = engine_cfg.block_size
+        self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress)
+        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        shape = (model_cfg.num_layers, 2, kv_heads, num_blocks, self.block_size, model_cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=model_cfg.torch_dtype)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Runs one step; returns fp32 logits `[len(step.logits_indices), vocab]`."""
+        meta = attention_metadata(step, self.block_size)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden[step.logits_indices])

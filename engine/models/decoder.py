@@ -1,0 +1,118 @@
+"""The decoder-only transformer shared by the supported families (Llama, Qwen2, Mistral, Qwen3).
+
+They differ only in switches taken from the checkpoint config: q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), tied embeddings, RoPE scaling. Tokens of a step are flattened to `[num_tokens, hidden]`
+(no padding); attention reads/writes the paged cache through `engine.attention`.
+
+Module names mirror HF's so checkpoint tensors map by name; `PACKED_WEIGHTS` says which HF tensors
+were fused into which of our parameters.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import ModelConfig
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.parallel import SINGLE_RANK, TensorParallelGroup
+
+# HF tensor name fragment → (our fused parameter fragment, shard id)
+PACKED_WEIGHTS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup):
+        super().__init__()
+        dtype = cfg.torch_dtype
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.qkv_bias, dtype, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, tp)
+        self.num_heads = self.qkv_proj.num_heads_local
+        self.num_kv_heads = self.qkv_proj.num_kv_heads_local
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.rotary = rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(self, positions, hidden, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup):
+        super().__init__()
+        dtype = cfg.torch_dtype
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, dtype, tp)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary, tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+
+    def forward(self, positions, hidden, k_cache, v_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), k_cache, v_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallelGroup):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+
+
+class DecoderForCausalLM(nn.Module):
+    """`forward` returns final hidden states for every token; `compute_logits` projects chosen rows."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_RANK):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, max_positions, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.torch_dtype)
+        self.lm_head.weight.requires_grad_(False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """kv_cache: [num_layers, 2, kv_heads_local, num_blocks, block_size, head_dim]."""
+        hidden = self.model.embed_tokens(input_ids)
+        for index, layer in enumerate(self.model.layers):
+            hidden = layer(positions, hidden, kv_cache[index, 0], kv_cache[index, 1], meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).to(torch.float32)

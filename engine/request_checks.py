@@ -1,0 +1,35 @@
+"""Validation of a new request against the model and the KV pool; every error names its field."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+
+def check_new_request(prompt_token_ids: Sequence[int], params: SamplingParams, priority: int,
+                      vocab_size: int, max_model_len: int, num_blocks: int, block_size: int) -> list[int]:
+    """Returns the prompt as a fresh list of ints, or raises InvalidRequestError."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError("priority", "must be an integer")
+    tokens = list(prompt_token_ids)
+    if not tokens:
+        raise InvalidRequestError("prompt", "is empty; at least one token is required")
+    for index, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError("prompt_token_ids",
+                                      f"token {token!r} at index {index} is outside the vocabulary "
+                                      f"[0, {vocab_size})")
+    if len(tokens) >= max_model_len:
+        raise InvalidRequestError("prompt", f"has {len(tokens)} tokens; the model's limit is "
+                                            f"{max_model_len} tokens including at least one generated")
+    bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad_stop:
+        raise InvalidRequestError("stop_token_ids", f"{bad_stop} outside the vocabulary [0, {vocab_size})")
+    blocks_needed = (len(tokens) + 1 + block_size - 1) // block_size
+    if blocks_needed > num_blocks:
+        raise InvalidRequestError("prompt", f"needs {blocks_needed} KV blocks; this worker's pool has "
+                                            f"{num_blocks}")
+    return tokens

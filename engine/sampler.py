@@ -1,0 +1,154 @@
+"""The batched token sampler: one call per engine step picks the next token of every running sequence.
+
+Per row, in order:
+
+1. The logits are processed as `engine.logits_processing` documents: min_tokens masking, repetition
+   penalty (HF semantics, prompt + output), presence / frequency penalty (OpenAI / vLLM semantics, output
+   only), then for random rows temperature, top-k, top-p and min-p (HF warper semantics).
+2. Greedy rows (temperature == 0) take the argmax of the penalised logits; ties go to the lowest token id.
+3. Random rows sample from the softmax of the processed logits by the exponential race: draw
+   q ~ Exp(1) per vocab entry and pick argmax(probs / q), which picks token i with probability probs[i].
+4. Where that noise comes from:
+   - a row with `params.seed` draws it from a generator re-seeded with
+     `row_generator_seed(seed, position)`, position = len(output_token_ids). The draw therefore depends
+     only on (seed, position) and the row's own logits: never on batch composition, on other rows or on
+     what ran before, so it replays identically in another process and after preemption and recompute
+     (for the same torch version and device type; CPU and CUDA generators produce different streams);
+   - every other random row draws from the Sampler's own generator, seeded once at construction.
+5. Logprobs, when `params.logprobs` is not None, are log_softmax of the RAW logits, before any penalty,
+   mask, temperature or filter. That is vLLM's default: the numbers describe the model rather than the
+   sampling settings, and a request's logprobs do not change with its sampling knobs.
+
+When every row is greedy with no penalties, no min_tokens masking in effect and no logprobs, the step is
+one batched argmax with no per-row tensor work: the common case for evaluation and benchmarks.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.logits_processing import SamplingRow, check_batch_shape, processed_logits
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "processed_logits",
+           "row_generator_seed"]
+
+_MASK_64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / golden ratio, made odd
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    sampled_logprob: float
+    top: tuple[tuple[int, float], ...]  # top-n (token_id, logprob), highest first; n = params.logprobs
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser: a bijection on 64-bit ints; every output bit depends on every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)
+
+
+def row_generator_seed(seed: int, position: int) -> int:
+    """Generator seed for a seeded row's draw at `position`: a spec, identical in every process.
+
+    It is output number `position` of a SplitMix64 stream whose state starts at mix64(seed), computed on
+    Python ints (Python's hash() is salted per process, so it cannot be used). Consecutive positions get
+    unrelated seeds, so their draws are independent.
+    """
+    return _mix64((_mix64(seed) + (position + 1) * _GOLDEN_GAMMA) & _MASK_64)
+
+
+class Sampler:
+    """Picks one token per row. Not thread-safe: it owns generator state advanced by every call."""
+
+    def __init__(self, seed: int = 0):
+        self._seed = seed
+        # Generators live on the device they serve; created on first use so a CPU-only process never
+        # touches CUDA. `_unseeded` streams are advanced by every call; `_scratch` is re-seeded per row.
+        self._unseeded: dict[torch.device, torch.Generator] = {}
+        self._scratch: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample the next token of every row; `logits` is [len(rows), vocab] and is not modified."""
+        check_batch_shape(logits, rows)
+        if all(_is_plain_greedy(row) for row in rows):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
+        token_ids = self._choose(processed_logits(logits, rows), rows)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(logits, rows, token_ids))
+
+    def _choose(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=processed.device)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if greedy:
+            index = _index(greedy, processed)
+            token_ids[index] = processed[index].argmax(dim=-1)
+        if random:
+            index = _index(random, processed)
+            probs = processed[index].softmax(dim=-1)
+            noise = self._exponential_noise([rows[i] for i in random], processed)
+            token_ids[index] = (probs / noise).argmax(dim=-1)
+        return token_ids
+
+    def _exponential_noise(self, rows: Sequence[SamplingRow], like: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise, one [vocab] row per entry of `rows`, each from the source step 4 assigns it."""
+        noise = torch.empty(len(rows), like.shape[1], dtype=torch.float32, device=like.device)
+        unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
+        if unseeded:
+            drawn = torch.empty(len(unseeded), like.shape[1], dtype=torch.float32, device=like.device)
+            drawn.exponential_(generator=self._unseeded_generator(like.device))
+            noise[_index(unseeded, like)] = drawn
+        scratch = self._scratch_generator(like.device)
+        for j, row in enumerate(rows):
+            if row.params.seed is not None:
+                scratch.manual_seed(row_generator_seed(row.params.seed, row.position))
+                noise[j].exponential_(generator=scratch)
+        # Exp(1) can round to exactly 0; p / 0 is inf (or NaN for a filtered p == 0), which would win.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _unseeded_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._unseeded:
+            self._unseeded[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._unseeded[device]
+
+    def _scratch_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._scratch:
+            self._scratch[device] = torch.Generator(device=device)
+        return self._scratch[device]
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    return (row.params.greedy and not row.has_penalties and not row.masks_stop_ids
+            and row.params.logprobs is None)
+
+
+def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
+              token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return result
+    index = _index(wanted, logits)
+    raw = logits[index].to(torch.float32).log_softmax(dim=-1)
+    sampled = raw.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
+    top_n = min(max(rows[i].params.logprobs for i in wanted), raw.shape[1])
+    top_values, top_ids = raw.topk(top_n, dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs
+        top = tuple(zip(top_ids[j][:n], top_values[j][:n]))
+        result[i] = TokenLogprobs(sampled_logprob=sampled[j], top=top)
+    return result
+
+
+def _index(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)

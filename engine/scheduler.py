@@ -1,0 +1,136 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Each step:
+1. Running sequences, most important first, each get up to `prefill_chunk_tokens` of their uncomputed
+   tokens (a decoding sequence needs exactly one). When the KV pool cannot grow a sequence, the least
+   important running sequence (lowest priority, latest arrival) is preempted — its blocks freed, its
+   computed count reset — until the sequence fits or is itself the one preempted.
+2. If nothing was preempted, waiting sequences are admitted in priority order (FCFS within a priority)
+   while the budget, `max_num_seqs` and the pool allow; a new sequence starts after its cached prefix.
+
+The scheduler asks the KV manager (`can_allocate`) before it acts (`allocate`); it never touches
+block lists itself.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from engine.kv_cache_manager import CachedPrefix, KVCacheManager
+from engine.sequence import Sequence, SequenceStatus
+
+NO_CACHED_PREFIX = CachedPrefix(block_ids=(), num_tokens=0)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `seq` starting at `start` are computed this step."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so its last logits sample a token."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Adopt a sequence whose KV blocks are already allocated and filled (decode role)."""
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues (its blocks are the caller's call)."""
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, self.config.prefill_chunk_tokens, budget)
+            if self._make_room(seq, num_new, preempted):
+                self.kv.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+        if not preempted:
+            chunks.extend(self._admit_waiting(budget))
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _make_room(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
+        while not self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.reset_for_recompute()
+        self.add(seq)
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+        chunks = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self._cached_prefix(seq)
+            num_new = min(seq.num_tokens - cached.num_tokens, self.config.prefill_chunk_tokens, budget)
+            if not self.kv.can_allocate(seq.seq_id, cached.num_tokens + num_new, cached):
+                break
+            self.kv.allocate(seq.seq_id, cached.num_tokens + num_new, cached)
+            self.waiting.pop(0)
+            seq.num_computed_tokens = cached.num_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached.num_tokens
+            self.add_running(seq)
+            chunks.append(ScheduledChunk(seq, cached.num_tokens, num_new))
+            budget -= num_new
+        return chunks
+
+    def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        if not self.kv.enable_prefix_caching:
+            return NO_CACHED_PREFIX
+        return self.kv.find_cached_prefix(seq.token_ids, seq.refresh_block_hashes())

@@ -1,0 +1,93 @@
+"""Per-request state: counters, not flags.
+
+The one rule behind chunked prefill, prefix hits, preemption and prefill-here/decode-there: each step
+computes some of the tokens in `[num_computed_tokens, num_tokens)`; once a sequence has computed all
+its tokens, the step's logits sample the next token. Everything else is derived from the counters.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, HashNamespace, extend_block_hashes
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's length limit
+    ABORT = "abort"  # cancelled by the caller
+    HANDOFF = "handoff"  # prefill role: first token sampled, KV blocks go to a decode instance
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    hash_namespace: HashNamespace
+    arrival_time_s: float
+    arrival_order: int
+    priority: int = 0  # higher is more important; FCFS within a priority
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    first_token_time_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    stop_text: str | None = None  # output text when a stop string ended the sequence (cut before it)
+    detokenizer: object | None = field(default=None, repr=False)  # only for stop strings
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the one newest token is uncomputed: a prompt (or recompute) chunk is due."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (-self.priority, self.arrival_order)
+
+    def refresh_block_hashes(self) -> list[BlockHash]:
+        """Extend the chained hashes to every full block of the current tokens."""
+        self.block_hashes = extend_block_hashes(self.hash_namespace, self.token_ids, self.block_hashes)
+        return self.block_hashes
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop all computed KV; the tokens themselves are kept."""
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.status = SequenceStatus.WAITING

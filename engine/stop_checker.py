@@ -1,0 +1,48 @@
+"""Decides, after each sampled token, whether a sequence is done and why."""
+from __future__ import annotations
+
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
+
+
+class StopChecker:
+    """EOS (unless ignore_eos), stop token ids, stop strings (after min_tokens), max_tokens, and the
+    model's length limit. The tokenizer is loaded only when a request uses stop strings."""
+
+    def __init__(self, model_dir: str, eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.model_dir = model_dir
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_dir)
+        return self._tokenizer
+
+    def check(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if params.stop and self._hit_stop_string(seq, token):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _hit_stop_string(self, seq: Sequence, token: int) -> bool:
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            for earlier in seq.output_token_ids[:-1]:  # adopted sequences arrive with a first token
+                seq.detokenizer.append(earlier)
+        delta = seq.detokenizer.append(token)
+        if not delta or seq.num_output_tokens <= seq.params.min_tokens:
+            return False
+        index = find_stop_string(seq.detokenizer.text, len(delta), seq.params.stop)
+        if index is None:
+            return False
+        seq.stop_text = seq.detokenizer.text[:index]  # the stop string itself is not part of the output
+        return True

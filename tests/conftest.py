@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny checkpoints built once per session, and engines whose block pools are checked
+for integrity (and for leaked blocks) after every test that made one."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.factories import TinySpec, make_tiny_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(spec) → directory of a tiny random HF checkpoint, built once per distinct spec."""
+    built: dict[str, object] = {}
+
+    def get(spec: TinySpec = TinySpec()):
+        key = repr(spec)
+        if key not in built:
+            built[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(spec.arch), spec)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture
+def make_llm():
+    """make_llm(model_dir, **engine_args) → LLM; at teardown every engine made must have no request
+    left, every block back in the free queue, and a pool that passes its integrity check."""
+    from engine import LLM
+
+    made = []
+
+    def make(model_dir, **engine_args):
+        llm = LLM(model_dir, progress=False, **engine_args)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        assert_engine_clean(llm.engine)
+
+
+def assert_engine_clean(engine) -> None:
+    engine.kv.check_integrity()
+    assert not engine.has_unfinished(), "requests left in the scheduler"
+    assert engine.kv.num_free_blocks == engine.num_blocks, (
+        f"leaked KV blocks: {engine.num_blocks - engine.kv.num_free_blocks} still held")
