@@ -127,7 +127,7 @@ class KVCacheManager:
             parent = block_hashes[i - 1] if i > 0 else None
             self._pool.mark_cached(table[i], block_hashes[i], token_ids[i * size:(i + 1) * size],
                                    parent_hash=parent)
-
+        self._num_registered[seq_id] = max(self._num_registered[seq_id], num_ready)
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks tail first, so its last blocks are evicted first."""
