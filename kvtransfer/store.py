@@ -1,0 +1,130 @@
+"""Rendezvous store for KV transport channels, and the per-pair generation protocol kept in it.
+
+One ``TCPStore`` per cluster (hosted by the launcher) is the only shared state of the transport.
+Each pair of workers (a, b) with a < b owns the keys under ``kvpair/<a>/<b>/`` (ids quoted so that a
+``/`` inside an id cannot make two pairs collide):
+
+- ``gen``               the pair's current generation, an integer counter (starts at 0).
+- ``g<N>/claim/<rank>`` how many times rank ``<rank>`` has joined generation N (1 = fresh).
+- ``g<N>/hello/<rank>`` the backend rank ``<rank>`` builds generation N with (handshake).
+- ``g<N>/failed``       set (to a human-readable reason) when generation N broke by a failure.
+- ``g<N>/pg/...``       the process group rendezvous of generation N (written by gloo / nccl).
+
+Generation protocol (both sides run it independently; the store is the only arbiter):
+
+1. **Join.** Read ``gen`` = N and ``add(g<N>/claim/<rank>, 1)``. A result of 1 means N is fresh for
+   us: write ``g<N>/hello/<rank>``, wait (bounded) for the peer's hello, check both chose the same
+   backend, and build the group under ``g<N>/pg``. A result above 1 means an earlier incarnation of
+   this worker already joined N (it crashed without advancing): N is burnt, so mark it failed
+   ("restarted") and advance, then retry. A join that times out marks N failed too.
+2. **Advance.** Whoever stops using generation N (failure, close, eviction) does
+   ``compare_set(gen, N, N+1)``: only the first side to give up on N moves the counter, so two
+   sides detecting the same failure advance it once, and a side still holding an older generation
+   can never push the counter past a generation the other side already joined.
+3. **Failure.** On a failure the detecting side writes ``g<N>/failed`` *before* advancing, so any
+   side that sees ``gen > N`` also sees why N ended. A side that still holds N then raises the
+   failure once (it must not silently resync into the next generation: the message it was waiting
+   for is gone) and joins the newest generation on its next call. A clean close only advances:
+   the other side follows silently.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import NamedTuple
+from urllib.parse import quote
+
+from torch.distributed import PrefixStore, Store, TCPStore
+
+DEFAULT_STORE_TIMEOUT_S = 30.0
+
+
+class RendezvousStore(NamedTuple):
+    """The launcher's store and the address workers connect to."""
+
+    store: TCPStore
+    host: str
+    port: int
+
+
+def create_rendezvous_store(host: str = "127.0.0.1") -> RendezvousStore:
+    """Host the cluster's rendezvous store on ``host`` with a port chosen by the OS.
+
+    Keep the returned store object alive for as long as any worker uses the transport.
+    ``wait_for_workers=False``: without it the master blocks until ``world_size`` clients joined,
+    and workers of this store come and go.
+    """
+    store = TCPStore(host, 0, world_size=1, is_master=True, wait_for_workers=False)
+    return RendezvousStore(store=store, host=host, port=store.port)
+
+
+def connect_store(host: str, port: int, timeout_s: float = DEFAULT_STORE_TIMEOUT_S) -> TCPStore:
+    """Connect to the rendezvous store as a client; ``timeout_s`` bounds connecting and blocking gets."""
+    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class PairRendezvous:
+    """The generation protocol (module docstring) for one pair of workers, seen from one side.
+
+    Stateless apart from the ids: every method is one or two store round trips (~0.1 ms on
+    loopback), safe to call from any thread.
+    """
+
+    def __init__(self, store: Store, local_id: str, peer_id: str) -> None:
+        if not local_id or not peer_id or local_id == peer_id:
+            raise ValueError(f"a pair needs two different non-empty ids, got {local_id!r}, {peer_id!r}")
+        low, high = sorted((local_id, peer_id))
+        self.rank = 0 if local_id == low else 1
+        self._local_id = local_id
+        self._root = f"kvpair/{quote(low, safe='')}/{quote(high, safe='')}"
+        self._store = store
+
+    def current_generation(self) -> int:
+        """The pair's newest generation (``add(…, 0)``: atomic read that never blocks on a missing key)."""
+        return int(self._store.add(f"{self._root}/gen", 0))
+
+    def join(self) -> int:
+        """Claim the newest generation this side has never joined (step 1), skipping burnt ones.
+
+        Terminates: each pass retires the generation it read, so the next read is strictly newer,
+        and earlier incarnations of this worker can only have claimed finitely many generations.
+        """
+        while True:
+            generation = self.current_generation()
+            if int(self._store.add(f"{self._root}/g{generation}/claim/{self.rank}", 1)) == 1:
+                return generation
+            self.mark_failed(generation, f"{self._local_id} restarted and abandoned generation {generation}")
+
+    def advance(self, generation: int) -> None:
+        """Retire ``generation``: move the counter to ``generation + 1`` unless it already moved."""
+        self._store.compare_set(f"{self._root}/gen", str(generation), str(generation + 1))
+
+    def mark_failed(self, generation: int, reason: str) -> None:
+        """Record why ``generation`` broke, then retire it (order matters: see module docstring)."""
+        self._store.set(f"{self._root}/g{generation}/failed", reason)
+        self.advance(generation)
+
+    def failure_reason(self, generation: int) -> str | None:
+        """Why ``generation`` broke, or None if it ended cleanly or is still live."""
+        key = f"{self._root}/g{generation}/failed"
+        if not self._store.check([key]):
+            return None
+        return self._store.get(key).decode(errors="replace")
+
+    def handshake(self, generation: int, backend: str, timeout_s: float) -> None:
+        """Announce our ``backend`` for ``generation`` and wait up to ``timeout_s`` for the peer's.
+
+        Raises ``RuntimeError`` (the store's timeout error) if the peer does not show up in time,
+        or if it chose another backend (the groups would never meet).
+        """
+        hello = f"{self._root}/g{generation}/hello"
+        self._store.set(f"{hello}/{self.rank}", backend)
+        peer_key = f"{hello}/{1 - self.rank}"
+        self._store.wait([peer_key], datetime.timedelta(seconds=timeout_s))
+        peer_backend = self._store.get(peer_key).decode()
+        if peer_backend != backend:
+            raise RuntimeError(f"backend mismatch: this side uses {backend}, the peer {peer_backend}")
+
+    def group_store(self, generation: int, backend: str) -> PrefixStore:
+        """The store namespace in which both sides build the process group of ``generation``."""
+        return PrefixStore(f"{self._root}/g{generation}/pg/{backend}", self._store)

@@ -1,0 +1,311 @@
+"""``KVTransport`` over torch.distributed: one lazily built 2-rank process group per worker pair.
+
+Pair groups, not one world group: workers come and go and pair up dynamically; a 2-rank gloo / NCCL
+group on its own ``PrefixStore`` needs no cluster-wide collective, builds in 1-2 ms (gloo), and many
+coexist in one process. Channels are (re)created by the generation protocol in ``kvtransfer.store``.
+
+One ``send`` = one message: (1) a header int64[6] = (magic, generation, sequence number, tensor
+count, payload bytes, layout digest) that the receiver checks before posting any payload buffer, so
+a count / shape / dtype mismatch or a lost message fails on both sides instead of corrupting
+``out`` (one small round trip, ~0.1 ms); (2) each tensor's bytes as a uint8 view (any dtype travels
+bit-exactly), in order, cut into 1 MiB chunk views for gloo, all posted at once, waited together.
+Measured on the 2-core dev box, 64-256 MiB: a whole tensor per gloo send ~2.4 GB/s, 1 MiB chunks
+~4 GB/s (both peers' IO threads pipeline), 256 KiB chunks ~2.8 GB/s; packing small tensors into a
+staging buffer was slower than sending them one by one (the copies compete for the same cores), so
+tensors are never flattened together. NCCL sends each tensor whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.distributed import DistError, ProcessGroupGloo
+
+from kvtransfer.store import PairRendezvous, connect_store
+from kvtransfer.transport import KVTransport, MessageLayout, PeerId, TransferError, TransferStats
+
+_MAGIC = 0x4B5654524E535031  # "KVTRNSP1": catches a peer speaking another protocol version
+_GLOO_CHUNK_BYTES = 1 << 20
+_MIN_WAIT_S = 0.001  # Work.wait(timedelta(0)) would mean "no timeout": never pass zero
+_MAX_ATTEMPTS = 3  # a call follows a cleanly closing peer to a new channel at most this often
+_BACKENDS = ("auto", "gloo", "nccl")
+_LOST = "connection lost: "  # prefix of errors after which a call may follow a cleanly closing peer
+_SEND, _RECV = "send", "recv"
+_DATA, _ACK = 0, 1  # tags: acks never match a data message, whatever the interleaving
+
+
+def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"the tensors of one message must share a device, got {sorted(map(str, devices))}")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+@dataclass
+class _Channel:
+    """One live pair group and its message counters; used by one call at a time."""
+
+    generation: int
+    backend: str
+    device: torch.device
+    peer_rank: int
+    group: Any  # ProcessGroupGloo | ProcessGroupNCCL; None once torn down
+    messages_sent: int = 0
+    messages_received: int = 0
+    last_ack: Any = None  # our latest ack send: kept alive until a later message proves it arrived
+
+    def send_message(self, tensors: list[torch.Tensor], layout: MessageLayout, deadline_s: float) -> str | None:
+        """Header, payload, trailer out; the peer's ack in. None on success, else why it failed."""
+        sequence, ack = self.messages_sent, self._ints([-1])
+        header = self._ints([_MAGIC, self.generation, sequence, layout.num_tensors, layout.num_bytes, layout.digest])
+        payload = _wire_buffers([t.contiguous() for t in tensors], self.backend)
+        data = [(_SEND, b, _DATA) for b in (header, *payload, self._ints([sequence]))]
+        error = _post_and_wait(self, [*data, (_RECV, ack, _ACK)], deadline_s)
+        if error is None and ack.item() != sequence:
+            error = f"protocol violated: ack {ack.item()} for message #{sequence}"
+        self.messages_sent += error is None
+        return error
+
+    def recv_message(self, out: list[torch.Tensor], layout: MessageLayout, deadline_s: float) -> str | None:
+        """Header in and checked, then payload and trailer in, ack out. None on success, else why not."""
+        sequence, header, trailer = self.messages_received, self._ints([0] * 6), self._ints([-1])
+        error = _post_and_wait(self, [(_RECV, header, _DATA)], deadline_s)
+        if error is None and header[:3].tolist() != [_MAGIC, self.generation, sequence]:
+            error = f"protocol violated: header {header[:3].tolist()}, expected {[_MAGIC, self.generation, sequence]}"
+        error = error or layout.mismatch(MessageLayout(*header[3:].tolist(), description="?"))
+        if error is not None:
+            return error
+        staged = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in out]
+        data = [(_RECV, b, _DATA) for b in (*_wire_buffers(staged, self.backend), trailer)]
+        error = _post_and_wait(self, data, deadline_s)
+        if error is None and trailer.item() != sequence:
+            error = f"protocol violated: trailer {trailer.item()} for message #{sequence}"
+        if error is not None:
+            return error
+        for target, buffer in zip(out, staged):
+            if target is not buffer:
+                target.copy_(buffer)
+        self.messages_received += 1
+        try:  # not waited for: the sender's next message proves it arrived; a dead sender fails that
+            self.last_ack = self.group.send([self._ints([sequence])], self.peer_rank, _ACK)
+        except RuntimeError:
+            self.last_ack = None  # the sender died after sending everything: the data is complete
+        return None
+
+    def teardown(self) -> None:
+        """Release the group; dropping the last reference closes gloo's sockets (the peer sees EOF)."""
+        group, self.group, self.last_ack = self.group, None, None
+        if group is not None and self.backend == "nccl":
+            group.abort()  # a timed-out NCCL op would otherwise keep the communicator (and stream) busy
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+class TorchDistTransport(KVTransport):
+    """``KVTransport`` over per-pair gloo / NCCL process groups (contract: ``KVTransport``).
+
+    ``backend``: "gloo", "nccl", or "auto" (nccl when a message's tensors are CUDA tensors, else
+    gloo; the two sides' choices are compared when a channel opens). ``max_pairs`` bounds open
+    channels: beyond it the least recently used idle one is closed cleanly (a ``close_peer``).
+    ``connect_timeout_s`` bounds store requests and channel creation; each call's ``timeout_s``
+    bounds the whole call further.
+    """
+
+    def __init__(self, local_id: PeerId, store_host: str, store_port: int, *, backend: str = "auto",
+                 max_pairs: int = 16, connect_timeout_s: float = 30.0) -> None:
+        if backend not in _BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_BACKENDS)}")
+        if max_pairs < 1 or connect_timeout_s <= 0:
+            raise ValueError(f"need max_pairs >= 1 and connect_timeout_s > 0, got {max_pairs}, {connect_timeout_s}")
+        self.local_id = local_id
+        self._backend = backend
+        self._max_pairs = max_pairs
+        self._connect_timeout_s = connect_timeout_s
+        self._store = connect_store(store_host, store_port, connect_timeout_s)
+        self._lock = threading.Lock()  # guards the three fields below; never held while blocking
+        self._channels: OrderedDict[PeerId, _Channel] = OrderedDict()  # least recently used first
+        self._busy: set[PeerId] = set()
+        self._closed = False
+
+    def send(self, peer: PeerId, tensors: Sequence[torch.Tensor], timeout_s: float) -> TransferStats:
+        return self._call(peer, "send", list(tensors), timeout_s)
+
+    def recv(self, peer: PeerId, out: Sequence[torch.Tensor], timeout_s: float) -> TransferStats:
+        return self._call(peer, "recv", list(out), timeout_s)
+
+    def close_peer(self, peer: PeerId) -> None:
+        with self._lock:
+            channel = self._channels.pop(peer, None)
+        if channel is not None:
+            self._retire(peer, channel)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.items()), OrderedDict()
+        for peer, channel in channels:
+            self._retire(peer, channel)
+
+    def _call(self, peer: PeerId, op: str, tensors: list[torch.Tensor], timeout_s: float) -> TransferStats:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        layout, device = MessageLayout.of(tensors), _device_of(tensors)
+        start_s = time.monotonic()
+        self._acquire(peer)
+        try:
+            rendezvous = PairRendezvous(self._store, self.local_id, peer)
+            for _ in range(_MAX_ATTEMPTS):
+                channel = self._channel_for(peer, rendezvous, device, start_s + timeout_s)
+                move = channel.send_message if op == "send" else channel.recv_message
+                error = move(tensors, layout, start_s + timeout_s)
+                if error is None:
+                    return TransferStats(num_bytes=layout.num_bytes, elapsed_s=time.monotonic() - start_s)
+                self._handle_failure(peer, rendezvous, channel, error)
+            raise TransferError(peer, f"the peer re-created the channel {_MAX_ATTEMPTS} times during one call")
+        except DistError as exc:  # the rendezvous store itself failed: a cluster problem, same contract
+            raise TransferError(peer, f"rendezvous store failed: {exc}") from None
+        finally:
+            self._release(peer)
+
+    def _handle_failure(self, peer: PeerId, rendezvous: PairRendezvous, channel: _Channel, error: str) -> None:
+        """Decide what a failed exchange means; returns only if the call should follow the peer."""
+        peer_moved = rendezvous.current_generation() > channel.generation
+        peer_reason = rendezvous.failure_reason(channel.generation) if peer_moved else None
+        # The peer closed cleanly while nothing of this call was delivered: follow it, no error.
+        followed = peer_moved and peer_reason is None and error.startswith(_LOST)
+        if not followed and peer_reason is None:
+            # We detected it: record why before our sockets close, so that the peer can tell a
+            # failure (raise once) from a clean close (follow silently) when it sees EOF.
+            rendezvous.mark_failed(channel.generation, f"{self.local_id}: {error}")
+        self._discard(peer, channel)
+        if not followed:
+            raise TransferError(peer, error if peer_reason is None else f"the peer reset the channel: {peer_reason}")
+
+    def _channel_for(self, peer: PeerId, rendezvous: PairRendezvous, device: torch.device,
+                     deadline_s: float) -> _Channel:
+        """The channel with ``peer``, checked to still be the pair's newest generation, or a new one."""
+        backend = self._backend if self._backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        with self._lock:
+            channel = self._channels.get(peer)
+            if channel is not None:
+                self._channels.move_to_end(peer)
+        if channel is not None and (channel.backend, channel.device) != (backend, device):
+            self.close_peer(peer)  # other device: the peer follows as after any clean close
+            channel = None
+        if channel is not None and rendezvous.current_generation() > channel.generation:
+            self._discard(peer, channel)
+            reason = rendezvous.failure_reason(channel.generation)
+            if reason is not None:  # the message this call expects may be lost: say so, once
+                raise TransferError(peer, f"the peer reset the channel: {reason}")
+            channel = None
+        return channel or self._join(peer, rendezvous, backend, device, deadline_s)
+
+    def _join(self, peer: PeerId, rendezvous: PairRendezvous, backend: str, device: torch.device,
+              deadline_s: float) -> _Channel:
+        generation = rendezvous.join()
+        timeout_s = min(self._connect_timeout_s, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
+        try:
+            rendezvous.handshake(generation, backend, timeout_s)
+            group = _create_group(rendezvous, generation, backend, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
+        except RuntimeError as exc:  # store timeout, gloo / nccl rendezvous errors: all mean "no channel"
+            reason = f"could not open channel generation {generation} within {timeout_s:.1f} s: {exc}"
+            rendezvous.mark_failed(generation, f"{self.local_id}: {reason}")
+            raise TransferError(peer, reason) from None
+        channel = _Channel(generation, backend, device, 1 - rendezvous.rank, group)
+        self._insert(peer, channel)
+        return channel
+
+    def _insert(self, peer: PeerId, channel: _Channel) -> None:
+        """Add ``channel`` to the pool, closing least recently used idle channels beyond ``max_pairs``."""
+        evicted = []
+        with self._lock:
+            self._channels[peer] = channel
+            idle = [p for p in self._channels if p not in self._busy]
+            while len(self._channels) > self._max_pairs and idle:
+                victim = idle.pop(0)
+                evicted.append((victim, self._channels.pop(victim)))
+        for victim, old in evicted:
+            self._retire(victim, old)
+
+    def _discard(self, peer: PeerId, channel: _Channel) -> None:
+        """Tear down ``channel`` on this side only (the pair's generation was retired already)."""
+        with self._lock:
+            if self._channels.get(peer) is channel:
+                del self._channels[peer]
+        channel.teardown()
+
+    def _retire(self, peer: PeerId, channel: _Channel) -> None:
+        """Close ``channel`` cleanly: advance the generation first, so that the peer reads EOF as a close."""
+        PairRendezvous(self._store, self.local_id, peer).advance(channel.generation)
+        channel.teardown()
+
+    def _acquire(self, peer: PeerId) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"transport {self.local_id!r} is closed")
+            if peer in self._busy:
+                raise RuntimeError(f"a call with peer {peer!r} is already in flight (one per peer at a time)")
+            self._busy.add(peer)
+
+    def _release(self, peer: PeerId) -> None:
+        with self._lock:
+            self._busy.discard(peer)
+
+
+def _post_and_wait(channel: _Channel, posts: list[tuple[str, torch.Tensor, int]], deadline_s: float) -> str | None:
+    """Post (op, buffer, tag) in order, wait for all by ``deadline_s``; None on success, else why not.
+
+    Waits for the last post first: it is always a tiny message, and gloo fails a pending op as soon
+    as the peer's connection drops, but not one whose bytes are being moved at that moment; when the
+    last op completes, all earlier ones have (one socket, FIFO). Returns instead of raising so that
+    no traceback keeps the works (and through them the sockets) alive after a failure.
+    """
+    works = []
+    try:
+        for op, buffer, tag in posts:
+            post = channel.group.send if op == _SEND else channel.group.recv
+            works.append(post([buffer], channel.peer_rank, tag))
+        for work in reversed(works):
+            remaining_s = max(deadline_s - time.monotonic(), _MIN_WAIT_S)  # a finished work returns at once
+            work.wait(datetime.timedelta(seconds=remaining_s))
+    except RuntimeError as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "timed out" in first_line.lower():
+            return f"timed out waiting for the peer ({first_line[-120:]})"
+        return _LOST + first_line[-200:]
+    finally:
+        works.clear()
+    return None
+
+
+def _wire_buffers(tensors: list[torch.Tensor], backend: str) -> list[torch.Tensor]:
+    """The uint8 views of contiguous ``tensors`` that go on the wire, in order; chunked for gloo."""
+    buffers = []
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            continue  # both sides skip it: the header already proved they agree on the shape
+        flat = tensor.reshape(-1).view(torch.uint8)
+        buffers.extend(flat.split(_GLOO_CHUNK_BYTES) if backend == "gloo" else [flat])
+    return buffers
+
+
+def _create_group(rendezvous: PairRendezvous, generation: int, backend: str, timeout_s: float) -> Any:
+    """Build the 2-rank group of ``generation``; both sides passed the handshake, so this is quick."""
+    store = rendezvous.group_store(generation, backend)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return ProcessGroupGloo(store, rendezvous.rank, 2, timeout)
+    from torch.distributed import ProcessGroupNCCL  # absent from CPU builds of torch
+
+    options = ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    options.group_name = f"kvpair-g{generation}"
+    return ProcessGroupNCCL(store, rendezvous.rank, 2, options)
