@@ -1,0 +1,130 @@
+"""The cluster's one configuration: frozen and typed inside, validated once at the edge.
+
+`ClusterConfig.from_dict` is the single loader for every source (CLI flags, a YAML file, the config
+the Helm chart renders): unknown keys and bad values fail naming the key. Defaults live here only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import DTYPES, EngineConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One worker pool (prefill or decode): how many, how big, and each worker's engine limits."""
+
+    replicas: int = 1
+    tp_size: int = 1  # decode: ranks per instance; prefill: must be 1
+    num_cpus: float = 1.0  # Ray logical CPUs per actor (per rank)
+    num_gpus: float = 0.0  # Ray GPUs per actor (per rank)
+    threads: int = 1  # torch intra-op threads per actor
+    kv_cache_memory_bytes: int = 1024**3
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model_dir: str | None = None  # None: the generated demo checkpoint
+    dtype: str = "auto"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    ray_address: str | None = None  # None: start a local Ray cluster
+    ray_num_cpus: int | None = None  # logical CPUs of a local Ray cluster (None: enough for the pools)
+    ready_timeout_s: float = 120.0
+    handoff_lease_s: float = 30.0  # a reservation/transfer not finished by then is abandoned
+    request_timeout_s: float = 600.0  # longest any single request may take end to end
+
+    def __post_init__(self):
+        _check(self.block_size >= 1, "block_size", "must be >= 1")
+        _check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {sorted(DTYPES)}")
+        for name in ("prefill", "decode"):
+            _check_pool(name, getattr(self, name))
+        _check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
+        _check(self.decode.tp_size in (1, 2, 4, 8), "decode.tp_size", "must be 1, 2, 4 or 8")
+        _check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
+        _check(self.handoff_lease_s > 0, "handoff_lease_s", "must be > 0")
+        _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        _check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ClusterConfig":
+        """Builds a config from plain data (YAML, JSON, CLI); rejects unknown keys by name."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"cluster config must be a mapping, got {type(raw).__name__}")
+        _reject_unknown(raw, cls, "")
+        values = dict(raw)
+        for name in ("prefill", "decode"):
+            if name in values:
+                pool = values[name]
+                if not isinstance(pool, dict):
+                    raise ConfigError(f"{name}: must be a mapping")
+                _reject_unknown(pool, PoolConfig, f"{name}.")
+                values[name] = _build(PoolConfig, pool, f"{name}.")
+        return _build(cls, values, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def engine_config(self, role: str, model_dir: str) -> EngineConfig:
+        pool = self.prefill if role == "prefill" else self.decode
+        return EngineConfig(model_dir=model_dir, role=role, dtype=self.dtype, block_size=self.block_size,
+                            num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
+                            max_num_seqs=pool.max_num_seqs, max_num_batched_tokens=pool.max_num_batched_tokens,
+                            prefill_chunk_tokens=pool.prefill_chunk_tokens,
+                            enable_prefix_caching=self.enable_prefix_caching and role == "prefill",
+                            seed=self.seed, num_threads=pool.threads, tp_size=pool.tp_size)
+
+    @property
+    def num_cpus_needed(self) -> float:
+        return (self.prefill.replicas * self.prefill.num_cpus
+                + self.decode.replicas * self.decode.tp_size * self.decode.num_cpus)
+
+
+def _check_pool(name: str, pool: PoolConfig) -> None:
+    _check(pool.replicas >= 1, f"{name}.replicas", "must be >= 1")
+    _check(pool.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
+    _check(pool.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
+    _check(pool.threads >= 1, f"{name}.threads", "must be >= 1")
+    _check(pool.kv_cache_memory_bytes > 0, f"{name}.kv_cache_memory_bytes", "must be > 0")
+    _check(pool.num_kv_blocks is None or pool.num_kv_blocks >= 1, f"{name}.num_kv_blocks", "must be >= 1")
+    _check(pool.max_num_seqs >= 1, f"{name}.max_num_seqs", "must be >= 1")
+    _check(pool.max_num_batched_tokens >= 1, f"{name}.max_num_batched_tokens", "must be >= 1")
+    _check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _reject_unknown(raw: dict, cls, prefix: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; known: {sorted(known)}")
+
+
+def _build(cls, values: dict, prefix: str):
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if isinstance(value, bool) and "bool" not in str(hints[key]):
+            raise ConfigError(f"{prefix}{key}: expected {hints[key]}, got a boolean")
+    try:
+        return cls(**values)
+    except ConfigError as err:
+        raise ConfigError(f"{prefix}{err}") from None
+    except TypeError as err:
+        raise ConfigError(f"{prefix}{err}") from None
