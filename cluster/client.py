@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -49,6 +50,7 @@ class ClusterClient:
         self._load = {instance.instance_id: 0 for instance in cluster.decode}
         self._pollers: dict[str, asyncio.Task] = {}
         self._instance_of: dict[str, str] = {}  # request id → decode instance id
+        self.client_id = secrets.token_hex(4)  # decode instances route this client's tokens by it
 
     async def generate(self, request: GenerateRequest, prefill: PrefillHandle | None = None,
                        decode: DecodeInstance | None = None) -> AsyncIterator[TokenChunk]:
@@ -79,7 +81,8 @@ class ClusterClient:
                 await self._cancel(request.request_id, prefill, decode)
 
     async def _prefill(self, request, prefill, decode, deadline_s):
-        target = await _bounded(decode.driver.reserve.remote(request.request_id, len(request.prompt_token_ids)),
+        target = await _bounded(decode.driver.reserve.remote(request.request_id, len(request.prompt_token_ids),
+                                                             self.client_id),
                                 deadline_s, f"decode instance {decode.instance_id}")
         return await _bounded(prefill.actor.prefill.remote(request, target), deadline_s,
                               f"prefill worker {prefill.worker_id}")
@@ -119,7 +122,7 @@ class ClusterClient:
         """One long-poll loop per decode instance; fans each batch out to the requests' queues."""
         while True:
             try:
-                updates = await decode.driver.poll.remote(POLL_WAIT_S)
+                updates = await decode.driver.poll.remote(self.client_id, POLL_WAIT_S)
             except (RayActorError, RayTaskError) as err:
                 self._fail_instance(decode, f"decode instance {decode.instance_id} is unavailable: {err}")
                 return

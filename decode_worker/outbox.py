@@ -1,7 +1,9 @@
-"""Per-step token output of a decode instance, batched for the client.
+"""Per-step token output of a decode instance, batched for each client.
 
-The engine thread pushes each step's tokens; the actor's `poll` drains everything pending in one
-message, waiting up to a bound when nothing is pending. Tokens of one request that accumulate
+Each request belongs to the client that reserved it (its `owner`). The engine thread pushes each
+step's tokens; a client's `poll` drains everything pending for its own requests in one message,
+waiting up to a bound when nothing is pending. Routing by owner matters: a poll left in flight by a
+client that went away must not swallow another client's tokens. Tokens of one request that pile up
 between polls are merged into one `TokenUpdate`.
 """
 from __future__ import annotations
@@ -16,20 +18,31 @@ from engine.llm_engine import LLMEngine, SequenceUpdate
 class Outbox:
     def __init__(self):
         self._lock = threading.Lock()
-        self._pending: dict[str, TokenUpdate] = {}
+        self._owner_of: dict[str, str] = {}
+        self._pending: dict[str, dict[str, TokenUpdate]] = {}  # owner → request id → update
+        self._events: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
+
+    def assign(self, request_id: str, owner: str) -> None:
+        with self._lock:
+            self._owner_of[request_id] = owner
 
     def push(self, update: TokenUpdate) -> None:
-        """Thread-safe; merges with what is already pending for the request."""
+        """Thread-safe; merges with what is already pending for the request. Unowned: dropped."""
         with self._lock:
-            earlier = self._pending.get(update.request_id)
+            owner = self._owner_of.get(update.request_id)
+            if owner is None:
+                return
+            if update.finish_reason is not None or update.error is not None:
+                del self._owner_of[update.request_id]
+            pending = self._pending.setdefault(owner, {})
+            earlier = pending.get(update.request_id)
             if earlier is not None:
                 update = TokenUpdate(update.request_id, earlier.token_ids + update.token_ids,
                                      earlier.logprobs + update.logprobs, update.finish_reason,
                                      update.error or earlier.error)
-            self._pending[update.request_id] = update
-            loop, event = self._loop, self._event
+            pending[update.request_id] = update
+            loop, event = self._loop, self._events.get(owner)
         if loop is not None and event is not None:
             loop.call_soon_threadsafe(event.set)
 
@@ -39,24 +52,31 @@ class Outbox:
             seq = engine.seqs.get(update.seq_id)
             if seq is None:
                 continue
-            logprobs = tuple(seq.logprobs[-len(update.new_token_ids):]) if seq.params.logprobs is not None else ()
+            count = len(update.new_token_ids)
+            logprobs = tuple(seq.logprobs[-count:]) if seq.params.logprobs is not None and count else ()
             reason = None if update.finish_reason is None else update.finish_reason.value
             if reason is not None:
                 engine.pop_finished(update.seq_id)
             self.push(TokenUpdate(update.seq_id, update.new_token_ids, logprobs, reason))
 
-    async def drain(self, max_wait_s: float) -> list[TokenUpdate]:
-        if self._event is None:
-            self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+    def forget(self, request_id: str) -> None:
         with self._lock:
-            empty = not self._pending
-            if empty:
-                self._event.clear()
-        if empty:
+            self._owner_of.pop(request_id, None)
+
+    async def drain(self, owner: str, max_wait_s: float) -> list[TokenUpdate]:
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            event = self._events.setdefault(owner, asyncio.Event())
+            if not self._pending.get(owner):
+                event.clear()
+                wait = True
+            else:
+                wait = False
+        if wait:
             try:
-                await asyncio.wait_for(self._event.wait(), max_wait_s)
+                await asyncio.wait_for(event.wait(), max_wait_s)
             except asyncio.TimeoutError:
                 return []
         with self._lock:
-            updates, self._pending = list(self._pending.values()), {}
+            updates = list(self._pending.pop(owner, {}).values())
         return updates

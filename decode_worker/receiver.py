@@ -43,6 +43,7 @@ class KVReceiver:
         self.kv_cache = kv_cache
         self._expected: dict[str, Expected] = {}
         self._lock = threading.Lock()
+        self.delay_s = 0.0  # fault injection for tests: stall before receiving
 
     def expect(self, request_id: str, block_ids: tuple[int, ...], deadline_s: float) -> None:
         with self._lock:
@@ -57,6 +58,8 @@ class KVReceiver:
             if accepted:
                 entry.state = TransferState.RECEIVING
         deadline_s = entry.deadline_s if accepted else time.time() + 10.0
+        if self.delay_s:
+            time.sleep(self.delay_s)
         try:
             header = recv_header(self.transport, peer, deadline_s)
             if header.request_id != request_id:

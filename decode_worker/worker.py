@@ -59,9 +59,11 @@ class DecodeRank:
         self.receiver.forget(request_id)
 
     # ---- rank 0 ---------------------------------------------------------------------------------
-    async def reserve(self, request_id: str, num_tokens: int) -> HandoffTarget:
-        """Allocates blocks for `num_tokens` of incoming KV on every rank; raises MemoryError if full."""
+    async def reserve(self, request_id: str, num_tokens: int, owner: str) -> HandoffTarget:
+        """Allocates blocks for `num_tokens` of incoming KV on every rank for client `owner` (whose
+        `poll` gets the request's tokens); raises MemoryError if the pool is full."""
         block_ids = await self._call(lambda engine: engine.reserve(request_id, num_tokens))
+        self.outbox.assign(request_id, owner)
         deadline_s = time.time() + self.config.handoff_lease_s
         self._leases[request_id] = deadline_s
         self.receiver.expect(request_id, block_ids, deadline_s)
@@ -85,11 +87,12 @@ class DecodeRank:
         await asyncio.gather(self.cancel_expected(request_id),
                              *(f.cancel_expected.remote(request_id) for f in self._followers))
         await self._call(lambda engine: _abort_or_release(engine, request_id))
+        self.outbox.forget(request_id)
 
-    async def poll(self, max_wait_s: float) -> list[TokenUpdate]:
-        """Everything produced since the last poll, waiting up to `max_wait_s` for something."""
+    async def poll(self, owner: str, max_wait_s: float) -> list[TokenUpdate]:
+        """Everything produced for `owner`'s requests since its last poll, waiting up to `max_wait_s`."""
         self._expire_leases()
-        return await self.outbox.drain(max_wait_s)
+        return await self.outbox.drain(owner, max_wait_s)
 
     async def check_integrity(self) -> dict:
         def check(engine: LLMEngine) -> dict:
@@ -103,6 +106,10 @@ class DecodeRank:
             "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
             "kv_usage": engine.kv.usage, "num_free_blocks": engine.kv.num_free_blocks,
             "reservations": len(self._leases)})
+
+    async def debug_set_receive_delay(self, seconds: float) -> None:
+        """Fault injection for tests: stall each KV receive by `seconds`."""
+        self.receiver.delay_s = seconds
 
     def shutdown(self) -> None:
         self.setup.close()

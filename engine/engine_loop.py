@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -28,6 +29,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
         self.error: BaseException | None = None  # set if a step failed; the loop then stops
+        self.step_delay_s = 0.0  # fault injection for tests: sleep before each step
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -55,6 +57,8 @@ class EngineLoop:
                 busy = self.engine.has_unfinished()
                 self._run_commands(block_s=0.0 if busy else self._idle_interval_s)
                 if self.engine.has_unfinished():
+                    if self.step_delay_s:
+                        time.sleep(self.step_delay_s)
                     self._on_updates(self.engine.step())
                 elif self._on_idle is not None and not self._stopping.is_set():
                     self._on_idle()

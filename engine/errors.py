@@ -13,6 +13,9 @@ class InvalidRequestError(ValueError):
         self.field = field
         self.reason = message
 
+    def __reduce__(self):  # crosses process boundaries (Ray) with its fields intact
+        return (type(self), (self.field, self.reason))
+
 
 class UnsupportedModelError(ValueError):
     """The checkpoint cannot be served: unknown architecture, missing file, unsupported option."""

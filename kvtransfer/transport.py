@@ -68,6 +68,9 @@ class TransferError(Exception):
         self.peer = peer
         self.reason = reason
 
+    def __reduce__(self):  # crosses process boundaries (Ray) with its fields intact
+        return (type(self), (self.peer, self.reason))
+
 
 class KVTransport(ABC):
     """Point-to-point transport of tensor lists between named workers.

@@ -92,6 +92,10 @@ class PrefillWorker:
             "waiting": len(engine.scheduler.waiting), "running": len(engine.scheduler.running),
             "kv_usage": engine.kv.usage, "handoffs_in_flight": len(self._handoffs)}))
 
+    async def debug_set_step_delay(self, seconds: float) -> None:
+        """Fault injection for tests: sleep `seconds` before each engine step."""
+        self.loop.step_delay_s = seconds
+
     def shutdown(self) -> None:
         self.loop.stop()
         self._sender.shutdown(wait=False, cancel_futures=True)
