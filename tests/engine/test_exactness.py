@@ -101,3 +101,28 @@ def test_preemption_with_prefix_caching_and_chunking(checkpoint, make_llm):
     llm = make_llm(model_dir, block_size=4, num_kv_blocks=26, prefill_chunk_tokens=7,
                    max_num_batched_tokens=20)
     assert _generate(llm, prompts, params) == hf_greedy_generate(model_dir, prompts, 20)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_checkpoints_serve_and_upcast_exactly(dtype, checkpoint, make_llm):
+    model_dir = checkpoint(TinySpec(dtype=dtype, seed=4))
+    prompts = random_prompts(3, 5, 30, 512, seed=7)
+    native = make_llm(model_dir)
+    assert native.engine.model_config.dtype == dtype
+    assert native.engine.runner.kv_cache.dtype == native.engine.model_config.torch_dtype
+    outs = native.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    # Loaded as fp32, the half-precision weights are the same numbers HF upcasts: exact again.
+    upcast = make_llm(model_dir, dtype="float32")
+    assert _generate(upcast, prompts) == hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
+
+
+def test_chat_applies_the_checkpoint_template(checkpoint, make_llm):
+    model_dir = checkpoint(TinySpec())
+    llm = make_llm(model_dir)
+    conversation = [{"role": "user", "content": "How are blocks cached?"}]
+    templated = llm.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
+    ids = list(templated["input_ids"]) if hasattr(templated, "keys") else list(templated)
+    chat = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    assert list(chat.prompt_token_ids) == ids
+    assert list(chat.token_ids) == hf_greedy_generate(model_dir, [ids], GREEDY.max_tokens)[0]
