@@ -2,6 +2,8 @@
 rank 0 the engine loop (scheduler + sampler) that drives the instance."""
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,5 +44,41 @@ def build_rank(owner, config: ClusterConfig, model_dir: str, store_host: str, st
     return _build_tp_rank(owner, config, engine_cfg, transport, store_host, store_port)
 
 
-def _build_tp_rank(owner, config, engine_cfg, transport, store_host, store_port) -> RankSetup:
-    raise NotImplementedError("tensor-parallel decode ranks are wired in decode_worker/tp_group.py")
+def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_host, store_port) -> RankSetup:
+    """Rank 0 drives the step loop and broadcasts each step; ranks > 0 follow on a thread."""
+    from decode_worker.tp_group import StepFollower, TensorParallelEngine, build_follower_runner, create_tp_group
+
+    tp = create_tp_group(owner.instance_id, owner.rank, config.decode.tp_size, store_host, store_port,
+                         timeout_s=config.ready_timeout_s)
+    if owner.rank == 0:
+        engine = TensorParallelEngine(engine_cfg, tp)
+        loop = EngineLoop(engine, lambda updates: owner.outbox.push_step(engine, updates),
+                          name=f"{owner.peer_id}-engine").start()
+
+        def close() -> None:
+            loop.stop()
+            engine.shutdown()
+            transport.close()
+
+        return RankSetup(transport, engine.runner, engine.model_config, engine.num_blocks, engine.max_model_len,
+                         loop, close)
+    runner = build_follower_runner(engine_cfg, tp)
+    stop = threading.Event()
+    thread = threading.Thread(target=_follow, args=(StepFollower(tp), runner, stop, owner.peer_id), daemon=True,
+                              name=f"{owner.peer_id}-follower")
+    thread.start()
+    model_cfg = runner.model.config
+
+    def close() -> None:
+        stop.set()
+        transport.close()
+
+    return RankSetup(transport, runner, model_cfg, engine_cfg.num_blocks_for(model_cfg),
+                     engine_cfg.max_len_for(model_cfg), None, close)
+
+
+def _follow(follower, runner, stop: threading.Event, name: str) -> None:
+    try:
+        follower.run(runner, stop)
+    except Exception as err:  # the instance is lost without its rank 0; say so in the worker's log
+        logging.getLogger(__name__).error("%s stopped following rank 0: %s", name, err)

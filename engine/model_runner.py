@@ -109,8 +109,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=model_cfg.torch_dtype)
 
     @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Runs one step on this rank (all-reduces included); returns the final hidden states. TP
+        followers stop here: only rank 0 samples, so only it needs logits."""
+        return self.model(step.input_ids, step.positions, self.kv_cache, attention_metadata(step, self.block_size))
+
+    @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Runs one step; returns fp32 logits `[len(step.logits_indices), vocab]`."""
-        meta = attention_metadata(step, self.block_size)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
-        return self.model.compute_logits(hidden[step.logits_indices])
+        return self.model.compute_logits(self.forward(step)[step.logits_indices])

@@ -171,3 +171,18 @@ def test_reservation_without_transfer_expires_after_the_lease(checkpoint, cluste
     while ray.get(decode.check_integrity.remote())["num_free_blocks"] != 128 and time.monotonic() < deadline_s:
         time.sleep(0.2)
     assert ray.get(decode.check_integrity.remote())["num_free_blocks"] == 128
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])  # GQA: one KV head per rank; MQA: the head replicated
+def test_decode_tp2_from_prefill_tp1_equals_hf(num_kv_heads, checkpoint, cluster_factory):
+    model_dir = checkpoint(TinySpec(num_heads=4, num_kv_heads=num_kv_heads))
+    prompts = random_prompts(5, 2, 60, 512, seed=64)
+    cluster = cluster_factory(model_dir, decode=PoolConfig(**{**SMALL_POOL.__dict__, "tp_size": 2}))
+    import ray
+
+    target = ray.get(cluster.decode[0].driver.reserve.remote("probe", 20, "tester"))
+    assert [(r.kv_head_start, r.kv_head_end) for r in target.ranks] == (
+        [(0, 1), (1, 2)] if num_kv_heads == 2 else [(0, 1), (0, 1)])
+    ray.get(cluster.decode[0].driver.cancel.remote("probe"))
+    assert run(_generate_all(cluster, prompts)) == hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
+    _assert_clean(cluster)
