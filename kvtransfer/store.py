@@ -1,4 +1,4 @@
-"""Rendezvous store for KV transport channels, and the per-pair generation protocol kept in it.
+"""Rendezvous store for KV transport channels: how two workers meet, generation after generation.
 
 One ``TCPStore`` per cluster (hosted by the launcher) is the only shared state of the transport.
 Each pair of workers (a, b) with a < b owns the keys under ``kvpair/<a>/<b>/`` (ids quoted so that a
@@ -21,20 +21,24 @@ Generation protocol (both sides run it independently; the store is the only arbi
    ``compare_set(gen, N, N+1)``: only the first side to give up on N moves the counter, so two
    sides detecting the same failure advance it once, and a side still holding an older generation
    can never push the counter past a generation the other side already joined.
-3. **Failure.** On a failure the detecting side writes ``g<N>/failed`` *before* advancing, so any
-   side that sees ``gen > N`` also sees why N ended. A side that still holds N then raises the
-   failure once (it must not silently resync into the next generation: the message it was waiting
-   for is gone) and joins the newest generation on its next call. A clean close only advances:
-   the other side follows silently.
+3. **Failure.** On a failure the detecting side writes ``g<N>/failed`` *before* advancing and only
+   then closes its sockets, so a side that finds its channel of generation N closed (or, for NCCL,
+   reads ``gen > N`` before a call) also finds why N ended. It then raises the failure once (it
+   must not silently resync into the next generation: the message it was waiting for is gone) and
+   joins the newest generation on its next call. A clean close only advances: the other side
+   follows silently, even out of a call it had pending.
+
+Each generation leaves a few small keys in the store; generations only advance on failures,
+closes and evictions, so the store grows by about a kilobyte per channel re-creation.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
 DEFAULT_STORE_TIMEOUT_S = 30.0
 
@@ -125,6 +129,17 @@ class PairRendezvous:
         if peer_backend != backend:
             raise RuntimeError(f"backend mismatch: this side uses {backend}, the peer {peer_backend}")
 
-    def group_store(self, generation: int, backend: str) -> PrefixStore:
-        """The store namespace in which both sides build the process group of ``generation``."""
-        return PrefixStore(f"{self._root}/g{generation}/pg/{backend}", self._store)
+    def create_group(self, generation: int, backend: str, timeout_s: float) -> Any:
+        """Build this side's 2-rank gloo / NCCL group of ``generation`` (after ``handshake``, so quick).
+
+        Each generation gets its own store namespace: a group never meets a stale incarnation's keys.
+        """
+        store = PrefixStore(f"{self._root}/g{generation}/pg/{backend}", self._store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            return ProcessGroupGloo(store, self.rank, 2, timeout)
+        from torch.distributed import ProcessGroupNCCL  # absent from CPU builds of torch
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupNCCL(store, self.rank, 2, options)

@@ -1,23 +1,28 @@
 """``KVTransport`` over torch.distributed: one lazily built 2-rank process group per worker pair.
 
 Pair groups, not one world group: workers come and go and pair up dynamically; a 2-rank gloo / NCCL
-group on its own ``PrefixStore`` needs no cluster-wide collective, builds in 1-2 ms (gloo), and many
-coexist in one process. Channels are (re)created by the generation protocol in ``kvtransfer.store``.
+group needs no cluster-wide collective, builds in 1-2 ms (gloo), and many coexist in one process.
+How two workers meet, generation after generation, lives in ``kvtransfer.store``.
 
-One ``send`` = one message: (1) a header int64[6] = (magic, generation, sequence number, tensor
-count, payload bytes, layout digest) that the receiver checks before posting any payload buffer, so
-a count / shape / dtype mismatch or a lost message fails on both sides instead of corrupting
-``out`` (one small round trip, ~0.1 ms); (2) each tensor's bytes as a uint8 view (any dtype travels
-bit-exactly), in order, cut into 1 MiB chunk views for gloo, all posted at once, waited together.
-Measured on the 2-core dev box, 64-256 MiB: a whole tensor per gloo send ~2.4 GB/s, 1 MiB chunks
-~4 GB/s (both peers' IO threads pipeline), 256 KiB chunks ~2.8 GB/s; packing small tensors into a
-staging buffer was slower than sending them one by one (the copies compete for the same cores), so
-tensors are never flattened together. NCCL sends each tensor whole.
+A message (int64 framing): (1) header (magic, generation, sequence number, tensor count, bytes,
+layout digest), checked before any payload buffer is posted: a count / shape / dtype mismatch or a
+lost message fails both sides instead of corrupting ``out``; gloo receivers post the next header's
+recv in advance, so it costs no extra round trip in a stream; (2) each tensor's bytes as uint8
+views (any dtype, bit-exact), in 4 MiB chunks for gloo, all posted at once; (3) a trailer; (4) the
+receiver's ack. Each side waits for its tiny last message first: gloo fails a pending op at once
+when the connection drops, but not one whose bytes are moving, so a peer's death surfaces in
+milliseconds, not at the timeout. Chunks, measured on the 2-core box at 64-256 MiB: idle, 1-4 MiB
+chunks beat whole 8-256 MiB sends (3.1-4.4 vs 2.3-2.5 GB/s: both peers' IO threads pipeline);
+with other jobs running, 4 MiB or whole tensors beat 1 MiB (2.2-2.6 vs 2.0-2.1 GB/s), hence 4 MiB.
+Copying small tensors into one staging buffer lost to sending them one by one (the copies compete
+for the cores): nothing is flattened; each tensor costs ~30-50 us of ops. NCCL sends tensors whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -25,26 +30,18 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.distributed import DistError, ProcessGroupGloo
+from torch.distributed import DistError
 
 from kvtransfer.store import PairRendezvous, connect_store
 from kvtransfer.transport import KVTransport, MessageLayout, PeerId, TransferError, TransferStats
 
 _MAGIC = 0x4B5654524E535031  # "KVTRNSP1": catches a peer speaking another protocol version
-_GLOO_CHUNK_BYTES = 1 << 20
+_GLOO_CHUNK_BYTES = 4 << 20
 _MIN_WAIT_S = 0.001  # Work.wait(timedelta(0)) would mean "no timeout": never pass zero
 _MAX_ATTEMPTS = 3  # a call follows a cleanly closing peer to a new channel at most this often
-_BACKENDS = ("auto", "gloo", "nccl")
+_BACKENDS = ("auto", "gloo", "nccl")  # "auto": nccl for CUDA tensors, else gloo
 _LOST = "connection lost: "  # prefix of errors after which a call may follow a cleanly closing peer
-_SEND, _RECV = "send", "recv"
 _DATA, _ACK = 0, 1  # tags: acks never match a data message, whatever the interleaving
-
-
-def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"the tensors of one message must share a device, got {sorted(map(str, devices))}")
-    return devices.pop() if devices else torch.device("cpu")
 
 
 @dataclass
@@ -59,14 +56,15 @@ class _Channel:
     messages_sent: int = 0
     messages_received: int = 0
     last_ack: Any = None  # our latest ack send: kept alive until a later message proves it arrived
+    early_header: tuple[torch.Tensor, Any] | None = None  # gloo: next header's recv, posted in advance
 
     def send_message(self, tensors: list[torch.Tensor], layout: MessageLayout, deadline_s: float) -> str | None:
         """Header, payload, trailer out; the peer's ack in. None on success, else why it failed."""
         sequence, ack = self.messages_sent, self._ints([-1])
         header = self._ints([_MAGIC, self.generation, sequence, layout.num_tensors, layout.num_bytes, layout.digest])
         payload = _wire_buffers([t.contiguous() for t in tensors], self.backend)
-        data = [(_SEND, b, _DATA) for b in (header, *payload, self._ints([sequence]))]
-        error = _post_and_wait(self, [*data, (_RECV, ack, _ACK)], deadline_s)
+        data = [("send", b, _DATA) for b in (header, *payload, self._ints([sequence]))]
+        error = _post_and_wait(self, [*data, ("recv", ack, _ACK)], deadline_s)
         if error is None and ack.item() != sequence:
             error = f"protocol violated: ack {ack.item()} for message #{sequence}"
         self.messages_sent += error is None
@@ -74,15 +72,17 @@ class _Channel:
 
     def recv_message(self, out: list[torch.Tensor], layout: MessageLayout, deadline_s: float) -> str | None:
         """Header in and checked, then payload and trailer in, ack out. None on success, else why not."""
-        sequence, header, trailer = self.messages_received, self._ints([0] * 6), self._ints([-1])
-        error = _post_and_wait(self, [(_RECV, header, _DATA)], deadline_s)
+        sequence, trailer = self.messages_received, self._ints([-1])
+        header, early = self.early_header or (self._ints([0] * 6), None)
+        self.early_header, posted = None, early is not None
+        error = _post_and_wait(self, [] if posted else [("recv", header, _DATA)], deadline_s, [early] if posted else [])
         if error is None and header[:3].tolist() != [_MAGIC, self.generation, sequence]:
             error = f"protocol violated: header {header[:3].tolist()}, expected {[_MAGIC, self.generation, sequence]}"
         error = error or layout.mismatch(MessageLayout(*header[3:].tolist(), description="?"))
         if error is not None:
             return error
         staged = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in out]
-        data = [(_RECV, b, _DATA) for b in (*_wire_buffers(staged, self.backend), trailer)]
+        data = [("recv", b, _DATA) for b in (*_wire_buffers(staged, self.backend), trailer)]
         error = _post_and_wait(self, data, deadline_s)
         if error is None and trailer.item() != sequence:
             error = f"protocol violated: trailer {trailer.item()} for message #{sequence}"
@@ -92,17 +92,28 @@ class _Channel:
             if target is not buffer:
                 target.copy_(buffer)
         self.messages_received += 1
-        try:  # not waited for: the sender's next message proves it arrived; a dead sender fails that
-            self.last_ack = self.group.send([self._ints([sequence])], self.peer_rank, _ACK)
-        except RuntimeError:
-            self.last_ack = None  # the sender died after sending everything: the data is complete
+        # Not waited for: the sender's next message proves it arrived (a dead sender fails that).
+        self.last_ack = self._post_quietly("send", self._ints([sequence]), _ACK)
+        if self.backend == "gloo":  # saves a round trip per message; NCCL would block our sends behind it
+            header = self._ints([0] * 6)
+            work = self._post_quietly("recv", header, _DATA)
+            self.early_header = (header, work) if work is not None else None
         return None
 
     def teardown(self) -> None:
-        """Release the group; dropping the last reference closes gloo's sockets (the peer sees EOF)."""
-        group, self.group, self.last_ack = self.group, None, None
-        if group is not None and self.backend == "nccl":
-            group.abort()  # a timed-out NCCL op would otherwise keep the communicator (and stream) busy
+        """Release the group. Its destructor (closes the sockets: the peer sees EOF) takes ~20 ms, GIL
+        released, so a helper thread runs it; not a daemon: killed in it at exit, it aborts the process."""
+        box, self.group, self.last_ack, self.early_header = [self.group], None, None, None
+        if box[0] is not None and self.backend == "nccl":
+            box[0].abort()  # a timed-out NCCL op would otherwise keep the communicator (and stream) busy
+        threading.Thread(target=box.clear, name="kvpair-teardown").start()
+
+    def _post_quietly(self, op: str, buffer: torch.Tensor, tag: int) -> Any:
+        """Post without waiting; None if the pair already broke (the next call finds out)."""
+        try:
+            return (self.group.send if op == "send" else self.group.recv)([buffer], self.peer_rank, tag)
+        except RuntimeError:
+            return None
 
     def _ints(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -111,11 +122,10 @@ class _Channel:
 class TorchDistTransport(KVTransport):
     """``KVTransport`` over per-pair gloo / NCCL process groups (contract: ``KVTransport``).
 
-    ``backend``: "gloo", "nccl", or "auto" (nccl when a message's tensors are CUDA tensors, else
-    gloo; the two sides' choices are compared when a channel opens). ``max_pairs`` bounds open
-    channels: beyond it the least recently used idle one is closed cleanly (a ``close_peer``).
-    ``connect_timeout_s`` bounds store requests and channel creation; each call's ``timeout_s``
-    bounds the whole call further.
+    ``backend``: "gloo", "nccl", or "auto" (nccl for CUDA tensors, else gloo; the two sides' choices
+    are compared when a channel opens). ``max_pairs`` bounds open channels: beyond it the least
+    recently used idle one is closed cleanly. ``connect_timeout_s`` bounds store requests and
+    channel creation; each call's ``timeout_s`` bounds the whole call further.
     """
 
     def __init__(self, local_id: PeerId, store_host: str, store_port: int, *, backend: str = "auto",
@@ -125,9 +135,7 @@ class TorchDistTransport(KVTransport):
         if max_pairs < 1 or connect_timeout_s <= 0:
             raise ValueError(f"need max_pairs >= 1 and connect_timeout_s > 0, got {max_pairs}, {connect_timeout_s}")
         self.local_id = local_id
-        self._backend = backend
-        self._max_pairs = max_pairs
-        self._connect_timeout_s = connect_timeout_s
+        self._backend, self._max_pairs, self._connect_timeout_s = backend, max_pairs, connect_timeout_s
         self._store = connect_store(store_host, store_port, connect_timeout_s)
         self._lock = threading.Lock()  # guards the three fields below; never held while blocking
         self._channels: OrderedDict[PeerId, _Channel] = OrderedDict()  # least recently used first
@@ -156,7 +164,10 @@ class TorchDistTransport(KVTransport):
     def _call(self, peer: PeerId, op: str, tensors: list[torch.Tensor], timeout_s: float) -> TransferStats:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        layout, device = MessageLayout.of(tensors), _device_of(tensors)
+        layout, devices = MessageLayout.of(tensors), {t.device for t in tensors}
+        if len(devices) > 1:
+            raise ValueError(f"the tensors of one message must share a device, got {sorted(map(str, devices))}")
+        device = devices.pop() if devices else torch.device("cpu")
         start_s = time.monotonic()
         self._acquire(peer)
         try:
@@ -172,7 +183,8 @@ class TorchDistTransport(KVTransport):
         except DistError as exc:  # the rendezvous store itself failed: a cluster problem, same contract
             raise TransferError(peer, f"rendezvous store failed: {exc}") from None
         finally:
-            self._release(peer)
+            with self._lock:
+                self._busy.discard(peer)
 
     def _handle_failure(self, peer: PeerId, rendezvous: PairRendezvous, channel: _Channel, error: str) -> None:
         """Decide what a failed exchange means; returns only if the call should follow the peer."""
@@ -181,8 +193,7 @@ class TorchDistTransport(KVTransport):
         # The peer closed cleanly while nothing of this call was delivered: follow it, no error.
         followed = peer_moved and peer_reason is None and error.startswith(_LOST)
         if not followed and peer_reason is None:
-            # We detected it: record why before our sockets close, so that the peer can tell a
-            # failure (raise once) from a clean close (follow silently) when it sees EOF.
+            # We detected it: say why before our sockets close, so the peer can tell failure from close.
             rendezvous.mark_failed(channel.generation, f"{self.local_id}: {error}")
         self._discard(peer, channel)
         if not followed:
@@ -193,13 +204,14 @@ class TorchDistTransport(KVTransport):
         """The channel with ``peer``, checked to still be the pair's newest generation, or a new one."""
         backend = self._backend if self._backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         with self._lock:
-            channel = self._channels.get(peer)
-            if channel is not None:
+            if (channel := self._channels.get(peer)) is not None:
                 self._channels.move_to_end(peer)
         if channel is not None and (channel.backend, channel.device) != (backend, device):
             self.close_peer(peer)  # other device: the peer follows as after any clean close
             channel = None
-        if channel is not None and rendezvous.current_generation() > channel.generation:
+        # gloo reports a peer's close on the socket itself (see _handle_failure); NCCL asks the store.
+        ask_store = channel is not None and channel.backend == "nccl"
+        if ask_store and rendezvous.current_generation() > channel.generation:
             self._discard(peer, channel)
             reason = rendezvous.failure_reason(channel.generation)
             if reason is not None:  # the message this call expects may be lost: say so, once
@@ -209,30 +221,29 @@ class TorchDistTransport(KVTransport):
 
     def _join(self, peer: PeerId, rendezvous: PairRendezvous, backend: str, device: torch.device,
               deadline_s: float) -> _Channel:
+        """Open a channel of the pair's newest fresh generation (protocol steps in kvtransfer.store)."""
         generation = rendezvous.join()
         timeout_s = min(self._connect_timeout_s, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
         try:
             rendezvous.handshake(generation, backend, timeout_s)
-            group = _create_group(rendezvous, generation, backend, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
+            group = rendezvous.create_group(generation, backend, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
         except RuntimeError as exc:  # store timeout, gloo / nccl rendezvous errors: all mean "no channel"
             reason = f"could not open channel generation {generation} within {timeout_s:.1f} s: {exc}"
             rendezvous.mark_failed(generation, f"{self.local_id}: {reason}")
             raise TransferError(peer, reason) from None
-        channel = _Channel(generation, backend, device, 1 - rendezvous.rank, group)
-        self._insert(peer, channel)
-        return channel
+        return self._insert(peer, _Channel(generation, backend, device, 1 - rendezvous.rank, group))
 
-    def _insert(self, peer: PeerId, channel: _Channel) -> None:
+    def _insert(self, peer: PeerId, channel: _Channel) -> _Channel:
         """Add ``channel`` to the pool, closing least recently used idle channels beyond ``max_pairs``."""
         evicted = []
         with self._lock:
             self._channels[peer] = channel
             idle = [p for p in self._channels if p not in self._busy]
             while len(self._channels) > self._max_pairs and idle:
-                victim = idle.pop(0)
-                evicted.append((victim, self._channels.pop(victim)))
+                evicted.append((idle[0], self._channels.pop(idle.pop(0))))
         for victim, old in evicted:
             self._retire(victim, old)
+        return channel
 
     def _discard(self, peer: PeerId, channel: _Channel) -> None:
         """Tear down ``channel`` on this side only (the pair's generation was retired already)."""
@@ -243,7 +254,8 @@ class TorchDistTransport(KVTransport):
 
     def _retire(self, peer: PeerId, channel: _Channel) -> None:
         """Close ``channel`` cleanly: advance the generation first, so that the peer reads EOF as a close."""
-        PairRendezvous(self._store, self.local_id, peer).advance(channel.generation)
+        with contextlib.suppress(DistError):  # store gone: the peer will take our EOF for a failure
+            PairRendezvous(self._store, self.local_id, peer).advance(channel.generation)
         channel.teardown()
 
     def _acquire(self, peer: PeerId) -> None:
@@ -254,32 +266,24 @@ class TorchDistTransport(KVTransport):
                 raise RuntimeError(f"a call with peer {peer!r} is already in flight (one per peer at a time)")
             self._busy.add(peer)
 
-    def _release(self, peer: PeerId) -> None:
-        with self._lock:
-            self._busy.discard(peer)
 
-
-def _post_and_wait(channel: _Channel, posts: list[tuple[str, torch.Tensor, int]], deadline_s: float) -> str | None:
-    """Post (op, buffer, tag) in order, wait for all by ``deadline_s``; None on success, else why not.
-
-    Waits for the last post first: it is always a tiny message, and gloo fails a pending op as soon
-    as the peer's connection drops, but not one whose bytes are being moved at that moment; when the
-    last op completes, all earlier ones have (one socket, FIFO). Returns instead of raising so that
-    no traceback keeps the works (and through them the sockets) alive after a failure.
-    """
-    works = []
+def _post_and_wait(channel: _Channel, posts: list[tuple[str, torch.Tensor, int]], deadline_s: float,
+                   works: list[Any] | None = None) -> str | None:
+    """Post (op, buffer, tag) after the posted ``works``; wait for all, the last (tiny) one first (see
+    module docstring; then all are done: one socket, FIFO). Returns why not, or None: no raise, so no
+    traceback keeps the works (hence the sockets) alive after a failure; the peer must see EOF."""
+    works = works or []
     try:
         for op, buffer, tag in posts:
-            post = channel.group.send if op == _SEND else channel.group.recv
+            post = channel.group.send if op == "send" else channel.group.recv
             works.append(post([buffer], channel.peer_rank, tag))
         for work in reversed(works):
             remaining_s = max(deadline_s - time.monotonic(), _MIN_WAIT_S)  # a finished work returns at once
             work.wait(datetime.timedelta(seconds=remaining_s))
     except RuntimeError as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "timed out" in first_line.lower():
-            return f"timed out waiting for the peer ({first_line[-120:]})"
-        return _LOST + first_line[-200:]
+        # First line only, without gloo's "[/path/to/pair.cc:553] " source location prefix.
+        text = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc) or type(exc).__name__).splitlines()[0])[:200]
+        return f"timed out waiting for the peer ({text})" if "timed out" in text.lower() else _LOST + text
     finally:
         works.clear()
     return None
@@ -294,18 +298,3 @@ def _wire_buffers(tensors: list[torch.Tensor], backend: str) -> list[torch.Tenso
         flat = tensor.reshape(-1).view(torch.uint8)
         buffers.extend(flat.split(_GLOO_CHUNK_BYTES) if backend == "gloo" else [flat])
     return buffers
-
-
-def _create_group(rendezvous: PairRendezvous, generation: int, backend: str, timeout_s: float) -> Any:
-    """Build the 2-rank group of ``generation``; both sides passed the handshake, so this is quick."""
-    store = rendezvous.group_store(generation, backend)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        return ProcessGroupGloo(store, rendezvous.rank, 2, timeout)
-    from torch.distributed import ProcessGroupNCCL  # absent from CPU builds of torch
-
-    options = ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = False
-    options._timeout = timeout
-    options.group_name = f"kvpair-g{generation}"
-    return ProcessGroupNCCL(store, rendezvous.rank, 2, options)

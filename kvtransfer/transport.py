@@ -88,9 +88,13 @@ class KVTransport(ABC):
        ``recv`` writes in place into the caller-owned ``out`` tensors and keeps no reference after
        it returns; on ``TransferError`` their contents are unspecified (possibly partly written).
        Non-contiguous tensors are accepted on both sides (staged through a contiguous copy).
-    4. **Completion.** ``send`` returning means the payload was handed to the peer's matching
-       ``recv`` (not that the peer has processed it: acks belong to the protocol above).
-       ``recv`` returning means every ``out`` tensor holds the sent bytes, bitwise.
+    4. **Completion.** ``recv`` returning means every ``out`` tensor holds the sent bytes, bitwise.
+       ``send`` returning means the peer's matching ``recv`` has received every byte (not that the
+       peer has processed them: acks of that kind belong to the protocol above). A ``send`` that
+       raises may still have been delivered (e.g. the receiver died right after receiving), so
+       the protocol above must make re-sending a message harmless. Every call waits for its
+       matching call, so two sides that both ``send`` to each other at the same time wait for
+       each other until the timeout: a pair's conversation must alternate or be one-way.
     5. **Timeouts.** Both calls raise ``TransferError`` if the whole call (including lazy channel
        creation) has not completed within ``timeout_s`` plus a small slack (well under a second);
        neither ever blocks longer. A peer that never posts the matching call is a timeout.
@@ -103,9 +107,10 @@ class KVTransport(ABC):
        transparently creates a fresh channel; messages in flight when it broke are lost (the
        protocol above retries whole hand-offs).
     7. **Closing.** ``close_peer(peer)`` tears down the channel with ``peer`` cleanly; it is not a
-       failure: the peer follows to a fresh channel on its next call without an error, provided
-       it has no call pending on the old channel that needed our side. ``close()`` closes every
-       channel; the transport is unusable afterwards. Both are idempotent and never block long.
+       failure: the peer follows to a fresh channel without an error, on its next call or from the
+       call it has pending at that moment (nothing of which was delivered yet, as ``close_peer``
+       does not race with our own calls to that peer). ``close()`` closes every channel; the
+       transport is unusable afterwards. Both are idempotent and never block long.
     8. **Threads.** Calls for different peers may run concurrently from different threads. Calls
        for the same peer must be serialized by the caller (at most one in-flight ``send`` or
        ``recv`` per peer on this side); a concurrent second call for the same peer raises
@@ -118,7 +123,7 @@ class KVTransport(ABC):
 
     @abstractmethod
     def send(self, peer: PeerId, tensors: Sequence[torch.Tensor], timeout_s: float) -> TransferStats:
-        """Send ``tensors`` (in order) to ``peer``; blocks until handed over; see the contract."""
+        """Send ``tensors`` (in order) to ``peer``; blocks until the peer received them; see the contract."""
 
     @abstractmethod
     def recv(self, peer: PeerId, out: Sequence[torch.Tensor], timeout_s: float) -> TransferStats:

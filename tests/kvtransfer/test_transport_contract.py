@@ -66,7 +66,7 @@ def transfer(sender: Agent, receiver: Agent, tensors: list[torch.Tensor]) -> Non
 
 
 def payload(seed: int) -> list[torch.Tensor]:
-    """Several dtypes and shapes: empty, 0-dim, strided, and one 3.2 MB tensor spanning 1 MiB chunks."""
+    """Several dtypes and shapes: empty, 0-dim, strided, and one 9.6 MB tensor spanning 4 MiB chunks."""
     gen = torch.Generator().manual_seed(seed)
     return [
         torch.randn(3, 5, generator=gen),
@@ -77,7 +77,7 @@ def payload(seed: int) -> list[torch.Tensor]:
         torch.rand(11, generator=gen) > 0.5,
         torch.randn(5, 9, generator=gen).t(),
         torch.tensor(3.5, dtype=torch.float64),
-        torch.randn(800_000, generator=gen),
+        torch.randn(2_400_000, generator=gen),
     ]
 
 
@@ -197,29 +197,37 @@ def test_layout_mismatch_fails_on_both_sides(cluster: Cluster) -> None:
         transfer(a, b, small(1))
 
 
+def _stream(peer: Agent, direction: str) -> dict:
+    """16 MB messages back to back, seconds of traffic: a kill lands while a call is in flight."""
+    return {"op": "stream", "peer": peer.local_id, "direction": direction, "count": 1000, "numel": 4 << 20,
+            "timeout_s": 3.0}
+
+
 def test_killed_peer_fails_fast_and_others_still_work(cluster: Cluster) -> None:
     agents = cluster.fresh_ids()
     a, b = agents["a"], agents["b"]
-    victim = cluster.spawn("victim")
+    victims = [cluster.spawn("victim"), cluster.spawn("victim")]  # both start now: a start costs seconds
     try:
-        victim.init(f"victim-{b.local_id}", backend=cluster.backend, connect_timeout_s=10.0)
-        transfer(victim, b, small(1))
-        # 16 MB messages back to back (seconds of traffic): the kill lands while b is inside a recv.
-        stream = {"op": "stream", "count": 1000, "numel": 4 << 20, "timeout_s": 3.0}
-        b.start({**stream, "direction": "recv", "peer": victim.local_id})
-        victim.start({**stream, "direction": "send", "peer": b.local_id})
-        time.sleep(0.7)
-        victim.kill()
-        result = b.result()[0]
-        print(result)
-        # The receiver learns from the closed connection, long before its 3 s timeout.
-        assert_failed(result, within_s=0.5)
-        assert 0 < result["done"] < 1000, result
-        transfer(a, b, small(2))
-        # Sending to the dead peer times out (it never joins a new channel); it never hangs.
-        assert_failed(b.run(send(victim, small(3), timeout_s=1.0))[0], within_s=1.0)
+        for i, victim in enumerate(victims):
+            victim.init(f"victim{i}-{b.local_id}", backend=cluster.backend, connect_timeout_s=10.0)
+        sender, receiver = victims
+        for victim, victim_role, b_role in ((sender, "send", "recv"), (receiver, "recv", "send")):
+            transfer(victim, b, small(1))
+            b.start(_stream(victim, b_role))
+            victim.start(_stream(b, victim_role))
+            time.sleep(0.7)
+            victim.kill()  # by PID, mid-stream
+            result = b.result()[0]
+            # b learns from the closed connection, well before its call's 3 s timeout ...
+            assert_failed(result, within_s=0.5, text="connection lost")
+            assert 0 < result["done"] < 1000, result
+            # ... and stays usable for other peers.
+            transfer(a, b, small(2))
+        # Sending to a dead peer times out (it never joins a new channel); it never hangs.
+        assert_failed(b.run(send(sender, small(3), timeout_s=1.0))[0], within_s=1.0)
     finally:
-        victim.kill()
+        for victim in victims:
+            victim.kill()
 
 
 def test_restarted_peer_with_same_id(cluster: Cluster) -> None:
