@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import decode_attention_kernel
+
 
 @dataclass(frozen=True)
 class PrefillSegment:
@@ -30,9 +32,16 @@ class PrefillSegment:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of every new token
     num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor | None  # [num_decode] int64
+    # PyTorch path only (None when the native kernel runs): padded token slots and their mask.
     decode_slots: torch.Tensor | None  # [num_decode, max_context] int64 cache slots (padded)
     decode_padding_mask: torch.Tensor | None  # [num_decode, max_context] bool, True = padding
     prefills: tuple[PrefillSegment, ...]
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self.num_decode_tokens > 0 and self.decode_slots is None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -54,7 +63,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
     n_dec = meta.num_decode_tokens
     if n_dec:
-        out[:n_dec] = _decode_attention(q[:n_dec], k_cache, v_cache, meta, scale)
+        decode = _decode_attention_native if meta.uses_kernel else _decode_attention
+        out[:n_dec] = decode(q[:n_dec], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
         rows = slice(seg.query_start, seg.query_start + seg.query_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
@@ -65,6 +75,22 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     num_kv_heads, num_blocks, block_size, head_dim = cache.shape
     flat = cache.view(num_kv_heads, num_blocks * block_size, head_dim)
     return flat.index_select(1, slots.reshape(-1))
+
+
+def _decode_attention_native(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The C kernel (engine/kernels): reads each sequence's blocks in place, no padded copy."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    status = decode_attention_kernel()(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        batch, num_heads, num_kv_heads, head_dim, num_blocks, block_size, tables.shape[1],
+        tables.shape[1] * block_size, scale, torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"paged decode attention kernel failed with status {status}")
+    return out.view(batch, num_heads * head_dim)
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSegment
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels import decode_attention_kernel
 from engine.model_loader import load_model
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.scheduler import ScheduledChunk
@@ -78,10 +79,11 @@ def _pad_tables(tables: list[Sequence[int]]) -> torch.Tensor:
     return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
 
 
-def attention_metadata(step: StepInput, block_size: int) -> AttentionMetadata:
+def attention_metadata(step: StepInput, block_size: int, native_decode: bool = False) -> AttentionMetadata:
+    """`native_decode`: the C decode kernel will run, so the padded slot tensors are not built."""
     offsets = torch.arange(block_size, dtype=torch.int64)
     decode_slots = padding = None
-    if step.num_decode_tokens:
+    if step.num_decode_tokens and not native_decode:
         tables = step.decode_block_tables
         decode_slots = (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)
         padding = torch.arange(decode_slots.shape[1])[None, :] >= step.decode_context_lens[:, None]
@@ -93,8 +95,8 @@ def attention_metadata(step: StepInput, block_size: int) -> AttentionMetadata:
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
         segments.append(PrefillSegment(start, q_len, ctx_len, slots))
         start += q_len
-    return AttentionMetadata(step.slot_mapping, step.num_decode_tokens, decode_slots, padding,
-                             tuple(segments))
+    return AttentionMetadata(step.slot_mapping, step.num_decode_tokens, step.decode_block_tables,
+                             step.decode_context_lens, decode_slots, padding, tuple(segments))
 
 
 class ModelRunner:
@@ -107,12 +109,15 @@ class ModelRunner:
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         shape = (model_cfg.num_layers, 2, kv_heads, num_blocks, self.block_size, model_cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model_cfg.torch_dtype)
+        # The native decode kernel is fp32-only; other dtypes take the PyTorch path.
+        self.native_decode = model_cfg.torch_dtype == torch.float32 and decode_attention_kernel() is not None
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         """Runs one step on this rank (all-reduces included); returns the final hidden states. TP
         followers stop here: only rank 0 samples, so only it needs logits."""
-        return self.model(step.input_ids, step.positions, self.kv_cache, attention_metadata(step, self.block_size))
+        meta = attention_metadata(step, self.block_size, self.native_decode)
+        return self.model(step.input_ids, step.positions, self.kv_cache, meta)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:

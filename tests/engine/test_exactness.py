@@ -126,3 +126,13 @@ def test_chat_applies_the_checkpoint_template(checkpoint, make_llm):
     chat = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
     assert list(chat.prompt_token_ids) == ids
     assert list(chat.token_ids) == hf_greedy_generate(model_dir, [ids], GREEDY.max_tokens)[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_pytorch_attention_path_matches_hf_too(arch, checkpoint, make_llm):
+    """The fallback (and reference) decode path, used where the C kernel cannot build or for bf16."""
+    model_dir = checkpoint(TinySpec(arch=arch))
+    prompts = random_prompts(4, 1, 60, 512, seed=12)
+    llm = make_llm(model_dir, prefill_chunk_tokens=7)
+    llm.engine.runner.native_decode = False
+    assert _generate(llm, prompts) == hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)

@@ -1,0 +1,106 @@
+/* Paged decode attention for CPUs: one query token per sequence, keys/values read in place from the
+ * paged cache (no gather into a padded copy, so each KV byte is read once per layer).
+ *
+ * Layout (the engine's): q [batch, heads, head_dim]; k/v cache [kv_heads, num_blocks, block_size,
+ * head_dim]; block_tables [batch, max_blocks] int64; context_lens [batch] int64; out like q.
+ * Work items are (sequence, kv head) pairs; each computes softmax(q·Kᵀ·scale)·V for the `group` query
+ * heads that share the KV head, with an exact two-pass softmax in fp32. Items are spread over
+ * `num_threads` POSIX threads, interleaved so long and short sequences mix.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 64
+
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    const int64_t *block_tables, *context_lens;
+    int64_t batch, heads, kv_heads, head_dim, num_blocks, block_size, max_blocks, max_context;
+    float scale;
+    int64_t thread_index, num_threads;
+    int status;
+} Job;
+
+static void attend(const Job *job, int64_t item, float *scores) {
+    const int64_t b = item / job->kv_heads, h = item % job->kv_heads;
+    const int64_t group = job->heads / job->kv_heads, dim = job->head_dim, bs = job->block_size;
+    const int64_t n = job->context_lens[b];
+    const int64_t *table = job->block_tables + b * job->max_blocks;
+    const float *q = job->q + (b * job->heads + h * group) * dim;
+    float *out = job->out + (b * job->heads + h * group) * dim;
+    float mx[MAX_GROUP], sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY, sum[g] = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        const float *key = job->k + ((h * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; d++) dot += qg[d] * key[d];
+            dot *= job->scale;
+            scores[g * n + t] = dot;
+            if (dot > mx[g]) mx[g] = dot;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * n;
+        for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - mx[g]); sum[g] += s[t]; }
+        memset(out + g * dim, 0, sizeof(float) * dim);
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const float *value = job->v + ((h * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
+        for (int64_t g = 0; g < group; g++) {
+            const float w = scores[g * n + t];
+            float *og = out + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) og[d] += w * value[d];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.0f / sum[g];
+        for (int64_t d = 0; d < dim; d++) out[g * dim + d] *= inv;
+    }
+}
+
+static void *run_job(void *arg) {
+    Job *job = (Job *)arg;
+    const int64_t group = job->heads / job->kv_heads;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (job->max_context > 0 ? job->max_context : 1)));
+    if (!scores) { job->status = 1; return NULL; }
+    for (int64_t item = job->thread_index; item < job->batch * job->kv_heads; item += job->num_threads)
+        attend(job, item, scores);
+    free(scores);
+    return NULL;
+}
+
+/* Returns 0 on success, non-zero on a bad argument or allocation failure. */
+int paged_decode_attention(const float *q, const float *k, const float *v, float *out,
+                           const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
+                           int64_t block_size, int64_t max_blocks, int64_t max_context, float scale,
+                           int64_t num_threads) {
+    if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || num_threads <= 0) return 2;
+    if (num_threads > 64) num_threads = 64;
+    Job jobs[64];
+    pthread_t threads[64];
+    int started[64] = {0};
+    for (int64_t i = 0; i < num_threads; i++) {
+        jobs[i] = (Job){q, k, v, out, block_tables, context_lens, batch, heads, kv_heads, head_dim, num_blocks,
+                        block_size, max_blocks, max_context, scale, i, num_threads, 0};
+    }
+    for (int64_t i = 1; i < num_threads; i++)
+        started[i] = pthread_create(&threads[i], NULL, run_job, &jobs[i]) == 0;
+    run_job(&jobs[0]);
+    for (int64_t i = 1; i < num_threads; i++)
+        if (!started[i]) run_job(&jobs[i]); /* no thread could be made: do its share here */
+    int status = jobs[0].status;
+    for (int64_t i = 1; i < num_threads; i++) {
+        if (started[i]) pthread_join(threads[i], NULL);
+        status |= jobs[i].status;
+    }
+    return status;
+}
