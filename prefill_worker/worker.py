@@ -14,6 +14,7 @@ import time
 
 import ray
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from cluster.config import ClusterConfig
 from cluster.messages import GenerateRequest, HandoffStats, PrefillResult, WorkerInfo
@@ -138,11 +139,12 @@ class PrefillWorker:
                          for rank in target.ranks]
             num_bytes = send_sequence_kv(self.transport, self.engine.runner.kv_cache, handoff.block_ids,
                                          handoff.num_computed_tokens, handoff.seq_id, target)
-            ray.get(announced, timeout=remaining_s(target.lease_deadline_s))
+            for confirmation in [ref.future() for ref in announced]:
+                confirmation.result(timeout=remaining_s(target.lease_deadline_s))
             return HandoffStats(num_bytes, time.perf_counter() - started_s)
         except TransferError:
             raise
-        except ray.exceptions.GetTimeoutError:
+        except FutureTimeout:
             raise TransferError(target.instance_id, "decode ranks did not confirm within the lease") from None
         except Exception as err:  # anything else still ends this hand-off, named
             raise TransferError(target.instance_id, f"{type(err).__name__}: {err}") from err
