@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -75,7 +75,6 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     tp_size: int = 1
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
@@ -85,8 +84,7 @@ class EngineConfig:
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
-        _require(self.max_num_batched_tokens >= self.max_num_seqs or self.max_num_batched_tokens >= 1,
-                 "max_num_batched_tokens must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens must be >= 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
