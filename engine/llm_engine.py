@@ -16,6 +16,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from engine.allocator import keep_freed_memory
 from engine.block_hash import BlockHash, HashNamespace
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -56,6 +57,7 @@ class LLMEngine:
                  progress: bool = False, on_kv_event=None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory()  # process-wide: an engine's process is there to run the engine
         self.config = config
         self.model_config = load_model_config(config.model_dir, config.dtype)
         self.max_model_len = config.max_len_for(self.model_config)

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("paged_decode_attention.c")
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 _lock = threading.Lock()
 _kernel: list = []  # memo: [function or None]
 log = logging.getLogger(__name__)

@@ -25,44 +25,62 @@ typedef struct {
     int status;
 } Job;
 
-static void attend(const Job *job, int64_t item, float *scores) {
+static void attend(const Job *job, int64_t item, float *restrict scores) {
     const int64_t b = item / job->kv_heads, h = item % job->kv_heads;
     const int64_t group = job->heads / job->kv_heads, dim = job->head_dim, bs = job->block_size;
-    const int64_t n = job->context_lens[b];
+    const int64_t n = job->context_lens[b], num_blocks = (n + bs - 1) / bs;
     const int64_t *table = job->block_tables + b * job->max_blocks;
-    const float *q = job->q + (b * job->heads + h * group) * dim;
-    float *out = job->out + (b * job->heads + h * group) * dim;
-    float mx[MAX_GROUP], sum[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY, sum[g] = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-        const float *key = job->k + ((h * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * dim;
-            float dot = 0.0f;
+    const float *restrict q = job->q + (b * job->heads + h * group) * dim;
+    float *restrict out = job->out + (b * job->heads + h * group) * dim;
+    const float *k_head = job->k + h * job->num_blocks * bs * dim;
+    const float *v_head = job->v + h * job->num_blocks * bs * dim;
+    /* Pass 1: scores, walking the sequence block by block (no per-token division). */
+    for (int64_t blk = 0; blk < num_blocks; blk++) {
+        const float *restrict keys = k_head + table[blk] * bs * dim;
+        const int64_t first = blk * bs, count = n - first < bs ? n - first : bs;
+        for (int64_t o = 0; o < count; o++) {
+            const float *restrict key = keys + o * dim;
+            for (int64_t g = 0; g < group; g++) {
+                const float *restrict qg = q + g * dim;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; d++) dot += qg[d] * key[d];
-            dot *= job->scale;
-            scores[g * n + t] = dot;
-            if (dot > mx[g]) mx[g] = dot;
+                for (int64_t d = 0; d < dim; d++) dot += qg[d] * key[d];
+                scores[g * n + first + o] = dot * job->scale;
+            }
         }
     }
+    /* Softmax per query head: max, exp (vectorized), sum. */
+    float inv_sum[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * n;
-        for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - mx[g]); sum[g] += s[t]; }
+        float *restrict s = scores + g * n;
+        float mx = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) s[t] = expf(s[t] - mx);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; t++) sum += s[t];
+        inv_sum[g] = 1.0f / sum;
         memset(out + g * dim, 0, sizeof(float) * dim);
     }
-    for (int64_t t = 0; t < n; t++) {
-        const float *value = job->v + ((h * job->num_blocks + table[t / bs]) * bs + t % bs) * dim;
+    /* Pass 2: weighted sum of values, one query head at a time over each block. */
+    for (int64_t blk = 0; blk < num_blocks; blk++) {
+        const float *restrict values = v_head + table[blk] * bs * dim;
+        const int64_t first = blk * bs, count = n - first < bs ? n - first : bs;
         for (int64_t g = 0; g < group; g++) {
-            const float w = scores[g * n + t];
-            float *og = out + g * dim;
+            const float *restrict w = scores + g * n + first;
+            float *restrict og = out + g * dim;
+            for (int64_t o = 0; o < count; o++) {
+                const float *restrict value = values + o * dim;
+                const float wo = w[o];
 #pragma omp simd
-            for (int64_t d = 0; d < dim; d++) og[d] += w * value[d];
+                for (int64_t d = 0; d < dim; d++) og[d] += wo * value[d];
+            }
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        const float inv = 1.0f / sum[g];
-        for (int64_t d = 0; d < dim; d++) out[g * dim + d] *= inv;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) out[g * dim + d] *= inv_sum[g];
     }
 }
 

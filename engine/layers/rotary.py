@@ -49,13 +49,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]; returns rotated copies."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for a step's positions, `[tokens, 1, head_dim]`; gathered once, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x2, x1): written per half, which is the
+        same arithmetic element by element without building the rotated copy."""
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        return out

@@ -31,7 +31,7 @@ PACKED_WEIGHTS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup):
         super().__init__()
         dtype = cfg.torch_dtype
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
@@ -41,11 +41,11 @@ class Attention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads_local
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.rotary = rotary
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(self, positions, hidden, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope, hidden, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """`rope`: this step's (cos, sin) rows from `RotaryEmbedding.lookup`."""
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -54,7 +54,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
 
 
@@ -68,19 +68,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, tp)
+        self.self_attn = Attention(cfg, tp)
         self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
 
-    def forward(self, positions, hidden, k_cache, v_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), k_cache, v_cache, meta)
+    def forward(self, rope, hidden, k_cache, v_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), k_cache, v_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -89,8 +89,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
 
 
@@ -110,8 +110,9 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """kv_cache: [num_layers, 2, kv_heads_local, num_blocks, block_size, head_dim]."""
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.lookup(positions, hidden.dtype)
         for index, layer in enumerate(self.model.layers):
-            hidden = layer(positions, hidden, kv_cache[index, 0], kv_cache[index, 1], meta)
+            hidden = layer(rope, hidden, kv_cache[index, 0], kv_cache[index, 1], meta)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
