@@ -5,7 +5,8 @@
  * head_dim]; block_tables [batch, max_blocks] int64; context_lens [batch] int64; out like q.
  * Work items are (sequence, kv head) pairs; each computes softmax(q·Kᵀ·scale)·V for the `group` query
  * heads that share the KV head, with an exact two-pass softmax in fp32. Items are spread over
- * `num_threads` POSIX threads, interleaved so long and short sequences mix.
+ * `num_threads` POSIX threads, interleaved so long and short sequences mix. head_dim 64 with at most
+ * four query heads per KV head (the demo model, most Llama-likes) takes a register-blocked path.
  */
 #include <math.h>
 #include <pthread.h>
@@ -84,13 +85,71 @@ static void attend(const Job *job, int64_t item, float *restrict scores) {
     }
 }
 
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+/* dim == 64 and group <= 4: keys and values are loaded once for all query heads, and the output
+ * accumulates in registers, instead of re-reading each key per head and storing `og` per key. */
+static void attend64(const Job *job, int64_t item, float *restrict scores) {
+    const int64_t b = item / job->kv_heads, h = item % job->kv_heads;
+    const int64_t group = job->heads / job->kv_heads, bs = job->block_size;
+    const int64_t n = job->context_lens[b], num_blocks = (n + bs - 1) / bs;
+    const int64_t *table = job->block_tables + b * job->max_blocks;
+    const float *q = job->q + (b * job->heads + h * group) * 64;
+    float *out = job->out + (b * job->heads + h * group) * 64;
+    const float *k_head = job->k + h * job->num_blocks * bs * 64;
+    const float *v_head = job->v + h * job->num_blocks * bs * 64;
+    v16 qv[4][4];
+    for (int64_t g = 0; g < group; g++)
+        for (int i = 0; i < 4; i++) qv[g][i] = *(const v16 *)(q + g * 64 + i * 16);
+    for (int64_t blk = 0; blk < num_blocks; blk++) {
+        const float *keys = k_head + table[blk] * bs * 64;
+        const int64_t first = blk * bs, count = n - first < bs ? n - first : bs;
+        for (int64_t o = 0; o < count; o++) {
+            const v16 k0 = *(const v16 *)(keys + o * 64), k1 = *(const v16 *)(keys + o * 64 + 16);
+            const v16 k2 = *(const v16 *)(keys + o * 64 + 32), k3 = *(const v16 *)(keys + o * 64 + 48);
+            for (int64_t g = 0; g < group; g++) {
+                v16 acc = qv[g][0] * k0 + qv[g][1] * k1 + qv[g][2] * k2 + qv[g][3] * k3;
+                float dot = 0.0f;
+                for (int i = 0; i < 16; i++) dot += acc[i];
+                scores[g * n + first + o] = dot * job->scale;
+            }
+        }
+    }
+    float inv_sum[4];
+    for (int64_t g = 0; g < group; g++) {
+        float *restrict s = scores + g * n;
+        float mx = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) s[t] = expf(s[t] - mx);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; t++) sum += s[t];
+        inv_sum[g] = 1.0f / sum;
+    }
+    v16 acc[4][4] = {{{0}}};
+    for (int64_t blk = 0; blk < num_blocks; blk++) {
+        const float *values = v_head + table[blk] * bs * 64;
+        const int64_t first = blk * bs, count = n - first < bs ? n - first : bs;
+        for (int64_t o = 0; o < count; o++) {
+            const v16 x0 = *(const v16 *)(values + o * 64), x1 = *(const v16 *)(values + o * 64 + 16);
+            const v16 x2 = *(const v16 *)(values + o * 64 + 32), x3 = *(const v16 *)(values + o * 64 + 48);
+            for (int64_t g = 0; g < group; g++) {
+                const float w = scores[g * n + first + o];
+                acc[g][0] += w * x0; acc[g][1] += w * x1; acc[g][2] += w * x2; acc[g][3] += w * x3;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int i = 0; i < 4; i++) *(v16 *)(out + g * 64 + i * 16) = acc[g][i] * inv_sum[g];
+}
+
 static void *run_job(void *arg) {
     Job *job = (Job *)arg;
     const int64_t group = job->heads / job->kv_heads;
     float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (job->max_context > 0 ? job->max_context : 1)));
     if (!scores) { job->status = 1; return NULL; }
     for (int64_t item = job->thread_index; item < job->batch * job->kv_heads; item += job->num_threads)
-        attend(job, item, scores);
+        (job->head_dim == 64 && job->heads / job->kv_heads <= 4 ? attend64 : attend)(job, item, scores);
     free(scores);
     return NULL;
 }

@@ -33,7 +33,8 @@ def _case(heads, kv_heads, head_dim, block_size, lens, seed=0):
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
-    (4, 4, 16, 16), (12, 4, 64, 16), (8, 1, 32, 4), (6, 2, 128, 8), (2, 2, 8, 1)])
+    (4, 4, 16, 16), (12, 4, 64, 16), (8, 2, 64, 16), (4, 4, 64, 4), (8, 1, 32, 4), (6, 2, 128, 8),
+    (2, 2, 8, 1)])
 def test_native_decode_kernel_equals_reference(heads, kv_heads, head_dim, block_size):
     assert decode_attention_kernel() is not None, "the C kernel must build on this machine (cc is required)"
     q, k_cache, v_cache, meta = _case(heads, kv_heads, head_dim, block_size, [1, 7, 16, 17, 63, 200])
