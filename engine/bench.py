@@ -9,9 +9,9 @@
    of `--hf-batch-sizes` in useful tokens/s on the first `--calibration-requests` requests.
 4. HF then runs the first `--hf-sample` requests at that B, reusing the calibration run for the first
    ones. HF batches are independent and lengths i.i.d., so a prefix's rate estimates the full set's.
-   Default 64 (~8k useful tokens, two batches even at B=32): on 2 cores the calibration takes ~4-5 min
-   and each further 32 requests ~2, the engine's 256 up to ~15 at this writing: ~20 min in all.
-   Other load on the machine slows both sides: the summary records the load average.
+   Default 128, half the set (~17k useful tokens, four batches even at B=32): on 2 cores the
+   calibration takes ~3-4 min, each further 32 requests 1-2 (B=1: ~3), the engine ~2.5: ~10-15 min.
+   Other load on the machine slows both sides (badly): the summary records the load average.
 
 `--check N`: engine greedy tokens vs unbatched HF for the first N requests (reusing B=1 calibration).
 `--profile`: only the engine, on `--profile-requests` requests, under cProfile: top functions, and
@@ -55,7 +55,7 @@ class BenchConfig:
     threads: int = len(os.sched_getaffinity(0))
     hf_batch_sizes: tuple[int, ...] = (1, 8, 32)
     calibration_requests: int = 32  # a multiple of every B, so the chosen B's run is reusable
-    hf_sample: int = 64
+    hf_sample: int = 128
     check: int = 0
     profile: bool = False
     profile_requests: int = 32
