@@ -26,6 +26,21 @@ typedef struct {
     int status;
 } Job;
 
+/* Exponentiates each query head's scores in place (max-subtracted) and returns 1 / their sum. */
+static void softmax_rows(float *restrict scores, int64_t n, int64_t group, float *restrict inv_sum) {
+    for (int64_t g = 0; g < group; g++) {
+        float *restrict s = scores + g * n;
+        float mx = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) s[t] = expf(s[t] - mx);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; t++) sum += s[t];
+        inv_sum[g] = 1.0f / sum;
+    }
+}
+
 static void attend(const Job *job, int64_t item, float *restrict scores) {
     const int64_t b = item / job->kv_heads, h = item % job->kv_heads;
     const int64_t group = job->heads / job->kv_heads, dim = job->head_dim, bs = job->block_size;
@@ -50,20 +65,9 @@ static void attend(const Job *job, int64_t item, float *restrict scores) {
             }
         }
     }
-    /* Softmax per query head: max, exp (vectorized), sum. */
     float inv_sum[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *restrict s = scores + g * n;
-        float mx = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-#pragma omp simd
-        for (int64_t t = 0; t < n; t++) s[t] = expf(s[t] - mx);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; t++) sum += s[t];
-        inv_sum[g] = 1.0f / sum;
-        memset(out + g * dim, 0, sizeof(float) * dim);
-    }
+    softmax_rows(scores, n, group, inv_sum);
+    memset(out, 0, sizeof(float) * group * dim);
     /* Pass 2: weighted sum of values, one query head at a time over each block. */
     for (int64_t blk = 0; blk < num_blocks; blk++) {
         const float *restrict values = v_head + table[blk] * bs * dim;
@@ -115,17 +119,7 @@ static void attend64(const Job *job, int64_t item, float *restrict scores) {
         }
     }
     float inv_sum[4];
-    for (int64_t g = 0; g < group; g++) {
-        float *restrict s = scores + g * n;
-        float mx = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : mx)
-        for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-#pragma omp simd
-        for (int64_t t = 0; t < n; t++) s[t] = expf(s[t] - mx);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; t++) sum += s[t];
-        inv_sum[g] = 1.0f / sum;
-    }
+    softmax_rows(scores, n, group, inv_sum);
     v16 acc[4][4] = {{{0}}};
     for (int64_t blk = 0; blk < num_blocks; blk++) {
         const float *values = v_head + table[blk] * bs * 64;
