@@ -126,12 +126,10 @@ class ClusterClient:
             except (RayActorError, RayTaskError) as err:
                 self._fail_instance(decode, f"decode instance {decode.instance_id} is unavailable: {err}")
                 return
-            for update in updates:
+            for update in updates:  # an idle instance's poll blocks server-side up to POLL_WAIT_S
                 queue = self._queues.get(update.request_id)
                 if queue is not None:
                     queue.put_nowait(update)
-            if not updates and self._load[decode.instance_id] == 0:
-                await asyncio.sleep(0)  # idle: the next poll blocks server-side up to POLL_WAIT_S
 
     def _fail_instance(self, decode: DecodeInstance, reason: str) -> None:
         for request_id, queue in self._queues.items():

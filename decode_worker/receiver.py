@@ -98,12 +98,6 @@ class KVReceiver:
         with self._lock:
             self._expected.pop(request_id, None)
 
-    def expired(self, now_s: float) -> list[str]:
-        """Requests whose lease ended before their KV arrived."""
-        with self._lock:
-            return [rid for rid, e in self._expected.items()
-                    if e.state in (TransferState.PENDING, TransferState.FAILED) and now_s >= e.deadline_s]
-
     def _get(self, request_id: str) -> Expected:
         with self._lock:
             entry = self._expected.get(request_id)

@@ -223,3 +223,11 @@ def test_prefill_role_hands_blocks_to_a_decode_role_engine(checkpoint, make_llm)
     got = [decode.pop_finished(f"r{i}").output_token_ids for i in range(3)]
     assert got == hf_greedy_generate(model_dir, prompts, 10)
     assert_engine_clean(prefill)
+
+
+def test_sequence_outgrowing_the_whole_pool_ends_with_length_instead_of_spinning(checkpoint, make_llm):
+    # 4 blocks of 4 tokens: a 10-token prompt can grow to 16 tokens, then no preemption can make room.
+    llm = make_llm(checkpoint(TinySpec()), block_size=4, num_kv_blocks=4, enable_prefix_caching=False)
+    out = llm.generate([list(range(10, 20))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "length" and 1 <= len(out.token_ids) <= 16 - 10 + 1
