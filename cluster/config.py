@@ -24,12 +24,31 @@ class PoolConfig:
     tp_size: int = 1  # decode: ranks per instance; prefill: must be 1
     num_cpus: float = 1.0  # Ray logical CPUs per actor (per rank)
     num_gpus: float = 0.0  # Ray GPUs per actor (per rank)
+    # A Ray custom resource each actor (rank) takes one unit of; pins the pool to the nodes that
+    # advertise it (KubeRay: the prefill / decode worker groups). None: any node.
+    ray_resource: str | None = None
     threads: int = 1  # torch intra-op threads per actor
     kv_cache_memory_bytes: int = 1024**3
     num_kv_blocks: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     prefill_chunk_tokens: int = 512
+
+
+ROUTING_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The gRPC router: where it listens, how it routes, who may call it."""
+
+    host: str = "127.0.0.1"  # loopback unless deliberately exposed (the Helm chart sets 0.0.0.0)
+    port: int = 50051  # 0: the OS picks a free port (tests)
+    policy: str = "cache_aware"  # one of ROUTING_POLICIES
+    auth_token_file: str | None = None  # a file holding the bearer token; None: no auth
+    max_concurrent_requests: int = 1024  # streams beyond this are refused with RESOURCE_EXHAUSTED
+    metrics_port: int | None = None  # Prometheus endpoint; None: off
+    index_poll_interval_s: float = 0.05  # how often the in-process prefix index pulls worker KV events
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,9 @@ class ClusterConfig:
     ready_timeout_s: float = 120.0
     handoff_lease_s: float = 30.0  # a reservation/transfer not finished by then is abandoned
     request_timeout_s: float = 600.0  # longest any single request may take end to end
+    router: RouterConfig = field(default_factory=RouterConfig)
+    redis_url: str | None = None  # global prefix index; None: the router's in-process index
+    index_lease_s: float = 30.0  # a worker's prefix-index entries expire this long after its last heartbeat
 
     def __post_init__(self):
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -58,6 +80,10 @@ class ClusterConfig:
         _check(self.handoff_lease_s > 0, "handoff_lease_s", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
+        _check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
+        _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+               "redis_url", "must start with redis://, rediss:// or unix://")
+        _check_router(self.router)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ClusterConfig":
@@ -66,13 +92,13 @@ class ClusterConfig:
             raise ConfigError(f"cluster config must be a mapping, got {type(raw).__name__}")
         _reject_unknown(raw, cls, "")
         values = dict(raw)
-        for name in ("prefill", "decode"):
+        for name, section_cls in _SECTIONS.items():
             if name in values:
-                pool = values[name]
-                if not isinstance(pool, dict):
+                section = values[name]
+                if not isinstance(section, dict):
                     raise ConfigError(f"{name}: must be a mapping")
-                _reject_unknown(pool, PoolConfig, f"{name}.")
-                values[name] = _build(PoolConfig, pool, f"{name}.")
+                _reject_unknown(section, section_cls, f"{name}.")
+                values[name] = _build(section_cls, section, f"{name}.")
         return _build(cls, values, "")
 
     def to_dict(self) -> dict[str, Any]:
@@ -97,6 +123,7 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
     _check(pool.replicas >= 1, f"{name}.replicas", "must be >= 1")
     _check(pool.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
     _check(pool.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
+    _check(pool.ray_resource is None or bool(pool.ray_resource), f"{name}.ray_resource", "must be None or non-empty")
     _check(pool.threads >= 1, f"{name}.threads", "must be >= 1")
     _check(pool.kv_cache_memory_bytes > 0, f"{name}.kv_cache_memory_bytes", "must be > 0")
     _check(pool.num_kv_blocks is None or pool.num_kv_blocks >= 1, f"{name}.num_kv_blocks", "must be >= 1")
@@ -105,9 +132,22 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
     _check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
 
 
+def _check_router(router: RouterConfig) -> None:
+    _check(isinstance(router.host, str) and bool(router.host), "router.host", "must be a non-empty string")
+    _check(0 <= router.port <= 65535, "router.port", "must be in [0, 65535]")
+    _check(router.policy in ROUTING_POLICIES, "router.policy", f"must be one of {list(ROUTING_POLICIES)}")
+    _check(router.max_concurrent_requests >= 1, "router.max_concurrent_requests", "must be >= 1")
+    _check(router.metrics_port is None or 0 <= router.metrics_port <= 65535, "router.metrics_port",
+           "must be None or in [0, 65535]")
+    _check(router.index_poll_interval_s > 0, "router.index_poll_interval_s", "must be > 0")
+
+
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+_SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig}
 
 
 def _reject_unknown(raw: dict, cls, prefix: str) -> None:
@@ -120,11 +160,31 @@ def _reject_unknown(raw: dict, cls, prefix: str) -> None:
 def _build(cls, values: dict, prefix: str):
     hints = {f.name: f.type for f in dataclasses.fields(cls)}
     for key, value in values.items():
-        if isinstance(value, bool) and "bool" not in str(hints[key]):
-            raise ConfigError(f"{prefix}{key}: expected {hints[key]}, got a boolean")
+        _check_type(value, str(hints[key]), f"{prefix}{key}")
     try:
         return cls(**values)
     except ConfigError as err:
         raise ConfigError(f"{prefix}{err}") from None
     except TypeError as err:
         raise ConfigError(f"{prefix}{err}") from None
+
+
+_SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_type(value, hint: str, key: str) -> None:
+    """Plain-data values (YAML, JSON, flags) must match the field's annotation before any rule runs."""
+    allowed = [part.strip() for part in hint.split("|")]
+    if value is None:
+        if "None" not in allowed:
+            raise ConfigError(f"{key}: must not be null (expected {hint})")
+        return
+    for name in allowed:
+        types = _SCALARS.get(name)
+        if types is None:  # a nested section, already built
+            return
+        if isinstance(value, bool) and name != "bool":
+            continue
+        if isinstance(value, types):
+            return
+    raise ConfigError(f"{key}: expected {hint}, got {type(value).__name__} {value!r}")

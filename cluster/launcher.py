@@ -87,7 +87,7 @@ def _start_actors(cluster: LaunchedCluster, host: str, port: int) -> None:
     for index in range(cfg.prefill.replicas):
         worker_id = f"{cluster.cluster_id}/prefill-{index}"
         actor = prefill_cls.options(name=worker_id, num_cpus=cfg.prefill.num_cpus, num_gpus=cfg.prefill.num_gpus,
-                                    runtime_env=_worker_env(cfg.prefill.threads)).remote(
+                                    resources=_custom(cfg.prefill), runtime_env=_worker_env(cfg.prefill.threads)).remote(
             worker_id, raw, cluster.model_dir, host, port)
         cluster.actors.append(actor)
         cluster.prefill.append(PrefillHandle(worker_id, actor))
@@ -98,7 +98,8 @@ def _start_actors(cluster: LaunchedCluster, host: str, port: int) -> None:
         ranks = []
         for rank in reversed(range(cfg.decode.tp_size)):  # followers first: rank 0 looks them up by name
             options = decode_cls.options(name=names[rank], num_cpus=cfg.decode.num_cpus,
-                                         num_gpus=cfg.decode.num_gpus, runtime_env=_worker_env(cfg.decode.threads))
+                                         num_gpus=cfg.decode.num_gpus, resources=_custom(cfg.decode),
+                                         runtime_env=_worker_env(cfg.decode.threads))
             followers = tuple(names[1:]) if rank == 0 else ()
             ranks.insert(0, options.remote(instance_id, rank, raw, cluster.model_dir, host, port, followers))
         cluster.actors.extend(ranks)
@@ -142,6 +143,10 @@ def _ensure_ray(config: ClusterConfig) -> bool:
     ray.init(address=config.ray_address, num_cpus=num_cpus, include_dashboard=False, namespace="splitserve",
              log_to_driver=True, configure_logging=False)
     return True
+
+
+def _custom(pool) -> dict:
+    return {pool.ray_resource: 1} if pool.ray_resource else {}
 
 
 def _worker_env(threads: int) -> dict:
