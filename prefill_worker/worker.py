@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from cluster.config import ClusterConfig
+from cluster.kv_events import KVEventBatch, KVEventBuffer
 from cluster.messages import GenerateRequest, HandoffStats, PrefillResult, WorkerInfo
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
@@ -32,7 +33,8 @@ class PrefillWorker:
         cluster_config = ClusterConfig.from_dict(config)
         self.worker_id = worker_id
         self.lease_s = cluster_config.handoff_lease_s
-        self.engine = LLMEngine(cluster_config.engine_config("prefill", model_dir))
+        self.kv_events = KVEventBuffer(worker_id)  # read by prefix indexers, off the engine thread
+        self.engine = LLMEngine(cluster_config.engine_config("prefill", model_dir), on_kv_event=self.kv_events.append)
         self.transport = TorchDistTransport(worker_id, store_host, store_port)
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, HandoffTarget | None]] = {}
         self._handoffs: dict[str, Future] = {}
@@ -79,6 +81,10 @@ class PrefillWorker:
             loop, waiter, _ = entry
             loop.call_soon_threadsafe(_fail, waiter, RequestAborted(f"{request_id!r} was aborted"))
         return aborted
+
+    async def read_kv_events(self, since_seq: int) -> KVEventBatch:
+        """The prefix-cache events after `since_seq` of this worker's current epoch (see KVEventBatch)."""
+        return self.kv_events.read_since(since_seq)
 
     async def check_integrity(self) -> dict:
         """Runs the block pool's integrity check; reports blocks and sequences still held."""

@@ -1,0 +1,76 @@
+"""A worker's KV cache events, numbered, buffered off the hot path, read in batches by indexers.
+
+The engine thread appends every `BlockStored` / `BlockRemoved` its block pool emits (a deque append
+under a lock: nothing on the hot path waits on a network). Readers — the router's in-process index
+pulling over Ray, or the Redis publisher — ask for everything after the last sequence number they
+applied and get one `KVEventBatch`. A reader that fell further behind than the buffer holds gets a
+`snapshot` instead: the full set of hashes the worker caches now, which replaces what the reader
+knew. `epoch` changes on every worker start, so a reader can tell a restarted worker (whose old
+entries are all gone) from one it is following.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHash
+from engine.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+
+DEFAULT_CAPACITY = 65536
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """Events `seq > since` of one worker epoch, oldest first; or a snapshot when the reader fell behind.
+
+    `events` pairs each event with its sequence number (1, 2, ... within an epoch, no gaps).
+    `snapshot`, when not None, lists every block hash cached at `last_seq`; `events` is then empty.
+    """
+
+    worker_id: str
+    epoch: int
+    last_seq: int
+    events: tuple[tuple[int, KVCacheEvent], ...]
+    snapshot: tuple[BlockHash, ...] | None = None
+
+
+class KVEventBuffer:
+    """Thread-safe: one writer (the engine thread), any number of readers, each with its own cursor."""
+
+    def __init__(self, worker_id: str, capacity: int = DEFAULT_CAPACITY, epoch: int | None = None):
+        self.worker_id = worker_id
+        self.epoch = epoch if epoch is not None else time.time_ns()
+        self._events: deque[tuple[int, KVCacheEvent]] = deque(maxlen=capacity)
+        self._cached: dict[BlockHash, None] = {}  # insertion-ordered set of what the worker caches now
+        self._last_seq = 0
+        self._lock = threading.Lock()
+
+    def append(self, event: KVCacheEvent) -> None:
+        with self._lock:
+            self._last_seq += 1
+            self._events.append((self._last_seq, event))
+            if isinstance(event, BlockStored):
+                self._cached.update(dict.fromkeys(event.block_hashes))
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    self._cached.pop(block_hash, None)
+
+    def read_since(self, since_seq: int, max_events: int = 8192) -> KVEventBatch:
+        """Events after `since_seq` (at most `max_events`); a snapshot if some were already dropped."""
+        with self._lock:
+            if since_seq > self._last_seq:  # a cursor from another epoch: start over from a snapshot
+                since_seq = -1
+            oldest = self._events[0][0] if self._events else self._last_seq + 1
+            if since_seq + 1 < oldest and since_seq < self._last_seq:
+                return KVEventBatch(self.worker_id, self.epoch, self._last_seq, (), tuple(self._cached))
+            start = len(self._events) - (self._last_seq - since_seq)
+            events = tuple(self._events[i] for i in range(start, min(len(self._events), start + max_events)))
+            last_seq = events[-1][0] if events else self._last_seq
+            return KVEventBatch(self.worker_id, self.epoch, last_seq, events)
+
+    @property
+    def last_seq(self) -> int:
+        with self._lock:
+            return self._last_seq
