@@ -23,15 +23,50 @@ def _bench_engine(argv: list[str]) -> None:
     main(argv)
 
 
+def _bench(argv: list[str]) -> None:
+    from loadtest.cli import main
+
+    main(argv)
+
+
 def _offline(argv: list[str]) -> None:
     from engine.demo import main
 
     main(argv)
 
 
+def _serve(argv: list[str]) -> None:
+    from cluster.serve import main
+
+    main(argv)
+
+
+def _generate(argv: list[str]) -> None:
+    from cluster.cli_client import generate_main
+
+    generate_main(argv)
+
+
+def _status(argv: list[str]) -> None:
+    from cluster.cli_client import status_main
+
+    status_main(argv)
+
+
+def _health(argv: list[str]) -> None:
+    from cluster.cli_client import health_main
+
+    health_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
+    "serve": (_serve, "launch the workers on Ray and serve the gRPC router"),
+    "generate": (_generate, "stream a completion from a router to the terminal"),
+    "status": (_status, "show a router's workers, load and cache figures"),
+    "health": (_health, "exit 0 iff a router's gRPC health service is SERVING"),
     "demo-model": (_demo_model, "write the demo checkpoint to a directory"),
     "bench-engine": (_bench_engine, "offline throughput of the engine vs transformers.generate"),
+    "bench": (_bench, "load-test a running router (Poisson, shared-prefix, trace replay)"),
     "offline": (_offline, "generate offline with the in-process engine and print timings"),
 }
 

@@ -28,11 +28,13 @@ POLL_WAIT_S = 0.2
 
 class RequestFailed(RuntimeError):
     """A request could not complete. `unavailable` marks worker loss (retry-safe before the first
-    token); otherwise the request itself was refused (`field` names the bad input, if any)."""
+    token); `timed_out` its deadline passing; otherwise the request itself was refused (`field` names
+    the bad input, if any)."""
 
-    def __init__(self, reason: str, *, unavailable: bool = False, field: str | None = None):
+    def __init__(self, reason: str, *, unavailable: bool = False, field: str | None = None,
+                 timed_out: bool = False):
         super().__init__(reason)
-        self.reason, self.unavailable, self.field = reason, unavailable, field
+        self.reason, self.unavailable, self.field, self.timed_out = reason, unavailable, field, timed_out
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     logprobs: tuple
     finish_reason: str | None
+    num_cached_tokens: int = 0  # first chunk: prompt tokens the prefill worker had cached
 
 
 class ClusterClient:
@@ -51,13 +54,30 @@ class ClusterClient:
         self._pollers: dict[str, asyncio.Task] = {}
         self._instance_of: dict[str, str] = {}  # request id → decode instance id
         self.client_id = secrets.token_hex(4)  # decode instances route this client's tokens by it
+        self._cleanups: dict[str, asyncio.Task] = {}  # request id → abort in progress on its workers
+
+    def is_active(self, request_id: str) -> bool:
+        """True while the request streams or its abort has not reached its workers yet."""
+        return request_id in self._queues or request_id in self._cleanups
+
+    @property
+    def num_cleanups(self) -> int:
+        return len(self._cleanups)
+
+    def decode_load(self, instance_id: str) -> int:
+        """Requests this client has in flight on a decode instance."""
+        return self._load[instance_id]
 
     async def generate(self, request: GenerateRequest, prefill: PrefillHandle | None = None,
-                       decode: DecodeInstance | None = None) -> AsyncIterator[TokenChunk]:
+                       decode: DecodeInstance | None = None,
+                       deadline_s: float | None = None) -> AsyncIterator[TokenChunk]:
+        """Streams the request's tokens. `deadline_s` (time.monotonic) bounds it, and so does the
+        config's request_timeout_s. Leaving early (cancel, deadline, error) aborts it on both workers."""
         prefill = prefill or next(self._prefill_cycle)
         decode = decode or min(self.cluster.decode, key=lambda d: self._load[d.instance_id])
         self._ensure_poller(decode)
-        deadline_s = time.monotonic() + self.cluster.config.request_timeout_s
+        limit_s = time.monotonic() + self.cluster.config.request_timeout_s
+        deadline_s = limit_s if deadline_s is None else min(deadline_s, limit_s)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._instance_of[request.request_id] = decode.instance_id
@@ -65,7 +85,8 @@ class ClusterClient:
         finished = False
         try:
             first = await self._prefill(request, prefill, decode, deadline_s)
-            yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason)
+            yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason,
+                             first.num_cached_tokens)
             if not first.handoff:
                 finished = True
                 return
@@ -77,8 +98,10 @@ class ClusterClient:
             self._queues.pop(request.request_id, None)
             self._instance_of.pop(request.request_id, None)
             self._load[decode.instance_id] -= 1
-            if not finished:
-                await self._cancel(request.request_id, prefill, decode)
+            if not finished:  # a task of its own: the caller's task may be being cancelled right now
+                cleanup = asyncio.ensure_future(self._cancel(request.request_id, prefill, decode))
+                self._cleanups[request.request_id] = cleanup
+                cleanup.add_done_callback(lambda _: self._cleanups.pop(request.request_id, None))
 
     async def _prefill(self, request, prefill, decode, deadline_s):
         target = await _bounded(decode.driver.reserve.remote(request.request_id, len(request.prompt_token_ids),
@@ -99,7 +122,7 @@ class ClusterClient:
             try:
                 update: TokenUpdate = await asyncio.wait_for(queue.get(), max(left_s, 0.0))
             except asyncio.TimeoutError:
-                raise RequestFailed(f"request timed out after {self.cluster.config.request_timeout_s:.0f} s") from None
+                raise RequestFailed("the request's deadline passed while decoding", timed_out=True) from None
             if update.error is not None:
                 raise RequestFailed(update.error, unavailable=True)
             yield TokenChunk(update.token_ids, update.logprobs, update.finish_reason)
@@ -137,6 +160,8 @@ class ClusterClient:
                 queue.put_nowait(TokenUpdate(request_id, (), (), error=reason))
 
     async def close(self) -> None:
+        if self._cleanups:  # let aborts in flight reach the workers (each is bounded)
+            await asyncio.wait(list(self._cleanups.values()), timeout=self.cluster.config.handoff_lease_s + 10.0)
         for task in self._pollers.values():
             task.cancel()
         self._pollers.clear()
@@ -147,7 +172,7 @@ async def _bounded(ref, deadline_s: float, what: str):
     try:
         return await asyncio.wait_for(ref, max(deadline_s - time.monotonic(), 0.0))
     except asyncio.TimeoutError:
-        raise RequestFailed(f"{what} did not answer before the request deadline", unavailable=True) from None
+        raise RequestFailed(f"{what} did not answer before the request deadline", timed_out=True) from None
     except RayActorError as err:
         raise RequestFailed(f"{what} died: {err.__class__.__name__}", unavailable=True) from None
     except RayTaskError as err:

@@ -3,6 +3,7 @@ for integrity (and for leaked blocks) after every test that made one."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -10,6 +11,7 @@ from tests.factories import TinySpec, make_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +51,17 @@ def assert_engine_clean(engine) -> None:
     assert not engine.has_unfinished(), "requests left in the scheduler"
     assert engine.kv.num_free_blocks == engine.num_blocks, (
         f"leaked KV blocks: {engine.num_blocks - engine.kv.num_free_blocks} still held")
+
+
+# One Ray session per test run (PLATFORM.md: init ~2.5 s, shutdown ~1.3 s), started inside the sandbox the
+# test runner provides, with Ray's files under a short temporary directory.
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
+    ray.init(num_cpus=8, include_dashboard=False, namespace="splitserve", _temp_dir=temp_dir,
+             configure_logging=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1",
+                                                                "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()

@@ -1,24 +1,8 @@
-"""One Ray session per test run (PLATFORM.md: init ~2.5 s, shutdown ~1.3 s), started inside the
-sandbox the test runner provides, with Ray's files under a short temporary directory."""
+"""Helpers for the cluster tests (the shared Ray session fixture lives in tests/conftest.py)."""
 from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
-
-import pytest
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    import ray
-
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
-    ray.init(num_cpus=8, include_dashboard=False, namespace="splitserve", _temp_dir=temp_dir,
-             configure_logging=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1",
-                                                                "TOKENIZERS_PARALLELISM": "false"}})
-    yield ray
-    ray.shutdown()
 
 
 def run(coro, timeout_s: float = 120.0):
@@ -28,3 +12,6 @@ def run(coro, timeout_s: float = 120.0):
 
 def pytest_configure(config):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+from tests.cluster.conftest_redis import redis_server  # noqa: E402,F401  (fixture: a private redis-server)

@@ -1,0 +1,98 @@
+"""Client-side commands: `splitserve generate`, `splitserve status`, `splitserve health`.
+
+They use only the SDK (grpcio + protobuf), so they start fast and run anywhere a router is reachable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _common(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default {DEFAULT_TARGET})")
+    p.add_argument("--auth-token-file", type=Path, help="file holding the router's bearer token")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    return p
+
+
+def _client(args):
+    from router.client import Client
+
+    token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
+    return Client(args.target, token=token, timeout_s=args.timeout_s)
+
+
+def generate_main(argv: list[str]) -> None:
+    p = _common("splitserve generate", "Stream a completion to the terminal.")
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--tenant")
+    p.add_argument("--usage", action="store_true", help="print token counts and the route at the end")
+    args = p.parse_args(argv)
+    from router.sdk_types import SplitserveError
+
+    with _client(args) as client:
+        try:
+            route = usage = None
+            for chunk in client.generate_stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                                                ignore_eos=args.ignore_eos, tenant=args.tenant):
+                print(chunk.text, end="", flush=True)
+                route, usage = route or chunk.route, usage or chunk.usage
+            print()
+            if args.usage:
+                print(f"[{usage.completion_tokens} tokens, {usage.cached_prompt_tokens}/{usage.prompt_tokens} prompt "
+                      f"tokens cached, prefill {route.prefill_worker}, decode {route.decode_instance}]")
+        except SplitserveError as err:
+            sys.exit(f"splitserve generate: {err}" + (f" (field {err.field})" if err.field else ""))
+
+
+def status_main(argv: list[str]) -> None:
+    args = _common("splitserve status", "Show the cluster's workers, load and cache figures.").parse_args(argv)
+    from router.sdk_types import SplitserveError
+
+    with _client(args) as client:
+        try:
+            info, status = client.model_info(), client.status()
+        except SplitserveError as err:
+            sys.exit(f"splitserve status: {err}")
+    print(f"model {info.model_identity}  max_model_len {info.max_model_len}  block_size {info.block_size}  "
+          f"policy {status.routing_policy}  in flight {status.inflight_requests}")
+    print(f"{'worker':<28} {'role':<8} {'healthy':<8} {'inflight':>8} {'waiting':>8} {'running':>8} {'kv use':>7}")
+    for w in status.workers:
+        print(f"{w['worker_id']:<28} {w['role']:<8} {str(w['healthy']):<8} {w['inflight_requests']:>8} "
+              f"{w['waiting']:>8} {w['running']:>8} {w['kv_usage']:>6.1%}")
+    hit = status.cached_prompt_tokens_total / max(status.prompt_tokens_total, 1)
+    print(f"prefix hit rate {hit:.1%} ({status.cached_prompt_tokens_total}/{status.prompt_tokens_total} prompt "
+          f"tokens), index entries {status.index_entries}, requests {json.dumps(status.requests_total)}")
+
+
+def health_main(argv: list[str]) -> None:
+    """Exit 0 iff the router's standard gRPC health service says SERVING (Docker HEALTHCHECK)."""
+    p = argparse.ArgumentParser(prog="splitserve health", description=health_main.__doc__)
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--timeout-s", type=float, default=3.0)
+    args = p.parse_args(argv)
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=args.timeout_s)
+        except grpc.RpcError as err:
+            sys.exit(f"splitserve health: {args.target}: {err.code().name}")
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    sys.exit(0 if serving else 1)

@@ -1,0 +1,92 @@
+"""The router's two server interceptors: bearer-token auth, and exceptions → status codes.
+
+The error interceptor is the only place a domain exception becomes a gRPC status: servicer methods
+just raise. It wraps unary and server-streaming handlers alike; the status's field name and
+retry-after travel in trailing metadata (keys in router.sdk_types) as well as in the details text.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from collections import Counter
+
+import grpc
+
+from router.errors import Status, Unauthenticated, status_for
+from router.sdk_types import FIELD_KEY, RETRY_AFTER_KEY
+
+log = logging.getLogger(__name__)
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes (Kubernetes, Docker) carry no token
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(_OPEN_METHODS):
+            return await continuation(handler_call_details)
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode(), self._expected):
+            return await continuation(handler_call_details)
+        return _failing_handler(Unauthenticated("missing or invalid bearer token in 'authorization' metadata"))
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, outcomes: Counter | None = None):
+        self.outcomes = outcomes if outcomes is not None else Counter()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(self._wrap_unary(handler.unary_unary),
+                                                       handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(self._wrap_stream(handler.unary_stream),
+                                                        handler.request_deserializer, handler.response_serializer)
+        return handler
+
+    def _wrap_unary(self, method):
+        async def call(request, context):
+            try:
+                return await method(request, context)
+            except Exception as err:
+                await self._abort(context, err)
+        return call
+
+    def _wrap_stream(self, method):
+        async def call(request, context):
+            try:
+                async for response in method(request, context):
+                    yield response
+                self.outcomes["ok"] += 1
+            except Exception as err:
+                await self._abort(context, err)
+        return call
+
+    async def _abort(self, context, err: Exception) -> None:
+        if isinstance(err, grpc.aio.AbortError):  # already a status (context.abort in a handler)
+            raise err
+        status = status_for(err)
+        if status.code is grpc.StatusCode.INTERNAL:
+            log.exception("unexpected error in a router call", exc_info=err)
+        self.outcomes[status.outcome] += 1
+        await abort_with(context, status)
+
+
+async def abort_with(context, status: Status) -> None:
+    trailing = []
+    if status.field:
+        trailing.append((FIELD_KEY, status.field))
+    if status.retry_after_s is not None:
+        trailing.append((RETRY_AFTER_KEY, str(int(status.retry_after_s * 1000))))
+    await context.abort(status.code, status.details, trailing_metadata=tuple(trailing))
+
+
+def _failing_handler(err: Exception):
+    """A handler that fails every call with `err`'s status (works for unary and streaming callers)."""
+    async def fail(request, context):
+        await abort_with(context, status_for(err))
+    return grpc.unary_unary_rpc_method_handler(fail)

@@ -1,0 +1,54 @@
+"""`cache_aware`: one cost per worker combining cached-prefix overlap and live load.
+
+cost(worker) = queued prompt tokens already routed there
+             + prompt tokens it would have to compute (the prompt minus the prefix it holds)
+
+Both terms are prefill work in tokens, so they add without a tuning knob, and there is no two-tier
+"cache first unless overloaded" switch: a long cached prefix wins until the holder's queue is longer
+than the recompute elsewhere. Ties go to the longer cached prefix, then fewer requests, then the id.
+The prefix comes from a `PrefixIndex` (in-process by default, Redis when configured); if the index
+cannot answer, the choice falls back to `prefix_hash` for that request (no client-visible error).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from router.routing.base import RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad, require_workers
+from router.routing.prefix_hash import PrefixHashPolicy
+
+log = logging.getLogger(__name__)
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    name = "cache_aware"
+
+    def __init__(self, index, fallback: PrefixHashPolicy | None = None):
+        self.index = index  # cluster.prefix_index.PrefixIndex
+        self.fallback = fallback or PrefixHashPolicy()
+        self.index_failures = 0
+        self._degraded = False
+
+    async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
+        require_workers(workers)
+        if not query.block_hashes:
+            return RouteDecision(self.fallback.choose_now(query, workers).worker_id, 0)
+        try:
+            matches = await self.index.match(query.block_hashes)
+        except Exception as err:  # an unreachable index degrades routing, never the request
+            self.index_failures += 1
+            if not self._degraded:
+                log.warning("prefix index unavailable (%s); routing by prefix_hash until it returns", err)
+            self._degraded = True
+            return self.fallback.choose_now(query, workers)
+        self._degraded = False
+        cached_blocks = {m.worker_id: m.num_blocks for m in matches}
+        return min((self._score(query, w, cached_blocks.get(w.worker_id, 0)) for w in workers))[-1]
+
+    @staticmethod
+    def _score(query: RouteQuery, worker: WorkerLoad, blocks: int) -> tuple:
+        # A hit never covers the whole prompt: the last token is always computed (it yields the first
+        # output token), so the uncached count is at least one.
+        uncached = max(query.num_prompt_tokens - blocks * query.block_size, 1)
+        cost = worker.queued_prompt_tokens + uncached
+        return (cost, -blocks, worker.inflight_requests, worker.worker_id, RouteDecision(worker.worker_id, blocks))

@@ -1,0 +1,119 @@
+"""The router process: builds the service around a launched cluster and serves it over grpc.aio.
+
+    server = await RouterServer.start(launched_cluster, cluster_config)
+    print(server.address)        # 127.0.0.1:PORT (port 0 in the config: the OS picks)
+    ...
+    await server.stop()
+
+What it wires: the tokenizer (if the checkpoint has one), the prefix index (in-process, fed from the
+workers' KV events; Redis when `redis_url` is set), the routing policy, the worker monitor, the
+Router servicer behind the auth and error interceptors, the standard health service and reflection.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from cluster.config import ClusterConfig, ConfigError
+from cluster.launcher import LaunchedCluster
+from router.index_feeder import IndexFeeder
+from router.interceptors import AuthInterceptor, ErrorInterceptor
+from router.protocol import splitserve_v1_pb2 as pb
+from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
+from router.routing import make_policy
+from router.service import RouterService
+from router.servicer import RouterServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class RouterServer:
+    def __init__(self, server, service: RouterService, health: HealthServicer, port: int, host: str,
+                 background: list):
+        self.server, self.service, self.health = server, service, health
+        self.port, self.host = port, host
+        self._background = background  # feeder / monitor / index: closed on stop
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    async def start(cls, cluster: LaunchedCluster, config: ClusterConfig,
+                    extra_addresses: tuple[str, ...] | list[str] = ()) -> "RouterServer":
+        """Serves on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock")."""
+        router = config.router
+        index, feeder = await _make_index(cluster, config)
+        service = RouterService(cluster, make_policy(router.policy, index), tokenizer=_load_tokenizer(cluster),
+                                max_concurrent_requests=router.max_concurrent_requests, index=index)
+        service.monitor.start()
+        if feeder is not None:
+            feeder.start()
+        outcomes = Counter()
+        interceptors = [ErrorInterceptor(outcomes)]
+        token = read_auth_token(router.auth_token_file)
+        if token is not None:
+            interceptors.insert(0, AuthInterceptor(token))
+        server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        pb_grpc.add_RouterServicer_to_server(RouterServicer(service, outcomes), server)
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(f"{router.host}:{router.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {router.host}:{router.port}")
+        for address in extra_addresses:
+            server.add_insecure_port(address)
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("router serving %s on %s:%d (policy %s)", SERVICE_NAME, router.host, port, router.policy)
+        return cls(server, service, health, port, router.host, [feeder, service.monitor, service, index])
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stops taking calls, lets streams in flight end for `grace_s`, then cancels the rest."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        for part in self._background:
+            if part is not None:
+                await part.close()
+
+
+async def _make_index(cluster: LaunchedCluster, config: ClusterConfig):
+    from cluster.prefix_index.memory import InProcessPrefixIndex
+
+    index = InProcessPrefixIndex(lease_s=config.index_lease_s)
+    feeder = IndexFeeder(cluster, index, interval_s=config.router.index_poll_interval_s)
+    return index, feeder
+
+
+def _load_tokenizer(cluster: LaunchedCluster):
+    if not (Path(cluster.model_dir) / "tokenizer.json").is_file():
+        log.warning("%s has no tokenizer.json: only token-id prompts will be accepted", cluster.model_dir)
+        return None
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(cluster.model_dir)
+
+
+def read_auth_token(path: str | None) -> str | None:
+    """The bearer token in `path` (surrounding whitespace stripped), or None when auth is off."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise ConfigError(f"router.auth_token_file: cannot read {path}: {err.strerror}") from None
+    if not token:
+        raise ConfigError(f"router.auth_token_file: {path} is empty")
+    return token

@@ -1,0 +1,188 @@
+"""The router's domain logic: admit, hash, route, stream (DESIGN.md lifecycle steps 2–3, 6).
+
+`RouterService.generate` takes a validated `RouterRequest` and yields `RouterOutput`s. It knows
+nothing of gRPC: the servicer translates proto ↔ these types and the error interceptor turns the
+exceptions raised here (`InvalidRequestError`, `RequestFailed`, `Overloaded`, `DuplicateRequest`,
+`NoWorkersError`) into status codes.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cluster.client import ClusterClient
+from cluster.launcher import LaunchedCluster
+from cluster.messages import GenerateRequest
+from engine.block_hash import HashNamespace, check_spec_fingerprint, hash_blocks
+from engine.errors import InvalidRequestError
+from router.routing import NoWorkersError, RouteQuery, RoutingPolicy, WorkerLoad
+from router.text_stream import TextStream
+from router.validation import ModelLimits, RouterRequest
+from router.worker_monitor import WorkerMonitor
+
+
+class Overloaded(RuntimeError):
+    """The router refuses new work now; `retry_after_s` suggests when to try again."""
+
+    def __init__(self, reason: str, retry_after_s: float):
+        super().__init__(reason)
+        self.reason, self.retry_after_s = reason, retry_after_s
+
+
+class DuplicateRequest(RuntimeError):
+    """A request with the same request_id is still running."""
+
+
+@dataclass(frozen=True)
+class RouteInfo:
+    prefill_worker: str
+    decode_instance: str
+    policy: str
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple  # engine.sampler.TokenLogprobs per token, when requested
+    finish_reason: str | None
+    route: RouteInfo | None = None
+    usage: Usage | None = None
+
+
+class RouterService:
+    def __init__(self, cluster: LaunchedCluster, policy: RoutingPolicy, *, tokenizer=None,
+                 max_concurrent_requests: int = 1024, monitor: WorkerMonitor | None = None, index=None):
+        infos = [h.info for h in cluster.prefill] + [d.info for d in cluster.decode]
+        for info in infos:  # a worker hashing blocks differently would make every prefix lookup wrong
+            check_spec_fingerprint(info.hash_spec)
+        identities = {info.model_identity for info in infos}
+        if len(identities) != 1:
+            raise RuntimeError(f"workers serve different models: {sorted(identities)}")
+        self.cluster, self.policy, self.tokenizer, self.index = cluster, policy, tokenizer, index
+        self.info = cluster.prefill[0].info
+        self.limits = ModelLimits(self.info.vocab_size, self.info.max_model_len, tokenizer is not None)
+        self.max_concurrent_requests = max_concurrent_requests
+        self.client = ClusterClient(cluster)
+        self.monitor = monitor or WorkerMonitor(cluster)
+        self._min_pool_blocks = min(info.num_blocks for info in infos)
+        self._running: set[str] = set()
+        self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
+        self._inflight = Counter()  # prefill worker → requests in flight
+        self.outcomes = Counter()
+        self.prompt_tokens_total = 0
+        self.cached_prompt_tokens_total = 0
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    @property
+    def inflight_requests(self) -> int:
+        """Requests streaming, plus cancelled ones whose workers have not confirmed the abort yet."""
+        return len(self._running) + self.client.num_cleanups
+
+    async def generate(self, request: RouterRequest, deadline_s: float | None = None) -> AsyncIterator[RouterOutput]:
+        """Streams one request (deadline_s: time.monotonic). Raises the exceptions named above."""
+        self._admit(request)
+        self._running.add(request.request_id)
+        try:
+            async for output in self._run(request, deadline_s):
+                yield output
+        finally:
+            self._running.discard(request.request_id)
+
+    async def _run(self, request: RouterRequest, deadline_s: float | None) -> AsyncIterator[RouterOutput]:
+        query = self._route_query(request)
+        prefill, decode, decision = await self._choose(query)
+        worker_id = prefill.worker_id
+        uncached = max(query.num_prompt_tokens - decision.expected_cached_blocks * query.block_size, 1)
+        self._inflight[worker_id] += 1
+        self._queued_tokens[worker_id] += uncached
+        text = TextStream(self.tokenizer, request.params.stop) if request.return_text else None
+        num_tokens, cached, first = 0, 0, True
+        try:
+            chunks = self.client.generate(self._cluster_request(request), prefill, decode, deadline_s)
+            async for chunk in chunks:
+                route = None
+                if first:
+                    self._queued_tokens[worker_id] -= uncached
+                    cached = chunk.num_cached_tokens
+                    route = RouteInfo(worker_id, decode.instance_id, self.policy.name, cached)
+                num_tokens += len(chunk.token_ids)
+                delta = (text.push(chunk.token_ids) + (text.finish(chunk.finish_reason) if chunk.finish_reason
+                                                         else "")) if text else ""
+                usage = Usage(len(request.prompt_token_ids), num_tokens, cached) if chunk.finish_reason else None
+                first = False
+                yield RouterOutput(request.request_id, chunk.token_ids, delta, chunk.logprobs,
+                                   chunk.finish_reason, route, usage)
+            self.prompt_tokens_total += len(request.prompt_token_ids)
+            self.cached_prompt_tokens_total += cached
+        finally:
+            if first:
+                self._queued_tokens[worker_id] -= uncached
+            self._inflight[worker_id] -= 1
+
+    def _admit(self, request: RouterRequest) -> None:
+        if request.request_id in self._running or self.client.is_active(request.request_id):
+            raise DuplicateRequest(f"request_id {request.request_id!r} is already running")
+        if len(self._running) >= self.max_concurrent_requests:
+            raise Overloaded(f"the router is serving its limit of {self.max_concurrent_requests} requests",
+                             retry_after_s=1.0)
+        blocks_needed = -(-(len(request.prompt_token_ids) + 1) // self.info.block_size)
+        if blocks_needed > self._min_pool_blocks:
+            field = "text" if request.prompt_text is not None else "token_ids"
+            raise InvalidRequestError(field, f"prompt needs {blocks_needed} KV blocks; the smallest worker pool "
+                                             f"has {self._min_pool_blocks}")
+
+    def _route_query(self, request: RouterRequest) -> RouteQuery:
+        namespace = HashNamespace(self.info.model_identity, self.info.block_size, request.tenant)
+        tokens = request.prompt_token_ids
+        hashes = tuple(hash_blocks(namespace, tokens))
+        key = b"".join(t.to_bytes(4, "little") for t in tokens) + request.tenant.encode()
+        return RouteQuery(hashes, len(tokens), self.info.block_size, key)
+
+    async def _choose(self, query: RouteQuery):
+        healthy = [h for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
+        loads = [WorkerLoad(h.worker_id, self._inflight[h.worker_id], self._queued_tokens[h.worker_id])
+                 for h in healthy]
+        decision = await self.policy.choose(query, loads)
+        prefill = next(h for h in healthy if h.worker_id == decision.worker_id)
+        decodes = [d for d in self.cluster.decode if self.monitor.is_healthy(d.instance_id)]
+        if not decodes:
+            raise NoWorkersError("no healthy decode instance to route to")
+        decode = min(decodes, key=lambda d: (self.client.decode_load(d.instance_id), d.instance_id))
+        return prefill, decode, decision
+
+    @staticmethod
+    def _cluster_request(request: RouterRequest) -> GenerateRequest:
+        return GenerateRequest(request.request_id, request.prompt_token_ids, request.params, request.priority,
+                               request.tenant)
+
+    def worker_loads(self) -> dict[str, int]:
+        loads = {h.worker_id: self._inflight[h.worker_id] for h in self.cluster.prefill}
+        loads.update({d.instance_id: self.client.decode_load(d.instance_id) for d in self.cluster.decode})
+        return loads
+
+    async def index_entries(self) -> int:
+        """Block hashes the prefix index holds over all workers (0 without an index)."""
+        if self.index is None or not hasattr(self.index, "num_entries"):  # FIXME(lead): until num_entries lands
+            return 0
+        return await self.index.num_entries()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def deadline_from_remaining(time_remaining_s: float | None) -> float | None:
+    return None if time_remaining_s is None else time.monotonic() + time_remaining_s

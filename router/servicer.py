@@ -1,0 +1,72 @@
+"""The thin gRPC servicer: proto → domain, one call into `RouterService`, domain → proto.
+
+No decisions are made here and no status codes are chosen here (that is the error interceptor's job).
+"""
+from __future__ import annotations
+
+from engine.block_hash import spec_fingerprint
+from router.protocol import splitserve_v1_pb2 as pb
+from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
+from router.service import RouterOutput, RouterService, deadline_from_remaining
+from router.validation import parse_request
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, service: RouterService, outcomes):
+        self.service = service
+        self.outcomes = outcomes  # the error interceptor's counter: requests by outcome
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        domain = parse_request(request, self.service.limits, self.service.tokenize)
+        deadline_s = deadline_from_remaining(context.time_remaining())
+        async for output in self.service.generate(domain, deadline_s):
+            yield output_to_proto(output)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        info = self.service.info
+        return pb.ModelInfo(model_identity=info.model_identity, max_model_len=info.max_model_len,
+                            vocab_size=info.vocab_size, block_size=info.block_size, hash_spec=spec_fingerprint(),
+                            eos_token_ids=list(info.eos_token_ids), has_tokenizer=self.service.limits.has_tokenizer)
+
+    async def GetClusterStatus(self, request: pb.GetClusterStatusRequest, context) -> pb.ClusterStatus:
+        service = self.service
+        monitor, loads = service.monitor, service.worker_loads()
+        workers = []
+        for handle in service.cluster.prefill:
+            workers.append(_worker(handle.worker_id, "prefill", 1, handle.info, monitor, loads))
+        for instance in service.cluster.decode:
+            workers.append(_worker(instance.instance_id, "decode", len(instance.ranks), instance.info, monitor, loads))
+        return pb.ClusterStatus(workers=workers, inflight_requests=service.inflight_requests,
+                                requests_total=dict(self.outcomes), routing_policy=service.policy.name,
+                                prompt_tokens_total=service.prompt_tokens_total,
+                                cached_prompt_tokens_total=service.cached_prompt_tokens_total,
+                                index_entries=await service.index_entries())
+
+
+def _worker(worker_id: str, role: str, tp_size: int, info, monitor, loads) -> pb.WorkerStatus:
+    stats = monitor.stats.get(worker_id, {})
+    return pb.WorkerStatus(worker_id=worker_id, role=role, healthy=monitor.is_healthy(worker_id),
+                           inflight_requests=loads.get(worker_id, 0), waiting=stats.get("waiting", 0),
+                           running=stats.get("running", 0), num_kv_blocks=info.num_blocks,
+                           kv_usage=stats.get("kv_usage", 0.0), tp_size=tp_size)
+
+
+def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(request_id=output.request_id, token_ids=output.token_ids, text=output.text,
+                                  finish_reason=_FINISH.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
+    for token_id, logprobs in zip(output.token_ids, output.logprobs):
+        if logprobs is not None:
+            message.logprobs.append(pb.TokenLogprob(
+                token_id=token_id, logprob=logprobs.sampled_logprob,
+                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top]))
+    if output.route is not None:
+        route = output.route
+        message.route.CopyFrom(pb.RouteInfo(prefill_worker=route.prefill_worker, decode_instance=route.decode_instance,
+                                            policy=route.policy, cached_prompt_tokens=route.cached_prompt_tokens))
+    if output.usage is not None:
+        usage = output.usage
+        message.usage.CopyFrom(pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                                        cached_prompt_tokens=usage.cached_prompt_tokens))
+    return message
