@@ -6,9 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 REQ_HASH := $(shell cat requirements.txt pyproject.toml | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
+# A second, minimal venv with only what the client SDK needs: the SDK test runs in it.
+SDK_VENV := .venv-sdk
+SDK_PINS := $(shell grep -E '^(grpcio|protobuf)==' requirements.txt | tr '\n' ' ')
+SDK_STAMP := $(SDK_VENV)/.installed-$(REQ_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-deps bench-engine demo-model clean
+.PHONY: setup sdk-venv run test test-deps bench-engine demo-model clean
 
 setup: $(STAMP)
 
@@ -20,7 +24,15 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-test-deps:
+sdk-venv: $(SDK_STAMP)
+
+$(SDK_STAMP): requirements.txt
+	rm -rf $(SDK_VENV)
+	$(PYTHON) -m venv $(SDK_VENV)
+	$(SDK_VENV)/bin/python -m pip install -q $(SDK_PINS)
+	touch $@
+
+test-deps: sdk-venv
 	@command -v redis-server >/dev/null 2>&1 || scripts/install_redis.sh
 
 run: setup
@@ -33,4 +45,4 @@ bench-engine: setup
 	scripts/in_sandbox.sh $(PY) -m engine.bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SDK_VENV) build *.egg-info

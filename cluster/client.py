@@ -87,8 +87,7 @@ class ClusterClient:
             first = await self._prefill(request, prefill, decode, deadline_s)
             yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason,
                              first.num_cached_tokens)
-            if not first.handoff:
-                finished = True
+            if not first.handoff:  # done at prefill: `finished` stays False so the decode reservation is freed
                 return
             await self._handoff(request, prefill, decode, first, deadline_s)
             async for chunk in self._decode_stream(queue, decode, deadline_s):

@@ -62,6 +62,9 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     ray_address: str | None = None  # None: start a local Ray cluster
     ray_num_cpus: int | None = None  # logical CPUs of a local Ray cluster (None: enough for the pools)
+    # The address workers dial to reach the rendezvous store the launching process hosts (on Kubernetes:
+    # the router pod's IP). The store listens on every interface; this is only what workers are told.
+    rendezvous_host: str = "127.0.0.1"
     ready_timeout_s: float = 120.0
     handoff_lease_s: float = 30.0  # a reservation/transfer not finished by then is abandoned
     request_timeout_s: float = 600.0  # longest any single request may take end to end
@@ -81,6 +84,7 @@ class ClusterConfig:
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
         _check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
+        _check(bool(self.rendezvous_host), "rendezvous_host", "must be a non-empty host name or address")
         _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                "redis_url", "must start with redis://, rediss:// or unix://")
         _check_router(self.router)

@@ -67,7 +67,7 @@ class LaunchedCluster:
 def launch(config: ClusterConfig, model_dir: str | None = None) -> LaunchedCluster:
     model_dir = model_dir or config.model_dir or _demo_model_dir()
     started_ray = _ensure_ray(config)
-    store = create_rendezvous_store()
+    store = create_rendezvous_store(config.rendezvous_host)
     cluster = LaunchedCluster(config, str(model_dir), secrets.token_hex(3), [], [], store, started_ray)
     try:
         _start_actors(cluster, store.host, store.port)

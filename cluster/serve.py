@@ -17,7 +17,8 @@ from cluster.config import ClusterConfig, ConfigError
 
 # flag → (section, key) in the config mapping; None section = top level
 _FLAG_KEYS = {"model": (None, "model_dir"), "block_size": (None, "block_size"), "redis_url": (None, "redis_url"),
-              "ray_address": (None, "ray_address"), "prefill": ("prefill", "replicas"),
+              "ray_address": (None, "ray_address"),
+              "rendezvous_host": (None, "rendezvous_host"), "prefill": ("prefill", "replicas"),
               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size"), "host": ("router", "host"),
               "port": ("router", "port"), "policy": ("router", "policy"),
               "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port")}
@@ -36,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--uds", help="also serve on this unix socket path (reachable from outside a network sandbox)")
     p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
     p.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--rendezvous-host", help="address workers use to reach this process (default 127.0.0.1)")
     p.add_argument("--policy", help="routing policy: round_robin, prefix_hash or cache_aware")
     p.add_argument("--auth-token-file", help="require this bearer token from clients")
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port")

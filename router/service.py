@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cluster.client import ClusterClient
+from cluster.client import ClusterClient, RequestFailed
 from cluster.launcher import LaunchedCluster
 from cluster.messages import GenerateRequest
 from engine.block_hash import HashNamespace, check_spec_fingerprint, hash_blocks
@@ -128,6 +128,10 @@ class RouterService:
                                    chunk.finish_reason, route, usage)
             self.prompt_tokens_total += len(request.prompt_token_ids)
             self.cached_prompt_tokens_total += cached
+        except RequestFailed as err:
+            if err.unavailable:  # re-probe now so that the next requests avoid a dead worker at once
+                self.monitor.probe_soon()
+            raise
         finally:
             if first:
                 self._queued_tokens[worker_id] -= uncached

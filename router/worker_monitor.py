@@ -22,6 +22,7 @@ class WorkerMonitor:
         self.stats: dict[str, dict] = {worker_id: {} for worker_id in self._actors}
         self._unhealthy: set[str] = set()
         self._task: asyncio.Task | None = None
+        self._probes: set[asyncio.Task] = set()
 
     def is_healthy(self, worker_id: str) -> bool:
         return worker_id not in self._unhealthy
@@ -29,6 +30,12 @@ class WorkerMonitor:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.ensure_future(self._loop())
+
+    def probe_soon(self) -> None:
+        """Schedules a probe of every worker now (after a request saw a worker fail)."""
+        task = asyncio.ensure_future(self.probe_all())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(worker_id, actor) for worker_id, actor in self._actors.items()))

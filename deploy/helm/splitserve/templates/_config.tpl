@@ -1,0 +1,39 @@
+{{/* The cluster config (cluster/config.py ClusterConfig.from_dict) the release runs with.
+Chart-owned keys come from the chart's own values, everything else from `config` verbatim; the
+values schema keeps the two sets apart, so no key has two sources. */}}
+
+{{- define "splitserve.poolConfig" -}}
+{{- $pool := .pool -}}
+{{- $owned := dict "replicas" $pool.replicas "tp_size" .tpSize "num_cpus" $pool.numCpus "ray_resource" $pool.rayResource -}}
+{{- $_ := set $owned "num_gpus" (ternary 1 0 .gpu) -}}
+{{- toYaml (merge $owned (deepCopy (.extra | default dict))) -}}
+{{- end -}}
+
+{{- define "splitserve.clusterConfig" -}}
+{{- $v := .Values -}}
+{{- $cfg := deepCopy $v.config -}}
+{{- $_ := set $cfg "ray_address" (include "splitserve.rayAddress" .) -}}
+{{- with $v.model.dir }}{{ $_ := set $cfg "model_dir" . }}{{ end -}}
+{{- $prefill := dict "pool" $v.prefill "tpSize" 1 "gpu" $v.gpu.enabled "extra" $cfg.prefill -}}
+{{- $_ = set $cfg "prefill" (include "splitserve.poolConfig" $prefill | fromYaml) -}}
+{{- $decode := dict "pool" $v.decode "tpSize" $v.decode.tpSize "gpu" $v.gpu.enabled "extra" $cfg.decode -}}
+{{- $_ = set $cfg "decode" (include "splitserve.poolConfig" $decode | fromYaml) -}}
+{{- $router := deepCopy ($cfg.router | default dict) -}}
+{{- $_ = set $router "host" "0.0.0.0" -}}
+{{- $_ = set $router "port" $v.router.port -}}
+{{- with $v.router.policy }}{{ $_ := set $router "policy" . }}{{ end -}}
+{{- if $v.auth.enabled }}
+{{- $_ = set $router "auth_token_file" (printf "%s/%s" (include "splitserve.authMountPath" .) $v.auth.secretKey) -}}
+{{- end }}
+{{- if $v.metrics.enabled }}
+{{- $_ = set $router "metrics_port" $v.metrics.port -}}
+{{- end }}
+{{- $_ = set $cfg "router" $router -}}
+{{- $mode := include "splitserve.redisMode" . -}}
+{{- if eq $mode "external-url" }}
+{{- $_ = set $cfg "redis_url" $v.redis.external.url -}}
+{{- else if eq $mode "bundled" }}
+{{- $_ = set $cfg "redis_url" (printf "redis://%s-redis.%s.svc:%s/0" (include "splitserve.fullname" .) .Release.Namespace (include "splitserve.port.redis" .)) -}}
+{{- end }}
+{{- toYaml $cfg -}}
+{{- end -}}

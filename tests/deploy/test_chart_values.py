@@ -1,0 +1,119 @@
+"""values.schema.json: bad values fail before anything renders, naming the key; and the chart's
+values cover cluster/config.py's keys exactly once (chart-owned or passed through under `config`)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import helm_python
+import pytest
+
+from cluster.config import ROUTING_POLICIES, ClusterConfig, ConfigError, PoolConfig, RouterConfig
+from engine.config import DTYPES
+from tests.deploy.chart import CHART_DIR, MATRIX, chart, cluster_config_raw, objects
+
+# Config keys the chart sets from its own values (or from the release: addresses, mounts).
+CHART_OWNED_TOP = {"model_dir", "ray_address", "redis_url", "prefill", "decode", "router",
+                   "ray_num_cpus",  # sizes a local Ray cluster; a release always joins KubeRay's
+                   "rendezvous_host"}  # the router pod's IP, passed as --rendezvous-host $(POD_IP)
+CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource"}
+CHART_OWNED_ROUTER = {"host", "port", "policy", "auth_token_file", "metrics_port"}
+
+BAD_VALUES = [
+    ({"prefill": {"replicas": -1}}, "/prefill/replicas", "minimum"),
+    ({"decode": {"replicas": 0}}, "/decode/replicas", "minimum"),
+    ({"router": {"policy": "fastest"}}, "/router/policy", "round_robin"),
+    ({"decode": {"tpSize": 3}}, "/decode/tpSize", "1, 2, 4, 8"),
+    ({"prefill": {"numCpus": "1"}}, "/prefill/numCpus", "string"),
+    ({"router": {"port": 70000}}, "/router/port", "maximum"),
+    ({"gpu": {"enabled": "yes"}}, "/gpu/enabled", "boolean"),
+    ({"replicas": 2}, "additional properties 'replicas'", "not allowed"),
+    ({"config": {"model_dir": "/m"}}, "/config", "'model_dir' not allowed"),
+    ({"config": {"prefill": {"replicas": 2}}}, "/config/prefill", "'replicas' not allowed"),
+    ({"config": {"router": {"port": 1}}}, "/config/router", "'port' not allowed"),
+    ({"config": {"dtype": "fp8"}}, "/config/dtype", "bfloat16"),
+    ({"config": {"block_size": 0}}, "/config/block_size", "minimum"),
+    ({"redis": {"external": {"url": "http://redis:6379"}}}, "/redis/external/url", "pattern"),
+    ({"auth": {"enabled": True}}, "/auth/token", "minLength"),
+    ({"metrics": {"serviceMonitor": {"enabled": True}}}, "/metrics/enabled", "true"),
+    ({"prefill": {"rayResource": "bad-name"}}, "/prefill/rayResource", "pattern"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", "IfNotPresent"),
+    ({"podSecurity": {"runAsUser": 0}}, "/podSecurity/runAsUser", "minimum"),
+]
+
+
+@pytest.mark.parametrize("values,where,what", BAD_VALUES, ids=[w for _, w, _ in BAD_VALUES])
+def test_schema_rejects_bad_values_naming_the_key(values, where, what):
+    with pytest.raises(helm_python.HelmValuesError) as caught:
+        chart().validate_schema(values)
+    assert where in str(caught.value) and what in str(caught.value), str(caught.value)
+    with pytest.raises(helm_python.HelmValuesError, match="schema"):
+        chart().render(values, name="rel", namespace="ns")
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"redis": {"external": {"url": "redis://r:6379", "existingSecret": "s"}}}, "set url or existingSecret, not both"),
+    ({"metrics": {"enabled": True, "port": 50051}}, "metrics.port must differ from router.port"),
+])
+def test_cross_field_rules_fail_rendering_with_a_reason(values, message):
+    chart().validate_schema(values)
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        chart().render(values, name="rel", namespace="ns")
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_every_matrix_case_passes_the_schema(case):
+    chart().validate_schema(MATRIX[case])
+
+
+def _schema() -> dict:
+    return json.loads((CHART_DIR / "values.schema.json").read_text())
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def test_chart_values_cover_each_config_key_exactly_once():
+    """A key added to cluster/config.py fails here until the chart decides who sets it."""
+    config = _schema()["properties"]["config"]["properties"]
+    pool = _schema()["definitions"]["poolEngine"]["properties"]
+    router = config["router"]["properties"]
+    top_passthrough = set(config) - {"prefill", "decode", "router"}
+    assert top_passthrough.isdisjoint(CHART_OWNED_TOP) and top_passthrough | CHART_OWNED_TOP == _fields(ClusterConfig)
+    assert set(pool).isdisjoint(CHART_OWNED_POOL) and set(pool) | CHART_OWNED_POOL == _fields(PoolConfig)
+    assert set(router).isdisjoint(CHART_OWNED_ROUTER) and set(router) | CHART_OWNED_ROUTER == _fields(RouterConfig)
+
+
+def test_schema_enums_match_the_config_loader():
+    props = _schema()["properties"]
+    assert props["router"]["properties"]["policy"]["enum"] == list(ROUTING_POLICIES)
+    assert set(props["config"]["properties"]["dtype"]["enum"]) == {"auto", *DTYPES}
+    for tp_size in props["decode"]["properties"]["tpSize"]["enum"]:
+        ClusterConfig.from_dict({"decode": {"tp_size": tp_size}})
+    with pytest.raises(ConfigError, match="decode.tp_size"):
+        ClusterConfig.from_dict({"decode": {"tp_size": 3}})
+
+
+def _sample(prop: dict):
+    """A value the schema accepts for `prop` (its enum's last entry, its minimum, or a plain one)."""
+    if "enum" in prop:
+        return prop["enum"][-1]
+    kinds = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
+    if "integer" in kinds:
+        return prop.get("minimum", 0) + 7
+    return {"number": 2.5, "boolean": False, "string": "x"}[kinds[0]]
+
+
+def test_every_passthrough_key_renders_into_a_config_the_loader_accepts():
+    config_props = _schema()["properties"]["config"]["properties"]
+    pool = _schema()["definitions"]["poolEngine"]["properties"]
+    passthrough = {k: _sample(p) for k, p in config_props.items() if k not in ("prefill", "decode", "router")}
+    passthrough["prefill"] = {k: _sample(p) for k, p in pool.items()}
+    passthrough["decode"] = {k: _sample(p) for k, p in pool.items()}
+    passthrough["router"] = {k: _sample(p) for k, p in config_props["router"]["properties"].items()}
+    raw = cluster_config_raw(objects({"config": passthrough}))
+    for section in ("prefill", "decode", "router"):
+        assert passthrough[section].items() <= raw[section].items()
+    assert {k: v for k, v in passthrough.items() if not isinstance(v, dict)}.items() <= raw.items()
+    ClusterConfig.from_dict(raw)

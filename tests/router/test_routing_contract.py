@@ -1,0 +1,113 @@
+"""The routing-policy contract, run against every policy, plus each policy's exact behaviour."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.kv_events import KVEventBatch
+from cluster.prefix_index.memory import InProcessPrefixIndex
+from engine.block_hash import HashNamespace, hash_blocks
+from engine.block_pool import BlockStored
+from router.routing import POLICIES, NoWorkersError, RouteQuery, WorkerLoad, make_policy
+from router.routing.cache_aware import CacheAwarePolicy
+from router.routing.prefix_hash import PrefixHashPolicy
+
+NS = HashNamespace("model/abc", 4)
+
+
+def query(tokens, block_size: int = 4) -> RouteQuery:
+    return RouteQuery(tuple(hash_blocks(NS, tokens)), len(tokens), block_size, repr(tokens).encode())
+
+
+def loads(*ids, inflight=0, queued=0):
+    return [WorkerLoad(w, inflight, queued) for w in ids]
+
+
+def choose(policy, q, workers):
+    return asyncio.run(policy.choose(q, workers))
+
+
+async def stored(index, worker_id: str, tokens, epoch: int = 1) -> None:
+    hashes = hash_blocks(NS, tokens)
+    events = tuple((i + 1, BlockStored((h,), None, ())) for i, h in enumerate(hashes))
+    await index.apply(KVEventBatch(worker_id, epoch, len(events), events))
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_contract_choice_is_a_member_deterministic_and_empty_raises(name):
+    workers = loads("w-a", "w-b", "w-c")
+    prompts = [list(range(s, s + 13)) for s in range(20)]
+    first = make_policy(name, InProcessPrefixIndex(lease_s=30))
+    second = make_policy(name, InProcessPrefixIndex(lease_s=30))
+    picks = [choose(first, query(p), workers).worker_id for p in prompts]
+    assert set(picks) <= {"w-a", "w-b", "w-c"}
+    assert picks == [choose(second, query(p), workers).worker_id for p in prompts]  # same inputs, same picks
+    with pytest.raises(NoWorkersError):
+        choose(first, query(prompts[0]), [])
+    first.check_integrity()
+
+
+def test_unknown_policy_lists_the_known_ones():
+    with pytest.raises(ValueError, match="cache_aware.*prefix_hash.*round_robin"):
+        make_policy("random")
+
+
+def test_round_robin_cycles_in_id_order():
+    policy = make_policy("round_robin")
+    picks = [choose(policy, query([1, 2, 3]), loads("b", "a", "c")).worker_id for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_prefix_hash_sends_same_prefix_to_same_worker_whatever_follows():
+    policy = PrefixHashPolicy(prefix_blocks=2)
+    workers = loads(*(f"w{i}" for i in range(4)))
+    shared = list(range(100, 108))  # two full blocks of 4
+    picks = {choose(policy, query(shared + [s, s + 1, s + 2]), workers).worker_id for s in range(30)}
+    assert len(picks) == 1
+    spread = {choose(policy, query([s] * 8), workers).worker_id for s in range(40)}
+    assert len(spread) == 4  # different prefixes spread over the workers
+
+
+def test_prefix_hash_moves_only_about_one_nth_of_keys_when_a_worker_joins_or_leaves():
+    policy = PrefixHashPolicy(prefix_blocks=1)
+    prompts = [[s, s + 1, s + 2, s + 3] for s in range(0, 8000, 4)]
+    before = [choose(policy, query(p), loads("w0", "w1", "w2", "w3")).worker_id for p in prompts]
+    joined = [choose(policy, query(p), loads("w0", "w1", "w2", "w3", "w4")).worker_id for p in prompts]
+    moved = [(a, b) for a, b in zip(before, joined) if a != b]
+    assert all(b == "w4" for _, b in moved)  # keys only move to the newcomer
+    assert 0.10 < len(moved) / len(prompts) < 0.30  # ~1/5 of them
+    left = [choose(policy, query(p), loads("w0", "w1", "w3")).worker_id for p in prompts]
+    moved_left = [(a, b) for a, b in zip(before, left) if a != b]
+    assert all(a == "w2" for a, _ in moved_left)  # only the leaver's keys move
+    assert len(moved_left) == before.count("w2")
+    policy.check_integrity()
+
+
+def test_cache_aware_cost_is_queued_plus_uncached_tokens():
+    index = InProcessPrefixIndex(lease_s=30)
+    prompt = list(range(1, 41))  # 40 tokens = 10 blocks of 4
+    asyncio.run(stored(index, "holder", prompt[:32]))  # holds 8 blocks = 32 tokens
+    policy = CacheAwarePolicy(index)
+    # holder: 0 queued + 8 uncached = 8; idle: 0 + 40 = 40 → the holder, with its 8 blocks
+    decision = choose(policy, query(prompt), [WorkerLoad("holder", 3, 0), WorkerLoad("idle", 0, 0)])
+    assert decision == ("holder", 8)
+    # holder: 31 + 8 = 39 < 40 → still the holder; at 33 queued: 41 > 40 → the idle worker
+    assert choose(policy, query(prompt), [WorkerLoad("holder", 1, 31), WorkerLoad("idle", 0, 0)]).worker_id == "holder"
+    assert choose(policy, query(prompt), [WorkerLoad("holder", 1, 33), WorkerLoad("idle", 0, 0)]) == ("idle", 0)
+    # equal cost: the longer cached prefix wins the tie
+    assert choose(policy, query(prompt), [WorkerLoad("holder", 0, 32), WorkerLoad("idle", 0, 0)]) == ("holder", 8)
+
+
+def test_cache_aware_falls_back_to_prefix_hash_when_the_index_fails():
+    class Unreachable(InProcessPrefixIndex):
+        async def match(self, block_hashes):
+            raise ConnectionError("index down")
+
+    policy = CacheAwarePolicy(Unreachable(lease_s=30))
+    fallback = PrefixHashPolicy()
+    workers = loads("a", "b", "c")
+    for s in range(10):
+        q = query(list(range(s, s + 12)))
+        assert choose(policy, q, workers) == choose(fallback, q, workers)
+    assert policy.index_failures == 10

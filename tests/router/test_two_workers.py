@@ -1,0 +1,130 @@
+"""A router over two prefill workers with bearer auth: auth on, prefix_hash affinity, cache_aware
+prefix hits through the in-process index, and a worker dying mid-stream."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.client import Client
+from router.sdk_types import Unauthenticated, Unavailable
+from tests.factories import TinySpec
+from tests.router.conftest import router_config, start_router
+
+TOKEN = "s3cret-token"
+GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def secured(ray_session, checkpoint, tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(TOKEN + "\n")
+    config = router_config(policy="prefix_hash", auth_token_file=str(token_file))
+    config = replace(config, prefill=replace(config.prefill, replicas=2))
+    stack = start_router(checkpoint(TinySpec()), config)
+    yield stack
+    stack.stop()
+
+
+def test_auth_rejects_missing_and_wrong_tokens_and_leaves_health_open(secured):
+    for token in (None, "wrong"):
+        with Client(secured.target, token=token) as client:
+            with pytest.raises(Unauthenticated):
+                client.generate([1, 2, 3], **GREEDY)
+            with pytest.raises(Unauthenticated):
+                client.model_info()
+    with grpc.insecure_channel(secured.target) as channel:  # probes carry no token
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    with Client(secured.target, token=TOKEN) as client:
+        assert len(client.generate([1, 2, 3], **GREEDY).token_ids) == 8
+
+
+def test_prefix_hash_sends_same_prefix_requests_to_the_same_worker(secured):
+    shared = list(range(40, 80))  # 2.5 blocks: the policy keys on the first two
+    with Client(secured.target, token=TOKEN) as client:
+        routes = [client.generate(shared + [200 + i, 300 + i], **GREEDY).route for i in range(6)]
+        spread = {client.generate([i] * 40, **GREEDY).route.prefill_worker for i in range(10, 30)}
+    assert len({r.prefill_worker for r in routes}) == 1
+    assert all(r.policy == "prefix_hash" for r in routes)
+    assert all(r.cached_prompt_tokens == 32 for r in routes[1:])  # the worker's prefix cache served them
+    assert len(spread) == 2  # other prefixes use both workers
+    secured.check_workers_clean()
+
+
+def test_cache_aware_routes_to_the_holder_from_worker_events(ray_session, checkpoint):
+    config = router_config(policy="cache_aware")
+    stack = start_router(checkpoint(TinySpec()), replace(config, prefill=replace(config.prefill, replicas=2)))
+    try:
+        prefix = list(range(100, 164))  # 4 blocks
+        with Client(stack.target) as client:
+            first = client.generate(prefix + [1, 2], **GREEDY).route
+            _wait_for_index(stack, prefix)
+            later = [client.generate(prefix + [3 + i, 4], **GREEDY).route for i in range(4)]
+            status = client.status()
+        assert all(r.prefill_worker == first.prefill_worker for r in later)
+        assert all(r.cached_prompt_tokens == 64 for r in later)
+        assert status.index_entries >= 4 and status.cached_prompt_tokens_total >= 4 * 64
+        stack.check_workers_clean()
+    finally:
+        stack.stop()
+
+
+def test_a_worker_dying_mid_stream_ends_it_unavailable_and_others_go_on(secured):
+    decode = secured.cluster.decode[0].driver
+    prefill = secured.cluster.prefill[0].actor
+    with Client(secured.target, token=TOKEN, max_retries=0) as client:
+        ray.get(prefill.debug_set_step_delay.remote(30.0))  # requests on this worker wait in prefill
+        victim_prompt = _prompt_routed_to(client, secured.cluster.prefill[0].worker_id)
+        stream = client.generate_stream(victim_prompt, **GREEDY)
+        time.sleep(1.0)
+        ray.kill(prefill, no_restart=True)
+        with pytest.raises(Unavailable) as err:
+            list(stream)
+        assert "prefill" in err.value.reason and "died" in err.value.reason
+        survivor = secured.cluster.prefill[1].worker_id
+        deadline_s = time.monotonic() + 15  # the monitor marks the dead worker; routing moves on
+        while time.monotonic() < deadline_s:
+            try:
+                if client.generate(victim_prompt, **GREEDY).route.prefill_worker == survivor:
+                    break
+            except Unavailable:  # routed to the dead worker before the monitor noticed
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("requests were not rerouted away from the dead worker")
+    assert ray.get(decode.check_integrity.remote(), timeout=10)["num_sequences"] == 0
+
+
+def _prompt_routed_to(client: Client, worker_id: str) -> list[int]:
+    """A prompt prefix_hash maps to `worker_id` (found by asking a worker-free question: the ring)."""
+    from router.routing.prefix_hash import PrefixHashPolicy
+    from router.routing import RouteQuery, WorkerLoad
+    from engine.block_hash import HashNamespace, hash_blocks
+    import asyncio
+
+    info = client.model_info()
+    ns = HashNamespace(info.model_identity, info.block_size)
+    workers = [WorkerLoad(w, 0, 0) for w in (worker_id, worker_id.replace("prefill-0", "prefill-1"))]
+    for start in range(1, 200):
+        tokens = [start] * 40
+        q = RouteQuery(tuple(hash_blocks(ns, tokens)), 40, info.block_size, b"")
+        if asyncio.run(PrefixHashPolicy().choose(q, workers)).worker_id == worker_id:
+            return tokens
+    raise AssertionError("no prompt maps to the worker")
+
+
+def _wait_for_index(stack, prefix, timeout_s: float = 10.0) -> None:
+    """Until the router's index (fed by worker events) knows the prefix's blocks."""
+    from engine.block_hash import HashNamespace, hash_blocks
+
+    info = stack.server.service.info
+    hashes = hash_blocks(HashNamespace(info.model_identity, info.block_size), prefix)
+    deadline_s = time.monotonic() + timeout_s
+    while not stack.loop.call(stack.server.service.index.match(hashes)):
+        assert time.monotonic() < deadline_s, "worker KV events did not reach the router's index"
+        time.sleep(0.05)
