@@ -10,6 +10,7 @@ entries are all gone) from one it is following.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -40,6 +41,8 @@ class KVEventBuffer:
     """Thread-safe: one writer (the engine thread), any number of readers, each with its own cursor."""
 
     def __init__(self, worker_id: str, capacity: int = DEFAULT_CAPACITY, epoch: int | None = None):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
         self.worker_id = worker_id
         self.epoch = epoch if epoch is not None else time.time_ns()
         self._events: deque[tuple[int, KVCacheEvent]] = deque(maxlen=capacity)
@@ -57,16 +60,25 @@ class KVEventBuffer:
                 for block_hash in event.block_hashes:
                     self._cached.pop(block_hash, None)
 
-    def read_since(self, since_seq: int, max_events: int = 8192) -> KVEventBatch:
-        """Events after `since_seq` (at most `max_events`); a snapshot if some were already dropped."""
+    def read_since(self, since_seq: int, max_events: int = 8192, *, epoch: int | None = None) -> KVEventBatch:
+        """Events after `since_seq` (at most `max_events`); a snapshot if some were already dropped.
+
+        `since_seq` < 0 asks for a snapshot. `epoch`, when given, is the epoch the cursor belongs to:
+        a cursor of another epoch (a reader that followed this worker before it restarted) gets a
+        snapshot, as does one beyond this epoch's last sequence number.
+        """
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events!r}")
         with self._lock:
-            if since_seq > self._last_seq:  # a cursor from another epoch: start over from a snapshot
-                since_seq = -1
+            if since_seq > self._last_seq or (epoch is not None and epoch != self.epoch):
+                since_seq = -1  # a cursor from another epoch: start over from a snapshot
             oldest = self._events[0][0] if self._events else self._last_seq + 1
             if since_seq + 1 < oldest and since_seq < self._last_seq:
                 return KVEventBatch(self.worker_id, self.epoch, self._last_seq, (), tuple(self._cached))
             start = len(self._events) - (self._last_seq - since_seq)
-            events = tuple(self._events[i] for i in range(start, min(len(self._events), start + max_events)))
+            # islice walks the deque once; indexing a deque in a loop is O(n) per item, under the lock
+            # the engine thread's append waits on.
+            events = tuple(itertools.islice(self._events, start, start + max_events))
             last_seq = events[-1][0] if events else self._last_seq
             return KVEventBatch(self.worker_id, self.epoch, last_seq, events)
 

@@ -1,0 +1,18 @@
+"""The global prefix index (interface in base.py): in-process for one router, Redis for several."""
+from __future__ import annotations
+
+from cluster.prefix_index.base import IndexNamespace, PrefixIndex, PrefixIndexUnavailable, PrefixMatch
+from cluster.prefix_index.memory import InProcessPrefixIndex
+from cluster.prefix_index.publisher import RedisIndexPublisher
+from cluster.prefix_index.redis_index import RedisPrefixIndex
+
+
+def make_prefix_index(redis_url: str | None, namespace: IndexNamespace, lease_s: float) -> PrefixIndex:
+    """The router's index: Redis when a URL is configured (workers publish), else in-process (it pulls)."""
+    if redis_url is None:
+        return InProcessPrefixIndex(lease_s)
+    return RedisPrefixIndex(redis_url, namespace, lease_s)
+
+
+__all__ = ["IndexNamespace", "InProcessPrefixIndex", "PrefixIndex", "PrefixIndexUnavailable", "PrefixMatch",
+           "RedisIndexPublisher", "RedisPrefixIndex", "make_prefix_index"]
