@@ -35,6 +35,7 @@ class PrefillWorker:
         self.lease_s = cluster_config.handoff_lease_s
         self.kv_events = KVEventBuffer(worker_id)  # read by prefix indexers, off the engine thread
         self.engine = LLMEngine(cluster_config.engine_config("prefill", model_dir), on_kv_event=self.kv_events.append)
+        self.index_publisher = _start_publisher(self.kv_events, cluster_config, self.engine)
         self.transport = TorchDistTransport(worker_id, store_host, store_port)
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, HandoffTarget | None]] = {}
         self._handoffs: dict[str, Future] = {}
@@ -104,6 +105,8 @@ class PrefillWorker:
         self.loop.step_delay_s = seconds
 
     def shutdown(self) -> None:
+        if self.index_publisher is not None:
+            self.index_publisher.stop()
         self.loop.stop()
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
@@ -156,6 +159,17 @@ class PrefillWorker:
             raise TransferError(target.instance_id, f"{type(err).__name__}: {err}") from err
         finally:
             self.loop.call(lambda engine: engine.release(handoff.seq_id))
+
+
+def _start_publisher(buffer: KVEventBuffer, config: ClusterConfig, engine: LLMEngine):
+    """With a Redis index configured, this worker publishes its KV events there (several routers read
+    them); without one, the router pulls them with `read_kv_events`."""
+    if config.redis_url is None:
+        return None
+    from cluster.prefix_index import IndexNamespace, RedisIndexPublisher
+
+    namespace = IndexNamespace(engine.model_config.identity, engine.config.block_size)
+    return RedisIndexPublisher(buffer, config.redis_url, namespace, config.index_lease_s).start()
 
 
 class RequestAborted(RuntimeError):

@@ -90,11 +90,16 @@ class RouterServer:
 
 
 async def _make_index(cluster: LaunchedCluster, config: ClusterConfig):
-    from cluster.prefix_index.memory import InProcessPrefixIndex
+    """Redis when configured (the workers publish into it; several routers share it), else an
+    in-process index this router feeds by pulling the workers' KV events."""
+    from cluster.prefix_index import IndexNamespace, make_prefix_index
 
-    index = InProcessPrefixIndex(lease_s=config.index_lease_s)
-    feeder = IndexFeeder(cluster, index, interval_s=config.router.index_poll_interval_s)
-    return index, feeder
+    info = cluster.prefill[0].info
+    namespace = IndexNamespace(info.model_identity, info.block_size)
+    index = make_prefix_index(config.redis_url, namespace, config.index_lease_s)
+    if config.redis_url is not None:
+        return index, None
+    return index, IndexFeeder(cluster, index, interval_s=config.router.index_poll_interval_s)
 
 
 def _load_tokenizer(cluster: LaunchedCluster):

@@ -180,9 +180,7 @@ class RouterService:
 
     async def index_entries(self) -> int:
         """Block hashes the prefix index holds over all workers (0 without an index)."""
-        if self.index is None or not hasattr(self.index, "num_entries"):  # FIXME(lead): until num_entries lands
-            return 0
-        return await self.index.num_entries()
+        return 0 if self.index is None else await self.index.num_entries()
 
     async def close(self) -> None:
         await self.client.close()

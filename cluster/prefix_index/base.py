@@ -105,6 +105,10 @@ class PrefixIndex(ABC):
         """
 
     @abstractmethod
+    async def num_entries(self) -> int:
+        """(worker, block hash) entries of live workers: what GetClusterStatus reports as index size."""
+
+    @abstractmethod
     async def remove_worker(self, worker_id: str) -> None:
         """Forget the worker and all its entries now (it left the cluster); unknown ids are a no-op."""
 

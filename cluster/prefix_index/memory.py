@@ -97,6 +97,10 @@ class InProcessPrefixIndex(PrefixIndex):
         counts.update(dict.fromkeys(self._owners(following), len(block_hashes)))
         return sort_matches(counts)
 
+    async def num_entries(self) -> int:
+        self._reap()
+        return sum(len(worker.blocks) for worker in self._workers.values())
+
     async def remove_worker(self, worker_id: str) -> None:
         self._forget(worker_id)
 

@@ -68,7 +68,7 @@ class RedisPrefixIndex(PrefixIndex):
             socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1, (redis_errors.ConnectionError,)))
         self._redis = aioredis.Redis(connection_pool=self._pool)
         self._scripts = {name: self._redis.register_script(getattr(redis_scripts, name))
-                         for name in ("APPLY", "HEARTBEAT", "REMOVE", "MATCH", "INTEGRITY")}
+                         for name in ("APPLY", "HEARTBEAT", "REMOVE", "MATCH", "INTEGRITY", "COUNT")}
 
     async def apply(self, batch: KVEventBatch) -> None:
         check_batch(batch)
@@ -88,6 +88,9 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def remove_worker(self, worker_id: str) -> None:
         await self._run("REMOVE", worker_id)
+
+    async def num_entries(self) -> int:
+        return int(await self._run("COUNT"))
 
     async def cursor(self, worker_id: str) -> tuple[int, int] | None:
         epoch, seq = await self._bounded(self._redis.hmget(f"{self._prefix}:w:{worker_id}", "epoch", "seq"))

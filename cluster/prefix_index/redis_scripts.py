@@ -175,3 +175,12 @@ for _, k in ipairs(redis.call('KEYS', P .. ':*')) do
 end
 return problems
 """
+
+COUNT = _PRELUDE + r"""
+local total = 0
+for _, w in ipairs(redis.call('ZRANGEBYSCORE', WORKERS, '(' .. now_ms(), '+inf')) do
+  local e = redis.call('HGET', wkey(w), 'epoch')
+  if e then total = total + redis.call('SCARD', bkey(w, e)) end
+end
+return total
+"""

@@ -5,7 +5,9 @@ cost(worker) = queued prompt tokens already routed there
 
 Both terms are prefill work in tokens, so they add without a tuning knob, and there is no two-tier
 "cache first unless overloaded" switch: a long cached prefix wins until the holder's queue is longer
-than the recompute elsewhere. Ties go to the longer cached prefix, then fewer requests, then the id.
+than the recompute elsewhere. Ties go to the longer cached prefix, then to the prompt's order on the
+`prefix_hash` ring — so routers that share an index agree on a cold prefix too, and cold prefixes
+spread over the workers instead of piling onto the lowest id.
 The prefix comes from a `PrefixIndex` (in-process by default, Redis when configured); if the index
 cannot answer, the choice falls back to `prefix_hash` for that request (no client-visible error).
 """
@@ -31,8 +33,9 @@ class CacheAwarePolicy(RoutingPolicy):
 
     async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
         require_workers(workers)
-        if not query.block_hashes:
-            return RouteDecision(self.fallback.choose_now(query, workers).worker_id, 0)
+        if not query.block_hashes:  # nothing cacheable: the least loaded, ties in ring order
+            rank = {worker_id: i for i, worker_id in enumerate(self.fallback.preference(query, workers))}
+            return min(self._score(query, w, 0, rank[w.worker_id]) for w in workers)[-1]
         try:
             matches = await self.index.match(query.block_hashes)
         except Exception as err:  # an unreachable index degrades routing, never the request
@@ -43,12 +46,13 @@ class CacheAwarePolicy(RoutingPolicy):
             return self.fallback.choose_now(query, workers)
         self._degraded = False
         cached_blocks = {m.worker_id: m.num_blocks for m in matches}
-        return min((self._score(query, w, cached_blocks.get(w.worker_id, 0)) for w in workers))[-1]
+        rank = {worker_id: i for i, worker_id in enumerate(self.fallback.preference(query, workers))}
+        return min(self._score(query, w, cached_blocks.get(w.worker_id, 0), rank[w.worker_id]) for w in workers)[-1]
 
     @staticmethod
-    def _score(query: RouteQuery, worker: WorkerLoad, blocks: int) -> tuple:
+    def _score(query: RouteQuery, worker: WorkerLoad, blocks: int, ring_rank: int) -> tuple:
         # A hit never covers the whole prompt: the last token is always computed (it yields the first
         # output token), so the uncached count is at least one.
         uncached = max(query.num_prompt_tokens - blocks * query.block_size, 1)
         cost = worker.queued_prompt_tokens + uncached
-        return (cost, -blocks, worker.inflight_requests, worker.worker_id, RouteDecision(worker.worker_id, blocks))
+        return (cost, -blocks, ring_rank, RouteDecision(worker.worker_id, blocks))

@@ -35,6 +35,17 @@ class HashRing:
         index = bisect.bisect(self.points, ring_point(key)) % len(self.points)
         return self.owners[index]
 
+    def preference(self, key: bytes) -> list[str]:
+        """Every worker once, in the order met walking the ring from the key: the owner first, then
+        who would own the key if the owner left, and so on. Every router computes the same order."""
+        start = bisect.bisect(self.points, ring_point(key))
+        order: dict[str, None] = {}
+        for offset in range(len(self.owners)):
+            order.setdefault(self.owners[(start + offset) % len(self.owners)])
+            if len(order) == len(self.worker_ids):
+                break
+        return list(order)
+
 
 def prefix_key(query: RouteQuery, prefix_blocks: int) -> bytes:
     """The chained hash of block min(prefix_blocks, n) - 1 covers all blocks before it too."""
@@ -58,10 +69,17 @@ class PrefixHashPolicy(RoutingPolicy):
     def choose_now(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
         """The same choice without awaiting (cache_aware falls back to it from inside its own choose)."""
         require_workers(workers)
+        return RouteDecision(self._ring_for(workers).owner(prefix_key(query, self.prefix_blocks)), 0)
+
+    def preference(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> list[str]:
+        """The workers in this prompt's ring order (see HashRing.preference)."""
+        return self._ring_for(workers).preference(prefix_key(query, self.prefix_blocks))
+
+    def _ring_for(self, workers: Sequence[WorkerLoad]) -> HashRing:
         ids = frozenset(w.worker_id for w in workers)
         if self._ring is None or self._ring.worker_ids != ids:  # membership changed: rebuild (cheap)
             self._ring = HashRing(sorted(ids), self.virtual_nodes)
-        return RouteDecision(self._ring.owner(prefix_key(query, self.prefix_blocks)), 0)
+        return self._ring
 
     def check_integrity(self) -> None:
         if self._ring is not None:

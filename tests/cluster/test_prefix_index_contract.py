@@ -93,6 +93,7 @@ def test_match_counts_each_workers_leading_blocks(backend):
         assert await index.match(B[:5]) == [PrefixMatch("w-c", 5)]
         assert await index.match(chain(4, doc=2)) == []
         assert await index.match([]) == []
+        assert await index.num_entries() == 6 + 3 + len(B)
     backend.run(scenario)
 
 
@@ -180,6 +181,7 @@ def test_remove_worker(backend):
         await index.remove_worker("never-seen")
         assert await index.match(A) == [PrefixMatch("w2", 2)]
         assert await index.cursor("w1") is None
+        assert await index.num_entries() == 2
     backend.run(scenario)
 
 

@@ -111,3 +111,15 @@ def test_cache_aware_falls_back_to_prefix_hash_when_the_index_fails():
         q = query(list(range(s, s + 12)))
         assert choose(policy, q, workers) == choose(fallback, q, workers)
     assert policy.index_failures == 10
+
+
+def test_cache_aware_cold_prefixes_follow_the_ring_so_routers_agree():
+    workers = loads("a", "b", "c", "d")
+    ring = PrefixHashPolicy()
+    for s in range(30):
+        q = query(list(range(s, s + 12)))
+        # two routers (two policy objects over two empty indexes) pick the ring's owner on an idle cluster
+        picks = {choose(CacheAwarePolicy(InProcessPrefixIndex(lease_s=30)), q, workers) for _ in range(2)}
+        assert picks == {choose(ring, q, workers)}
+        preference = ring.preference(q, workers)
+        assert sorted(preference) == ["a", "b", "c", "d"] and preference[0] == choose(ring, q, workers).worker_id
