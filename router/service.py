@@ -8,7 +8,7 @@ exceptions raised here (`InvalidRequestError`, `RequestFailed`, `Overloaded`, `D
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -83,6 +83,9 @@ class RouterService:
         self.outcomes = Counter()
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
+        # (request id, seconds spent inside the cluster API) of recent requests: benchmarks subtract it
+        # from what the client saw to get what the router path added to that very request.
+        self.cluster_call_s: deque[tuple[str, float]] = deque(maxlen=100_000)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
@@ -111,8 +114,10 @@ class RouterService:
         self._queued_tokens[worker_id] += uncached
         text = TextStream(self.tokenizer, request.params.stop) if request.return_text else None
         num_tokens, cached, first = 0, 0, True
+        cluster_s = [0.0]
         try:
-            chunks = self.client.generate(self._cluster_request(request), prefill, decode, deadline_s)
+            chunks = _timed(self.client.generate(self._cluster_request(request), prefill, decode, deadline_s),
+                            cluster_s)
             async for chunk in chunks:
                 route = None
                 if first:
@@ -128,6 +133,7 @@ class RouterService:
                                    chunk.finish_reason, route, usage)
             self.prompt_tokens_total += len(request.prompt_token_ids)
             self.cached_prompt_tokens_total += cached
+            self.cluster_call_s.append((request.request_id, cluster_s[0]))
         except RequestFailed as err:
             if err.unavailable:  # re-probe now so that the next requests avoid a dead worker at once
                 self.monitor.probe_soon()
@@ -184,6 +190,23 @@ class RouterService:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+async def _timed(chunks: AsyncIterator, spent_s: list[float]) -> AsyncIterator:
+    """Passes `chunks` through, adding the time spent waiting on it to spent_s[0]."""
+    iterator = chunks.__aiter__()
+    try:
+        while True:
+            started_s = time.perf_counter()
+            try:
+                chunk = await iterator.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                spent_s[0] += time.perf_counter() - started_s
+            yield chunk
+    finally:
+        await iterator.aclose()  # leaving early must still run the cluster client's cleanup
 
 
 def deadline_from_remaining(time_remaining_s: float | None) -> float | None:
