@@ -26,7 +26,7 @@ LabelKey = tuple[tuple[str, str], ...]  # a sample's labels, sorted by name
 
 @dataclass
 class MetricsServer:
-    """A running exporter. `port` is the bound port (the OS's pick when asked for port 0)."""
+    """A running exporter, at the address it is bound to (the OS's port pick when asked for port 0)."""
 
     host: str
     port: int
@@ -59,7 +59,7 @@ def start_metrics_server(registry: CollectorRegistry, port: int = 0, host: str =
     if not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be in [0, 65535], got {port}")
     httpd, thread = start_http_server(port, addr=host, registry=registry)
-    return MetricsServer(host, httpd.server_port, httpd, thread)
+    return MetricsServer(httpd.server_address[0], httpd.server_port, httpd, thread)
 
 
 def sample_values(metric, suffix: str = "", skip_labels: int = 0) -> dict[tuple[str, ...], float]:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections import Counter
-
 import grpc
 
 from router.errors import Status, Unauthenticated, status_for
+from router.metrics import RouterMetrics
 from router.sdk_types import FIELD_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
@@ -33,8 +32,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, outcomes: Counter | None = None):
-        self.outcomes = outcomes if outcomes is not None else Counter()
+    """Counts every failed call by outcome in `metrics` (successful streams are counted by the
+    service, which knows whether they met their SLO)."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -61,7 +63,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async for response in method(request, context):
                     yield response
-                self.outcomes["ok"] += 1
             except Exception as err:
                 await self._abort(context, err)
         return call
@@ -72,7 +73,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         status = status_for(err)
         if status.code is grpc.StatusCode.INTERNAL:
             log.exception("unexpected error in a router call", exc_info=err)
-        self.outcomes[status.outcome] += 1
+        self.metrics.observe_request(status.outcome)
         await abort_with(context, status)
 
 

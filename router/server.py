@@ -12,7 +12,6 @@ Router servicer behind the auth and error interceptors, the standard health serv
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -23,7 +22,9 @@ from grpc_reflection.v1alpha import reflection
 from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import LaunchedCluster
 from router.index_feeder import IndexFeeder
+from cluster.metrics_http import start_metrics_server
 from router.interceptors import AuthInterceptor, ErrorInterceptor
+from router.metrics import RouterMetrics
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.routing import make_policy
@@ -37,10 +38,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 class RouterServer:
     def __init__(self, server, service: RouterService, health: HealthServicer, port: int, host: str,
-                 background: list):
+                 background: list, exporter=None):
         self.server, self.service, self.health = server, service, health
         self.port, self.host = port, host
         self._background = background  # feeder / monitor / index: closed on stop
+        self.exporter = exporter  # the Prometheus endpoint, when metrics_port is set
 
     @property
     def address(self) -> str:
@@ -52,20 +54,25 @@ class RouterServer:
         """Serves on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock")."""
         router = config.router
         index, feeder = await _make_index(cluster, config)
+        metrics = RouterMetrics()
         service = RouterService(cluster, make_policy(router.policy, index), tokenizer=_load_tokenizer(cluster),
-                                max_concurrent_requests=router.max_concurrent_requests, index=index)
+                                max_concurrent_requests=router.max_concurrent_requests, index=index, metrics=metrics)
+        metrics.track_inflight(lambda: service.inflight_requests)
+        exporter = None
+        if router.metrics_port is not None:
+            exporter = start_metrics_server(metrics.registry, router.metrics_port, router.host)
+            log.info("router metrics on http://%s:%d/metrics", exporter.host, exporter.port)
         service.monitor.start()
         if feeder is not None:
             feeder.start()
-        outcomes = Counter()
-        interceptors = [ErrorInterceptor(outcomes)]
+        interceptors = [ErrorInterceptor(metrics)]
         token = read_auth_token(router.auth_token_file)
         if token is not None:
             interceptors.insert(0, AuthInterceptor(token))
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        pb_grpc.add_RouterServicer_to_server(RouterServicer(service, outcomes), server)
+        pb_grpc.add_RouterServicer_to_server(RouterServicer(service), server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
@@ -78,7 +85,8 @@ class RouterServer:
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("router serving %s on %s:%d (policy %s)", SERVICE_NAME, router.host, port, router.policy)
-        return cls(server, service, health, port, router.host, [feeder, service.monitor, service, index])
+        return cls(server, service, health, port, router.host, [feeder, service.monitor, service, index],
+                   exporter)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops taking calls, lets streams in flight end for `grace_s`, then cancels the rest."""
@@ -87,6 +95,8 @@ class RouterServer:
         for part in self._background:
             if part is not None:
                 await part.close()
+        if self.exporter is not None:
+            self.exporter.stop()
 
 
 async def _make_index(cluster: LaunchedCluster, config: ClusterConfig):

@@ -18,7 +18,8 @@ from cluster.messages import GenerateRequest
 from engine.block_hash import HashNamespace, check_spec_fingerprint, hash_blocks
 from engine.errors import InvalidRequestError
 from router.routing import NoWorkersError, RouteQuery, RoutingPolicy, WorkerLoad
-from router.text_stream import TextStream
+from router.metrics import RouterMetrics, slo_met
+from router.stream_state import StreamState, Usage
 from router.validation import ModelLimits, RouterRequest
 from router.worker_monitor import WorkerMonitor
 
@@ -44,13 +45,6 @@ class RouteInfo:
 
 
 @dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-
-
-@dataclass(frozen=True)
 class RouterOutput:
     request_id: str
     token_ids: tuple[int, ...]
@@ -63,7 +57,8 @@ class RouterOutput:
 
 class RouterService:
     def __init__(self, cluster: LaunchedCluster, policy: RoutingPolicy, *, tokenizer=None,
-                 max_concurrent_requests: int = 1024, monitor: WorkerMonitor | None = None, index=None):
+                 max_concurrent_requests: int = 1024, monitor: WorkerMonitor | None = None, index=None,
+                 metrics: RouterMetrics | None = None):
         infos = [h.info for h in cluster.prefill] + [d.info for d in cluster.decode]
         for info in infos:  # a worker hashing blocks differently would make every prefix lookup wrong
             check_spec_fingerprint(info.hash_spec)
@@ -75,12 +70,12 @@ class RouterService:
         self.limits = ModelLimits(self.info.vocab_size, self.info.max_model_len, tokenizer is not None)
         self.max_concurrent_requests = max_concurrent_requests
         self.client = ClusterClient(cluster)
-        self.monitor = monitor or WorkerMonitor(cluster)
+        self.metrics = metrics or RouterMetrics()
+        self.monitor = monitor or WorkerMonitor(cluster, self.metrics)
         self._min_pool_blocks = min(info.num_blocks for info in infos)
         self._running: set[str] = set()
         self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
         self._inflight = Counter()  # prefill worker → requests in flight
-        self.outcomes = Counter()
         self.prompt_tokens_total = 0
         self.cached_prompt_tokens_total = 0
         # (request id, seconds spent inside the cluster API) of recent requests: benchmarks subtract it
@@ -97,51 +92,57 @@ class RouterService:
 
     async def generate(self, request: RouterRequest, deadline_s: float | None = None) -> AsyncIterator[RouterOutput]:
         """Streams one request (deadline_s: time.monotonic). Raises the exceptions named above."""
+        started_s = time.perf_counter()
         self._admit(request)
         self._running.add(request.request_id)
         try:
-            async for output in self._run(request, deadline_s):
+            async for output in self._run(request, deadline_s, StreamState(request, self.tokenizer, started_s)):
                 yield output
         finally:
             self._running.discard(request.request_id)
 
-    async def _run(self, request: RouterRequest, deadline_s: float | None) -> AsyncIterator[RouterOutput]:
+    async def _run(self, request: RouterRequest, deadline_s: float | None,
+                   state: StreamState) -> AsyncIterator[RouterOutput]:
         query = self._route_query(request)
         prefill, decode, decision = await self._choose(query)
         worker_id = prefill.worker_id
         uncached = max(query.num_prompt_tokens - decision.expected_cached_blocks * query.block_size, 1)
         self._inflight[worker_id] += 1
         self._queued_tokens[worker_id] += uncached
-        text = TextStream(self.tokenizer, request.params.stop) if request.return_text else None
-        num_tokens, cached, first = 0, 0, True
         cluster_s = [0.0]
         try:
             chunks = _timed(self.client.generate(self._cluster_request(request), prefill, decode, deadline_s),
                             cluster_s)
             async for chunk in chunks:
                 route = None
-                if first:
+                if not state.started:
                     self._queued_tokens[worker_id] -= uncached
-                    cached = chunk.num_cached_tokens
-                    route = RouteInfo(worker_id, decode.instance_id, self.policy.name, cached)
-                num_tokens += len(chunk.token_ids)
-                delta = (text.push(chunk.token_ids) + (text.finish(chunk.finish_reason) if chunk.finish_reason
-                                                         else "")) if text else ""
-                usage = Usage(len(request.prompt_token_ids), num_tokens, cached) if chunk.finish_reason else None
-                first = False
+                    route = RouteInfo(worker_id, decode.instance_id, self.policy.name, chunk.num_cached_tokens)
+                delta, usage = state.add(chunk)
                 yield RouterOutput(request.request_id, chunk.token_ids, delta, chunk.logprobs,
                                    chunk.finish_reason, route, usage)
-            self.prompt_tokens_total += len(request.prompt_token_ids)
-            self.cached_prompt_tokens_total += cached
-            self.cluster_call_s.append((request.request_id, cluster_s[0]))
+            self._finished(state, cluster_s[0])
         except RequestFailed as err:
             if err.unavailable:  # re-probe now so that the next requests avoid a dead worker at once
                 self.monitor.probe_soon()
             raise
         finally:
-            if first:
+            if not state.started:
                 self._queued_tokens[worker_id] -= uncached
             self._inflight[worker_id] -= 1
+
+    def _finished(self, state: StreamState, cluster_s: float) -> None:
+        request = state.request
+        self.prompt_tokens_total += len(request.prompt_token_ids)
+        self.cached_prompt_tokens_total += state.cached_tokens
+        self.cluster_call_s.append((request.request_id, cluster_s))
+        metrics = self.metrics
+        metrics.observe_ttft(state.ttft_s, request.priority)
+        if state.tpot_s is not None:
+            metrics.observe_tpot(state.tpot_s, request.priority)
+        met = slo_met(state.ttft_s, state.tpot_s, request.ttft_ms, request.tpot_ms)
+        metrics.observe_request("ok", met_slo=met, duration_s=state.duration_s, priority=request.priority)
+        metrics.prompt_tokens(len(request.prompt_token_ids), state.cached_tokens)
 
     def _admit(self, request: RouterRequest) -> None:
         if request.request_id in self._running or self.client.is_active(request.request_id):

@@ -14,9 +14,8 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, service: RouterService, outcomes):
+    def __init__(self, service: RouterService):
         self.service = service
-        self.outcomes = outcomes  # the error interceptor's counter: requests by outcome
 
     async def Generate(self, request: pb.GenerateRequest, context):
         domain = parse_request(request, self.service.limits, self.service.tokenize)
@@ -39,7 +38,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         for instance in service.cluster.decode:
             workers.append(_worker(instance.instance_id, "decode", len(instance.ranks), instance.info, monitor, loads))
         return pb.ClusterStatus(workers=workers, inflight_requests=service.inflight_requests,
-                                requests_total=dict(self.outcomes), routing_policy=service.policy.name,
+                                requests_total=service.metrics.requests_by_outcome(), routing_policy=service.policy.name,
                                 prompt_tokens_total=service.prompt_tokens_total,
                                 cached_prompt_tokens_total=service.cached_prompt_tokens_total,
                                 index_entries=await service.index_entries())

@@ -15,8 +15,11 @@ log = logging.getLogger(__name__)
 
 
 class WorkerMonitor:
-    def __init__(self, cluster: LaunchedCluster, interval_s: float = 1.0, timeout_s: float = 5.0):
+    def __init__(self, cluster: LaunchedCluster, metrics=None, interval_s: float = 1.0, timeout_s: float = 5.0):
         self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.metrics = metrics  # router.metrics.RouterMetrics: per-worker gauges, when given
+        self._roles = {h.worker_id: "prefill" for h in cluster.prefill}
+        self._roles.update({d.instance_id: "decode" for d in cluster.decode})
         self._actors = {h.worker_id: h.actor for h in cluster.prefill}
         self._actors.update({d.instance_id: d.driver for d in cluster.decode})
         self.stats: dict[str, dict] = {worker_id: {} for worker_id in self._actors}
@@ -52,10 +55,18 @@ class WorkerMonitor:
             if worker_id not in self._unhealthy:
                 log.warning("worker %s is unhealthy: %s", worker_id, type(err).__name__)
             self._unhealthy.add(worker_id)
-            return
-        if worker_id in self._unhealthy:
-            log.info("worker %s is healthy again", worker_id)
-        self._unhealthy.discard(worker_id)
+        else:
+            if worker_id in self._unhealthy:
+                log.info("worker %s is healthy again", worker_id)
+            self._unhealthy.discard(worker_id)
+        self._export(worker_id)
+
+    def _export(self, worker_id: str) -> None:
+        if self.metrics is not None:
+            stats = self.stats.get(worker_id, {})
+            self.metrics.set_worker_load(worker_id, self._roles[worker_id], stats.get("waiting", 0),
+                                         stats.get("running", 0), stats.get("kv_usage", 0.0),
+                                         healthy=self.is_healthy(worker_id))
 
     async def close(self) -> None:
         if self._task is not None:

@@ -57,7 +57,7 @@ def test_prefix_hash_sends_same_prefix_requests_to_the_same_worker(secured):
 
 
 def test_cache_aware_routes_to_the_holder_from_worker_events(ray_session, checkpoint):
-    config = router_config(policy="cache_aware")
+    config = router_config(policy="cache_aware", metrics_port=0)
     stack = start_router(checkpoint(TinySpec()), replace(config, prefill=replace(config.prefill, replicas=2)))
     try:
         prefix = list(range(100, 164))  # 4 blocks
@@ -69,6 +69,7 @@ def test_cache_aware_routes_to_the_holder_from_worker_events(ray_session, checkp
         assert all(r.prefill_worker == first.prefill_worker for r in later)
         assert all(r.cached_prompt_tokens == 64 for r in later)
         assert status.index_entries >= 4 and status.cached_prompt_tokens_total >= 4 * 64
+        _check_prometheus(stack.server.exporter.url, status)
         stack.check_workers_clean()
     finally:
         stack.stop()
@@ -128,3 +129,16 @@ def _wait_for_index(stack, prefix, timeout_s: float = 10.0) -> None:
     while not stack.loop.call(stack.server.service.index.match(hashes)):
         assert time.monotonic() < deadline_s, "worker KV events did not reach the router's index"
         time.sleep(0.05)
+
+
+def _check_prometheus(url: str, status) -> None:
+    """The router's Prometheus endpoint shows the same live figures as GetClusterStatus."""
+    from cluster.metrics_http import scrape
+
+    samples = scrape(url)
+    value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]  # noqa: E731
+    assert value("splitserve_router_requests_total", outcome="ok") == status.requests_total["ok"] == 5
+    assert value("splitserve_router_ttft_seconds_count", priority="normal") == 5
+    assert value("splitserve_router_goodput_requests_total") == 5  # no SLO given: finishing meets it
+    assert value("splitserve_router_cached_prompt_tokens_total") == status.cached_prompt_tokens_total
+    assert value("splitserve_router_prompt_tokens_total") == status.prompt_tokens_total

@@ -1,0 +1,207 @@
+"""The router's Prometheus metrics: what an operator of the cluster graphs and alerts on.
+
+Every name starts with `splitserve_router_`; durations are in seconds; counters end in `_total`.
+Labels are small fixed sets (never request ids or tenants): `priority` is a class (high > 0,
+normal = 0, low < 0), `outcome` a gRPC status name, `reason` one of REJECT_REASONS, and `worker` a
+worker id (the cluster's workers are a bounded set).
+
+| metric | type | labels |
+|---|---|---|
+| splitserve_router_ttft_seconds | histogram | priority |
+| splitserve_router_tpot_seconds | histogram | priority |
+| splitserve_router_request_duration_seconds | histogram | priority |
+| splitserve_router_requests_total | counter | outcome |
+| splitserve_router_goodput_requests_total | counter | |
+| splitserve_router_admitted_requests_total | counter | |
+| splitserve_router_rejected_requests_total | counter | reason |
+| splitserve_router_inflight_requests | gauge | |
+| splitserve_router_prompt_tokens_total | counter | |
+| splitserve_router_cached_prompt_tokens_total | counter | |
+| splitserve_router_worker_{waiting,running}_requests | gauge | worker, role |
+| splitserve_router_worker_kv_usage_ratio | gauge | worker, role |
+| splitserve_router_worker_healthy | gauge (1/0) | worker, role |
+
+Goodput counts requests that finished OK within their SLO (TTFT and mean TPOT; a request with no
+SLO meets it by finishing). Goodput rate = `rate(splitserve_router_goodput_requests_total[1m])`;
+as a share of all requests, divide by `sum(rate(splitserve_router_requests_total[1m]))`. The prefix
+cache hit rate is `rate(..._cached_prompt_tokens_total[5m]) / rate(..._prompt_tokens_total[5m])`.
+The per-worker gauges are the router's view (fed by its worker monitor); each worker exports its
+own figures too (cluster/worker_metrics.py).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cluster.metrics_http import histogram_totals, plain, sample_values
+
+NAMESPACE, SUBSYSTEM = "splitserve", "router"
+# Interactive TTFT lives in 10 ms – 2 s; a CPU demo or a long queue reaches minutes.
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# One decode step per token: ~1–100 ms on a GPU, up to seconds on a loaded CPU.
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+PRIORITY_CLASSES = ("high", "normal", "low")
+OUTCOMES = tuple(sorted(code.name.lower() for code in grpc.StatusCode))
+UNKNOWN_OUTCOME = "unknown"
+REJECT_REASONS = ("ttft_slo", "tpot_slo", "queue_limit", "kv_capacity", "concurrency", "other")
+# Free-text reasons (Overloaded messages) → a label, first match wins; exact label names match first.
+_REASON_KEYWORDS = (("ttft_slo", ("ttft", "first token")), ("tpot_slo", ("tpot", "per output token")),
+                    ("queue_limit", ("queue",)), ("kv_capacity", ("kv", "block", "memory")),
+                    ("concurrency", ("concurren", "limit of", "in flight", "inflight")))
+
+
+def priority_class(priority: int) -> str:
+    """The `priority` label of a request priority in [-1000, 1000] (three values, not 2001)."""
+    return "high" if priority > 0 else "low" if priority < 0 else "normal"
+
+
+def reject_reason(reason: str) -> str:
+    """Maps a rejection's reason (a label name, or an `Overloaded` message) to one of REJECT_REASONS."""
+    text = reason.strip().lower()
+    if text in REJECT_REASONS:
+        return text
+    for label, keywords in _REASON_KEYWORDS:
+        if any(keyword in text for keyword in keywords):
+            return label
+    return "other"
+
+
+def outcome_label(outcome: str) -> str:
+    """A gRPC status name in lower case ("ok", "unavailable", ...); anything else is "unknown"."""
+    text = outcome.strip().lower()
+    return text if text in OUTCOMES else UNKNOWN_OUTCOME
+
+
+def slo_met(ttft_s: float, tpot_s: float | None, ttft_slo_ms: float | None, tpot_slo_ms: float | None) -> bool:
+    """Whether a finished request met its SLO. `tpot_s` is the mean time per output token after the
+    first (None when there was only one token); an SLO of None sets no bound."""
+    if ttft_slo_ms is not None and ttft_s * 1000.0 > ttft_slo_ms:
+        return False
+    return tpot_slo_ms is None or tpot_s is None or tpot_s * 1000.0 <= tpot_slo_ms
+
+
+class RouterMetrics:
+    """The router's metrics in a registry of their own (`registry`: serve it with
+    cluster.metrics_http.start_metrics_server). All methods are thread-safe and cheap."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._ttft = self._histogram("ttft_seconds", "Time to first token, from admission to the first "
+                                     "token leaving the router.", ("priority",), TTFT_BUCKETS_S)
+        self._tpot = self._histogram("tpot_seconds", "Mean time per output token after the first, one "
+                                     "observation per request.", ("priority",), TPOT_BUCKETS_S)
+        self._duration = self._histogram("request_duration_seconds", "End-to-end time of requests that "
+                                         "finished OK.", ("priority",), REQUEST_BUCKETS_S)
+        self._requests = self._counter("requests_total", "Generate calls finished, by gRPC outcome.", ("outcome",))
+        self._goodput = self._counter("goodput_requests_total", "Requests finished OK within their SLO.")
+        self._admitted = self._counter("admitted_requests_total", "Requests admitted by admission control.")
+        self._rejected = self._counter("rejected_requests_total", "Requests refused early, by reason.", ("reason",))
+        self._inflight = self._gauge("inflight_requests", "Requests streaming now (incl. aborts not yet "
+                                     "confirmed by workers).")
+        self._prompt = self._counter("prompt_tokens_total", "Prompt tokens of requests that finished OK.")
+        self._cached = self._counter("cached_prompt_tokens_total", "Of those, tokens served from a prefix cache.")
+        worker = ("worker", "role")
+        self._waiting = self._gauge("worker_waiting_requests", "Requests queued on a worker (last probe).", worker)
+        self._running = self._gauge("worker_running_requests", "Requests running on a worker (last probe).", worker)
+        self._kv_usage = self._gauge("worker_kv_usage_ratio", "Share of a worker's KV blocks in use (0-1).", worker)
+        self._healthy = self._gauge("worker_healthy", "1 if the worker's last probe succeeded, else 0.", worker)
+        self._worker_gauges = (self._waiting, self._running, self._kv_usage, self._healthy)
+
+    # ---- per request ------------------------------------------------------------------------------
+    def observe_ttft(self, seconds: float, priority: int = 0) -> None:
+        self._ttft.labels(priority_class(priority)).observe(seconds)
+
+    def observe_tpot(self, seconds: float, priority: int = 0) -> None:
+        """One observation per request: its mean seconds per output token after the first."""
+        self._tpot.labels(priority_class(priority)).observe(seconds)
+
+    def observe_request(self, outcome: str, met_slo: bool = False, duration_s: float | None = None,
+                        priority: int = 0) -> None:
+        """Counts a finished Generate call. Goodput and the duration histogram count only "ok" calls."""
+        label = outcome_label(outcome)
+        self._requests.labels(label).inc()
+        if label != "ok":
+            return
+        if met_slo:
+            self._goodput.inc()
+        if duration_s is not None:
+            self._duration.labels(priority_class(priority)).observe(duration_s)
+
+    def admitted(self) -> None:
+        self._admitted.inc()
+
+    def rejected(self, reason: str) -> str:
+        """Counts an early refusal; `reason` is a label or free text (see `reject_reason`). Returns the label."""
+        label = reject_reason(reason)
+        self._rejected.labels(label).inc()
+        return label
+
+    def prompt_tokens(self, total: int, cached: int) -> None:
+        """A finished request's prompt length and how much of it a prefix cache supplied."""
+        if not 0 <= cached <= total:
+            raise ValueError(f"cached prompt tokens {cached} not in [0, {total}]")
+        self._prompt.inc(total)
+        self._cached.inc(cached)
+
+    # ---- state ------------------------------------------------------------------------------------
+    def set_inflight(self, n: int) -> None:
+        self._inflight.set(n)
+
+    def track_inflight(self, read: Callable[[], float]) -> None:
+        """Reads the in-flight count at each scrape instead (from the exporter's thread: `read` must
+        be safe to call there, e.g. `lambda: service.inflight_requests`)."""
+        self._inflight.set_function(read)
+
+    def set_worker_load(self, worker_id: str, role: str, waiting: int, running: int, kv_usage: float,
+                        healthy: bool = True) -> None:
+        """The router's latest probe of one worker (WorkerMonitor.stats and is_healthy)."""
+        self._waiting.labels(worker_id, role).set(waiting)
+        self._running.labels(worker_id, role).set(running)
+        self._kv_usage.labels(worker_id, role).set(kv_usage)
+        self._healthy.labels(worker_id, role).set(1 if healthy else 0)
+
+    def forget_worker(self, worker_id: str, role: str) -> None:
+        """Drops a worker's series (it left the cluster), so dashboards do not show a stale last value."""
+        for gauge in self._worker_gauges:
+            gauge.remove(worker_id, role)
+
+    def requests_by_outcome(self) -> dict[str, int]:
+        """Finished requests by outcome, outcomes that occurred only (GetClusterStatus.requests_total)."""
+        return {outcome: int(count) for outcome, count in plain(sample_values(self._requests, "_total")).items()
+                if count}
+
+    def snapshot(self) -> dict:
+        """The current figures as plain data (what GetClusterStatus shows): counters by label value,
+        histograms as {"count", "sum"} per priority class, workers by id."""
+        workers: dict[str, dict] = {}
+        for gauge, name in ((self._waiting, "waiting"), (self._running, "running"), (self._kv_usage, "kv_usage"),
+                            (self._healthy, "healthy")):
+            for (worker_id, role), value in sample_values(gauge).items():
+                workers.setdefault(worker_id, {"role": role})[name] = value
+        return {
+            "requests_total": plain(sample_values(self._requests, "_total")),
+            "goodput_requests_total": plain(sample_values(self._goodput, "_total")),
+            "admitted_requests_total": plain(sample_values(self._admitted, "_total")),
+            "rejected_requests_total": plain(sample_values(self._rejected, "_total")),
+            "inflight_requests": plain(sample_values(self._inflight)),
+            "prompt_tokens_total": plain(sample_values(self._prompt, "_total")),
+            "cached_prompt_tokens_total": plain(sample_values(self._cached, "_total")),
+            "ttft_seconds": histogram_totals(self._ttft),
+            "tpot_seconds": histogram_totals(self._tpot),
+            "request_duration_seconds": histogram_totals(self._duration),
+            "workers": workers,
+        }
+
+    # ---- construction -----------------------------------------------------------------------------
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, labels, namespace=NAMESPACE, subsystem=SUBSYSTEM, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, labels, namespace=NAMESPACE, subsystem=SUBSYSTEM, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, labels, namespace=NAMESPACE, subsystem=SUBSYSTEM, buckets=buckets,
+                         registry=self.registry)

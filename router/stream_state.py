@@ -1,0 +1,62 @@
+"""One request's progress while it streams: token counts, text, timings, and the figures it ends with."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from router.text_stream import TextStream
+from router.validation import RouterRequest
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+class StreamState:
+    def __init__(self, request: RouterRequest, tokenizer, started_s: float):
+        self.request, self.started_s = request, started_s
+        self.text = TextStream(tokenizer, request.params.stop) if request.return_text else None
+        self.num_tokens = 0
+        self.cached_tokens = 0
+        self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.first_token_s is not None
+
+    def add(self, chunk) -> tuple[str, Usage | None]:
+        """Accounts one cluster chunk; returns its text delta and, on the last chunk, the usage."""
+        now_s = time.perf_counter()
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+            self.cached_tokens = chunk.num_cached_tokens
+        self.last_token_s = now_s
+        self.num_tokens += len(chunk.token_ids)
+        delta = ""
+        if self.text is not None:
+            delta = self.text.push(chunk.token_ids)
+            if chunk.finish_reason:
+                delta += self.text.finish(chunk.finish_reason)
+        usage = None
+        if chunk.finish_reason:
+            usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.cached_tokens)
+        return delta, usage
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.started_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two tokens)."""
+        if self.num_tokens < 2 or self.first_token_s is None:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.num_tokens - 1)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.last_token_s or time.perf_counter()) - self.started_s
