@@ -33,6 +33,7 @@ class PoolConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     prefill_chunk_tokens: int = 512
+    metrics_port: int | None = None  # each actor's Prometheus endpoint; None: off, 0: any free port
 
 
 ROUTING_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
@@ -134,6 +135,8 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
     _check(pool.max_num_seqs >= 1, f"{name}.max_num_seqs", "must be >= 1")
     _check(pool.max_num_batched_tokens >= 1, f"{name}.max_num_batched_tokens", "must be >= 1")
     _check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
+    _check(pool.metrics_port is None or 0 <= pool.metrics_port <= 65535, f"{name}.metrics_port",
+           "must be None or in [0, 65535]")
 
 
 def _check_router(router: RouterConfig) -> None:

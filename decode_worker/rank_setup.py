@@ -33,7 +33,7 @@ def build_rank(owner, config: ClusterConfig, model_dir: str, store_host: str, st
     if config.decode.tp_size == 1:
         engine = LLMEngine(engine_cfg)
         loop = EngineLoop(engine, lambda updates: owner.outbox.push_step(engine, updates),
-                          name=f"{owner.peer_id}-engine").start()
+                          name=f"{owner.peer_id}-engine", on_step=owner.telemetry.on_step).start()
 
         def close() -> None:
             loop.stop()
@@ -53,7 +53,7 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
     if owner.rank == 0:
         engine = TensorParallelEngine(engine_cfg, tp)
         loop = EngineLoop(engine, lambda updates: owner.outbox.push_step(engine, updates),
-                          name=f"{owner.peer_id}-engine").start()
+                          name=f"{owner.peer_id}-engine", on_step=owner.telemetry.on_step).start()
 
         def close() -> None:
             loop.stop()

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import ClusterConfig
 from cluster.messages import GenerateRequest, TokenUpdate, WorkerInfo
+from cluster.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
 from decode_worker.receiver import KVReceiver
@@ -32,6 +33,7 @@ class DecodeRank:
         self.instance_id, self.rank = instance_id, rank
         self.peer_id = f"{instance_id}/rank{rank}"
         self.outbox = Outbox()
+        self.telemetry = WorkerTelemetry(instance_id, "decode", self.config) if rank == 0 else None
         self.setup: RankSetup = build_rank(self, self.config, model_dir, store_host, store_port)
         self.receiver = KVReceiver(self.setup.transport, self.setup.runner.kv_cache)
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
@@ -102,16 +104,17 @@ class DecodeRank:
         return await self._call(check)
 
     async def stats(self) -> dict:
-        return await self._call(lambda engine: {
-            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-            "kv_usage": engine.kv.usage, "num_free_blocks": engine.kv.num_free_blocks,
-            "reservations": len(self._leases)})
+        """Rank 0: load, recent engine steps and this instance's metrics (see WorkerTelemetry)."""
+        stats = await self._call(lambda engine: self.telemetry.engine_stats(engine, self.setup.loop.step_log))
+        return {**stats, "reservations": len(self._leases)}
 
     async def debug_set_receive_delay(self, seconds: float) -> None:
         """Fault injection for tests: stall each KV receive by `seconds`."""
         self.receiver.delay_s = seconds
 
     def shutdown(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.close()
         self.setup.close()
         self._recv_pool.shutdown(wait=False, cancel_futures=True)
 

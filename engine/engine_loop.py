@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 from engine.llm_engine import LLMEngine, SequenceUpdate
+from engine.step_log import StepLog, StepRecord
 
 T = TypeVar("T")
 
@@ -21,8 +22,10 @@ T = TypeVar("T")
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_updates: Callable[[list[SequenceUpdate]], None],
                  on_idle: Callable[[], None] | None = None, idle_interval_s: float = 0.5,
-                 name: str = "engine-loop"):
+                 name: str = "engine-loop", on_step: Callable[[StepRecord], None] | None = None):
         self.engine = engine
+        self.step_log = StepLog()
+        self._on_step = on_step
         self._on_updates = on_updates
         self._on_idle = on_idle
         self._idle_interval_s = idle_interval_s
@@ -59,7 +62,12 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     if self.step_delay_s:
                         time.sleep(self.step_delay_s)
-                    self._on_updates(self.engine.step())
+                    started_s = time.perf_counter()
+                    updates = self.engine.step()
+                    record = self.step_log.append(time.perf_counter() - started_s, *self.engine.last_step_shape)
+                    if self._on_step is not None:
+                        self._on_step(record)
+                    self._on_updates(updates)
                 elif self._on_idle is not None and not self._stopping.is_set():
                     self._on_idle()
         except BaseException as err:  # noqa: BLE001 — a dead loop must say why to every caller

@@ -105,10 +105,14 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[SequenceUpdate]:
+        self.last_step_shape = (0, 0, 0)
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return self._fail_unschedulable()
         chunks = order_chunks(scheduled.chunks)
+        # (tokens computed, sequences, KV tokens attended) of this step: the step log records it
+        self.last_step_shape = (sum(c.num_new_tokens for c in chunks), len(chunks),
+                                sum(c.start + c.num_new_tokens for c in chunks))
         step_input = build_step_input(chunks, self.kv.block_table, self.config.block_size)
         logits = self.execute(step_input)
         return self._postprocess(chunks, logits)

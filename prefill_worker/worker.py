@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from cluster.config import ClusterConfig
 from cluster.kv_events import KVEventBatch, KVEventBuffer
+from cluster.worker_telemetry import WorkerTelemetry
 from cluster.messages import GenerateRequest, HandoffStats, PrefillResult, WorkerInfo
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
@@ -36,12 +37,14 @@ class PrefillWorker:
         self.kv_events = KVEventBuffer(worker_id)  # read by prefix indexers, off the engine thread
         self.engine = LLMEngine(cluster_config.engine_config("prefill", model_dir), on_kv_event=self.kv_events.append)
         self.index_publisher = _start_publisher(self.kv_events, cluster_config, self.engine)
+        self.telemetry = WorkerTelemetry(worker_id, "prefill", cluster_config)
         self.transport = TorchDistTransport(worker_id, store_host, store_port)
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, HandoffTarget | None]] = {}
         self._handoffs: dict[str, Future] = {}
         self._started_s: dict[str, float] = {}
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sender")
-        self.loop = EngineLoop(self.engine, self._on_updates, name=f"{worker_id}-engine").start()
+        self.loop = EngineLoop(self.engine, self._on_updates, name=f"{worker_id}-engine",
+                               on_step=self.telemetry.on_step).start()
 
     async def ready(self) -> WorkerInfo:
         cfg = self.engine.model_config
@@ -96,9 +99,10 @@ class PrefillWorker:
         return await asyncio.wrap_future(self.loop.call(check))
 
     async def stats(self) -> dict:
-        return await asyncio.wrap_future(self.loop.call(lambda engine: {
-            "waiting": len(engine.scheduler.waiting), "running": len(engine.scheduler.running),
-            "kv_usage": engine.kv.usage, "handoffs_in_flight": len(self._handoffs)}))
+        """Load, recent engine steps and this worker's metrics (see WorkerTelemetry)."""
+        stats = await asyncio.wrap_future(self.loop.call(
+            lambda engine: self.telemetry.engine_stats(engine, self.loop.step_log)))
+        return {**stats, "handoffs_in_flight": len(self._handoffs)}
 
     async def debug_set_step_delay(self, seconds: float) -> None:
         """Fault injection for tests: sleep `seconds` before each engine step."""
@@ -107,6 +111,7 @@ class PrefillWorker:
     def shutdown(self) -> None:
         if self.index_publisher is not None:
             self.index_publisher.stop()
+        self.telemetry.close()
         self.loop.stop()
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
@@ -123,6 +128,7 @@ class PrefillWorker:
                 self.engine.release(update.seq_id)  # nobody waits (aborted): drop its pins
                 continue
             loop, waiter, target = entry
+            self.telemetry.metrics.observe_prompt(seq.num_prompt_tokens, seq.num_cached_tokens)
             handoff = update.finish_reason is FinishReason.HANDOFF
             if handoff:
                 self._start_handoff(update.seq_id, target)
@@ -150,12 +156,18 @@ class PrefillWorker:
                                          handoff.num_computed_tokens, handoff.seq_id, target)
             for confirmation in [ref.future() for ref in announced]:
                 confirmation.result(timeout=remaining_s(target.lease_deadline_s))
-            return HandoffStats(num_bytes, time.perf_counter() - started_s)
+            elapsed_s = time.perf_counter() - started_s
+            self.telemetry.metrics.observe_transfer("send", num_bytes, elapsed_s)
+            self.telemetry.metrics.handoff_finished(True)
+            return HandoffStats(num_bytes, elapsed_s)
         except TransferError:
+            self.telemetry.metrics.handoff_finished(False)
             raise
         except FutureTimeout:
+            self.telemetry.metrics.handoff_finished(False)
             raise TransferError(target.instance_id, "decode ranks did not confirm within the lease") from None
         except Exception as err:  # anything else still ends this hand-off, named
+            self.telemetry.metrics.handoff_finished(False)
             raise TransferError(target.instance_id, f"{type(err).__name__}: {err}") from err
         finally:
             self.loop.call(lambda engine: engine.release(handoff.seq_id))

@@ -58,7 +58,9 @@ def test_prefix_hash_sends_same_prefix_requests_to_the_same_worker(secured):
 
 def test_cache_aware_routes_to_the_holder_from_worker_events(ray_session, checkpoint):
     config = router_config(policy="cache_aware", metrics_port=0)
-    stack = start_router(checkpoint(TinySpec()), replace(config, prefill=replace(config.prefill, replicas=2)))
+    stack = start_router(checkpoint(TinySpec()), replace(config, prefill=replace(config.prefill, replicas=2,
+                                                                                   metrics_port=0),
+                                                         decode=replace(config.decode, metrics_port=0)))
     try:
         prefix = list(range(100, 164))  # 4 blocks
         with Client(stack.target) as client:
@@ -70,6 +72,7 @@ def test_cache_aware_routes_to_the_holder_from_worker_events(ray_session, checkp
         assert all(r.cached_prompt_tokens == 64 for r in later)
         assert status.index_entries >= 4 and status.cached_prompt_tokens_total >= 4 * 64
         _check_prometheus(stack.server.exporter.url, status)
+        _check_worker_telemetry(stack, first.prefill_worker)
         stack.check_workers_clean()
     finally:
         stack.stop()
@@ -142,3 +145,20 @@ def _check_prometheus(url: str, status) -> None:
     assert value("splitserve_router_goodput_requests_total") == 5  # no SLO given: finishing meets it
     assert value("splitserve_router_cached_prompt_tokens_total") == status.cached_prompt_tokens_total
     assert value("splitserve_router_prompt_tokens_total") == status.prompt_tokens_total
+
+
+def _check_worker_telemetry(stack, worker_id: str) -> None:
+    """Workers report their recent steps (for the router's cost models) and export their own metrics."""
+    from cluster.metrics_http import scrape
+
+    handle = next(h for h in stack.cluster.prefill if h.worker_id == worker_id)
+    stats = ray.get(handle.actor.stats.remote(), timeout=10)
+    assert stats["steps"] and all(step[1] > 0 and step[2] >= 1 for step in stats["steps"])  # duration, tokens
+    samples = scrape(f"http://127.0.0.1:{stats['metrics_port']}/metrics")
+    labels = (("phase", "prefill"), ("role", "prefill"), ("worker", worker_id))
+    assert samples[("splitserve_worker_steps_total", labels)] >= 5
+    prompt = samples[("splitserve_worker_prompt_tokens_total", (("role", "prefill"), ("worker", worker_id)))]
+    hits = samples[("splitserve_worker_prefix_cache_hit_tokens_total", (("role", "prefill"), ("worker", worker_id)))]
+    assert prompt >= 5 * 66 and hits >= 4 * 64
+    decode = ray.get(stack.cluster.decode[0].driver.stats.remote(), timeout=10)
+    assert decode["steps"] and decode["metrics_port"]
