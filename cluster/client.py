@@ -32,9 +32,10 @@ class RequestFailed(RuntimeError):
     the bad input, if any)."""
 
     def __init__(self, reason: str, *, unavailable: bool = False, field: str | None = None,
-                 timed_out: bool = False):
+                 timed_out: bool = False, out_of_capacity: bool = False):
         super().__init__(reason)
         self.reason, self.unavailable, self.field, self.timed_out = reason, unavailable, field, timed_out
+        self.out_of_capacity = out_of_capacity  # a worker's KV pool is full now: retry later
 
 
 @dataclass(frozen=True)
@@ -179,5 +180,5 @@ async def _bounded(ref, deadline_s: float, what: str):
         if isinstance(cause, InvalidRequestError):
             raise RequestFailed(str(cause), field=cause.field) from None
         if isinstance(cause, MemoryError):
-            raise RequestFailed(f"{what}: {cause}", unavailable=True) from None
+            raise RequestFailed(f"{what}: {cause}", out_of_capacity=True) from None
         raise RequestFailed(f"{what} failed: {cause}", unavailable=True) from None

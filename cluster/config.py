@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import DTYPES, EngineConfig
+from router.admission.config import AdmissionConfig
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     redis_url: str | None = None  # global prefix index; None: the router's in-process index
     index_lease_s: float = 30.0  # a worker's prefix-index entries expire this long after its last heartbeat
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # router admission control
 
     def __post_init__(self):
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -104,10 +106,18 @@ class ClusterConfig:
                     raise ConfigError(f"{name}: must be a mapping")
                 _reject_unknown(section, section_cls, f"{name}.")
                 values[name] = _build(section_cls, section, f"{name}.")
+        if "admission" in values:  # its own loader: per-priority SLOs are a nested mapping
+            try:
+                values["admission"] = AdmissionConfig.from_dict(values["admission"])
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         return _build(cls, values, "")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data that `from_dict` reads back (how workers receive the config)."""
+        raw = dataclasses.asdict(self)
+        raw["admission"] = self.admission.to_dict()
+        return raw
 
     def engine_config(self, role: str, model_dir: str) -> EngineConfig:
         pool = self.prefill if role == "prefill" else self.decode

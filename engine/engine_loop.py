@@ -17,6 +17,7 @@ from engine.llm_engine import LLMEngine, SequenceUpdate
 from engine.step_log import StepLog, StepRecord
 
 T = TypeVar("T")
+STALL_WAIT_S = 0.005
 
 
 class EngineLoop:
@@ -56,17 +57,21 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            stalled = False
             while not self._stopping.is_set():
                 busy = self.engine.has_unfinished()
-                self._run_commands(block_s=0.0 if busy else self._idle_interval_s)
+                # A step that ran nothing waits for blocks held elsewhere: poll gently, don't spin.
+                self._run_commands(block_s=(STALL_WAIT_S if stalled else 0.0) if busy else self._idle_interval_s)
                 if self.engine.has_unfinished():
                     if self.step_delay_s:
                         time.sleep(self.step_delay_s)
                     started_s = time.perf_counter()
                     updates = self.engine.step()
-                    record = self.step_log.append(time.perf_counter() - started_s, *self.engine.last_step_shape)
-                    if self._on_step is not None:
-                        self._on_step(record)
+                    stalled = self.engine.last_step_shape[1] == 0 and not updates
+                    if not stalled:
+                        record = self.step_log.append(time.perf_counter() - started_s, *self.engine.last_step_shape)
+                        if self._on_step is not None:
+                            self._on_step(record)
                     self._on_updates(updates)
                 elif self._on_idle is not None and not self._stopping.is_set():
                     self._on_idle()

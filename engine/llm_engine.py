@@ -146,6 +146,8 @@ class LLMEngine:
         if self.scheduler.running or not self.scheduler.waiting:
             return []
         seq = self.scheduler.waiting[0]
+        if -(-seq.num_tokens // self.config.block_size) <= self.num_blocks:
+            return []  # it fits the pool; blocks held outside the scheduler (hand-off pins) free up soon
         self._finish(seq, FinishReason.LENGTH)
         return [SequenceUpdate(seq.seq_id, (), FinishReason.LENGTH)]
 

@@ -22,6 +22,7 @@ from cluster.worker_telemetry import WorkerTelemetry
 from cluster.messages import GenerateRequest, HandoffStats, PrefillResult, WorkerInfo
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, SequenceUpdate
 from engine.sequence import FinishReason
 from kvtransfer.handoff import HandoffTarget, remaining_s, send_sequence_kv
@@ -128,6 +129,10 @@ class PrefillWorker:
                 self.engine.release(update.seq_id)  # nobody waits (aborted): drop its pins
                 continue
             loop, waiter, target = entry
+            if not update.new_token_ids:  # ended unscheduled: the prompt can never fit this pool
+                loop.call_soon_threadsafe(_fail, waiter, InvalidRequestError(
+                    "prompt", f"needs more KV blocks than this worker's pool of {self.engine.num_blocks}"))
+                continue
             self.telemetry.metrics.observe_prompt(seq.num_prompt_tokens, seq.num_cached_tokens)
             handoff = update.finish_reason is FinishReason.HANDOFF
             if handoff:

@@ -15,6 +15,9 @@ from router.routing import NoWorkersError
 from router.service import DuplicateRequest, Overloaded
 
 
+KV_FULL_RETRY_AFTER_S = 1.0  # a full decode pool frees blocks as its requests finish
+
+
 class Unauthenticated(RuntimeError):
     """Missing or wrong bearer token."""
 
@@ -38,6 +41,8 @@ def status_for(error: BaseException) -> Status:
             return Status(grpc.StatusCode.INVALID_ARGUMENT, error.reason, error.field)
         if error.timed_out:
             return Status(grpc.StatusCode.DEADLINE_EXCEEDED, error.reason)
+        if error.out_of_capacity:
+            return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, error.reason, None, KV_FULL_RETRY_AFTER_S)
         return Status(grpc.StatusCode.UNAVAILABLE, error.reason)
     if isinstance(error, Overloaded):
         return Status(grpc.StatusCode.RESOURCE_EXHAUSTED, error.reason, None, error.retry_after_s)

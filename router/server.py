@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import LaunchedCluster
+from router.admission_gate import AdmissionGate
 from router.index_feeder import IndexFeeder
 from cluster.metrics_http import start_metrics_server
 from router.interceptors import AuthInterceptor, ErrorInterceptor
@@ -56,7 +57,8 @@ class RouterServer:
         index, feeder = await _make_index(cluster, config)
         metrics = RouterMetrics()
         service = RouterService(cluster, make_policy(router.policy, index), tokenizer=_load_tokenizer(cluster),
-                                max_concurrent_requests=router.max_concurrent_requests, index=index, metrics=metrics)
+                                max_concurrent_requests=router.max_concurrent_requests, index=index, metrics=metrics,
+                                admission=_make_admission(cluster, config))
         metrics.track_inflight(lambda: service.inflight_requests)
         exporter = None
         if router.metrics_port is not None:
@@ -110,6 +112,22 @@ async def _make_index(cluster: LaunchedCluster, config: ClusterConfig):
     if config.redis_url is not None:
         return index, None
     return index, IndexFeeder(cluster, index, interval_s=config.router.index_poll_interval_s)
+
+
+def _make_admission(cluster: LaunchedCluster, config: ClusterConfig) -> AdmissionGate | None:
+    """None for the `always` policy: admitting everything needs no view of the cluster."""
+    if config.admission.policy == "always":
+        return None
+    from engine.model_loader import load_model_config
+
+    model = load_model_config(cluster.model_dir, config.dtype)
+    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * _DTYPE_BYTES[model.dtype]
+    roles = {h.worker_id: "prefill" for h in cluster.prefill} | {d.instance_id: "decode" for d in cluster.decode}
+    return AdmissionGate(config.admission, roles, kv_bytes_per_token, config.block_size,
+                         config.prefill.max_num_batched_tokens)
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _load_tokenizer(cluster: LaunchedCluster):

@@ -18,6 +18,8 @@ from cluster.messages import GenerateRequest
 from engine.block_hash import HashNamespace, check_spec_fingerprint, hash_blocks
 from engine.errors import InvalidRequestError
 from router.routing import NoWorkersError, RouteQuery, RoutingPolicy, WorkerLoad
+from router.admission import RunningRequest
+from router.admission_gate import AdmissionGate
 from router.metrics import RouterMetrics, slo_met
 from router.stream_state import StreamState, Usage
 from router.validation import ModelLimits, RouterRequest
@@ -27,7 +29,7 @@ from router.worker_monitor import WorkerMonitor
 class Overloaded(RuntimeError):
     """The router refuses new work now; `retry_after_s` suggests when to try again."""
 
-    def __init__(self, reason: str, retry_after_s: float):
+    def __init__(self, reason: str, retry_after_s: float | None):
         super().__init__(reason)
         self.reason, self.retry_after_s = reason, retry_after_s
 
@@ -58,7 +60,7 @@ class RouterOutput:
 class RouterService:
     def __init__(self, cluster: LaunchedCluster, policy: RoutingPolicy, *, tokenizer=None,
                  max_concurrent_requests: int = 1024, monitor: WorkerMonitor | None = None, index=None,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, admission: AdmissionGate | None = None):
         infos = [h.info for h in cluster.prefill] + [d.info for d in cluster.decode]
         for info in infos:  # a worker hashing blocks differently would make every prefix lookup wrong
             check_spec_fingerprint(info.hash_spec)
@@ -72,6 +74,10 @@ class RouterService:
         self.client = ClusterClient(cluster)
         self.metrics = metrics or RouterMetrics()
         self.monitor = monitor or WorkerMonitor(cluster, self.metrics)
+        self.admission = admission
+        if admission is not None:
+            self.monitor.listeners.append(admission.observe_stats)
+        self._decoding: dict[str, dict[str, StreamState]] = {d.instance_id: {} for d in cluster.decode}
         self._min_pool_blocks = min(info.num_blocks for info in infos)
         self._running: set[str] = set()
         self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
@@ -106,7 +112,9 @@ class RouterService:
         query = self._route_query(request)
         prefill, decode, decision = await self._choose(query)
         worker_id = prefill.worker_id
+        self._admission_check(request, decision.expected_cached_blocks * query.block_size, worker_id, decode)
         uncached = max(query.num_prompt_tokens - decision.expected_cached_blocks * query.block_size, 1)
+        self._decoding[decode.instance_id][request.request_id] = state
         self._inflight[worker_id] += 1
         self._queued_tokens[worker_id] += uncached
         cluster_s = [0.0]
@@ -130,6 +138,26 @@ class RouterService:
             if not state.started:
                 self._queued_tokens[worker_id] -= uncached
             self._inflight[worker_id] -= 1
+            self._decoding[decode.instance_id].pop(request.request_id, None)
+
+    def _admission_check(self, request: RouterRequest, cached_tokens: int, worker_id: str, decode) -> None:
+        """Admit, or reject early (before any worker is touched) with the policy's reason."""
+        if self.admission is None:
+            return
+        running = [RunningRequest(s.num_tokens, s.request.params.max_tokens,
+                                  len(s.request.prompt_token_ids) + s.num_tokens)
+                   for s in self._decoding[decode.instance_id].values()]
+        load = WorkerLoad(worker_id, self._inflight[worker_id], self._queued_tokens[worker_id])
+        total = decode.info.num_blocks
+        # The monitor's figure is up to a probe interval old; what this router reserved since is exact.
+        held = sum(-(-(r.context_tokens + 1) // self.info.block_size) for r in running)
+        free = min(self.monitor.stats.get(decode.instance_id, {}).get("num_free_blocks", total), total - held)
+        verdict = self.admission.decide(request, cached_tokens, load, decode.instance_id, running,
+                                        {"num_free_blocks": max(free, 0)}, total)
+        if not verdict.admit:
+            self.metrics.rejected(str(verdict.cause))
+            raise Overloaded(verdict.reason, verdict.retry_after_s)
+        self.metrics.admitted()
 
     def _finished(self, state: StreamState, cluster_s: float) -> None:
         request = state.request

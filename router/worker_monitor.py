@@ -24,6 +24,7 @@ class WorkerMonitor:
         self._actors.update({d.instance_id: d.driver for d in cluster.decode})
         self.stats: dict[str, dict] = {worker_id: {} for worker_id in self._actors}
         self._unhealthy: set[str] = set()
+        self.listeners: list = []  # called with (worker_id, stats) after each successful probe
         self._task: asyncio.Task | None = None
         self._probes: set[asyncio.Task] = set()
 
@@ -56,6 +57,8 @@ class WorkerMonitor:
                 log.warning("worker %s is unhealthy: %s", worker_id, type(err).__name__)
             self._unhealthy.add(worker_id)
         else:
+            for listener in self.listeners:
+                listener(worker_id, self.stats[worker_id])
             if worker_id in self._unhealthy:
                 log.info("worker %s is healthy again", worker_id)
             self._unhealthy.discard(worker_id)

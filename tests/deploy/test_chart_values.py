@@ -102,6 +102,8 @@ def _sample(prop: dict):
     kinds = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
     if "integer" in kinds:
         return prop.get("minimum", 0) + 7
+    if "object" in kinds:
+        return {k: _sample(p) for k, p in prop.get("properties", {}).items()}
     return {"number": 2.5, "boolean": False, "string": "x"}[kinds[0]]
 
 
@@ -116,4 +118,5 @@ def test_every_passthrough_key_renders_into_a_config_the_loader_accepts():
     for section in ("prefill", "decode", "router"):
         assert passthrough[section].items() <= raw[section].items()
     assert {k: v for k, v in passthrough.items() if not isinstance(v, dict)}.items() <= raw.items()
+    assert raw["admission"] == passthrough["admission"]
     ClusterConfig.from_dict(raw)

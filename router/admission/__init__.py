@@ -1,0 +1,42 @@
+"""Admission control (DESIGN.md lifecycle step 3): admit or reject each request early, by name.
+
+A registry: `make_admission_policy(name, config=...)`; unknown names fail listing the known ones.
+The pieces, one concept per module: `config` (settings, SLO defaults, the shedding rule), `step_stats`
+(what workers report), `linear_fit` + `cost_model` (online step-time models), `view` (the request and
+cluster snapshot a decision reads), `decode_projection` + `predictor` (predicted TTFT / TPOT), `base`
+(the policy contract), `policies` (always, threshold) and `predictive`.
+"""
+from __future__ import annotations
+
+from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause
+from router.admission.config import ADMISSION_POLICIES, AdmissionConfig, PrioritySlo, Slo
+from router.admission.cost_model import (DecodeCostModel, DecodeStepFit, PrefillCostModel, PrefillTimeFit,
+                                         TransferCostModel, TransferTimeFit)
+from router.admission.policies import AlwaysAdmitPolicy, ThresholdPolicy
+from router.admission.predictive import PredictivePolicy
+from router.admission.predictor import Prediction, predict
+from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep
+from router.admission.view import AdmissionRequest, ClusterView, DecodeInstanceView, RunningRequest
+
+POLICIES: dict[str, type[AdmissionPolicy]] = {cls.name: cls for cls in (AlwaysAdmitPolicy, ThresholdPolicy,
+                                                                        PredictivePolicy)}
+
+
+def make_admission_policy(name: str, **kwargs) -> AdmissionPolicy:
+    """The policy called `name`; kwargs go to its constructor (today: `config: AdmissionConfig`)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown admission policy {name!r}; known: {sorted(POLICIES)}")
+    return POLICIES[name](**kwargs)
+
+
+def policy_from_config(config: AdmissionConfig) -> AdmissionPolicy:
+    """The policy `config.policy` names, configured by `config`."""
+    return make_admission_policy(config.policy, config=config)
+
+
+__all__ = ["ADMISSION_POLICIES", "POLICIES", "AdmissionConfig", "AdmissionDecision", "AdmissionPolicy",
+           "AdmissionRequest", "AlwaysAdmitPolicy", "Cause", "ClusterView", "DecodeCostModel",
+           "DecodeInstanceView", "DecodeStep", "DecodeStepFit", "PredictivePolicy", "Prediction",
+           "PrefillCostModel", "PrefillStep", "PrefillTimeFit", "PrioritySlo", "RunningRequest", "Slo",
+           "ThresholdPolicy", "TransferCostModel", "TransferStep", "TransferTimeFit", "make_admission_policy",
+           "policy_from_config", "predict"]
