@@ -78,6 +78,7 @@ class RouterService:
         if admission is not None:
             self.monitor.listeners.append(admission.observe_stats)
         self._decoding: dict[str, dict[str, StreamState]] = {d.instance_id: {} for d in cluster.decode}
+        self._predicted_ttft_s: dict[str, float] = {}  # admitted request → its predicted TTFT
         self._min_pool_blocks = min(info.num_blocks for info in infos)
         self._running: set[str] = set()
         self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
@@ -139,6 +140,9 @@ class RouterService:
                 self._queued_tokens[worker_id] -= uncached
             self._inflight[worker_id] -= 1
             self._decoding[decode.instance_id].pop(request.request_id, None)
+            predicted_s = self._predicted_ttft_s.pop(request.request_id, None)
+            if predicted_s is not None and state.started:
+                self.admission.observe_ttft(predicted_s, state.ttft_s)
 
     def _admission_check(self, request: RouterRequest, cached_tokens: int, worker_id: str, decode) -> None:
         """Admit, or reject early (before any worker is touched) with the policy's reason."""
@@ -158,6 +162,8 @@ class RouterService:
             self.metrics.rejected(str(verdict.cause))
             raise Overloaded(verdict.reason, verdict.retry_after_s)
         self.metrics.admitted()
+        if verdict.prediction is not None:
+            self._predicted_ttft_s[request.request_id] = verdict.prediction.ttft_s
 
     def _finished(self, state: StreamState, cluster_s: float) -> None:
         request = state.request

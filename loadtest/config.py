@@ -1,0 +1,90 @@
+"""`BenchConfig`: everything one `splitserve bench` invocation does, validated once here.
+
+Every check names the flag it concerns; the CLI turns the ValueError into a usage error.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.driver import DriverConfig
+from loadtest.plan import RequestDefaults
+from loadtest.poisson import PoissonSpec
+from loadtest.shared_prefix import SharedPrefixSpec
+from loadtest.trace import TraceSpec
+
+WorkloadSpec = PoissonSpec | SharedPrefixSpec | TraceSpec
+
+
+def check_target(target: str) -> str:
+    """HOST:PORT (IPv6 as [ADDR]:PORT) with a port in [1, 65535]; returns it unchanged."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--target must be HOST:PORT with a port in [1, 65535], got {target!r}")
+    return target
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """'1,2,4' -> (1.0, 2.0, 4.0): finite, > 0, distinct."""
+    try:
+        rates = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--sweep must be comma-separated request rates like 1,2,4; got {text!r}") from None
+    if not all(r > 0 and math.isfinite(r) for r in rates):
+        raise ValueError(f"--sweep rates must be finite numbers > 0, got {text!r}")
+    if len(set(rates)) != len(rates):
+        raise ValueError(f"--sweep rates must be distinct, got {text!r}")
+    return rates
+
+
+def read_token(path: str | None) -> str | None:
+    """The bearer token in `path` (surrounding whitespace stripped); None without a file."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as err:
+        raise ValueError(f"--auth-token-file {path}: {err.strerror or err}") from None
+    if not token:
+        raise ValueError(f"--auth-token-file {path} is empty")
+    return token
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    workload: str
+    spec: WorkloadSpec
+    driver: DriverConfig = DriverConfig()
+    defaults: RequestDefaults = RequestDefaults()
+    seed: int = 0
+    auth_token_file: str | None = None
+    out_dir: str | None = None  # records.jsonl + summary.json (per rate under rate-R/ in a sweep)
+    plot_dir: str | None = None
+    sweep_rates: tuple[float, ...] = ()
+    attainment_target: float = 0.9
+    warmup_s: float = 0.0
+
+    def __post_init__(self):
+        check_target(self.target)
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
+        read_token(self.auth_token_file)
+        for flag, folder in (("--out", self.out_dir), ("--plot", self.plot_dir)):
+            if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+                raise ValueError(f"{flag} {folder} exists and is not a directory")
+        if not 0 < self.attainment_target <= 1:
+            raise ValueError(f"--attainment-target must be in (0, 1], got {self.attainment_target}")
+        if not (self.warmup_s >= 0 and math.isfinite(self.warmup_s)):
+            raise ValueError(f"--warmup-s must be a finite number >= 0, got {self.warmup_s}")
+        slo = self.defaults.slo
+        for flag, value in (("--ttft-ms", slo.ttft_ms), ("--tpot-ms", slo.tpot_ms)):
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{flag} must be a finite number > 0, got {value}")
+        if not -1000 <= self.defaults.priority <= 1000:
+            raise ValueError(f"--priority must be in [-1000, 1000], got {self.defaults.priority}")
+        if len(self.defaults.tenant) > 128:
+            raise ValueError("--tenant must be at most 128 characters")
+        if not (self.driver.temperature >= 0 and math.isfinite(self.driver.temperature)):
+            raise ValueError(f"--temperature must be a finite number >= 0, got {self.driver.temperature}")

@@ -1,0 +1,44 @@
+"""Percentiles and the latency distribution summary the bench reports.
+
+Percentiles interpolate linearly between the two nearest ranks of the sorted sample (numpy's default
+"linear" method): for n values, percentile q sits at position (n - 1) * q / 100.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (q in [0, 100]) of a non-empty sample."""
+    if not values:
+        raise ValueError("percentile of an empty sample")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Count, mean, p50 / p90 / p99 and max of a sample, in the unit of its name (e.g. `ttft_ms`).
+    An empty sample has count 0 and None elsewhere."""
+
+    count: int
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+
+    @staticmethod
+    def of(values: Sequence[float], scale: float = 1.0) -> "Distribution":
+        """The distribution of values x scale (e.g. seconds -> milliseconds with scale=1000)."""
+        if not values:
+            return Distribution(0, None, None, None, None, None)
+        scaled = [v * scale for v in values]
+        return Distribution(len(scaled), sum(scaled) / len(scaled), percentile(scaled, 50),
+                            percentile(scaled, 90), percentile(scaled, 99), max(scaled))

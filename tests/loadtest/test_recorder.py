@@ -1,0 +1,50 @@
+"""The recorder turns the SDK's chunks (real `GenerateChunk`s) and errors into exact records."""
+from __future__ import annotations
+
+from loadtest.plan import PlannedRequest, Slo
+from loadtest.recorder import RequestRecorder
+from router.sdk_types import GenerateChunk, Route, Usage
+
+PLANNED = PlannedRequest(3, 1.0, (5, 6, 7, 8), 3, Slo(100.0, None), priority=2, tenant="a")
+
+
+def chunk(tokens, route=None, usage=None, finish=None) -> GenerateChunk:
+    return GenerateChunk("id", tuple(tokens), "", (), finish, route, usage)
+
+
+def test_a_completed_stream():
+    r = RequestRecorder(PLANNED, "run-000003", send_s=1.25)
+    r.on_chunk(chunk([11], route=Route("p0", "d0", "cache_aware", 2)), 1.30)
+    r.on_chunk(chunk([12, 13]), 1.40)
+    r.on_chunk(chunk([], usage=Usage(4, 3, 4), finish="length"), 1.45)
+    r.on_stream_end(1.46)
+    record = r.record(9.0)
+    assert (record.request_id, record.index, record.arrival_s, record.send_s) == ("run-000003", 3, 1.0, 1.25)
+    assert record.token_times_s == (1.30 - 1.25, 1.40 - 1.25, 1.40 - 1.25)  # a message's tokens share its time
+    assert record.e2e_s == 1.45 - 1.25
+    assert (record.cached_prompt_tokens, record.finish_reason, record.error_code) == (4, "length", None)
+    assert (record.prompt_tokens, record.max_tokens, record.ttft_slo_ms, record.tpot_slo_ms) == (4, 3, 100.0, None)
+    assert (record.priority, record.tenant, record.ok) == (2, "a", True)
+
+
+def test_an_error_after_the_first_token_keeps_what_came():
+    r = RequestRecorder(PLANNED, "x", send_s=0.0)
+    r.on_chunk(chunk([11], route=Route("p0", "d0", "cache_aware", 0)), 0.2)
+    r.on_error("UNAVAILABLE", "worker lost", 0.5)
+    r.on_error("CANCELLED", "later", 0.9)  # the first error sticks
+    record = r.record(1.0)
+    assert (record.token_times_s, record.e2e_s, record.error_code, record.error_reason) == \
+        ((0.2,), 0.5, "UNAVAILABLE", "worker lost")
+    assert record.finish_reason is None and not record.ok and not record.met_slo
+
+
+def test_still_running_is_cancelled_and_a_stream_without_finish_is_an_error():
+    running = RequestRecorder(PLANNED, "x", send_s=0.0)
+    running.on_chunk(chunk([11]), 0.2)
+    assert not running.done
+    record = running.record(3.0)
+    assert (record.error_code, record.e2e_s, record.output_tokens) == ("CANCELLED", 3.0, 1)
+    cut = RequestRecorder(PLANNED, "y", send_s=0.0)
+    cut.on_chunk(chunk([11]), 0.2)
+    cut.on_stream_end(0.3)
+    assert (cut.record(5.0).error_code, cut.record(5.0).e2e_s) == ("CLIENT_ERROR", 0.3)
