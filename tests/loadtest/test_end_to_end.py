@@ -76,12 +76,12 @@ def test_sweep_bounded_in_time_accounts_for_every_request(router_stack, router_t
 
 
 def test_mooncake_replay_shares_the_traces_first_block(router_stack, router_target, tmp_path):
-    from tests.loadtest.test_trace import CONVERSATION
+    from tests.loadtest.test_trace import CONVERSATION as FULL
+    from tests.loadtest.test_trace_slices import CONVERSATION as SLICE
 
-    if not CONVERSATION.is_file():
-        pytest.skip(f"shipped trace not found: {CONVERSATION}")
+    conversation = FULL if FULL.is_file() else SLICE
     out = tmp_path / "out"
-    splitserve(["bench", "--target", router_target, "--workload", "trace", "--trace", str(CONVERSATION),
+    splitserve(["bench", "--target", router_target, "--workload", "trace", "--trace", str(conversation),
                 "--num-requests", "4", "--trace-speedup", "1000", "--trace-output-scale", "0.01",
                 "--max-concurrency", "1", "--no-progress", "--out", str(out)])
     records = read_jsonl(out / "records.jsonl")
