@@ -21,7 +21,6 @@ from decode_worker.receiver import KVReceiver
 from engine.block_hash import spec_fingerprint
 from engine.llm_engine import LLMEngine
 from kvtransfer.handoff import HandoffTarget, RankTarget
-from kvtransfer.transport import TransferError
 
 LEASE_GRACE_S = 2.0  # clocks of two hosts may differ a little; blocks are freed only after this
 

@@ -61,8 +61,7 @@ class AdmissionGate:
         self._seen_step[worker_id] = seen
 
     def decide(self, request, expected_cached_tokens: int, prefill: WorkerLoad, decode_id: str,
-               decode_running: list[RunningRequest], decode_stats: dict, decode_blocks_total: int) -> AdmissionDecision:
-        blocks_free = min(decode_stats.get("num_free_blocks", decode_blocks_total), decode_blocks_total)
+               decode_running: list[RunningRequest], blocks_free: int, decode_blocks_total: int) -> AdmissionDecision:
         view = ClusterView((prefill,), (DecodeInstanceView(decode_id, decode_running, blocks_free,
                                                            decode_blocks_total),),
                            self.prefill_cost.fit(), self.decode_cost.fit(), self.transfer_cost.fit(),

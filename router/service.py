@@ -83,8 +83,6 @@ class RouterService:
         self._running: set[str] = set()
         self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
         self._inflight = Counter()  # prefill worker → requests in flight
-        self.prompt_tokens_total = 0
-        self.cached_prompt_tokens_total = 0
         # (request id, seconds spent inside the cluster API) of recent requests: benchmarks subtract it
         # from what the client saw to get what the router path added to that very request.
         self.cluster_call_s: deque[tuple[str, float]] = deque(maxlen=100_000)
@@ -157,7 +155,7 @@ class RouterService:
         held = sum(-(-(r.context_tokens + 1) // self.info.block_size) for r in running)
         free = min(self.monitor.stats.get(decode.instance_id, {}).get("num_free_blocks", total), total - held)
         verdict = self.admission.decide(request, cached_tokens, load, decode.instance_id, running,
-                                        {"num_free_blocks": max(free, 0)}, total)
+                                        max(free, 0), total)
         if not verdict.admit:
             self.metrics.rejected(str(verdict.cause))
             raise Overloaded(verdict.reason, verdict.retry_after_s)
@@ -167,8 +165,6 @@ class RouterService:
 
     def _finished(self, state: StreamState, cluster_s: float) -> None:
         request = state.request
-        self.prompt_tokens_total += len(request.prompt_token_ids)
-        self.cached_prompt_tokens_total += state.cached_tokens
         self.cluster_call_s.append((request.request_id, cluster_s))
         metrics = self.metrics
         metrics.observe_ttft(state.ttft_s, request.priority)

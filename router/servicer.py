@@ -31,7 +31,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def GetClusterStatus(self, request: pb.GetClusterStatusRequest, context) -> pb.ClusterStatus:
         service = self.service
-        monitor, loads = service.monitor, service.worker_loads()
+        monitor, loads, figures = service.monitor, service.worker_loads(), service.metrics.snapshot()
         workers = []
         for handle in service.cluster.prefill:
             workers.append(_worker(handle.worker_id, "prefill", 1, handle.info, monitor, loads))
@@ -39,8 +39,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             workers.append(_worker(instance.instance_id, "decode", len(instance.ranks), instance.info, monitor, loads))
         return pb.ClusterStatus(workers=workers, inflight_requests=service.inflight_requests,
                                 requests_total=service.metrics.requests_by_outcome(), routing_policy=service.policy.name,
-                                prompt_tokens_total=service.prompt_tokens_total,
-                                cached_prompt_tokens_total=service.cached_prompt_tokens_total,
+                                prompt_tokens_total=int(figures["prompt_tokens_total"]),
+                                cached_prompt_tokens_total=int(figures["cached_prompt_tokens_total"]),
                                 index_entries=await service.index_entries())
 
 

@@ -65,3 +65,17 @@ def ray_session():
                                                                 "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def metrics_exporter():
+    """(mount registry, MetricsServer): one Prometheus exporter on 127.0.0.1 per test module; tests
+    register their metrics' registries on the mount (stopping an exporter takes up to 0.5 s)."""
+    from prometheus_client import CollectorRegistry
+
+    from cluster.metrics_http import start_metrics_server
+
+    mount = CollectorRegistry()
+    server = start_metrics_server(mount)
+    yield mount, server
+    server.stop()

@@ -21,18 +21,10 @@ PREFILL = {"worker": "prefill-0", "role": "prefill"}
 DECODE = {"worker": "decode-1", "role": "decode"}
 
 
-@pytest.fixture(scope="module")
-def exporter():
-    mount = CollectorRegistry()
-    server = start_metrics_server(mount)
-    yield mount, server
-    server.stop()
-
-
 @pytest.fixture
-def serve(exporter):
+def serve(metrics_exporter):
     """serve(WorkerMetrics) → a function that scrapes it; unmounted after the test."""
-    mount, server = exporter
+    mount, server = metrics_exporter
     mounted = []
 
     def mount_one(metrics: WorkerMetrics):
@@ -135,12 +127,12 @@ def test_snapshot_shows_the_scraped_figures(serve):
                                                             **DECODE)
 
 
-def test_names_and_labels_follow_prometheus_conventions(exporter, serve):
+def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve):
     metrics = WorkerMetrics("prefill-0", "prefill")
     serve(metrics)
     metrics.observe_step("prefill", 0.1, 16)
     metrics.observe_transfer("send", 16, 0.1)
-    with urllib.request.urlopen(exporter[1].url, timeout=5) as response:
+    with urllib.request.urlopen(metrics_exporter[1].url, timeout=5) as response:
         text = response.read().decode()
     # the 0.0.4 text format shows each counter's / histogram's creation time as a `_created` gauge
     families = {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}

@@ -9,7 +9,6 @@ import re
 import tomllib
 from pathlib import PurePosixPath
 
-import pytest
 import yaml
 
 from tests.deploy.chart import CHART_DIR, REPO

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from cluster.cli import main as splitserve
 from loadtest.records import read_jsonl

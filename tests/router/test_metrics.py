@@ -9,28 +9,19 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics_http import scrape, start_metrics_server
+from cluster.metrics_http import scrape
 from router.metrics import (OUTCOMES, REJECT_REASONS, RouterMetrics, outcome_label, priority_class,
                             reject_reason, slo_met)
 
 P = "splitserve_router_"
 
 
-@pytest.fixture(scope="module")
-def exporter():
-    mount = CollectorRegistry()
-    server = start_metrics_server(mount)
-    yield mount, server
-    server.stop()
-
-
 @pytest.fixture
-def metrics(exporter):
+def metrics(metrics_exporter):
     """A fresh RouterMetrics, served by the module's exporter for the length of one test."""
-    mount, server = exporter
+    mount, server = metrics_exporter
     fresh = RouterMetrics()
     mount.register(fresh.registry)
     fresh.url = server.url

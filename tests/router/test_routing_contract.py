@@ -100,11 +100,13 @@ def test_cache_aware_cost_is_queued_plus_uncached_tokens():
 
 
 def test_cache_aware_falls_back_to_prefix_hash_when_the_index_fails():
-    class Unreachable(InProcessPrefixIndex):
-        async def match(self, block_hashes):
-            raise ConnectionError("index down")
+    from cluster.prefix_index import IndexNamespace, RedisPrefixIndex
+    from tests.redis_server import _free_port
 
-    policy = CacheAwarePolicy(Unreachable(lease_s=30))
+    # a real Redis index whose server is not there: every lookup fails fast with PrefixIndexUnavailable
+    unreachable = RedisPrefixIndex(f"redis://127.0.0.1:{_free_port()}/0", IndexNamespace("model/abc", 4),
+                                   lease_s=30, timeout_s=0.2)
+    policy = CacheAwarePolicy(unreachable)
     fallback = PrefixHashPolicy()
     workers = loads("a", "b", "c")
     for s in range(10):
