@@ -139,17 +139,20 @@ def print_report(results: list[ReplayResult], references: dict[str, float], note
           f"({config.blocks_per_worker * config.block_size} tokens each); modelled prefill "
           f"{config.prefill_tokens_per_s:g} tokens/s per worker; speed-up {notes['speedup']:.2f} "
           f"(replay span {notes['span_s']:.1f} s, {notes['prompt_tokens']} prompt tokens); "
-          f"ring prefix blocks {notes['prefix_blocks'] or 'default'}")
+          f"ring prefix blocks {notes['prefix_blocks'] or 'default'}; prefix pulls {config.prefix_pull}")
     by_name = {r.policy: r for r in results}
     baseline, oracle_rate = by_name.get("round_robin"), references["oracle (infinite cache)"]
-    print("policy | hit rate | % of oracle | x round_robin | load imbalance | mean queue delay s | routed away")
-    print("--- | ---: | ---: | ---: | ---: | ---: | ---:")
+    print("policy | hit rate | % of oracle | x round_robin | of which pulled | load imbalance | "
+          "mean queue delay s | routed away")
+    print("--- | ---: | ---: | ---: | ---: | ---: | ---: | ---:")
     for name, rate in references.items():
-        print(f"{name} | {rate:.3f} | {_percent(rate, oracle_rate)} | {_ratio(rate, baseline)} | - | - | -")
+        print(f"{name} | {rate:.3f} | {_percent(rate, oracle_rate)} | {_ratio(rate, baseline)} | - | - | - | -")
     for r in results:
+        pulled = r.pulled_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         print(f"{r.policy} | {r.hit_rate:.3f} | {_percent(r.hit_rate, oracle_rate)} | {_ratio(r.hit_rate, baseline)} | "
-              f"{r.load_imbalance:.2f} | {r.mean_queue_delay_s:.3f} | {r.routed_away_rate:.3f}")
-    print("(routed away: share of prompt tokens the index showed cached on a worker other than the chosen one)")
+              f"{pulled:.3f} | {r.load_imbalance:.2f} | {r.mean_queue_delay_s:.3f} | {r.routed_away_rate:.3f}")
+    print("(routed away: share of prompt tokens the index showed cached on a worker other than the chosen one; "
+          "pulled: share served by a prefix pull from that worker)")
     aware = by_name.get("cache_aware")
     if aware is not None and aware.match_latencies_us:
         print(f"index match latency (cache_aware, {len(aware.match_latencies_us)} lookups): "
@@ -198,12 +201,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
                    help="spread each ~3 s trace bucket uniformly over this many trace seconds (0: as recorded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--prefix-pull", default="never", choices=("never", "auto", "always"),
+                   help="peer-to-peer prefix pulls for cache_aware (router.prefix_pull); pulled tokens count "
+                        "as hits, as the engine counts them, and are shown in their own column")
     p.add_argument("--prefix-blocks", type=int, default=None,
                    help="key prefix_hash's ring (and cache_aware's tie-break) on K leading blocks "
                         "(default: the policy's own)")
     args = p.parse_args(argv)
     _validate(p, args)
-    config = SimConfig(args.workers, args.blocks_per_worker, args.block_size, args.prefill_tokens_per_s)
+    config = SimConfig(args.workers, args.blocks_per_worker, args.block_size, args.prefill_tokens_per_s,
+                       prefix_pull=args.prefix_pull)
     return args, config
 
 

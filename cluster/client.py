@@ -20,7 +20,7 @@ from typing import AsyncIterator
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.launcher import DecodeInstance, LaunchedCluster, PrefillHandle
-from cluster.messages import GenerateRequest, TokenUpdate
+from cluster.messages import GenerateRequest, PullOutcome, TokenUpdate
 from engine.errors import InvalidRequestError
 
 POLL_WAIT_S = 0.2
@@ -43,7 +43,8 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     logprobs: tuple
     finish_reason: str | None
-    num_cached_tokens: int = 0  # first chunk: prompt tokens the prefill worker had cached
+    num_cached_tokens: int = 0  # first chunk: prompt tokens the prefill worker had cached (pulled included)
+    pull: PullOutcome | None = None  # first chunk: the prefix pull the request asked for, if any
 
 
 class ClusterClient:
@@ -87,7 +88,7 @@ class ClusterClient:
         try:
             first = await self._prefill(request, prefill, decode, deadline_s)
             yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason,
-                             first.num_cached_tokens)
+                             first.num_cached_tokens, first.pull)
             if not first.handoff:  # done at prefill: `finished` stays False so the decode reservation is freed
                 return
             await self._handoff(request, prefill, decode, first, deadline_s)

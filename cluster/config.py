@@ -38,6 +38,10 @@ class PoolConfig:
 
 
 ROUTING_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
+# When the chosen prefill worker holds less of a prompt's prefix than another worker does, it can pull
+# the difference from that holder: "auto" when the estimated transfer is faster than recomputing,
+# "always" whenever there is a difference (benchmarks, tests), "never".
+PREFIX_PULL_MODES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class RouterConfig:
     max_concurrent_requests: int = 1024  # streams beyond this are refused with RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # Prometheus endpoint; None: off
     index_poll_interval_s: float = 0.05  # how often the in-process prefix index pulls worker KV events
+    prefix_pull: str = "auto"  # one of PREFIX_PULL_MODES (needs the cache_aware policy's index)
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     redis_url: str | None = None  # global prefix index; None: the router's in-process index
     index_lease_s: float = 30.0  # a worker's prefix-index entries expire this long after its last heartbeat
+    prefix_pull_timeout_s: float = 5.0  # a prefix pull not done by then is abandoned (the prompt is computed)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # router admission control
 
     def __post_init__(self):
@@ -87,6 +93,7 @@ class ClusterConfig:
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
         _check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
+        _check(self.prefix_pull_timeout_s > 0, "prefix_pull_timeout_s", "must be > 0")
         _check(bool(self.rendezvous_host), "rendezvous_host", "must be a non-empty host name or address")
         _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                "redis_url", "must start with redis://, rediss:// or unix://")
@@ -157,6 +164,7 @@ def _check_router(router: RouterConfig) -> None:
     _check(router.metrics_port is None or 0 <= router.metrics_port <= 65535, "router.metrics_port",
            "must be None or in [0, 65535]")
     _check(router.index_poll_interval_s > 0, "router.index_poll_interval_s", "must be > 0")
+    _check(router.prefix_pull in PREFIX_PULL_MODES, "router.prefix_pull", f"must be one of {list(PREFIX_PULL_MODES)}")
 
 
 def _check(ok: bool, key: str, message: str) -> None:

@@ -18,6 +18,10 @@ A request's life, as in the cluster:
 4. done after the modelled compute: its full blocks are cached (events emitted), then released,
    so they stay cached until LRU eviction; the router removes its estimate from the queue;
 5. every `feed_interval_s` the feeder applies each worker's new events to the index.
+With `prefix_pull` on, the real `PullPlanner` decides at arrival (1) whether the chosen worker pulls
+the prefix the index shows on a better holder; the pull copies the blocks the holder still holds into
+the chosen worker's real pool (cached, pinned until the request starts) and takes a modelled transfer
+time, which delays the request's start if it has not waited that long anyway.
 Time never reads a wall clock, so a replay is deterministic; only `match` latencies are wall-timed.
 """
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -34,9 +37,12 @@ import numpy as np
 from cluster.kv_events import KVEventBuffer
 from cluster.prefix_index.memory import InProcessPrefixIndex
 from engine.block_hash import BlockHash
-from engine.kv_cache_manager import KVCacheManager
+from cluster.messages import PullOutcome
+from cluster.prefill_sim_worker import SimWorker
+from router.admission import PrefillStep
 from router.index_feeder import IndexFeeder
-from router.routing import CacheAwarePolicy, PrefixHashPolicy, RouteQuery, RoutingPolicy, WorkerLoad, make_policy
+from router.prefix_pull_planner import PullPlanner
+from router.routing import CacheAwarePolicy, PrefixHashPolicy, RouteQuery, RoutingPolicy, make_policy
 
 # Kinds order events due at the same instant: a finishing prefill frees its worker and a feed
 # refreshes the index before an arrival at that instant is routed.
@@ -76,6 +82,12 @@ class SimConfig:
     prefill_tokens_per_s: float = 20_000.0  # modelled compute rate of one worker
     feed_interval_s: float = 0.05  # ClusterConfig's router.index_poll_interval_s default
     index_lease_s: float = 30.0  # ClusterConfig's index_lease_s default
+    # Prefix pulls between workers (router/prefix_pull_planner.py modes), and the modelled transfer:
+    # a demo-model block (24,576 KV bytes per token) over gloo on loopback (~2.5 GB/s) after ~5 ms.
+    prefix_pull: str = "never"
+    kv_bytes_per_token: int = 24_576
+    pull_latency_s: float = 0.005
+    pull_bytes_per_s: float = 2.5e9
 
     def __post_init__(self):
         for name in ("num_workers", "blocks_per_worker", "block_size"):
@@ -96,7 +108,8 @@ class ReplayResult:
     policy: str
     num_requests: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # found by the worker's prefix lookup when its prefill started
+    cached_tokens: int = 0  # found by the worker's prefix lookup when its prefill started (pulled included)
+    pulled_tokens: int = 0  # of those, pulled from a peer's cache at arrival
     queue_delay_total_s: float = 0.0  # arrival to prefill start, summed
     # Prompt tokens the index showed cached on some worker at arrival beyond what the chosen one held:
     # hits given up by the routing choice, as opposed to never cached or evicted.
@@ -122,48 +135,6 @@ class ReplayResult:
     @property
     def mean_queue_delay_s(self) -> float:
         return self.queue_delay_total_s / self.num_requests if self.num_requests else 0.0
-
-
-class SimWorker:
-    """One prefill worker: a real KV cache manager whose events fill a real buffer; compute is modelled."""
-
-    def __init__(self, worker_id: str, config: SimConfig):
-        self.worker_id = worker_id
-        self.events = KVEventBuffer(worker_id, epoch=1)  # a fixed epoch keeps replays deterministic
-        self.kv = KVCacheManager(config.blocks_per_worker, config.block_size, on_event=self.events.append)
-        self.waiting: deque[tuple[SimRequest, int]] = deque()  # (request, router's uncached estimate)
-        self.running: tuple[SimRequest, int, list[int]] | None = None
-        self.queued_prompt_tokens = 0  # the router's view: estimates of routed, not yet prefilled prompts
-        self.computed_tokens = 0
-
-    def load(self) -> WorkerLoad:
-        running = 1 if self.running is not None else 0
-        return WorkerLoad(self.worker_id, len(self.waiting) + running, self.queued_prompt_tokens)
-
-    def enqueue(self, request: SimRequest, estimate_tokens: int) -> None:
-        self.waiting.append((request, estimate_tokens))
-        self.queued_prompt_tokens += estimate_tokens
-
-    def start_next(self) -> tuple[SimRequest, int]:
-        """Schedules the oldest waiting request as the engine would; returns it and its cached tokens."""
-        request, estimate_tokens = self.waiting.popleft()
-        tokens = request.token_ids.tolist()
-        cached = self.kv.find_cached_prefix(tokens, request.block_hashes)
-        if not self.kv.can_allocate(request.request_id, len(tokens), cached):
-            # One prefill at a time and no pinned blocks: only a pool smaller than one prompt gets here.
-            raise RuntimeError(f"{self.worker_id}: {self.kv.num_blocks} blocks cannot hold {request.request_id}")
-        self.kv.allocate(request.request_id, len(tokens), cached)
-        self.running = (request, estimate_tokens, tokens)
-        self.computed_tokens += len(tokens) - cached.num_tokens
-        return request, cached.num_tokens
-
-    def finish(self) -> None:
-        """The prefill is done: cache its full blocks (BlockStored events), then release them."""
-        request, estimate_tokens, tokens = self.running
-        self.kv.cache_blocks(request.request_id, tokens, request.block_hashes, len(tokens))
-        self.kv.free(request.request_id)
-        self.queued_prompt_tokens -= estimate_tokens
-        self.running = None
 
 
 class _BufferMethod:
@@ -203,6 +174,7 @@ class PrefillReplay:
         self.result = ReplayResult(policy_name, computed_tokens_by_worker=dict.fromkeys(self.workers, 0))
         self.policy = build_policy(policy_name, _TimedIndex(self.index, self.result.match_latencies_us),
                                    prefix_blocks)
+        self.planner = PullPlanner(config.prefix_pull, config.kv_bytes_per_token, list(self.workers))
         self._pending: list[tuple] = []  # heap of (time_s, kind, order, payload)
         self._order = itertools.count()
 
@@ -244,20 +216,32 @@ class PrefillReplay:
         held = {m.worker_id: min(m.num_blocks, usable) for m in await self.index.match(request.block_hashes)}
         self.result.routed_away_tokens += (max(held.values(), default=0) - held.get(decision.worker_id, 0)) * size
         # The router's estimate (router/service.py): what the policy does not expect cached, at least 1.
-        estimate_tokens = max(request.num_prompt_tokens - decision.expected_cached_blocks * size, 1)
         worker = self.workers[decision.worker_id]
-        worker.enqueue(request, estimate_tokens)
+        pull = self.planner.plan(query, decision, self.workers.keys())
+        pulled_blocks = 0 if pull is None else worker.pull_from(self.workers[pull.holder_id], request, pull.num_blocks)
+        expected_blocks = decision.expected_cached_blocks if pull is None else pull.num_blocks
+        estimate_tokens = max(request.num_prompt_tokens - expected_blocks * size, 1)
+        pull_s = 0.0
+        if pulled_blocks:
+            num_bytes = pulled_blocks * size * self.config.kv_bytes_per_token
+            pull_s = self.config.pull_latency_s + num_bytes / self.config.pull_bytes_per_s
+            self.planner.observe_pull(PullOutcome(pulled_blocks, num_bytes, pull_s))
+            self.result.pulled_tokens += pulled_blocks * size
+        worker.enqueue(request, estimate_tokens, pull_s)
         if worker.running is None:
             self._start(worker)
 
     def _start(self, worker: SimWorker) -> None:
-        request, cached_tokens = worker.start_next()
+        request, cached_tokens, pull_s = worker.start_next()
         self.result.num_requests += 1
         self.result.prompt_tokens += request.num_prompt_tokens
         self.result.cached_tokens += cached_tokens
         self.result.queue_delay_total_s += self.now_s - request.arrival_s
         compute_s = (request.num_prompt_tokens - cached_tokens) / self.config.prefill_tokens_per_s
-        self._push(self.now_s + compute_s, _DONE, worker.worker_id)
+        self.planner.prefill_cost.observe(PrefillStep(request.num_prompt_tokens - cached_tokens, compute_s))
+        # A pull still in flight when the request's turn comes delays it (charged to the worker: conservative).
+        self._push(self.now_s + max(pull_s - (self.now_s - request.arrival_s), 0.0) + compute_s, _DONE,
+                   worker.worker_id)
 
     def _finish(self, worker_id: str) -> None:
         worker = self.workers[worker_id]

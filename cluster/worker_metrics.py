@@ -32,7 +32,8 @@ from cluster.metrics_http import histogram_totals, plain, sample_values
 NAMESPACE, SUBSYSTEM = "splitserve", "worker"
 ROLES = ("prefill", "decode")
 PHASES = ("prefill", "decode")
-DIRECTIONS = ("send", "recv")
+DIRECTIONS = ("send", "recv", "pull_out", "pull_in")  # pull_*: prefix blocks between prefill workers
+PULL_RESULTS = ("pulled", "skipped", "failed")
 HANDOFF_RESULTS = ("ok", "failed")
 # An engine step: ~1 ms (a small decode batch on a GPU) to seconds (a long chunked prefill on a CPU).
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -73,6 +74,11 @@ class WorkerMetrics:
         self._handoffs = self._counter("handoffs_total", "KV hand-offs ended, by result.", ("result",))
         for result in HANDOFF_RESULTS:  # both series exist from the start, so rate(failed) is 0, not absent
             self._handoffs.labels(worker_id, role, result)
+        self._pulls = self._counter("prefix_pulls_total", "Prefix pulls asked of this worker by the router, by "
+                                    "result (skipped: nothing to pull or no room).", ("result",))
+        self._pulled_blocks = self._counter("prefix_pull_blocks_total", "KV blocks received by prefix pulls.")
+        for result in PULL_RESULTS:
+            self._pulls.labels(worker_id, role, result)
 
     def set_load(self, waiting: int, running: int, kv_used_blocks: int, kv_capacity_blocks: int) -> None:
         """The scheduler's queue lengths and the block pool's occupancy, read on the engine thread."""
@@ -101,6 +107,11 @@ class WorkerMetrics:
         self._transfer_bytes.labels(*labels).inc(num_bytes)
         self._transfer_s.labels(*labels).observe(seconds)
 
+    def prefix_pull_finished(self, result: str, num_blocks: int) -> None:
+        """A prefix pull this worker asked for ended; `num_blocks` received from the holder."""
+        self._pulls.labels(self.worker_id, self.role, _check(result, PULL_RESULTS, "pull result")).inc()
+        self._pulled_blocks.labels(self.worker_id, self.role).inc(num_blocks)
+
     def handoff_finished(self, ok: bool) -> None:
         """A hand-off ended: every rank acked (ok), or it failed / its lease ran out."""
         self._handoffs.labels(self.worker_id, self.role, "ok" if ok else "failed").inc()
@@ -124,6 +135,8 @@ class WorkerMetrics:
             "kv_transfer_bytes_total": value(self._transfer_bytes, "_total"),
             "kv_transfer_duration_seconds": histogram_totals(self._transfer_s, skip),
             "handoffs_total": value(self._handoffs, "_total"),
+            "prefix_pulls_total": value(self._pulls, "_total"),
+            "prefix_pull_blocks_total": value(self._pulled_blocks, "_total"),
         }
 
     # ---- construction -----------------------------------------------------------------------------

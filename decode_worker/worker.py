@@ -17,7 +17,7 @@ from cluster.messages import GenerateRequest, TokenUpdate, WorkerInfo
 from cluster.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
-from decode_worker.receiver import KVReceiver
+from kvtransfer.receiver import KVReceiver
 from engine.block_hash import spec_fingerprint
 from engine.llm_engine import LLMEngine
 from kvtransfer.handoff import HandoffTarget, RankTarget

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 from cluster.client import ClusterClient, RequestFailed
 from cluster.launcher import LaunchedCluster
-from cluster.messages import GenerateRequest
+from cluster.messages import GenerateRequest, PrefixPull
 from engine.block_hash import HashNamespace, check_spec_fingerprint, hash_blocks
 from engine.errors import InvalidRequestError
 from router.routing import NoWorkersError, RouteQuery, RoutingPolicy, WorkerLoad
 from router.admission import RunningRequest
 from router.admission_gate import AdmissionGate
 from router.metrics import RouterMetrics, slo_met
+from router.prefix_pull_planner import PullPlanner
 from router.stream_state import StreamState, Usage
 from router.validation import ModelLimits, RouterRequest
 from router.worker_monitor import WorkerMonitor
@@ -77,6 +78,9 @@ class RouterService:
         self.admission = admission
         if admission is not None:
             self.monitor.listeners.append(admission.observe_stats)
+        self.pull_planner = PullPlanner(cluster.config.router.prefix_pull, self.info.kv_bytes_per_token,
+                                        [h.worker_id for h in cluster.prefill])
+        self.monitor.listeners.append(self.pull_planner.observe_stats)
         self._decoding: dict[str, dict[str, StreamState]] = {d.instance_id: {} for d in cluster.decode}
         self._predicted_ttft_s: dict[str, float] = {}  # admitted request → its predicted TTFT
         self._min_pool_blocks = min(info.num_blocks for info in infos)
@@ -111,19 +115,24 @@ class RouterService:
         query = self._route_query(request)
         prefill, decode, decision = await self._choose(query)
         worker_id = prefill.worker_id
-        self._admission_check(request, decision.expected_cached_blocks * query.block_size, worker_id, decode)
-        uncached = max(query.num_prompt_tokens - decision.expected_cached_blocks * query.block_size, 1)
+        healthy = [h.worker_id for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
+        pull = self.pull_planner.plan(query, decision, healthy)
+        expected_blocks = pull.num_blocks if pull is not None else decision.expected_cached_blocks
+        self._admission_check(request, expected_blocks * query.block_size, worker_id, decode)
+        uncached = max(query.num_prompt_tokens - expected_blocks * query.block_size, 1)
         self._decoding[decode.instance_id][request.request_id] = state
         self._inflight[worker_id] += 1
         self._queued_tokens[worker_id] += uncached
         cluster_s = [0.0]
         try:
-            chunks = _timed(self.client.generate(self._cluster_request(request), prefill, decode, deadline_s),
-                            cluster_s)
+            chunks = _timed(self.client.generate(self._cluster_request(request, pull), prefill, decode,
+                                                 deadline_s), cluster_s)
             async for chunk in chunks:
                 route = None
                 if not state.started:
                     self._queued_tokens[worker_id] -= uncached
+                    if chunk.pull is not None:
+                        self.pull_planner.observe_pull(chunk.pull)
                     route = RouteInfo(worker_id, decode.instance_id, self.policy.name, chunk.num_cached_tokens)
                 delta, usage = state.add(chunk)
                 yield RouterOutput(request.request_id, chunk.token_ids, delta, chunk.logprobs,
@@ -206,9 +215,9 @@ class RouterService:
         return prefill, decode, decision
 
     @staticmethod
-    def _cluster_request(request: RouterRequest) -> GenerateRequest:
+    def _cluster_request(request: RouterRequest, pull: PrefixPull | None) -> GenerateRequest:
         return GenerateRequest(request.request_id, request.prompt_token_ids, request.params, request.priority,
-                               request.tenant)
+                               request.tenant, pull)
 
     def worker_loads(self) -> dict[str, int]:
         loads = {h.worker_id: self._inflight[h.worker_id] for h in self.cluster.prefill}

@@ -40,6 +40,10 @@ class RouteQuery(NamedTuple):
 class RouteDecision(NamedTuple):
     worker_id: str
     expected_cached_blocks: int  # leading blocks the policy believes the worker holds (0 if unknown)
+    # The worker the index says holds the most leading blocks of the prompt, and how many (None / 0
+    # when the policy has no index): the chosen worker may pull the difference from it.
+    holder_id: str | None = None
+    holder_blocks: int = 0
 
 
 class RoutingPolicy(ABC):

@@ -47,7 +47,13 @@ class CacheAwarePolicy(RoutingPolicy):
         self._degraded = False
         cached_blocks = {m.worker_id: m.num_blocks for m in matches}
         rank = {worker_id: i for i, worker_id in enumerate(self.fallback.preference(query, workers))}
-        return min(self._score(query, w, cached_blocks.get(w.worker_id, 0), rank[w.worker_id]) for w in workers)[-1]
+        decision = min(self._score(query, w, cached_blocks.get(w.worker_id, 0), rank[w.worker_id])
+                       for w in workers)[-1]
+        # The best holder among these workers (ties: ring order), named so the chosen one can pull from it.
+        holder = min(workers, key=lambda w: (-cached_blocks.get(w.worker_id, 0), rank[w.worker_id]))
+        if cached_blocks.get(holder.worker_id, 0) == 0:
+            return decision
+        return decision._replace(holder_id=holder.worker_id, holder_blocks=cached_blocks[holder.worker_id])
 
     @staticmethod
     def _score(query: RouteQuery, worker: WorkerLoad, blocks: int, ring_rank: int) -> tuple:

@@ -3,6 +3,7 @@ pools and index consistent after a replay, and the CLI on a slice of the real Mo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 from pathlib import Path
@@ -86,6 +87,25 @@ def test_the_index_ends_equal_to_what_the_pools_cache():
             assert matches.get(worker.worker_id, 0) == pool_blocks, (request.request_id, worker.worker_id)
 
 
+def test_a_busy_holder_makes_cache_aware_route_away_and_pull_the_prefix():
+    prefix = list(range(500, 516))  # 4 blocks, computed first by r0
+    requests = [SimRequest("r0", 0.0, np.array(prefix + [1, 2], dtype=np.uint32), tuple(hash_blocks(NS, prefix)))]
+    for i in range(4):  # a burst sharing the prefix: 8 uncached tokens each on the holder, 24 elsewhere
+        tokens = prefix + list(range(600 + 10 * i, 608 + 10 * i))
+        requests.append(SimRequest(f"b{i}", 1.0 + 0.0001 * i, np.array(tokens, dtype=np.uint32),
+                                   tuple(hash_blocks(NS, tokens))))
+    config = SimConfig(num_workers=2, blocks_per_worker=64, block_size=BLOCK_SIZE, prefill_tokens_per_s=100.0)
+    without = replay("cache_aware", requests, config).result
+    pulled = replay("cache_aware", requests, dataclasses.replace(config, prefix_pull="always")).result
+    # Holder costs 8, 16, 24 (tie with 24 elsewhere: the longer prefix wins), then 32 > 24: b3 goes to the
+    # idle worker, which computes all 24 tokens, or pulls the 4 blocks and computes 8.
+    assert without.routed_away_tokens == pulled.routed_away_tokens == 16
+    assert (without.pulled_tokens, pulled.pulled_tokens) == (0, 16)
+    assert pulled.cached_tokens == without.cached_tokens + 16 == 4 * 16
+    assert pulled.computed_tokens_by_worker == {"prefill-0": 18 + 24, "prefill-1": 8} or \
+        pulled.computed_tokens_by_worker == {"prefill-0": 8, "prefill-1": 18 + 24}
+
+
 SHIPPED_SLICE = Path(__file__).resolve().parents[1] / "data/traces/mooncake-fast25/conversation_trace.jsonl"
 
 
@@ -95,7 +115,7 @@ def test_cli_replays_a_slice_of_the_real_trace(capsys):
     out = capsys.readouterr().out
     assert f"rows read {sum(1 for _ in trace.open())}, used 100" in out
     rates = {line.split(" | ")[0]: float(line.split(" | ")[1]) for line in out.splitlines()
-             if line.count(" | ") == 6 and not line.startswith(("policy", "---"))}
+             if line.count(" | ") == 7 and not line.startswith(("policy", "---"))}
     assert set(POLICIES) < set(rates)
     oracle = rates["oracle (infinite cache)"]
     assert all(0 < rate <= oracle for rate in rates.values())

@@ -105,6 +105,16 @@ def test_kv_transfers_and_handoffs(serve):
     assert value(s, P + "handoffs_total", result="ok", **PREFILL) == 2
     assert value(s, P + "handoffs_total", result="failed", **PREFILL) == 1
     assert not any(dict(labels).get("direction") == "recv" for _, labels in s)
+    metrics.prefix_pull_finished("pulled", 5)
+    metrics.prefix_pull_finished("failed", 0)
+    metrics.observe_transfer("pull_in", 4096, 0.002)
+    with pytest.raises(ValueError, match="unknown pull result"):
+        metrics.prefix_pull_finished("maybe", 1)
+    s = read()
+    assert value(s, P + "prefix_pulls_total", result="pulled", **PREFILL) == 1
+    assert value(s, P + "prefix_pulls_total", result="skipped", **PREFILL) == 0
+    assert value(s, P + "prefix_pull_blocks_total", **PREFILL) == 5
+    assert value(s, P + "kv_transfer_bytes_total", direction="pull_in", **PREFILL) == 4096
 
 
 def test_snapshot_shows_the_scraped_figures(serve):
@@ -122,7 +132,8 @@ def test_snapshot_shows_the_scraped_figures(serve):
         "step_duration_seconds": {"decode": {"count": 1, "sum": 0.5}},
         "kv_transfer_bytes_total": {"recv": 2048},
         "kv_transfer_duration_seconds": {"recv": {"count": 1, "sum": 0.25}},
-        "handoffs_total": {"ok": 1, "failed": 0}}
+        "handoffs_total": {"ok": 1, "failed": 0},
+        "prefix_pulls_total": {"pulled": 0, "skipped": 0, "failed": 0}, "prefix_pull_blocks_total": 0}
     assert snap["kv_transfer_bytes_total"]["recv"] == value(s, P + "kv_transfer_bytes_total", direction="recv",
                                                             **DECODE)
 
@@ -141,7 +152,8 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve)
         P + "running_requests": "gauge", P + "prompt_tokens": "counter", P + "prefix_cache_hit_tokens": "counter",
         P + "steps": "counter", P + "step_tokens": "counter", P + "step_duration_seconds": "histogram",
         P + "kv_transfer_bytes": "counter", P + "kv_transfer_duration_seconds": "histogram",
-        P + "handoffs": "counter"}  # counters: the family name drops _total
+        P + "handoffs": "counter", P + "prefix_pulls": "counter",
+        P + "prefix_pull_blocks": "counter"}  # counters: the family name drops _total
     for name, family in families.items():
         assert family.documentation, name
         if "duration" in name:

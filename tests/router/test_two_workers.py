@@ -162,3 +162,34 @@ def _check_worker_telemetry(stack, worker_id: str) -> None:
     assert prompt >= 5 * 66 and hits >= 4 * 64
     decode = ray.get(stack.cluster.decode[0].driver.stats.remote(), timeout=10)
     assert decode["steps"] and decode["metrics_port"]
+
+
+def test_cache_aware_pulls_the_prefix_when_the_holder_is_busy(ray_session, checkpoint):
+    """The holder is slow, so its queue makes the other worker cheaper; that worker pulls the prefix
+    from the holder (it never computed it, yet its prompt tokens are served from cache) and the output
+    equals HF transformers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.factories import hf_greedy_generate
+
+    model_dir = checkpoint(TinySpec())
+    config = router_config(policy="cache_aware", prefix_pull="always")
+    stack = start_router(model_dir, replace(config, prefill=replace(config.prefill, replicas=2)))
+    try:
+        prefix = list(range(100, 164))  # 4 blocks
+        prompts = [prefix + list(range(300 + 40 * i, 340 + 40 * i)) for i in range(4)]
+        with Client(stack.target) as client:
+            holder = client.generate(prefix + [7, 8], **GREEDY).route.prefill_worker
+            _wait_for_index(stack, prefix)
+            actor = next(h.actor for h in stack.cluster.prefill if h.worker_id == holder)
+            ray.get(actor.debug_set_step_delay.remote(0.5), timeout=10)  # its queue stays long for a while
+            with ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(lambda p: client.generate(p, **GREEDY), prompts))
+            ray.get(actor.debug_set_step_delay.remote(0.0), timeout=10)
+        pulled = [r.route for r in results if r.route.prefill_worker != holder]
+        assert pulled, [r.route for r in results]
+        assert all(route.cached_prompt_tokens == 64 for route in pulled)
+        assert [list(r.token_ids) for r in results] == hf_greedy_generate(model_dir, prompts, GREEDY["max_tokens"])
+        stack.check_workers_clean()
+    finally:
+        stack.stop()

@@ -1,8 +1,10 @@
-"""A decode rank's side of the KV hand-off: which transfers it expects, and receiving them.
+"""The receiving side of a KV hand-off: which transfers a worker expects, and receiving them.
 
-Rank 0 reserves blocks for a request and registers the expectation on every rank (`expect`). The
-prefill worker, right before it sends, asks each rank to `receive` (so no rank ever blocks on an idle
-channel). A transfer is accepted only while its expectation is pending and its lease has time left;
+Two users. A decode rank: rank 0 reserves blocks for a request and registers the expectation on every
+rank (`expect`); the prefill worker, right before it sends, asks each rank to `receive` (so no rank
+ever blocks on an idle channel). A prefill worker pulling a cached prefix from a peer: it reserves
+blocks for the prefix and expects them with `allow_fewer_blocks` (the holder may have lost some of
+the tail since the router looked; the header says how many come). A transfer is accepted only while its expectation is pending and its lease has time left;
 one that arrives for a cancelled or unknown request is drained into scratch space and refused, so
 blocks that may already belong to another sequence are never written. `cancel` waits for a receive
 in progress to end, which is what lets rank 0 free a reservation safely.
@@ -32,6 +34,8 @@ class TransferState(enum.Enum):
 class Expected:
     block_ids: tuple[int, ...]
     deadline_s: float  # time.time() lease end
+    allow_fewer_blocks: bool = False  # accept a header naming fewer blocks (the leading ones)
+    num_blocks_received: int = 0
     state: TransferState = TransferState.PENDING
     error: str | None = None
     finished: threading.Event = field(default_factory=threading.Event)
@@ -45,9 +49,10 @@ class KVReceiver:
         self._lock = threading.Lock()
         self.delay_s = 0.0  # fault injection for tests: stall before receiving
 
-    def expect(self, request_id: str, block_ids: tuple[int, ...], deadline_s: float) -> None:
+    def expect(self, request_id: str, block_ids: tuple[int, ...], deadline_s: float, *,
+               allow_fewer_blocks: bool = False) -> None:
         with self._lock:
-            self._expected[request_id] = Expected(tuple(block_ids), deadline_s)
+            self._expected[request_id] = Expected(tuple(block_ids), deadline_s, allow_fewer_blocks)
 
     def receive(self, peer: PeerId, request_id: str) -> None:
         """Blocking: receive one hand-off from `peer` (announced for `request_id`). Raises
@@ -67,20 +72,26 @@ class KVReceiver:
             if not accepted:
                 self._drain(peer, header, deadline_s)
                 raise TransferError(peer, f"{request_id!r} is not expected here (cancelled or lease over)")
-            recv_sequence_kv(self.transport, self.kv_cache, peer, header, entry.block_ids, deadline_s)
+            block_ids = entry.block_ids
+            if entry.allow_fewer_blocks and 0 < header.num_blocks <= len(block_ids):
+                block_ids = block_ids[:header.num_blocks]
+            recv_sequence_kv(self.transport, self.kv_cache, peer, header, block_ids, deadline_s)
+            entry.num_blocks_received = len(block_ids)
             self._finish(request_id, TransferState.DONE, None)
         except TransferError as err:
             if accepted:
                 self._finish(request_id, TransferState.FAILED, str(err))
             raise
 
-    def wait(self, request_id: str, timeout_s: float) -> None:
-        """Until this rank has the request's KV; raises TransferError otherwise."""
+    def wait(self, request_id: str, timeout_s: float) -> int:
+        """Until this worker has the request's KV; returns the blocks received (the leading ones of the
+        reservation); raises TransferError otherwise."""
         entry = self._get(request_id)
         if not entry.finished.wait(timeout_s):
             raise TransferError("-", f"KV of {request_id!r} not received within {timeout_s:.1f} s")
         if entry.state is not TransferState.DONE:
             raise TransferError("-", entry.error or f"KV of {request_id!r} was {entry.state.value}")
+        return entry.num_blocks_received
 
     def cancel(self, request_id: str, timeout_s: float) -> None:
         """Stop accepting the request's KV; returns once no receive can write its blocks."""
