@@ -201,7 +201,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
                    help="spread each ~3 s trace bucket uniformly over this many trace seconds (0: as recorded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    p.add_argument("--prefix-pull", default="never", choices=("never", "auto", "always"),
+    p.add_argument("--prefix-pull", default="auto", choices=("never", "auto", "always"),
                    help="peer-to-peer prefix pulls for cache_aware (router.prefix_pull); pulled tokens count "
                         "as hits, as the engine counts them, and are shown in their own column")
     p.add_argument("--prefix-blocks", type=int, default=None,

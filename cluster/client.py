@@ -57,6 +57,7 @@ class ClusterClient:
         self._instance_of: dict[str, str] = {}  # request id → decode instance id
         self.client_id = secrets.token_hex(4)  # decode instances route this client's tokens by it
         self._cleanups: dict[str, asyncio.Task] = {}  # request id → abort in progress on its workers
+        self.handoff_listeners: list = []  # called with each finished hand-off's HandoffStats (cost models)
 
     def is_active(self, request_id: str) -> bool:
         """True while the request streams or its abort has not reached its workers yet."""
@@ -112,8 +113,10 @@ class ClusterClient:
                               f"prefill worker {prefill.worker_id}")
 
     async def _handoff(self, request, prefill, decode, first, deadline_s) -> None:
-        await _bounded(prefill.actor.wait_handoff.remote(request.request_id), deadline_s,
-                       f"KV hand-off {prefill.worker_id} -> {decode.instance_id}")
+        stats = await _bounded(prefill.actor.wait_handoff.remote(request.request_id), deadline_s,
+                               f"KV hand-off {prefill.worker_id} -> {decode.instance_id}")
+        for listener in self.handoff_listeners:
+            listener(stats)
         await _bounded(decode.driver.adopt.remote(request, first.token_id), deadline_s,
                        f"decode instance {decode.instance_id}")
 

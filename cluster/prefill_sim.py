@@ -82,8 +82,9 @@ class SimConfig:
     prefill_tokens_per_s: float = 20_000.0  # modelled compute rate of one worker
     feed_interval_s: float = 0.05  # ClusterConfig's router.index_poll_interval_s default
     index_lease_s: float = 30.0  # ClusterConfig's index_lease_s default
-    # Prefix pulls between workers (router/prefix_pull_planner.py modes), and the modelled transfer:
-    # a demo-model block (24,576 KV bytes per token) over gloo on loopback (~2.5 GB/s) after ~5 ms.
+    # Prefix pulls between workers (router/prefix_pull_planner.py modes), and the modelled KV transfer
+    # (pulls and hand-offs): demo-model KV (24,576 bytes per token) at 2.5 GB/s after 5 ms: a link in
+    # proportion to the modelled 20k tokens/s of prefill (the 2-core CPU box is slower at both).
     prefix_pull: str = "never"
     kv_bytes_per_token: int = 24_576
     pull_latency_s: float = 0.005
@@ -223,8 +224,7 @@ class PrefillReplay:
         estimate_tokens = max(request.num_prompt_tokens - expected_blocks * size, 1)
         pull_s = 0.0
         if pulled_blocks:
-            num_bytes = pulled_blocks * size * self.config.kv_bytes_per_token
-            pull_s = self.config.pull_latency_s + num_bytes / self.config.pull_bytes_per_s
+            num_bytes, pull_s = self._modelled_transfer(pulled_blocks * size)
             self.planner.observe_pull(PullOutcome(pulled_blocks, num_bytes, pull_s))
             self.result.pulled_tokens += pulled_blocks * size
         worker.enqueue(request, estimate_tokens, pull_s)
@@ -239,9 +239,15 @@ class PrefillReplay:
         self.result.queue_delay_total_s += self.now_s - request.arrival_s
         compute_s = (request.num_prompt_tokens - cached_tokens) / self.config.prefill_tokens_per_s
         self.planner.prefill_cost.observe(PrefillStep(request.num_prompt_tokens - cached_tokens, compute_s))
+        # Its prompt KV then goes to decode over the same modelled link: the router learns pull costs from it.
+        self.planner.observe_transfer(*self._modelled_transfer(request.num_prompt_tokens))
         # A pull still in flight when the request's turn comes delays it (charged to the worker: conservative).
         self._push(self.now_s + max(pull_s - (self.now_s - request.arrival_s), 0.0) + compute_s, _DONE,
                    worker.worker_id)
+
+    def _modelled_transfer(self, num_tokens: int) -> tuple[int, float]:
+        num_bytes = num_tokens * self.config.kv_bytes_per_token
+        return num_bytes, self.config.pull_latency_s + num_bytes / self.config.pull_bytes_per_s
 
     def _finish(self, worker_id: str) -> None:
         worker = self.workers[worker_id]

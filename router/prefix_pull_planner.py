@@ -8,10 +8,12 @@ transport (prefill_worker/prefix_pull.py). Mode "auto" pulls when
     pull_s(bytes of the missing blocks)  <  prefill_s(uncached tokens without it) - prefill_s(with it)
 
 with prefill_s fitted online from the prefill workers' reported engine steps (the admission cost
-model's shape) and pull_s fitted from the pulls that finished (latency + bytes / bandwidth). Until
-enough pulls were seen, pull_s uses PULL_PRIOR: 5 ms for the two Ray round trips, the engine-thread
-hops and the channel (measured ~3-6 ms on the 2-core dev box), and 1 GB/s, below what the gloo
-transport moves on loopback (2.4-3.4 GB/s), so a cold router errs towards recomputing.
+model's shape) and pull_s fitted (latency + bytes / bandwidth) from every KV transfer that finished:
+the prefill → decode hand-off of each request moves KV over the same transport, so the model learns
+the link before the first pull, and pulls add their own samples. Until enough transfers were seen, pull_s uses PULL_PRIOR: 20 ms for the two Ray round trips, the engine-thread
+hops and the channel, and 0.5 GB/s — what `prefill_worker.bench_pull` measured for whole pulls on the
+busy 2-core dev box (a 3 MB pull took ~20 ms; raw gloo moves 2.4-3.4 GB/s on loopback), so a cold
+router errs towards recomputing yet still pulls prefixes of a few blocks of a real model.
 Mode "always" pulls whenever the holder has more (tests, benchmarks); "never" turns pulls off.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from router.admission.cost_model import TransferCostModel, TransferTimeFit
 from router.admission.step_stats import TransferStep
 from router.routing import RouteDecision, RouteQuery
 
-PULL_PRIOR = TransferTimeFit(latency_s=0.005, per_byte_s=1e-9)
+PULL_PRIOR = TransferTimeFit(latency_s=0.020, per_byte_s=2e-9)
 MODES = ("auto", "always", "never")
 
 
@@ -68,7 +70,11 @@ class PullPlanner:
     def observe_pull(self, outcome: PullOutcome) -> None:
         """A finished pull: feeds the transfer model (failed or empty pulls carry no timing)."""
         if outcome.num_blocks > 0:
-            self.pull_cost.observe(TransferStep(outcome.num_bytes, outcome.duration_s))
+            self.observe_transfer(outcome.num_bytes, outcome.duration_s)
+
+    def observe_transfer(self, num_bytes: int, duration_s: float) -> None:
+        """Any finished KV transfer (a hand-off's HandoffStats, a pull)."""
+        self.pull_cost.observe(TransferStep(num_bytes, duration_s))
 
     def observe_stats(self, worker_id: str, stats: dict) -> None:
         """WorkerMonitor listener: feeds a prefill worker's newly reported engine steps to the prefill model."""

@@ -81,6 +81,8 @@ class RouterService:
         self.pull_planner = PullPlanner(cluster.config.router.prefix_pull, self.info.kv_bytes_per_token,
                                         [h.worker_id for h in cluster.prefill])
         self.monitor.listeners.append(self.pull_planner.observe_stats)
+        self.client.handoff_listeners.append(lambda stats: self.pull_planner.observe_transfer(stats.num_bytes,
+                                                                                              stats.elapsed_s))
         self._decoding: dict[str, dict[str, StreamState]] = {d.instance_id: {} for d in cluster.decode}
         self._predicted_ttft_s: dict[str, float] = {}  # admitted request → its predicted TTFT
         self._min_pool_blocks = min(info.num_blocks for info in infos)

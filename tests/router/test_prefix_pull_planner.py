@@ -38,13 +38,13 @@ def test_always_pulls_what_the_holder_has_but_never_the_last_token():
 
 def test_auto_pulls_only_when_the_transfer_beats_recomputing():
     planner = _planner()
-    # prior: pull_s = 5 ms + bytes x 1 ns; prefill_s = 10 ms + 0.1 ms per token
-    # 4 blocks: pull 5 ms + 64,000 B x 1 ns = 5.064 ms < saved 64 tokens x 0.1 ms = 6.4 ms → pull
-    assert planner.pull_s(4, BLOCK) == pytest.approx(0.005064)
-    assert planner.saved_s(_query(200), 0, 4) == pytest.approx(0.0064)
-    assert planner.plan(_query(200), RouteDecision("p1", 0, "p0", 4), {"p0", "p1"}) == PrefixPull("p0", 4)
-    # 3 blocks: 5.048 ms > 4.8 ms saved → compute
-    assert planner.plan(_query(200), RouteDecision("p1", 0, "p0", 3), {"p0", "p1"}) is None
+    # prior: pull_s = 20 ms + bytes x 2 ns; prefill_s = 10 ms + 0.1 ms per token
+    # 13 blocks: pull 20 ms + 208,000 B x 2 ns = 20.416 ms < saved 208 tokens x 0.1 ms = 20.8 ms → pull
+    assert planner.pull_s(13, BLOCK) == pytest.approx(0.020416)
+    assert planner.saved_s(_query(300), 0, 13) == pytest.approx(0.0208)
+    assert planner.plan(_query(300), RouteDecision("p1", 0, "p0", 13), {"p0", "p1"}) == PrefixPull("p0", 13)
+    # 12 blocks: 20.384 ms > 19.2 ms saved → compute
+    assert planner.plan(_query(300), RouteDecision("p1", 0, "p0", 12), {"p0", "p1"}) is None
 
 
 def test_fitted_models_replace_the_priors():

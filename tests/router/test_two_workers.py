@@ -186,6 +186,8 @@ def test_cache_aware_pulls_the_prefix_when_the_holder_is_busy(ray_session, check
             with ThreadPoolExecutor(4) as pool:
                 results = list(pool.map(lambda p: client.generate(p, **GREEDY), prompts))
             ray.get(actor.debug_set_step_delay.remote(0.0), timeout=10)
+        # Every hand-off (and pull) fed the planner's transfer model: it knows the link before it pulls.
+        assert stack.server.service.pull_planner.pull_cost.num_samples >= 1 + len(prompts)
         pulled = [r.route for r in results if r.route.prefill_worker != holder]
         assert pulled, [r.route for r in results]
         assert all(route.cached_prompt_tokens == 64 for route in pulled)
