@@ -85,9 +85,10 @@ class ClusterClient:
         self._queues[request.request_id] = queue
         self._instance_of[request.request_id] = decode.instance_id
         self._load[decode.instance_id] += 1
-        finished = False
+        finished = prefilled = False
         try:
             first = await self._prefill(request, prefill, decode, deadline_s)
+            prefilled = True  # from here on the prefill worker holds nothing an abort would free
             yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason,
                              first.num_cached_tokens, first.pull)
             if not first.handoff:  # done at prefill: `finished` stays False so the decode reservation is freed
@@ -101,7 +102,8 @@ class ClusterClient:
             self._instance_of.pop(request.request_id, None)
             self._load[decode.instance_id] -= 1
             if not finished:  # a task of its own: the caller's task may be being cancelled right now
-                cleanup = asyncio.ensure_future(self._cancel(request.request_id, prefill, decode))
+                cleanup = asyncio.ensure_future(self._cancel(request.request_id, None if prefilled else prefill,
+                                                             decode))
                 self._cleanups[request.request_id] = cleanup
                 cleanup.add_done_callback(lambda _: self._cleanups.pop(request.request_id, None))
 
@@ -133,8 +135,13 @@ class ClusterClient:
             if update.finish_reason is not None:
                 return
 
-    async def _cancel(self, request_id: str, prefill: PrefillHandle, decode: DecodeInstance) -> None:
-        for call in (prefill.actor.abort.remote(request_id), decode.driver.cancel.remote(request_id)):
+    async def _cancel(self, request_id: str, prefill: PrefillHandle | None, decode: DecodeInstance) -> None:
+        """Frees what the request holds: its prefill (unless that already returned: a finished prefill
+        keeps only hand-off pins, which its sender releases within the lease) and its decode reservation."""
+        calls = [decode.driver.cancel.remote(request_id)]
+        if prefill is not None:
+            calls.insert(0, prefill.actor.abort.remote(request_id))
+        for call in calls:
             try:
                 await asyncio.wait_for(call, self.cluster.config.handoff_lease_s + 5.0)
             except Exception:  # a dead worker has nothing left to free
