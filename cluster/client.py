@@ -85,10 +85,10 @@ class ClusterClient:
         self._queues[request.request_id] = queue
         self._instance_of[request.request_id] = decode.instance_id
         self._load[decode.instance_id] += 1
-        finished = prefilled = False
+        finished, prefill_holds = False, True
         try:
             first = await self._prefill(request, prefill, decode, deadline_s)
-            prefilled = True  # from here on the prefill worker holds nothing an abort would free
+            prefill_holds = first.handoff  # finished there: the prefill worker keeps nothing of it
             yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason,
                              first.num_cached_tokens, first.pull)
             if not first.handoff:  # done at prefill: `finished` stays False so the decode reservation is freed
@@ -102,7 +102,7 @@ class ClusterClient:
             self._instance_of.pop(request.request_id, None)
             self._load[decode.instance_id] -= 1
             if not finished:  # a task of its own: the caller's task may be being cancelled right now
-                cleanup = asyncio.ensure_future(self._cancel(request.request_id, None if prefilled else prefill,
+                cleanup = asyncio.ensure_future(self._cancel(request.request_id, prefill if prefill_holds else None,
                                                              decode))
                 self._cleanups[request.request_id] = cleanup
                 cleanup.add_done_callback(lambda _: self._cleanups.pop(request.request_id, None))
@@ -136,8 +136,8 @@ class ClusterClient:
                 return
 
     async def _cancel(self, request_id: str, prefill: PrefillHandle | None, decode: DecodeInstance) -> None:
-        """Frees what the request holds: its prefill (unless that already returned: a finished prefill
-        keeps only hand-off pins, which its sender releases within the lease) and its decode reservation."""
+        """Frees what the request holds on its prefill worker (`None`: nothing, it finished there) and its
+        decode reservation."""
         calls = [decode.driver.cancel.remote(request_id)]
         if prefill is not None:
             calls.insert(0, prefill.actor.abort.remote(request_id))

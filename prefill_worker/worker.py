@@ -122,6 +122,7 @@ class PrefillWorker:
             return engine.abort_request(request_id)
 
         aborted = await asyncio.wrap_future(self.loop.call(abort))
+        self._handoffs.pop(request_id, None)  # nobody will wait for it; its sender still releases the pins
         entry = self._waiters.pop(request_id, None)
         if entry is not None:  # a caller still waits for the first token: tell it, don't leave it hanging
             loop, waiter, _ = entry

@@ -186,3 +186,32 @@ def test_decode_tp2_from_prefill_tp1_equals_hf(num_kv_heads, checkpoint, cluster
     ray.get(cluster.decode[0].driver.cancel.remote("probe"))
     assert run(_generate_all(cluster, prompts)) == hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
     _assert_clean(cluster)
+
+
+def test_leaving_after_the_first_token_frees_both_sides_and_forgets_the_handoff(checkpoint, cluster_factory):
+    import ray
+
+    cluster = cluster_factory(checkpoint(TinySpec()))
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def leave_early():
+        client = ClusterClient(cluster)
+        stream = client.generate(GenerateRequest("leaver", tuple(range(10, 60)), params))
+        first = await stream.__anext__()
+        await stream.aclose()  # the caller goes away with the hand-off possibly still running
+        await client.close()  # waits for the aborts to reach both workers
+        return first
+
+    assert len(run(leave_early()).token_ids) == 1
+    deadline_s = time.monotonic() + 20
+    while ray.get(cluster.prefill[0].actor.stats.remote(), timeout=10)["handoffs_in_flight"]:
+        assert time.monotonic() < deadline_s, "the prefill worker kept the abandoned hand-off"
+        time.sleep(0.1)
+    deadline_s = time.monotonic() + 20
+    while True:
+        try:
+            _assert_clean(cluster)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline_s
+            time.sleep(0.2)
