@@ -27,6 +27,7 @@ from kvtransfer.transport import KVTransport, PeerId, TransferError
 
 REQUEST_ID_BYTES = 128  # request ids are utf-8, at most this long on the wire
 ACK_OK = 1
+CONVERSATION_GRACE_S = 2.0  # a started hand-off's calls may outlive its lease by this much
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,22 @@ class HandoffHeader:
 
 
 def remaining_s(deadline_s: float) -> float:
-    """Seconds left before a lease deadline; a transfer never waits past it."""
+    """Seconds left before a lease deadline; raises once it passed. For deciding whether to *start* a
+    hand-off (before it is announced), never inside one: see `call_timeout_s`."""
     left = deadline_s - time.time()
     if left <= 0:
         raise TransferError("-", "the hand-off lease expired")
     return left
+
+
+def call_timeout_s(deadline_s: float) -> float:
+    """The timeout of one transport call inside a started hand-off: the lease left, but at least
+    CONVERSATION_GRACE_S. A side must never drop out of a conversation between two of its messages on
+    a clock check alone: the messages it did not consume would stay on the channel and be read as
+    the next hand-off's (a stale header, or two receives of one peer at once). Either both sides
+    finish the conversation, or the transport fails it on both sides (a dead or stalled peer is a
+    TransferError within the timeout, and the channel is torn down)."""
+    return max(deadline_s - time.time(), CONVERSATION_GRACE_S)
 
 
 def send_sequence_kv(transport: KVTransport, kv_cache: torch.Tensor, block_ids: Sequence[int],
@@ -89,14 +101,14 @@ def send_sequence_kv(transport: KVTransport, kv_cache: torch.Tensor, block_ids: 
     index = torch.tensor(list(block_ids), dtype=torch.int64)
     sent_bytes = 0
     for rank in target.ranks:
-        transport.send(rank.peer_id, header.encode(), remaining_s(target.lease_deadline_s))
+        transport.send(rank.peer_id, header.encode(), call_timeout_s(target.lease_deadline_s))
         for layer in range(kv_cache.shape[0]):
             heads = kv_cache[layer, :, rank.kv_head_start:rank.kv_head_end]
             payload = heads.index_select(2, index)  # [2, heads, blocks, block_size, head_dim]
-            sent_bytes += transport.send(rank.peer_id, [payload], remaining_s(target.lease_deadline_s)).num_bytes
+            sent_bytes += transport.send(rank.peer_id, [payload], call_timeout_s(target.lease_deadline_s)).num_bytes
     for rank in target.ranks:  # acks after all sends: ranks copy in parallel with later sends
         ack = torch.zeros(1, dtype=torch.int64)
-        transport.recv(rank.peer_id, [ack], remaining_s(target.lease_deadline_s))
+        transport.recv(rank.peer_id, [ack], call_timeout_s(target.lease_deadline_s))
         if int(ack[0]) != ACK_OK:
             raise TransferError(rank.peer_id, f"decode rank refused the KV of {request_id!r}")
     return sent_bytes
@@ -104,7 +116,7 @@ def send_sequence_kv(transport: KVTransport, kv_cache: torch.Tensor, block_ids: 
 
 def recv_header(transport: KVTransport, peer: PeerId, deadline_s: float) -> HandoffHeader:
     buffers = HandoffHeader.buffers()
-    transport.recv(peer, buffers, remaining_s(deadline_s))
+    transport.recv(peer, buffers, call_timeout_s(deadline_s))
     return HandoffHeader.decode(buffers)
 
 
@@ -119,6 +131,6 @@ def recv_sequence_kv(transport: KVTransport, kv_cache: torch.Tensor, peer: PeerI
     index = torch.tensor(list(block_ids), dtype=torch.int64)
     staging = torch.empty(2, heads, len(block_ids), block_size, head_dim, dtype=kv_cache.dtype)
     for layer in range(num_layers):
-        transport.recv(peer, [staging], remaining_s(deadline_s))
+        transport.recv(peer, [staging], call_timeout_s(deadline_s))
         kv_cache[layer].index_copy_(2, index, staging)
-    transport.send(peer, [torch.tensor([ACK_OK], dtype=torch.int64)], remaining_s(deadline_s))
+    transport.send(peer, [torch.tensor([ACK_OK], dtype=torch.int64)], call_timeout_s(deadline_s))

@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.handoff import HandoffHeader, recv_header, recv_sequence_kv, remaining_s
+from kvtransfer.handoff import HandoffHeader, call_timeout_s, recv_header, recv_sequence_kv
 from kvtransfer.transport import KVTransport, PeerId, TransferError
+
+
+REFUSED_DEADLINE_S = 10.0  # how long a refused transfer may take to drain
+PEER_WAIT_S = 120.0  # bound on waiting for the previous conversation with the same peer
 
 
 class TransferState(enum.Enum):
@@ -47,6 +51,7 @@ class KVReceiver:
         self.kv_cache = kv_cache
         self._expected: dict[str, Expected] = {}
         self._lock = threading.Lock()
+        self._peer_locks: dict[PeerId, threading.Lock] = {}
         self.delay_s = 0.0  # fault injection for tests: stall before receiving
 
     def expect(self, request_id: str, block_ids: tuple[int, ...], deadline_s: float, *,
@@ -56,25 +61,33 @@ class KVReceiver:
 
     def receive(self, peer: PeerId, request_id: str) -> None:
         """Blocking: receive one hand-off from `peer` (announced for `request_id`). Raises
-        TransferError if it failed; a refused (cancelled/unknown) transfer is drained and nacked."""
+        TransferError if it failed; a refused transfer (cancelled, unknown, lease over, or not fitting
+        the reservation) is drained and nacked, so the channel never keeps a stale message."""
+        lock = self._peer_lock(peer)
+        # One conversation per peer at a time, in announce order (the sender announces the next one only
+        # after this one's ack). The one before is bounded by its own deadline plus transport timeouts.
+        if not lock.acquire(timeout=PEER_WAIT_S):
+            raise TransferError(peer, f"a receive from this peer still runs after {PEER_WAIT_S:.0f} s")
+        try:
+            self._receive(peer, request_id)
+        finally:
+            lock.release()
+
+    def _receive(self, peer: PeerId, request_id: str) -> None:
         with self._lock:
             entry = self._expected.get(request_id)
             accepted = entry is not None and entry.state is TransferState.PENDING and time.time() < entry.deadline_s
             if accepted:
                 entry.state = TransferState.RECEIVING
-        deadline_s = entry.deadline_s if accepted else time.time() + 10.0
+        deadline_s = entry.deadline_s if accepted else time.time() + REFUSED_DEADLINE_S
         if self.delay_s:
             time.sleep(self.delay_s)
         try:
             header = recv_header(self.transport, peer, deadline_s)
-            if header.request_id != request_id:
-                raise TransferError(peer, f"announced {request_id!r} but the header names {header.request_id!r}")
-            if not accepted:
+            block_ids, problem = self._fit(entry if accepted else None, request_id, header)
+            if problem is not None:
                 self._drain(peer, header, deadline_s)
-                raise TransferError(peer, f"{request_id!r} is not expected here (cancelled or lease over)")
-            block_ids = entry.block_ids
-            if entry.allow_fewer_blocks and 0 < header.num_blocks <= len(block_ids):
-                block_ids = block_ids[:header.num_blocks]
+                raise TransferError(peer, problem)
             recv_sequence_kv(self.transport, self.kv_cache, peer, header, block_ids, deadline_s)
             entry.num_blocks_received = len(block_ids)
             self._finish(request_id, TransferState.DONE, None)
@@ -82,6 +95,23 @@ class KVReceiver:
             if accepted:
                 self._finish(request_id, TransferState.FAILED, str(err))
             raise
+
+    @staticmethod
+    def _fit(entry: Expected | None, request_id: str, header: HandoffHeader) -> tuple[tuple[int, ...], str | None]:
+        """The blocks this header's KV goes into, or why it is refused."""
+        if header.request_id != request_id:
+            return (), f"announced {request_id!r} but the header names {header.request_id!r}"
+        if entry is None:
+            return (), f"{request_id!r} is not expected here (cancelled or lease over)"
+        fewer = entry.allow_fewer_blocks and 0 < header.num_blocks <= len(entry.block_ids)
+        if header.num_blocks != len(entry.block_ids) and not fewer:
+            return (), (f"{request_id!r}: sender has {header.num_blocks} blocks, the reservation "
+                        f"{len(entry.block_ids)}")
+        return entry.block_ids[:header.num_blocks], None
+
+    def _peer_lock(self, peer: PeerId) -> threading.Lock:
+        with self._lock:
+            return self._peer_locks.setdefault(peer, threading.Lock())
 
     def wait(self, request_id: str, timeout_s: float) -> int:
         """Until this worker has the request's KV; returns the blocks received (the leading ones of the
@@ -127,5 +157,5 @@ class KVReceiver:
         _, _, heads, _, block_size, head_dim = self.kv_cache.shape
         scratch = torch.empty(2, heads, header.num_blocks, block_size, head_dim, dtype=self.kv_cache.dtype)
         for _ in range(self.kv_cache.shape[0]):
-            self.transport.recv(peer, [scratch], remaining_s(deadline_s))
-        self.transport.send(peer, [torch.tensor([0], dtype=torch.int64)], remaining_s(deadline_s))
+            self.transport.recv(peer, [scratch], call_timeout_s(deadline_s))
+        self.transport.send(peer, [torch.tensor([0], dtype=torch.int64)], call_timeout_s(deadline_s))

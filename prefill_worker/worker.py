@@ -27,7 +27,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, SequenceUpdate
 from engine.sequence import FinishReason
-from kvtransfer.handoff import HandoffTarget, RankTarget, remaining_s, send_sequence_kv
+from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s, remaining_s, send_sequence_kv
 from kvtransfer.torch_dist import TorchDistTransport
 from kvtransfer.transport import TransferError
 from prefill_worker.prefix_pull import PrefixPuller, export_table_id, pin_export, pull_peer_id, pull_table_id
@@ -198,6 +198,7 @@ class PrefillWorker:
     def _send(self, handoff, target: HandoffTarget) -> HandoffStats:
         started_s = time.perf_counter()
         try:
+            remaining_s(target.lease_deadline_s)  # once announced, a hand-off is carried through (handoff.py)
             # Each decode rank posts its receive only when told the data is coming: no rank ever waits
             # on an idle channel, so a timeout always means a real failure.
             announced = [ray.get_actor(rank.peer_id).receive_kv.remote(self.worker_id, handoff.seq_id)
@@ -205,7 +206,7 @@ class PrefillWorker:
             num_bytes = send_sequence_kv(self.transport, self.engine.runner.kv_cache, handoff.block_ids,
                                          handoff.num_computed_tokens, handoff.seq_id, target)
             for confirmation in [ref.future() for ref in announced]:
-                confirmation.result(timeout=remaining_s(target.lease_deadline_s))
+                confirmation.result(timeout=call_timeout_s(target.lease_deadline_s))
             elapsed_s = time.perf_counter() - started_s
             self.telemetry.metrics.observe_transfer("send", num_bytes, elapsed_s)
             self.telemetry.metrics.handoff_finished(True)
@@ -234,7 +235,7 @@ class PrefillWorker:
             target = HandoffTarget(peer, (RankTarget(peer, 0, kv_cache.shape[2]),), (), deadline_s)
             num_bytes = send_sequence_kv(self.transport, kv_cache, block_ids,
                                          len(block_ids) * self.engine.config.block_size, request_id, target)
-            announced.future().result(timeout=remaining_s(deadline_s))
+            announced.future().result(timeout=call_timeout_s(deadline_s))
             self.telemetry.metrics.observe_transfer("pull_out", num_bytes, time.perf_counter() - started_s)
         except Exception as err:  # the requester falls back to recomputing; nothing else to do here
             log.info("prefix pull %r for %s failed: %s: %s", request_id, requester_id, type(err).__name__, err)

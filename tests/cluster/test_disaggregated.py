@@ -215,3 +215,42 @@ def test_leaving_after_the_first_token_frees_both_sides_and_forgets_the_handoff(
         except AssertionError:
             assert time.monotonic() < deadline_s
             time.sleep(0.2)
+
+
+def test_hand_offs_abandoned_in_a_burst_leave_the_channel_usable(checkpoint, cluster_factory):
+    """Callers leave right after their first token while hand-offs queue behind each other on the
+    sender and leases run out mid-queue; the requests after that must still be served exactly."""
+    model_dir = checkpoint(TinySpec())
+    cluster = cluster_factory(model_dir, handoff_lease_s=1.5)
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    prompts = random_prompts(24, 300, 400, 512, seed=77)
+    decode = cluster.decode[0].driver
+
+    async def burst_then_serve():
+        await decode.debug_set_receive_delay.remote(0.3)  # each transfer takes a while: the sender queues
+        client = ClusterClient(cluster)
+
+        async def leave_after_first(i: int, prompt: list[int]) -> None:
+            stream = client.generate(GenerateRequest(f"burst-{i}", tuple(prompt), params))
+            try:
+                await stream.__anext__()
+            except RequestFailed:  # a lease that ran out before the first token: fine here
+                pass
+            finally:
+                await stream.aclose()
+
+        await asyncio.gather(*(leave_after_first(i, p) for i, p in enumerate(prompts)))
+        await client.close()
+        await decode.debug_set_receive_delay.remote(0.0)
+        return await _generate_all(cluster, prompts[:4], GREEDY, prefix="after")
+
+    got = run(burst_then_serve(), timeout_s=240)
+    assert got == hf_greedy_generate(model_dir, prompts[:4], GREEDY.max_tokens)
+    deadline_s = time.monotonic() + 30
+    while True:
+        try:
+            _assert_clean(cluster)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline_s
+            time.sleep(0.2)
