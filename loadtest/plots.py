@@ -1,5 +1,6 @@
-"""PNG plots with matplotlib's Agg backend (no display needed): latency CDFs, and for a rate sweep SLO
-attainment and goodput against the offered request rate.
+"""PNG plots with matplotlib's Agg backend (no display needed): latency CDFs, for a rate sweep SLO
+attainment and goodput against the offered request rate, and for the admission evaluation both
+figures per admission policy against the offered load.
 
 matplotlib is imported on first use, so `splitserve bench` without `--plot` does not need it.
 """
@@ -80,6 +81,31 @@ def plot_sweep(points: Sequence[tuple[float, Summary]], out_dir: str | Path,
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     written.append(_save(fig, out / "goodput_vs_rate.png", plt))
+    return written
+
+
+def plot_policy_comparison(points: Sequence, out_dir: str | Path, saturation_per_s: float) -> list[Path]:
+    """Goodput and SLO attainment vs offered load (x saturation), one line per admission policy, from
+    `loadtest.admission_report.Point`s."""
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = sorted({p.policy for p in points})
+    written = []
+    for stem, title, ylabel, value in (
+            ("admission_goodput_vs_load", "Goodput vs offered load", "goodput (req/s meeting TTFT and TPOT SLO)",
+             lambda p: p.goodput_per_s),
+            ("admission_attainment_vs_load", "SLO attainment vs offered load", "% of requests meeting the SLO",
+             lambda p: p.attainment * 100)):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for policy in policies:
+            mine = sorted((p for p in points if p.policy == policy), key=lambda p: p.load)
+            ax.plot([p.load for p in mine], [value(p) for p in mine], marker="o", label=f"admission {policy}")
+        ax.set(title=f"{title} (saturation {saturation_per_s:.2g} req/s)", xlabel="offered load (x saturation)",
+               ylabel=ylabel, ylim=(0, None))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        written.append(_save(fig, out / f"{stem}.png", plt))
     return written
 
 

@@ -6,25 +6,24 @@ What the view holds, and where it comes from:
 * the chosen decode instance's running requests (tokens generated so far, max_tokens, context) — the
   router streams every token, so it knows them exactly; KV blocks free / total — the worker monitor;
 * prefill, decode-step and transfer cost models — fitted online from the `steps` each worker reports
-  in `stats()` (new records only, by index) and from the hand-off figures of finished requests.
+  in `stats()` (new records only, by index) and from the hand-off figures of finished requests;
+* the observed-TTFT model — fitted from the router's own admitted requests: the uncached tokens
+  queued on the worker at admission (its own included) against the TTFT the router then saw. It
+  covers what engine steps do not show (Ray and router overhead, a prefill pool held by hand-offs);
+  the predictor takes the larger of its prediction and the step models' (`admission.predictor`).
 The decision is made after routing and before any worker is touched; a rejection costs no block.
-
-Calibration: the cost models see engine steps only, not what surrounds them (Ray calls, batching
-delays, the router itself), so predicted TTFTs run short under load. The gate keeps a moving
-average of observed / predicted TTFT over admitted requests (never below 1) and judges each request
-against its SLO divided by that factor.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from router.admission import (AdmissionConfig, AdmissionDecision, AdmissionRequest, ClusterView,
-                              DecodeCostModel, DecodeInstanceView, DecodeStep, PrefillCostModel, PrefillStep,
-                              RunningRequest, TransferCostModel, policy_from_config)
+                              DecodeCostModel, DecodeInstanceView, DecodeStep, ObservedTtftModel, PrefillCostModel,
+                              PrefillStep, RunningRequest, TransferCostModel, TransferStep, TtftSample,
+                              policy_from_config)
 from router.routing import WorkerLoad
 
-TTFT_SCALE_WEIGHT = 0.1  # per admitted request: the factor follows load changes within ~10 requests
-MAX_TTFT_SCALE = 10.0
+# The observed-TTFT model tracks the regime now: its window (requests, not steps) forgets an overload
+# that has passed within a few seconds of traffic, where the step models' longer windows keep history.
+OBSERVED_TTFT_WINDOW = 64
 
 
 class AdmissionGate:
@@ -36,16 +35,21 @@ class AdmissionGate:
         self.prefill_cost = PrefillCostModel(window_steps=window, min_samples=minimum)
         self.decode_cost = DecodeCostModel(window_steps=window, min_samples=minimum)
         self.transfer_cost = TransferCostModel(window_steps=window, min_samples=minimum)
+        self.ttft_cost = ObservedTtftModel(window_steps=min(window, OBSERVED_TTFT_WINDOW),
+                                           min_samples=min(minimum, OBSERVED_TTFT_WINDOW))
         self._roles = roles  # worker id → "prefill" / "decode"
         self._seen_step: dict[str, int] = {}
         self.kv_bytes_per_token, self.block_size = kv_bytes_per_token, block_size
         self.prefill_step_budget_tokens = prefill_step_budget_tokens
-        self.ttft_scale = 1.0  # observed / predicted TTFT, moving average over admitted requests
 
-    def observe_ttft(self, predicted_s: float, observed_s: float) -> None:
-        if predicted_s > 0 and observed_s > 0:
-            ratio = min(max(observed_s / predicted_s, 1.0), MAX_TTFT_SCALE)
-            self.ttft_scale += TTFT_SCALE_WEIGHT * (ratio - self.ttft_scale)
+    def observe_ttft(self, tokens_through: int, observed_s: float) -> None:
+        """An admitted request's first token came `observed_s` after it reached the router; when it was
+        admitted, `tokens_through` uncached tokens were queued on its prefill worker, its own included."""
+        self.ttft_cost.observe(TtftSample(tokens_through, observed_s))
+
+    def observe_handoff(self, stats) -> None:
+        """A finished prefill → decode KV hand-off (cluster.messages.HandoffStats): the transfer model."""
+        self.transfer_cost.observe(TransferStep(stats.num_bytes, stats.elapsed_s))
 
     def observe_stats(self, worker_id: str, stats: dict) -> None:
         """Feeds a worker's newly reported steps (index, duration_s, tokens, seqs, context) to its model."""
@@ -65,9 +69,7 @@ class AdmissionGate:
         view = ClusterView((prefill,), (DecodeInstanceView(decode_id, decode_running, blocks_free,
                                                            decode_blocks_total),),
                            self.prefill_cost.fit(), self.decode_cost.fit(), self.transfer_cost.fit(),
-                           self.kv_bytes_per_token, self.block_size, self.prefill_step_budget_tokens)
+                           self.kv_bytes_per_token, self.block_size, self.prefill_step_budget_tokens,
+                           self.ttft_cost.fit())
         cached = min(expected_cached_tokens, len(request.prompt_token_ids))
-        admission = AdmissionRequest.from_router_request(request, cached)
-        ttft_ms = admission.ttft_ms or self.config.slo_for(request.priority).ttft_ms
-        admission = dataclasses.replace(admission, ttft_ms=ttft_ms / self.ttft_scale)
-        return self.policy.decide(admission, view)
+        return self.policy.decide(AdmissionRequest.from_router_request(request, cached), view)

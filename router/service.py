@@ -78,13 +78,15 @@ class RouterService:
         self.admission = admission
         if admission is not None:
             self.monitor.listeners.append(admission.observe_stats)
+            self.client.handoff_listeners.append(admission.observe_handoff)
         self.pull_planner = PullPlanner(cluster.config.router.prefix_pull, self.info.kv_bytes_per_token,
                                         [h.worker_id for h in cluster.prefill])
         self.monitor.listeners.append(self.pull_planner.observe_stats)
         self.client.handoff_listeners.append(lambda stats: self.pull_planner.observe_transfer(stats.num_bytes,
                                                                                               stats.elapsed_s))
         self._decoding: dict[str, dict[str, StreamState]] = {d.instance_id: {} for d in cluster.decode}
-        self._predicted_ttft_s: dict[str, float] = {}  # admitted request → its predicted TTFT
+        # admitted request → uncached tokens queued on its prefill worker at admission, its own included
+        self._tokens_through: dict[str, int] = {}
         self._min_pool_blocks = min(info.num_blocks for info in infos)
         self._running: set[str] = set()
         self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
@@ -149,9 +151,9 @@ class RouterService:
                 self._queued_tokens[worker_id] -= uncached
             self._inflight[worker_id] -= 1
             self._decoding[decode.instance_id].pop(request.request_id, None)
-            predicted_s = self._predicted_ttft_s.pop(request.request_id, None)
-            if predicted_s is not None and state.started:
-                self.admission.observe_ttft(predicted_s, state.ttft_s)
+            tokens_through = self._tokens_through.pop(request.request_id, None)
+            if tokens_through is not None and state.started:
+                self.admission.observe_ttft(tokens_through, state.ttft_s)
 
     def _admission_check(self, request: RouterRequest, cached_tokens: int, worker_id: str, decode) -> None:
         """Admit, or reject early (before any worker is touched) with the policy's reason."""
@@ -171,8 +173,9 @@ class RouterService:
             self.metrics.rejected(str(verdict.cause))
             raise Overloaded(verdict.reason, verdict.retry_after_s)
         self.metrics.admitted()
-        if verdict.prediction is not None:
-            self._predicted_ttft_s[request.request_id] = verdict.prediction.ttft_s
+        # The same uncached count `_run` queues; every admitted request is a sample, whatever the policy.
+        uncached = max(len(request.prompt_token_ids) - cached_tokens, 1)
+        self._tokens_through[request.request_id] = self._queued_tokens[worker_id] + uncached
 
     def _finished(self, state: StreamState, cluster_s: float) -> None:
         request = state.request

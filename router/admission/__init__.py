@@ -2,20 +2,21 @@
 
 A registry: `make_admission_policy(name, config=...)`; unknown names fail listing the known ones.
 The pieces, one concept per module: `config` (settings, SLO defaults, the shedding rule), `step_stats`
-(what workers report), `linear_fit` + `cost_model` (online step-time models), `view` (the request and
-cluster snapshot a decision reads), `decode_projection` + `predictor` (predicted TTFT / TPOT), `base`
-(the policy contract), `policies` (always, threshold) and `predictive`.
+(what workers report, and the router's own TTFT samples), `linear_fit` + `cost_model` (online
+step-time and observed-TTFT models), `view` (the request and cluster snapshot a decision reads),
+`decode_projection` + `predictor` (predicted TTFT / TPOT), `base` (the policy contract), `policies`
+(always, threshold) and `predictive`.
 """
 from __future__ import annotations
 
 from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause
 from router.admission.config import ADMISSION_POLICIES, AdmissionConfig, PrioritySlo, Slo
-from router.admission.cost_model import (DecodeCostModel, DecodeStepFit, PrefillCostModel, PrefillTimeFit,
-                                         TransferCostModel, TransferTimeFit)
+from router.admission.cost_model import (DecodeCostModel, DecodeStepFit, ObservedTtftFit, ObservedTtftModel,
+                                         PrefillCostModel, PrefillTimeFit, TransferCostModel, TransferTimeFit)
 from router.admission.policies import AlwaysAdmitPolicy, ThresholdPolicy
 from router.admission.predictive import PredictivePolicy
 from router.admission.predictor import Prediction, predict
-from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep
+from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep, TtftSample
 from router.admission.view import AdmissionRequest, ClusterView, DecodeInstanceView, RunningRequest
 
 POLICIES: dict[str, type[AdmissionPolicy]] = {cls.name: cls for cls in (AlwaysAdmitPolicy, ThresholdPolicy,
@@ -36,7 +37,7 @@ def policy_from_config(config: AdmissionConfig) -> AdmissionPolicy:
 
 __all__ = ["ADMISSION_POLICIES", "POLICIES", "AdmissionConfig", "AdmissionDecision", "AdmissionPolicy",
            "AdmissionRequest", "AlwaysAdmitPolicy", "Cause", "ClusterView", "DecodeCostModel",
-           "DecodeInstanceView", "DecodeStep", "DecodeStepFit", "PredictivePolicy", "Prediction",
-           "PrefillCostModel", "PrefillStep", "PrefillTimeFit", "PrioritySlo", "RunningRequest", "Slo",
-           "ThresholdPolicy", "TransferCostModel", "TransferStep", "TransferTimeFit", "make_admission_policy",
-           "policy_from_config", "predict"]
+           "DecodeInstanceView", "DecodeStep", "DecodeStepFit", "ObservedTtftFit", "ObservedTtftModel",
+           "PredictivePolicy", "Prediction", "PrefillCostModel", "PrefillStep", "PrefillTimeFit", "PrioritySlo",
+           "RunningRequest", "Slo", "ThresholdPolicy", "TransferCostModel", "TransferStep", "TransferTimeFit",
+           "TtftSample", "make_admission_policy", "policy_from_config", "predict"]

@@ -1,6 +1,6 @@
 """Online cost models: how long prefill, decode steps and KV transfers take, fitted from step stats.
 
-Three models, one fitter (`linear_fit.WindowedLinearFit`: the last `window_steps` samples, least
+Four models, one fitter (`linear_fit.WindowedLinearFit`: the last `window_steps` samples, least
 squares, coefficients non-negative, unidentifiable terms held at their prior; refitted lazily on the
 first read after new samples, ≈0.2 ms for 256 samples):
 
@@ -12,6 +12,14 @@ first read after new samples, ≈0.2 ms for 256 samples):
   (DistServe's shape: weights are read once per step, KV once per context token, plus per-sequence
   work). TPOT is this step time: every running sequence gains one token per step.
 * KV transfer: time_s = latency_s + bytes / bandwidth (fitted as seconds per byte).
+* observed TTFT: ttft_s = overhead_s + per_queued_token_s · tokens_through, fitted from the TTFTs the
+  router itself saw, against the uncached tokens queued on the worker when the request was admitted
+  (its own included). The step models see engine steps only; this one sees everything a request
+  waits on around them: the router and Ray calls, the decode reservation, and a prefill worker whose
+  KV pool is full of blocks pinned by hand-offs in flight, so that it computes one prompt per freed
+  pool instead of full `budget`-token steps (measured on the 2-core test box: under a burst its
+  steps held one prompt each, and its first tokens came at the hand-off rate, 2-4x slower than its
+  step times alone said). Its prior is zero: until it has samples the step models decide alone.
 
 Priors (used before `min_samples` samples, and for terms the window cannot identify) are an order
 of magnitude for a 7B-class model on one datacenter GPU and a 10 GB/s link. They are deliberately
@@ -25,7 +33,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from router.admission.linear_fit import WindowedLinearFit
-from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep, step_problem
+from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep, TtftSample, step_problem
 
 
 class PrefillTimeFit(NamedTuple):
@@ -64,9 +72,19 @@ class TransferTimeFit(NamedTuple):
         return float("inf") if self.per_byte_s == 0 else 1.0 / self.per_byte_s
 
 
+class ObservedTtftFit(NamedTuple):
+    overhead_s: float
+    per_queued_token_s: float
+
+    def time_s(self, tokens_through: int) -> float:
+        """TTFT of a request admitted with `tokens_through` uncached tokens queued, its own included."""
+        return self.overhead_s + self.per_queued_token_s * tokens_through
+
+
 PREFILL_PRIOR = PrefillTimeFit(intercept_s=0.010, per_token_s=1e-4, per_token_sq_s=0.0)
 DECODE_PRIOR = DecodeStepFit(intercept_s=0.015, per_request_s=2e-4, per_context_token_s=2.5e-7)
 TRANSFER_PRIOR = TransferTimeFit(latency_s=0.001, per_byte_s=1e-10)
+OBSERVED_TTFT_PRIOR = ObservedTtftFit(overhead_s=0.0, per_queued_token_s=0.0)
 DEFAULT_WINDOW_STEPS = 256
 DEFAULT_MIN_SAMPLES = 8
 
@@ -138,3 +156,17 @@ class TransferCostModel(_CostModel):
 
     def transfer_time_s(self, num_bytes: int) -> float:
         return self.fit().time_s(num_bytes)
+
+
+class ObservedTtftModel(_CostModel):
+    """Fitted by the router from its own admitted requests (`TtftSample`), not from worker reports."""
+
+    def __init__(self, prior: ObservedTtftFit = OBSERVED_TTFT_PRIOR, window_steps: int = DEFAULT_WINDOW_STEPS,
+                 min_samples: int = DEFAULT_MIN_SAMPLES):
+        super().__init__(prior, window_steps, min_samples)
+
+    def observe(self, sample: TtftSample) -> bool:
+        return self._add(sample, (1.0, sample.tokens_through))
+
+    def fit(self) -> ObservedTtftFit:
+        return ObservedTtftFit(*self._fit.coefficients())

@@ -19,7 +19,7 @@ from __future__ import annotations
 from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause, admit, ms, reject
 from router.admission.decode_projection import time_until_step_within_s
 from router.admission.predictor import (TpotPrediction, TtftPrediction, best_decode, best_prefill, combine,
-                                        decode_candidates, drain_time_s)
+                                        decode_candidates, ttft_alone_s)
 from router.admission.view import AdmissionRequest, ClusterView
 
 
@@ -32,7 +32,7 @@ class PredictivePolicy(AdmissionPolicy):
             return missing
         slo = self.slo(request)
         ttft = best_prefill(request, view)
-        alone_s = drain_time_s(request.uncached_prompt_tokens, view.prefill_fit, view.prefill_step_budget_tokens)
+        alone_s = ttft_alone_s(request, view)
         allowed_s, rule = self._allowance(alone_s, slo.ttft_ms, request.priority)
         if alone_s > allowed_s:
             return reject(Cause.TTFT, f"its {request.uncached_prompt_tokens} uncached prompt tokens alone take a "
@@ -65,8 +65,8 @@ class PredictivePolicy(AdmissionPolicy):
 
     def _ttft_rejection(self, ttft: TtftPrediction, allowed_s: float, rule: str) -> AdmissionDecision:
         # The worker works its queue off at one second per second, so the excess is the wait.
-        return reject(Cause.TTFT, f"predicted TTFT {ms(ttft.ttft_s)} ({ms(ttft.queue_s)} of prefill queued ahead on "
-                      f"{ttft.worker_id}) exceeds {rule}", self.retry_after(ttft.ttft_s - allowed_s))
+        return reject(Cause.TTFT, f"predicted TTFT {ms(ttft.ttft_s)} ({ms(ttft.queue_s)} of it waiting behind the "
+                      f"prefill queued on {ttft.worker_id}) exceeds {rule}", self.retry_after(ttft.ttft_s - allowed_s))
 
     def _allowance(self, alone_s: float, slo_ms: float, priority: int) -> tuple[float, str]:
         """(the most a prediction may be, the rule in words); below `alone_s` when even that is too much."""

@@ -1,14 +1,20 @@
 """Predicted TTFT and TPOT of one request on the candidate workers of a `ClusterView`.
 
 TTFT on a prefill worker (the first token streams as soon as prefill samples it, before the KV moves:
-`cluster/client.py` step 2, so the transfer is not part of TTFT):
-    queue_s   = drain(queued uncached tokens already routed there)
-    prefill_s = drain(queued + this request's uncached tokens) − queue_s
-    ttft_s    = queue_s + prefill_s
-where drain(n) is the time the worker's prefill steps take to compute n tokens, `budget` at a time
-(the step-level cost model, so a short prompt sharing a step with the queue's tail costs only its
-share). Then the KV moves: transfer_s = latency + prompt bytes / bandwidth, and the sequence joins a
-decode instance at join_s = ttft_s + transfer_s.
+`cluster/client.py` step 2, so the transfer is not part of TTFT) is the larger of two predictions:
+    steps_s    = drain(queued + this request's uncached tokens)
+    observed_s = ttft_fit(queued + this request's uncached tokens), 0 when nothing is queued
+    ttft_s     = max(steps_s, observed_s)
+    prefill_s  = drain(queued + uncached) − drain(queued)   (its own share of the steps)
+    queue_s    = ttft_s − prefill_s                         (everything else: waiting)
+where `queued` is every uncached token this router admitted to the worker and has not had a first
+token back for, and drain(n) is the time the worker's prefill steps take to compute n tokens,
+`budget` at a time (the step-level cost model, so a short prompt sharing a step with the queue's tail
+costs only its share). The step model alone runs short under load: it sees neither the calls around
+a step nor a prefill pool held by hand-offs, which lets fewer than `budget` tokens into a step
+(`cost_model`: observed TTFT). The observed model alone runs short where its window has not seen a
+queue that long. The maximum is right wherever either is. Then the KV moves: transfer_s = latency +
+prompt bytes / bandwidth, and the sequence joins a decode instance at join_s = ttft_s + transfer_s.
 
 TPOT on a decode instance is its step time at join_s: the running sequences are projected forward to
 join_s (`decode_projection`), those that will have finished are dropped, and the newcomer (context =
@@ -63,13 +69,20 @@ def drain_time_s(num_tokens: int, fit: PrefillTimeFit, step_budget_tokens: int) 
     return full_steps * fit.time_s(step_budget_tokens) + fit.time_s(rest)
 
 
+def ttft_alone_s(request: AdmissionRequest, view: ClusterView) -> float:
+    """The request's TTFT on an idle prefill worker: the steps alone (see the module docstring)."""
+    return drain_time_s(request.uncached_prompt_tokens, view.prefill_fit, view.prefill_step_budget_tokens)
+
+
 def predict_ttft(request: AdmissionRequest, worker: WorkerLoad, view: ClusterView) -> TtftPrediction:
     budget = view.prefill_step_budget_tokens
     queued = worker.queued_prompt_tokens
-    queue_s = drain_time_s(queued, view.prefill_fit, budget)
-    prefill_s = drain_time_s(queued + request.uncached_prompt_tokens, view.prefill_fit, budget) - queue_s
+    through = queued + request.uncached_prompt_tokens
+    steps_s = drain_time_s(through, view.prefill_fit, budget)
+    prefill_s = steps_s - drain_time_s(queued, view.prefill_fit, budget)
+    ttft_s = max(steps_s, view.ttft_fit.time_s(through)) if queued > 0 else steps_s
     transfer_s = view.transfer_fit.time_s(view.kv_bytes_per_token * request.num_prompt_tokens)
-    return TtftPrediction(worker.worker_id, queue_s + prefill_s, queue_s, prefill_s, transfer_s)
+    return TtftPrediction(worker.worker_id, ttft_s, ttft_s - prefill_s, prefill_s, transfer_s)
 
 
 def best_prefill(request: AdmissionRequest, view: ClusterView) -> TtftPrediction | None:

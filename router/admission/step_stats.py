@@ -6,6 +6,9 @@ Each sample is one measured unit of work, as small and flat as a process-boundar
 * `DecodeStep`: one decode engine step of `batch_size` sequences whose contexts (prompt + generated
   tokens, the KV the step's attention reads) add up to `total_context_tokens`.
 * `TransferStep`: one KV hand-off that moved `num_bytes` from a prefill worker to a decode instance.
+* `TtftSample`: one admitted request as the router saw it: `tokens_through` uncached prompt tokens
+  were queued on its prefill worker when it was admitted (its own included), and its first token came
+  `duration_s` after it reached the router. Not a worker report: the router measures it itself.
 
 Samples come from other processes, so a bad one (a clock jump, a zero-length step) must not poison a
 fit: `step_problem` names what is wrong and the cost models drop such samples and count them.
@@ -33,7 +36,12 @@ class TransferStep(NamedTuple):
     duration_s: float
 
 
-def step_problem(step: PrefillStep | DecodeStep | TransferStep) -> str | None:
+class TtftSample(NamedTuple):
+    tokens_through: int
+    duration_s: float
+
+
+def step_problem(step: PrefillStep | DecodeStep | TransferStep | TtftSample) -> str | None:
     """Why `step` cannot be used for fitting, or None when it can."""
     if not (isinstance(step.duration_s, numbers.Real) and math.isfinite(step.duration_s) and step.duration_s > 0):
         return f"duration_s must be a finite number > 0, got {step.duration_s!r}"
@@ -45,4 +53,6 @@ def step_problem(step: PrefillStep | DecodeStep | TransferStep) -> str | None:
         return f"batch_size must be >= 1, got {step.batch_size}"
     if isinstance(step, PrefillStep) and step.num_tokens < 1:
         return f"num_tokens must be >= 1, got {step.num_tokens}"
+    if isinstance(step, TtftSample) and step.tokens_through < 1:
+        return f"tokens_through must be >= 1, got {step.tokens_through}"
     return None

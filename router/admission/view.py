@@ -8,7 +8,8 @@ The router fills these from its live state right before calling `AdmissionPolicy
   longest expected prefix for an optimistic one before routing;
 * `ClusterView.decode_instances`: each healthy decode instance's sequences and KV blocks. Requests
   reserved there but not adopted yet are passed as running with `generated_tokens=0`;
-* the fitted cost models' snapshots (`PrefillCostModel.fit()` …) and the pool constants.
+* the fitted cost models' snapshots (`PrefillCostModel.fit()` …) and the pool constants; `ttft_fit`
+  (the router's own observed-TTFT model) defaults to its zero prior, which leaves the step models alone.
 Construction validates the fields (ValueError naming the field): a view that builds is a valid view.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from router.admission.cost_model import DecodeStepFit, PrefillTimeFit, TransferTimeFit
+from router.admission.cost_model import (OBSERVED_TTFT_PRIOR, DecodeStepFit, ObservedTtftFit, PrefillTimeFit,
+                                         TransferTimeFit)
 from router.routing.base import WorkerLoad
 
 
@@ -85,6 +87,7 @@ class ClusterView:
     kv_bytes_per_token: int  # KV of one token over all layers, as it crosses the wire
     block_size_tokens: int
     prefill_step_budget_tokens: int  # tokens a prefill step batches at most (max_num_batched_tokens)
+    ttft_fit: ObservedTtftFit = OBSERVED_TTFT_PRIOR
 
     def __post_init__(self):
         object.__setattr__(self, "prefill_workers", tuple(self.prefill_workers))
@@ -95,7 +98,7 @@ class ClusterView:
         for worker in self.prefill_workers:
             _check(worker.queued_prompt_tokens >= 0 and worker.inflight_requests >= 0,
                    f"prefill[{worker.worker_id}]", "load figures must be >= 0")
-        for name in ("prefill_fit", "decode_fit", "transfer_fit"):
+        for name in ("prefill_fit", "decode_fit", "transfer_fit", "ttft_fit"):
             fit = getattr(self, name)
             _check(all(math.isfinite(c) and c >= 0 for c in fit), name, f"coefficients must be finite and >= 0: {fit}")
 

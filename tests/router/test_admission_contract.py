@@ -8,7 +8,8 @@ import pytest
 
 from router.admission import (ADMISSION_POLICIES, POLICIES, AdmissionConfig, AdmissionDecision, Cause,
                               make_admission_policy, policy_from_config)
-from router.admission.cost_model import DECODE_PRIOR, PREFILL_PRIOR, TRANSFER_PRIOR, DecodeStepFit, PrefillTimeFit
+from router.admission.cost_model import (DECODE_PRIOR, OBSERVED_TTFT_PRIOR, PREFILL_PRIOR, TRANSFER_PRIOR, DecodeStepFit,
+                                         ObservedTtftFit, PrefillTimeFit)
 from router.admission.view import AdmissionRequest, ClusterView, DecodeInstanceView, RunningRequest
 from router.routing.base import WorkerLoad
 
@@ -40,8 +41,9 @@ def random_view(rng: random.Random) -> ClusterView:
         instances.append(DecodeInstanceView(f"d{i}", running, rng.randint(0, total), total))
     prefill = rng.choice([PREFILL_PRIOR, PrefillTimeFit(0.0, 0.0, 0.0), PrefillTimeFit(0.5, 1e-3, 1e-7)])
     decode = rng.choice([DECODE_PRIOR, DecodeStepFit(0.0, 0.0, 0.0), DecodeStepFit(0.2, 0.05, 1e-5)])
+    observed = rng.choice([OBSERVED_TTFT_PRIOR, ObservedTtftFit(0.05, 0.0), ObservedTtftFit(0.03, 1e-4)])
     return ClusterView(workers, tuple(instances), prefill, decode, TRANSFER_PRIOR, rng.choice([0, 4096, 10**6]),
-                       rng.choice([1, 16]), rng.choice([1, 512, 8192]))
+                       rng.choice([1, 16]), rng.choice([1, 512, 8192]), observed)
 
 
 def assert_well_formed(decision: AdmissionDecision) -> None:

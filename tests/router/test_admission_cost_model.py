@@ -6,10 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from router.admission.cost_model import (DECODE_PRIOR, PREFILL_PRIOR, DecodeCostModel, DecodeStepFit,
-                                         PrefillCostModel, PrefillTimeFit, TransferCostModel, TransferTimeFit)
+from router.admission.cost_model import (DECODE_PRIOR, OBSERVED_TTFT_PRIOR, PREFILL_PRIOR, DecodeCostModel,
+                                         DecodeStepFit, ObservedTtftFit, ObservedTtftModel, PrefillCostModel,
+                                         PrefillTimeFit, TransferCostModel, TransferTimeFit)
 from router.admission.linear_fit import WindowedLinearFit
-from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep, step_problem
+from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep, TtftSample, step_problem
 
 TOKENS = (16, 64, 128, 300, 512, 1024, 2048, 4096)
 
@@ -129,10 +130,12 @@ def test_transfer_fit_gives_latency_and_bandwidth():
     (PrefillStep(-3, 0.1), "num_tokens"), (PrefillStep(True, 0.1), "num_tokens"),
     (DecodeStep(0, 10, 0.1), "batch_size"), (DecodeStep(2, -1, 0.1), "total_context_tokens"),
     (TransferStep(10, math.inf), "duration_s"), (TransferStep(1.5, 0.1), "num_bytes"),
+    (TtftSample(0, 0.1), "tokens_through"), (TtftSample(440, 0.0), "duration_s"),
 ])
 def test_unusable_samples_are_named_dropped_and_counted(step, problem):
     assert problem in step_problem(step)
-    model = {PrefillStep: PrefillCostModel, DecodeStep: DecodeCostModel, TransferStep: TransferCostModel}[type(step)]()
+    model = {PrefillStep: PrefillCostModel, DecodeStep: DecodeCostModel, TransferStep: TransferCostModel,
+             TtftSample: ObservedTtftModel}[type(step)]()
     before = model.fit()
     assert model.observe(step) is False
     assert model.rejected_samples == 1 and model.num_samples == 0 and model.fit() == before
@@ -158,3 +161,22 @@ def test_zero_cost_fits_time_nothing():
     assert PrefillTimeFit(0.01, 1e-4, 0.0).time_s(0) == 0.0
     assert DecodeStepFit(0.01, 1e-4, 1e-7).step_time_s(0, 0) == 0.0
     assert TransferTimeFit(0.001, 0.0).bandwidth_bytes_per_s == math.inf
+
+
+def test_observed_ttft_fit_recovers_overhead_and_queue_rate():
+    # 40 ms around every request, 50 µs per uncached token through the queue: a burst's first tokens.
+    model = ObservedTtftModel(min_samples=3)
+    for tokens_through in (440, 880, 1320, 4400, 8800):
+        assert model.observe(TtftSample(tokens_through, 0.040 + 5e-5 * tokens_through))
+    assert_fit(model.fit(), ObservedTtftFit(0.040, 5e-5))
+    assert model.fit().time_s(2000) == pytest.approx(0.140, rel=1e-12)
+    model.check_integrity()
+
+
+def test_observed_ttft_is_zero_until_min_samples_then_one_queue_length_fits_the_overhead_only():
+    model = ObservedTtftModel(min_samples=2)
+    model.observe(TtftSample(440, 0.060))
+    assert model.fit() == OBSERVED_TTFT_PRIOR and model.fit().time_s(10_000) == 0.0  # the step models decide
+    model.observe(TtftSample(440, 0.080))
+    # Idle-cluster requests of one size cannot tell overhead from rate: the mean TTFT, no queue slope.
+    assert_fit(model.fit(), ObservedTtftFit(0.070, 0.0))

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from router.admission import AdmissionConfig, Cause, PredictivePolicy, ThresholdPolicy, make_admission_policy
-from router.admission.cost_model import DecodeStepFit, PrefillTimeFit, TransferTimeFit
+from router.admission.cost_model import DecodeStepFit, ObservedTtftFit, PrefillTimeFit, TransferTimeFit
 from router.admission.predictor import predict
 from router.admission.view import AdmissionRequest, ClusterView, DecodeInstanceView, RunningRequest
 from router.routing.base import WorkerLoad
@@ -60,13 +60,34 @@ def test_threshold_running_kv_usage_and_kv_blocks_limits():
     assert (none_free.admit, none_free.cause) == (False, Cause.KV_BLOCKS)
 
 
+def test_predictive_judges_ttft_on_the_observed_model_where_the_steps_run_short():
+    # Steps: 1300 tokens = 3 steps, 160 ms, within the 400 ms budget. Observed: 40 + 1300 × 0.3 = 430 ms.
+    assert PredictivePolicy(CONFIG).decide(request(), view(queued=1000)).admit
+    observed = dataclasses.replace(view(queued=1000), ttft_fit=ObservedTtftFit(0.04, 3e-4))
+    got = PredictivePolicy(CONFIG).decide(request(), observed)
+    assert (got.admit, got.cause) == (False, Cause.TTFT)
+    # Alone (the steps): 40 ms, also its own share of the steps; the other 390 ms is waiting.
+    assert got.reason == ("predicted TTFT 430 ms (390 ms of it waiting behind the prefill queued on p0) exceeds "
+                          "the 400 ms allowed for priority 2: 40.0 ms alone + 100% of the room up to the budget of "
+                          "400 ms (SLO 500 ms × margin 0.8)")
+    assert got.retry_after_s == pytest.approx(0.03, abs=1e-12)
+
+
+def test_an_idle_worker_is_judged_on_the_steps_so_a_stale_observed_model_cannot_reject_everything():
+    stale = ObservedTtftFit(0.5, 0.0)  # fitted during an overload: 500 ms for anything, over the 400 ms budget
+    got = PredictivePolicy(CONFIG).decide(request(), dataclasses.replace(view(), ttft_fit=stale))
+    assert got.admit and got.prediction.ttft_s == pytest.approx(0.04, abs=1e-12)
+    queued = PredictivePolicy(CONFIG).decide(request(), dataclasses.replace(view(queued=16), ttft_fit=stale))
+    assert (queued.admit, queued.cause) == (False, Cause.TTFT)
+
+
 def test_predictive_ttft_rejection_reason_and_wait():
     got = PredictivePolicy(CONFIG).decide(request(priority=2), view(queued=4000))
     # 4300 tokens = 9 steps: 520 ms; the queue alone 8 steps: 480 ms. Budget 500 × 0.8 = 400 ms.
     assert (got.admit, got.cause) == (False, Cause.TTFT)
-    assert got.reason == ("predicted TTFT 520 ms (480 ms of prefill queued ahead on p0) exceeds the 400 ms allowed "
-                          "for priority 2: 40.0 ms alone + 100% of the room up to the budget of 400 ms "
-                          "(SLO 500 ms × margin 0.8)")
+    assert got.reason == ("predicted TTFT 520 ms (480 ms of it waiting behind the prefill queued on p0) exceeds "
+                          "the 400 ms allowed for priority 2: 40.0 ms alone + 100% of the room up to the budget of "
+                          "400 ms (SLO 500 ms × margin 0.8)")
     assert got.retry_after_s == pytest.approx(0.12, abs=1e-12)
     assert got.prediction is None
 

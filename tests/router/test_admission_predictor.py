@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission.cost_model import DecodeStepFit, PrefillTimeFit, TransferTimeFit
+from router.admission.cost_model import DecodeStepFit, ObservedTtftFit, PrefillTimeFit, TransferTimeFit
 from router.admission.decode_projection import (first_finish_s, project, segments, time_until_blocks_free_s,
                                                 time_until_step_within_s)
 from router.admission.predictor import (Prediction, best_decode, best_prefill, drain_time_s, predict, predict_tpot,
-                                        predict_ttft)
+                                        predict_ttft, ttft_alone_s)
 from router.admission.view import AdmissionRequest, ClusterView, DecodeInstanceView, RunningRequest
 from router.routing.base import WorkerLoad
 
@@ -16,6 +16,7 @@ DECODE = DecodeStepFit(0.01, 0.001, 1e-6)
 TRANSFER = TransferTimeFit(0.002, 1e-9)
 # Three sequences: A has 2 tokens left, B 50, C 95. Step at batch 3, context 600: 13.6 ms.
 RUNNING = (RunningRequest(8, 10, 100), RunningRequest(0, 50, 200), RunningRequest(5, 100, 300))
+OBSERVED = ObservedTtftFit(0.04, 1e-4)  # 40 ms around each request, 0.1 ms per queued token
 A_DONE_S = 2 * 0.0136  # A's last step ends here; then batch 2, context 504: 12.504 ms per step
 SECOND_STEP_S = 0.01 + 0.002 + 504e-6
 
@@ -28,9 +29,10 @@ def instance(instance_id="d0", running=RUNNING, free=100, total=200) -> DecodeIn
     return DecodeInstanceView(instance_id, running, free, total)
 
 
-def view(workers=(WorkerLoad("p0", 0, 0),), instances=(instance(),), block_size=16, budget=512) -> ClusterView:
+def view(workers=(WorkerLoad("p0", 0, 0),), instances=(instance(),), block_size=16, budget=512,
+         observed=ObservedTtftFit(0.0, 0.0)) -> ClusterView:
     return ClusterView(tuple(workers), tuple(instances), PREFILL, DECODE, TRANSFER, kv_bytes_per_token=1000,
-                       block_size_tokens=block_size, prefill_step_budget_tokens=budget)
+                       block_size_tokens=block_size, prefill_step_budget_tokens=budget, ttft_fit=observed)
 
 
 def test_drain_time_counts_budget_sized_steps():
@@ -48,6 +50,23 @@ def test_ttft_is_queue_plus_own_prefill_and_transfer_follows():
     assert got.ttft_s == pytest.approx(0.15, abs=1e-12)
     assert got.transfer_s == pytest.approx(0.002 + 300 * 1000 * 1e-9, abs=1e-12)  # the whole prompt's KV moves
     assert got.join_s == pytest.approx(0.1523, abs=1e-12)
+
+
+def test_ttft_is_the_observed_model_where_it_predicts_more_than_the_steps():
+    # 1200 tokens through the queue: the steps say 150 ms; observed, 40 ms + 1200 × 0.1 ms = 160 ms.
+    got = predict_ttft(request(prompt=300, cached=100), WorkerLoad("p0", 3, 1000), view(observed=OBSERVED))
+    assert got.ttft_s == pytest.approx(0.16, abs=1e-12)
+    assert got.prefill_s == pytest.approx(0.03, abs=1e-12)  # its own share of the steps, as before
+    assert got.queue_s == pytest.approx(0.13, abs=1e-12)  # the rest is waiting
+    # Idle: the steps alone, 30 ms for its 200 tokens (observed would say 60). Behind 100 tokens: steps
+    # 40 ms, observed 70 ms. Behind 4800: 5000 tokens are 10 steps, 600 ms, over the observed 540 ms.
+    assert ttft_alone_s(request(prompt=300, cached=100), view(observed=OBSERVED)) == pytest.approx(0.03, abs=1e-12)
+    assert predict_ttft(request(prompt=300, cached=100), WorkerLoad("p0", 0, 0),
+                        view(observed=OBSERVED)).ttft_s == pytest.approx(0.03, abs=1e-12)
+    assert predict_ttft(request(prompt=300, cached=100), WorkerLoad("p0", 1, 100),
+                        view(observed=OBSERVED)).ttft_s == pytest.approx(0.07, abs=1e-12)
+    assert predict_ttft(request(prompt=300, cached=100), WorkerLoad("p0", 9, 4800),
+                        view(observed=OBSERVED)).ttft_s == pytest.approx(0.60, abs=1e-12)
 
 
 def test_a_fully_cached_prompt_still_computes_one_token():

@@ -1,23 +1,34 @@
 """Admission control on a real small cluster with a tight TTFT SLO: a burst is answered with early
-RESOURCE_EXHAUSTED rejections (reason + retry-after) instead of all of it queueing, lower priorities
-are shed first, and no block is left reserved.
+RESOURCE_EXHAUSTED rejections (reason + retry-after) instead of queueing past the SLO, the requests it
+admits meet their SLO, the same burst with admission off misses it for most, lower priorities are shed
+first, and no block is left reserved.
 
-Not asserted (yet): that admitted requests meet their SLO. Under a burst on this 2-core machine the
-predictions still run short (observed 30-100% of admitted within the SLO, run to run); the gate's
-TTFT calibration narrows the gap as requests finish. The README's known gaps say so."""
+Timing on a shared 2-core box: the SLO is not a constant but the median TTFT of a warm-up burst of the
+same prompts measured in the same test, so it means "room for about half of a 24-prompt burst" on a
+fast machine and on a slow one alike.
+"""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from dataclasses import replace
 
 import pytest
 
-from router.admission import AdmissionConfig
+from router.admission import AdmissionConfig, AlwaysAdmitPolicy
 from router.client import AsyncClient
 from router.sdk_types import ResourceExhausted
 from tests.factories import TinySpec, random_prompts
 from tests.router.conftest import router_config, start_router
+
+BURST = 80
+WARM_UP = 24
+# Share of admitted requests that must meet the SLO. Not 100%: on this machine one engine step in a
+# few hundred stalls for ~0.3 s (another process holds the core), which no prediction made before the
+# burst can foresee; 90% allows one such late request in the ~10 a burst admits, and still fails if
+# the predictions run short (with the step models alone: 12-88% met in 4 runs).
+MIN_MET_SHARE = 0.9
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +40,11 @@ def admitting(ray_session, checkpoint):
     stack = start_router(checkpoint(TinySpec()), config)
     yield stack
     stack.stop()
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    # A fresh seed per burst: random prompts share no prefix block, so no burst hits another's cache.
+    return random_prompts(n, 400, 480, 512, seed=seed)
 
 
 async def _burst(target: str, prompts, priorities, ttft_ms: float) -> list:
@@ -46,31 +62,52 @@ async def _burst(target: str, prompts, priorities, ttft_ms: float) -> list:
         return await asyncio.gather(*(one(p, q) for p, q in zip(prompts, priorities)))
 
 
-def _warm_up(stack) -> float:
-    """Prefill steps for the cost model to fit, one probe so the router has them; returns a TTFT SLO
-    (ms) with room for about 20 of the burst's prompts, so the test holds on fast and slow machines."""
-    asyncio.run(_burst(stack.target, random_prompts(12, 100, 400, 512, seed=1), [0] * 12, 60_000.0))
+def _warm_up(stack, seed: int) -> float:
+    """A burst of the test's prompts under an SLO nobody misses, so the step models (from the worker's
+    reports, probed right after) and the router's observed-TTFT model have seen queues as long as the
+    test's. Returns the test's TTFT SLO (ms): the median TTFT this burst saw."""
+    ttfts_s = asyncio.run(_burst(stack.target, _prompts(WARM_UP, seed), [0] * WARM_UP, 60_000.0))
     stack.loop.call(stack.server.service.monitor.probe_all())
-    per_prompt_s = stack.server.service.admission.prefill_cost.fit().time_s(440)
-    return max(20 * per_prompt_s * 1000.0, 50.0)
+    return statistics.median(ttfts_s) * 1000.0
 
 
-def test_a_burst_is_rejected_early_instead_of_queueing_past_the_slo(admitting):
-    slo_ms = _warm_up(admitting)
-    results = asyncio.run(_burst(admitting.target, random_prompts(80, 400, 480, 512, seed=2), [0] * 80, slo_ms))
+def _admitted_ttfts_s(results) -> list[float]:
+    return [r for r in results if not isinstance(r, ResourceExhausted)]
+
+
+def test_a_burst_is_rejected_early_and_admitted_requests_meet_their_slo(admitting):
+    slo_ms = _warm_up(admitting, seed=1)
+    results = asyncio.run(_burst(admitting.target, _prompts(BURST, 2), [0] * BURST, slo_ms))
     rejected = [r for r in results if isinstance(r, ResourceExhausted)]
-    admitted_ttft_s = [r for r in results if not isinstance(r, ResourceExhausted)]
-    assert rejected and admitted_ttft_s, (len(rejected), len(admitted_ttft_s), slo_ms)
+    admitted_s = _admitted_ttfts_s(results)
+    assert rejected and admitted_s, (len(rejected), len(admitted_s), slo_ms)
     assert all("TTFT" in r.reason and r.retry_after_s is not None and r.retry_after_s > 0 for r in rejected)
     assert len(rejected) >= len(results) // 4  # the tail of the burst was turned away, not queued
     assert admitting.server.service.metrics.snapshot()["rejected_requests_total"]["ttft_slo"] >= len(rejected)
+    met = sum(ttft_s * 1000.0 <= slo_ms for ttft_s in admitted_s)
+    assert met >= MIN_MET_SHARE * len(admitted_s), (met, sorted(round(t * 1000) for t in admitted_s), slo_ms)
     admitting.check_workers_clean()  # rejections reserved nothing; admitted requests freed theirs
 
 
+def test_the_same_burst_without_admission_misses_the_slo_for_most(admitting):
+    slo_ms = _warm_up(admitting, seed=3)
+    gate = admitting.server.service.admission
+    predictive, gate.policy = gate.policy, AlwaysAdmitPolicy(gate.config)  # same cluster, same moment
+    try:
+        results = asyncio.run(_burst(admitting.target, _prompts(BURST, 4), [0] * BURST, slo_ms))
+    finally:
+        gate.policy = predictive
+    admitted_s = _admitted_ttfts_s(results)
+    assert len(admitted_s) == BURST
+    missed = sum(ttft_s * 1000.0 > slo_ms for ttft_s in admitted_s)
+    assert missed > BURST // 2, (missed, slo_ms)
+    admitting.check_workers_clean()
+
+
 def test_lower_priorities_are_shed_first(admitting):
-    slo_ms = _warm_up(admitting)
+    slo_ms = _warm_up(admitting, seed=5)
     priorities = [-2 if i % 2 else 0 for i in range(40)]
-    results = asyncio.run(_burst(admitting.target, random_prompts(40, 400, 480, 512, seed=3), priorities, slo_ms))
+    results = asyncio.run(_burst(admitting.target, _prompts(40, 6), priorities, slo_ms))
     shed = {p: sum(isinstance(r, ResourceExhausted) for r, q in zip(results, priorities) if q == p) for p in (-2, 0)}
     assert shed[-2] > shed[0], shed
     admitting.check_workers_clean()
