@@ -162,20 +162,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if args.model is None:
+    model_dir = args.model
+    if model_dir is None:
         from engine.demo_model import ensure_demo_model
 
-        args.model = str(ensure_demo_model())
+        model_dir = str(ensure_demo_model())
     items = _workload(args)
-    rows = _rows({"colocated": run_colocated(args.model, items, args.threads),
-                  "disaggregated": run_disaggregated(args.model, items)}, args)
+    rows = _rows({"colocated": run_colocated(model_dir, items, args.threads),
+                  "disaggregated": run_disaggregated(model_dir, items)}, args)
     colocated, disaggregated = rows["colocated"], rows["disaggregated"]
     summary = {**rows, "p99_ratio": disaggregated["tpot_p99_ms"] / colocated["tpot_p99_ms"],
                "p50_ratio": disaggregated["tpot_p50_ms"] / colocated["tpot_p50_ms"],
                # None when no colocated request met the SLO: any goodput is infinitely many times none
                "goodput_ratio": (disaggregated["goodput_per_s"] / colocated["goodput_per_s"]
                                  if colocated["goodput_per_s"] > 0 else None),
-               "args": vars(args)}
+               "args": {**vars(args), "model": args.model or "demo"}}  # no local paths in reports
     _print(summary, args)
     if args.json:
         with open(args.json, "w") as handle:
