@@ -37,11 +37,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: RouterMetrics):
         self.metrics = metrics
+        # method → (handler found, its wrapped version): the lookup returns the same handler object
+        # for a method every call, so it is wrapped once instead of per call.
+        self._wrapped: dict[str, tuple] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        cached = self._wrapped.get(handler_call_details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler)
+        self._wrapped[handler_call_details.method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(self._wrap_unary(handler.unary_unary),
                                                        handler.request_deserializer, handler.response_serializer)

@@ -109,26 +109,30 @@ class RouterMetrics:
         self._kv_usage = self._gauge("worker_kv_usage_ratio", "Share of a worker's KV blocks in use (0-1).", worker)
         self._healthy = self._gauge("worker_healthy", "1 if the worker's last probe succeeded, else 0.", worker)
         self._worker_gauges = (self._waiting, self._running, self._kv_usage, self._healthy)
+        # (metric, label value) → labelled child: `labels()` takes a lock and builds a key on every
+        # call, over a third of the per-request metrics cost. Filled on first use, so that no series
+        # shows up before its first observation.
+        self._children: dict[tuple[int, str], object] = {}
 
     # ---- per request ------------------------------------------------------------------------------
     def observe_ttft(self, seconds: float, priority: int = 0) -> None:
-        self._ttft.labels(priority_class(priority)).observe(seconds)
+        self._child(self._ttft, priority_class(priority)).observe(seconds)
 
     def observe_tpot(self, seconds: float, priority: int = 0) -> None:
         """One observation per request: its mean seconds per output token after the first."""
-        self._tpot.labels(priority_class(priority)).observe(seconds)
+        self._child(self._tpot, priority_class(priority)).observe(seconds)
 
     def observe_request(self, outcome: str, met_slo: bool = False, duration_s: float | None = None,
                         priority: int = 0) -> None:
         """Counts a finished Generate call. Goodput and the duration histogram count only "ok" calls."""
         label = outcome_label(outcome)
-        self._requests.labels(label).inc()
+        self._child(self._requests, label).inc()
         if label != "ok":
             return
         if met_slo:
             self._goodput.inc()
         if duration_s is not None:
-            self._duration.labels(priority_class(priority)).observe(duration_s)
+            self._child(self._duration, priority_class(priority)).observe(duration_s)
 
     def admitted(self) -> None:
         self._admitted.inc()
@@ -194,6 +198,14 @@ class RouterMetrics:
             "request_duration_seconds": histogram_totals(self._duration),
             "workers": workers,
         }
+
+    def _child(self, metric, label: str):
+        """`metric.labels(label)`, cached (thread-safe: `labels` hands racing callers the same child)."""
+        key = (id(metric), label)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(label)
+        return child
 
     # ---- construction -----------------------------------------------------------------------------
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:

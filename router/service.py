@@ -7,6 +7,8 @@ exceptions raised here (`InvalidRequestError`, `RequestFailed`, `Overloaded`, `D
 """
 from __future__ import annotations
 
+import array
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
@@ -204,7 +206,7 @@ class RouterService:
         namespace = HashNamespace(self.info.model_identity, self.info.block_size, request.tenant)
         tokens = request.prompt_token_ids
         hashes = tuple(hash_blocks(namespace, tokens))
-        key = b"".join(t.to_bytes(4, "little") for t in tokens) + request.tenant.encode()
+        key = b"" if hashes else _le_uint32(tokens) + request.tenant.encode()  # keys only block-less prompts
         return RouteQuery(hashes, len(tokens), self.info.block_size, key)
 
     async def _choose(self, query: RouteQuery):
@@ -235,6 +237,14 @@ class RouterService:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def _le_uint32(tokens) -> bytes:
+    """Token ids as little-endian uint32 bytes, built in C (a Python join costs ~10x more)."""
+    packed = array.array("I", tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 async def _timed(chunks: AsyncIterator, spent_s: list[float]) -> AsyncIterator:

@@ -11,6 +11,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
+from typing import NoReturn
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -43,36 +44,45 @@ class RouterRequest:
     prompt_text: str | None  # the text, when the prompt came as text (tokenized by the router)
 
 
+# Sampling fields read per request: (name, has presence), from the descriptor once at import.
+_SAMPLING_FIELDS = tuple((f.name, f.has_presence) for f in pb.SamplingParams.DESCRIPTOR.fields)
+
+
 def parse_request(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> RouterRequest:
     """Validates `msg`; `tokenize(text) -> list[int]` is called for text prompts only."""
     request_id = msg.request_id or uuid.uuid4().hex
-    _check(_REQUEST_ID.fullmatch(request_id) is not None, "request_id",
-           "must be 1-128 printable ASCII characters without spaces")
-    _check(-MAX_PRIORITY <= msg.priority <= MAX_PRIORITY, "priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
-    _check(len(msg.tenant) <= MAX_TENANT_CHARS, "tenant", f"must be at most {MAX_TENANT_CHARS} characters")
+    if _REQUEST_ID.fullmatch(request_id) is None:
+        _fail("request_id", "must be 1-128 printable ASCII characters without spaces")
+    if not -MAX_PRIORITY <= msg.priority <= MAX_PRIORITY:
+        _fail("priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+    if len(msg.tenant) > MAX_TENANT_CHARS:
+        _fail("tenant", f"must be at most {MAX_TENANT_CHARS} characters")
     ttft_ms, tpot_ms = _slo(msg)
     params = parse_sampling(msg.sampling, limits)
     text, tokens = _prompt(msg, limits, tokenize)
     return_text = msg.return_text if msg.HasField("return_text") else text is not None
-    _check(not return_text or limits.has_tokenizer, "return_text", "the served model has no tokenizer")
-    _check(not params.stop or limits.has_tokenizer, "sampling.stop", "the served model has no tokenizer")
+    if return_text and not limits.has_tokenizer:
+        _fail("return_text", "the served model has no tokenizer")
+    if params.stop and not limits.has_tokenizer:
+        _fail("sampling.stop", "the served model has no tokenizer")
     return RouterRequest(request_id, tokens, params, msg.priority, msg.tenant, ttft_ms, tpot_ms, return_text, text)
 
 
 def parse_sampling(msg: pb.SamplingParams, limits: ModelLimits) -> SamplingParams:
-    values = {field.name: getattr(msg, field.name) for field in msg.DESCRIPTOR.fields
-              if not field.has_presence or msg.HasField(field.name)}
-    values["stop"] = tuple(values.get("stop", ()))
-    values["stop_token_ids"] = tuple(values.get("stop_token_ids", ()))
-    _check(len(values["stop"]) <= MAX_STOP_STRINGS, "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
-    _check(all(len(s) <= MAX_STOP_CHARS for s in values["stop"]), "sampling.stop",
-           f"each stop string is at most {MAX_STOP_CHARS} characters")
-    bad = [t for t in values["stop_token_ids"] if not 0 <= t < limits.vocab_size]
-    _check(not bad, "sampling.stop_token_ids", f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
-    if "max_tokens" in values:
-        limit = limits.max_model_len - 1
-        _check(1 <= values["max_tokens"] <= limit, "sampling.max_tokens",
-               f"must be in [1, {limit}] (the model's context length is {limits.max_model_len} tokens)")
+    values = {name: getattr(msg, name) for name, has_presence in _SAMPLING_FIELDS
+              if not has_presence or msg.HasField(name)}
+    stop = values["stop"] = tuple(values.get("stop", ()))
+    stop_token_ids = values["stop_token_ids"] = tuple(values.get("stop_token_ids", ()))
+    if len(stop) > MAX_STOP_STRINGS:
+        _fail("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        _fail("sampling.stop", f"each stop string is at most {MAX_STOP_CHARS} characters")
+    if stop_token_ids and (min(stop_token_ids) < 0 or max(stop_token_ids) >= limits.vocab_size):
+        bad = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
+        _fail("sampling.stop_token_ids", f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
+    if "max_tokens" in values and not 1 <= values["max_tokens"] <= limits.max_model_len - 1:
+        _fail("sampling.max_tokens", f"must be in [1, {limits.max_model_len - 1}] (the model's context length "
+                                     f"is {limits.max_model_len} tokens)")
     try:
         return SamplingParams(**values)
     except InvalidRequestError as err:
@@ -80,11 +90,14 @@ def parse_sampling(msg: pb.SamplingParams, limits: ModelLimits) -> SamplingParam
 
 
 def _slo(msg: pb.GenerateRequest) -> tuple[float | None, float | None]:
+    if not msg.HasField("slo"):
+        return None, None
     out = []
     for name in ("ttft_ms", "tpot_ms"):
-        if msg.HasField("slo") and msg.slo.HasField(name) and getattr(msg.slo, name) != 0:
+        if msg.slo.HasField(name) and getattr(msg.slo, name) != 0:
             value = getattr(msg.slo, name)
-            _check(math.isfinite(value) and value > 0, f"slo.{name}", "must be a finite number of milliseconds > 0")
+            if not (math.isfinite(value) and value > 0):
+                _fail(f"slo.{name}", "must be a finite number of milliseconds > 0")
             out.append(value)
         else:
             out.append(None)
@@ -93,26 +106,31 @@ def _slo(msg: pb.GenerateRequest) -> tuple[float | None, float | None]:
 
 def _prompt(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> tuple[str | None, tuple[int, ...]]:
     kind = msg.WhichOneof("prompt")
-    _check(kind is not None, "prompt", "set either text or token_ids")
+    if kind is None:
+        _fail("prompt", "set either text or token_ids")
     if kind == "text":
-        _check(bool(msg.text), "text", "is empty")
-        _check(limits.has_tokenizer, "text", "the served model has no tokenizer; send token_ids")
-        _check(len(msg.text) <= 64 * limits.max_model_len, "text",
-               f"is far longer than the model's limit of {limits.max_model_len} tokens")
+        if not msg.text:
+            _fail("text", "is empty")
+        if not limits.has_tokenizer:
+            _fail("text", "the served model has no tokenizer; send token_ids")
+        if len(msg.text) > 64 * limits.max_model_len:
+            _fail("text", f"is far longer than the model's limit of {limits.max_model_len} tokens")
         text, tokens, field = msg.text, tuple(tokenize(msg.text)), "text"
-        _check(bool(tokens), "text", "tokenizes to no tokens")
+        if not tokens:
+            _fail("text", "tokenizes to no tokens")
     else:
         text, tokens, field = None, tuple(msg.token_ids.ids), "token_ids"
-        _check(bool(tokens), "token_ids", "is empty; at least one token is required")
-        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < limits.vocab_size), None)
-        _check(bad is None, "token_ids", f"token {tokens[bad] if bad is not None else ''} at index {bad} is "
-                                         f"outside the vocabulary [0, {limits.vocab_size})")
-    _check(len(tokens) < limits.max_model_len, field,
-           f"prompt has {len(tokens)} tokens; the model's limit is {limits.max_model_len} tokens "
-           "including at least one generated")
+        if not tokens:
+            _fail("token_ids", "is empty; at least one token is required")
+        if min(tokens) < 0 or max(tokens) >= limits.vocab_size:  # in C; the index is looked for only on failure
+            bad = next(i for i, t in enumerate(tokens) if not 0 <= t < limits.vocab_size)
+            _fail("token_ids", f"token {tokens[bad]} at index {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    if len(tokens) >= limits.max_model_len:
+        _fail(field, f"prompt has {len(tokens)} tokens; the model's limit is {limits.max_model_len} tokens "
+                     "including at least one generated")
     return text, tokens
 
 
-def _check(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(field, message)
+def _fail(field: str, message: str) -> NoReturn:
+    """Raises; callers test first so that messages are formatted only for bad requests."""
+    raise InvalidRequestError(field, message)
