@@ -52,6 +52,19 @@ def _assert_clean(cluster) -> None:
         assert report["num_sequences"] == 0, report
 
 
+def _wait_clean(cluster, timeout_s: float) -> None:
+    """`_assert_clean`, once pins released asynchronously (by senders, lease expiry) are back."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        try:
+            _assert_clean(cluster)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline_s:
+                raise
+            time.sleep(0.2)
+
+
 @pytest.fixture
 def cluster_factory(ray_session):
     launched = []
@@ -207,14 +220,7 @@ def test_leaving_after_the_first_token_frees_both_sides_and_forgets_the_handoff(
     while ray.get(cluster.prefill[0].actor.stats.remote(), timeout=10)["handoffs_in_flight"]:
         assert time.monotonic() < deadline_s, "the prefill worker kept the abandoned hand-off"
         time.sleep(0.1)
-    deadline_s = time.monotonic() + 20
-    while True:
-        try:
-            _assert_clean(cluster)
-            break
-        except AssertionError:
-            assert time.monotonic() < deadline_s
-            time.sleep(0.2)
+    _wait_clean(cluster, timeout_s=20)
 
 
 def test_hand_offs_abandoned_in_a_burst_leave_the_channel_usable(checkpoint, cluster_factory):
@@ -246,11 +252,4 @@ def test_hand_offs_abandoned_in_a_burst_leave_the_channel_usable(checkpoint, clu
 
     got = run(burst_then_serve(), timeout_s=240)
     assert got == hf_greedy_generate(model_dir, prompts[:4], GREEDY.max_tokens)
-    deadline_s = time.monotonic() + 30
-    while True:
-        try:
-            _assert_clean(cluster)
-            break
-        except AssertionError:
-            assert time.monotonic() < deadline_s
-            time.sleep(0.2)
+    _wait_clean(cluster, timeout_s=30)
