@@ -19,6 +19,7 @@ from router.admission import (AdmissionConfig, AdmissionDecision, AdmissionReque
                               DecodeCostModel, DecodeInstanceView, DecodeStep, ObservedTtftModel, PrefillCostModel,
                               PrefillStep, RunningRequest, TransferCostModel, TransferStep, TtftSample,
                               policy_from_config)
+from router.admission.step_stats import unseen_steps
 from router.routing import WorkerLoad
 
 # The observed-TTFT model tracks the regime now: its window (requests, not steps) forgets an overload
@@ -53,16 +54,14 @@ class AdmissionGate:
 
     def observe_stats(self, worker_id: str, stats: dict) -> None:
         """Feeds a worker's newly reported steps (index, duration_s, tokens, seqs, context) to its model."""
-        seen = self._seen_step.get(worker_id, 0)
-        for index, duration_s, num_tokens, num_seqs, context_tokens in stats.get("steps", ()):
-            if index <= seen:
-                continue
+        steps = unseen_steps(stats, self._seen_step.get(worker_id, 0))
+        for _, duration_s, num_tokens, num_seqs, context_tokens in steps:
             if self._roles.get(worker_id) == "prefill":
                 self.prefill_cost.observe(PrefillStep(num_tokens, duration_s))
             else:
                 self.decode_cost.observe(DecodeStep(num_seqs, context_tokens, duration_s))
-            seen = index
-        self._seen_step[worker_id] = seen
+        if steps:
+            self._seen_step[worker_id] = steps[-1][0]
 
     def decide(self, request, expected_cached_tokens: int, prefill: WorkerLoad, decode_id: str,
                decode_running: list[RunningRequest], blocks_free: int, decode_blocks_total: int) -> AdmissionDecision:

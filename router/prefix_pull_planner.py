@@ -23,7 +23,7 @@ from collections.abc import Collection
 from cluster.messages import PrefixPull, PullOutcome
 from router.admission import PrefillCostModel, PrefillStep
 from router.admission.cost_model import TransferCostModel, TransferTimeFit
-from router.admission.step_stats import TransferStep
+from router.admission.step_stats import TransferStep, unseen_steps
 from router.routing import RouteDecision, RouteQuery
 
 PULL_PRIOR = TransferTimeFit(latency_s=0.020, per_byte_s=2e-9)
@@ -31,11 +31,14 @@ MODES = ("auto", "always", "never")
 
 
 class PullPlanner:
-    def __init__(self, mode: str, kv_bytes_per_token: int, prefill_worker_ids: Collection[str]):
+    def __init__(self, mode: str, kv_bytes_per_token: int, prefill_worker_ids: Collection[str],
+                 prefill_cost: PrefillCostModel | None = None):
+        """`prefill_cost`: a model someone else feeds (the admission gate's); None: an own one, fed by
+        `observe_stats`."""
         if mode not in MODES:
             raise ValueError(f"unknown prefix pull mode {mode!r}; known: {', '.join(MODES)}")
         self.mode, self.kv_bytes_per_token = mode, kv_bytes_per_token
-        self.prefill_cost = PrefillCostModel()
+        self.prefill_cost = prefill_cost if prefill_cost is not None else PrefillCostModel()
         self.pull_cost = TransferCostModel(prior=PULL_PRIOR)
         self._prefill_ids = frozenset(prefill_worker_ids)
         self._seen_step: dict[str, int] = {}
@@ -80,9 +83,8 @@ class PullPlanner:
         """WorkerMonitor listener: feeds a prefill worker's newly reported engine steps to the prefill model."""
         if worker_id not in self._prefill_ids:
             return
-        seen = self._seen_step.get(worker_id, 0)
-        for index, duration_s, num_tokens, _, _ in stats.get("steps", ()):
-            if index > seen:
-                self.prefill_cost.observe(PrefillStep(num_tokens, duration_s))
-                seen = index
-        self._seen_step[worker_id] = seen
+        steps = unseen_steps(stats, self._seen_step.get(worker_id, 0))
+        for _, duration_s, num_tokens, _, _ in steps:
+            self.prefill_cost.observe(PrefillStep(num_tokens, duration_s))
+        if steps:
+            self._seen_step[worker_id] = steps[-1][0]

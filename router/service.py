@@ -81,9 +81,12 @@ class RouterService:
         if admission is not None:
             self.monitor.listeners.append(admission.observe_stats)
             self.client.handoff_listeners.append(admission.observe_handoff)
+        # With admission on, the planner reads the gate's prefill model (fitted once, from the same steps).
         self.pull_planner = PullPlanner(cluster.config.router.prefix_pull, self.info.kv_bytes_per_token,
-                                        [h.worker_id for h in cluster.prefill])
-        self.monitor.listeners.append(self.pull_planner.observe_stats)
+                                        [h.worker_id for h in cluster.prefill],
+                                        admission.prefill_cost if admission is not None else None)
+        if admission is None:
+            self.monitor.listeners.append(self.pull_planner.observe_stats)
         self.client.handoff_listeners.append(lambda stats: self.pull_planner.observe_transfer(stats.num_bytes,
                                                                                               stats.elapsed_s))
         self._decoding: dict[str, dict[str, StreamState]] = {d.instance_id: {} for d in cluster.decode}

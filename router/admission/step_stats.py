@@ -56,3 +56,9 @@ def step_problem(step: PrefillStep | DecodeStep | TransferStep | TtftSample) -> 
     if isinstance(step, TtftSample) and step.tokens_through < 1:
         return f"tokens_through must be >= 1, got {step.tokens_through}"
     return None
+
+
+def unseen_steps(stats: dict, seen_index: int) -> list[tuple]:
+    """The step records in a worker's `stats()` newer than `seen_index`, oldest first. A record is
+    (index, duration_s, num_tokens, num_seqs, context_tokens) (`engine.step_log.StepRecord`)."""
+    return [record for record in stats.get("steps", ()) if record[0] > seen_index]

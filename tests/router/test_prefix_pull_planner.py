@@ -67,3 +67,13 @@ def test_fitted_models_replace_the_priors():
 def test_unknown_mode_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown prefix pull mode 'sometimes'; known: auto, always, never"):
         PullPlanner("sometimes", KV_BYTES_PER_TOKEN, [])
+
+
+def test_a_prefill_model_fed_elsewhere_is_shared_not_copied():
+    from router.admission import PrefillCostModel, PrefillStep
+
+    model = PrefillCostModel(min_samples=2)
+    planner = PullPlanner("auto", KV_BYTES_PER_TOKEN, ["p0"], prefill_cost=model)
+    for tokens in (100, 200, 300):
+        model.observe(PrefillStep(tokens, 0.001 + 0.00001 * tokens))  # the admission gate feeds it
+    assert planner.saved_s(_query(200), 0, 4) == pytest.approx(64 * 0.00001, rel=1e-6)
