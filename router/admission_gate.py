@@ -64,11 +64,12 @@ class AdmissionGate:
             self._seen_step[worker_id] = steps[-1][0]
 
     def decide(self, request, expected_cached_tokens: int, prefill: WorkerLoad, decode_id: str,
-               decode_running: list[RunningRequest], blocks_free: int, decode_blocks_total: int) -> AdmissionDecision:
+               decode_running: list[RunningRequest], blocks_free: int, decode_blocks_total: int,
+               waited_s: float = 0.0) -> AdmissionDecision:
         view = ClusterView((prefill,), (DecodeInstanceView(decode_id, decode_running, blocks_free,
                                                            decode_blocks_total),),
                            self.prefill_cost.fit(), self.decode_cost.fit(), self.transfer_cost.fit(),
                            self.kv_bytes_per_token, self.block_size, self.prefill_step_budget_tokens,
                            self.ttft_cost.fit())
         cached = min(expected_cached_tokens, len(request.prompt_token_ids))
-        return self.policy.decide(AdmissionRequest.from_router_request(request, cached), view)
+        return self.policy.decide(AdmissionRequest.from_router_request(request, cached, waited_s), view)

@@ -21,8 +21,8 @@ import grpc
 
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
-from router.sdk_types import (Completion, GenerateChunk, SplitserveError, Unavailable, chunk_from_proto,
-                              error_from_rpc, model_info_from_proto, status_from_proto)
+from router.sdk_types import (SENT_AT_KEY, Completion, GenerateChunk, SplitserveError, Unavailable,
+                              chunk_from_proto, error_from_rpc, model_info_from_proto, status_from_proto)
 
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 _SLO_FIELDS = {"ttft_ms", "tpot_ms"}
@@ -57,6 +57,10 @@ class _Base:
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
+    def _generate_metadata(self) -> tuple:
+        # Stamped once per request, not per attempt: the caller's TTFT started with the first attempt.
+        return self._metadata + ((SENT_AT_KEY, str(time.time_ns() // 1000)),)
+
     def _delay_s(self, attempt: int) -> float:
         return self.backoff_s * (2 ** attempt) * (0.5 + random.random())
 
@@ -73,9 +77,10 @@ class Client(_Base):
                         **options) -> Iterator[GenerateChunk]:
         request = build_request(prompt, **options)
         deadline_s = time.monotonic() + (timeout_s or self.timeout_s or 1e9)
+        metadata = self._generate_metadata()
         for attempt in range(self.max_retries + 1):
             delivered = False
-            call = self._stub.Generate(request, timeout=deadline_s - time.monotonic(), metadata=self._metadata)
+            call = self._stub.Generate(request, timeout=deadline_s - time.monotonic(), metadata=metadata)
             try:
                 for message in call:
                     delivered = True
@@ -130,9 +135,10 @@ class AsyncClient(_Base):
                               **options) -> AsyncIterator[GenerateChunk]:
         request = build_request(prompt, **options)
         deadline_s = time.monotonic() + (timeout_s or self.timeout_s or 1e9)
+        metadata = self._generate_metadata()
         for attempt in range(self.max_retries + 1):
             delivered = False
-            call = self._stub.Generate(request, timeout=deadline_s - time.monotonic(), metadata=self._metadata)
+            call = self._stub.Generate(request, timeout=deadline_s - time.monotonic(), metadata=metadata)
             try:
                 async for message in call:
                     delivered = True

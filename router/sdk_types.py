@@ -15,6 +15,10 @@ from router.protocol import splitserve_v1_pb2 as pb
 FIELD_KEY = "splitserve-field"
 RETRY_AFTER_KEY = "splitserve-retry-after-ms"
 REQUEST_ID_KEY = "splitserve-request-id"
+# Request metadata: when the client first sent the request (Unix time, µs). The router counts the time
+# since then against the TTFT SLO, so a request that waited in the client or in the router's intake is
+# judged by the TTFT its client will see (like HTTP's X-Request-Start). Needs clocks in sync (NTP).
+SENT_AT_KEY = "splitserve-sent-at-us"
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 

@@ -108,26 +108,29 @@ class RouterService:
         """Requests streaming, plus cancelled ones whose workers have not confirmed the abort yet."""
         return len(self._running) + self.client.num_cleanups
 
-    async def generate(self, request: RouterRequest, deadline_s: float | None = None) -> AsyncIterator[RouterOutput]:
-        """Streams one request (deadline_s: time.monotonic). Raises the exceptions named above."""
-        started_s = time.perf_counter()
+    async def generate(self, request: RouterRequest, deadline_s: float | None = None,
+                       waited_s: float = 0.0) -> AsyncIterator[RouterOutput]:
+        """Streams one request (deadline_s: time.monotonic; waited_s: how long ago its client sent it, as
+        far as the router can tell). Raises the exceptions named above. TTFT counts from the client's send."""
+        started_s = time.perf_counter() - waited_s
         self._admit(request)
         self._running.add(request.request_id)
         try:
-            async for output in self._run(request, deadline_s, StreamState(request, self.tokenizer, started_s)):
+            async for output in self._run(request, deadline_s, StreamState(request, self.tokenizer, started_s),
+                                          waited_s):
                 yield output
         finally:
             self._running.discard(request.request_id)
 
-    async def _run(self, request: RouterRequest, deadline_s: float | None,
-                   state: StreamState) -> AsyncIterator[RouterOutput]:
+    async def _run(self, request: RouterRequest, deadline_s: float | None, state: StreamState,
+                   waited_s: float) -> AsyncIterator[RouterOutput]:
         query = self._route_query(request)
         prefill, decode, decision = await self._choose(query)
         worker_id = prefill.worker_id
         healthy = [h.worker_id for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
         pull = self.pull_planner.plan(query, decision, healthy)
         expected_blocks = pull.num_blocks if pull is not None else decision.expected_cached_blocks
-        self._admission_check(request, expected_blocks * query.block_size, worker_id, decode)
+        self._admission_check(request, expected_blocks * query.block_size, worker_id, decode, waited_s)
         uncached = max(query.num_prompt_tokens - expected_blocks * query.block_size, 1)
         self._decoding[decode.instance_id][request.request_id] = state
         self._inflight[worker_id] += 1
@@ -158,9 +161,11 @@ class RouterService:
             self._decoding[decode.instance_id].pop(request.request_id, None)
             tokens_through = self._tokens_through.pop(request.request_id, None)
             if tokens_through is not None and state.started:
-                self.admission.observe_ttft(tokens_through, state.ttft_s)
+                # From the router's arrival: the wait before it is the request's own, not the worker's.
+                self.admission.observe_ttft(tokens_through, state.ttft_s - waited_s)
 
-    def _admission_check(self, request: RouterRequest, cached_tokens: int, worker_id: str, decode) -> None:
+    def _admission_check(self, request: RouterRequest, cached_tokens: int, worker_id: str, decode,
+                         waited_s: float) -> None:
         """Admit, or reject early (before any worker is touched) with the policy's reason."""
         if self.admission is None:
             return
@@ -173,7 +178,7 @@ class RouterService:
         held = sum(-(-(r.context_tokens + 1) // self.info.block_size) for r in running)
         free = min(self.monitor.stats.get(decode.instance_id, {}).get("num_free_blocks", total), total - held)
         verdict = self.admission.decide(request, cached_tokens, load, decode.instance_id, running,
-                                        max(free, 0), total)
+                                        max(free, 0), total, waited_s)
         if not verdict.admit:
             self.metrics.rejected(str(verdict.cause))
             raise Overloaded(verdict.reason, verdict.retry_after_s)

@@ -8,7 +8,7 @@ from engine.block_hash import spec_fingerprint
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.service import RouterOutput, RouterService, deadline_from_remaining
-from router.validation import parse_request
+from router.validation import client_wait_s, parse_request
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
@@ -20,7 +20,8 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         domain = parse_request(request, self.service.limits, self.service.tokenize)
         deadline_s = deadline_from_remaining(context.time_remaining())
-        async for output in self.service.generate(domain, deadline_s):
+        waited_s = client_wait_s(context.invocation_metadata())
+        async for output in self.service.generate(domain, deadline_s, waited_s):
             yield output_to_proto(output)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import NoReturn
@@ -16,11 +17,14 @@ from typing import NoReturn
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from router.protocol import splitserve_v1_pb2 as pb
+from router.sdk_types import SENT_AT_KEY
 
 MAX_PRIORITY = 1000
 MAX_TENANT_CHARS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# A client-reported wait longer than this is taken for clock skew between client and router, not waiting.
+MAX_CLIENT_WAIT_S = 60.0
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 
 
@@ -129,6 +133,21 @@ def _prompt(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> tuple[str
         _fail(field, f"prompt has {len(tokens)} tokens; the model's limit is {limits.max_model_len} tokens "
                      "including at least one generated")
     return text, tokens
+
+
+def client_wait_s(metadata, now_us: int | None = None) -> float:
+    """Seconds since the client sent the request, from its `SENT_AT_KEY` metadata (0 without it).
+
+    A send time in the future (the client's clock ahead) counts as no wait; one more than
+    `MAX_CLIENT_WAIT_S` ago counts as clock skew and no wait either, so that a client with a wrong
+    clock is not rejected for time it never waited."""
+    sent_at = next((value for key, value in metadata or () if key == SENT_AT_KEY), None)
+    if sent_at is None:
+        return 0.0
+    if not (isinstance(sent_at, str) and sent_at.isascii() and sent_at.isdigit() and len(sent_at) <= 20):
+        _fail(f"metadata {SENT_AT_KEY}", "must be the send time in whole microseconds since the Unix epoch")
+    waited_s = ((time.time_ns() // 1000 if now_us is None else now_us) - int(sent_at)) / 1e6
+    return waited_s if 0.0 < waited_s <= MAX_CLIENT_WAIT_S else 0.0
 
 
 def _fail(field: str, message: str) -> NoReturn:

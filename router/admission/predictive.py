@@ -64,9 +64,15 @@ class PredictivePolicy(AdmissionPolicy):
         return admit(f"predicted TTFT {ms(ttft.ttft_s)} and TPOT {ms(tpot.tpot_s)} are within budget", prediction)
 
     def _ttft_rejection(self, ttft: TtftPrediction, allowed_s: float, rule: str) -> AdmissionDecision:
-        # The worker works its queue off at one second per second, so the excess is the wait.
-        return reject(Cause.TTFT, f"predicted TTFT {ms(ttft.ttft_s)} ({ms(ttft.queue_s)} of it waiting behind the "
-                      f"prefill queued on {ttft.worker_id}) exceeds {rule}", self.retry_after(ttft.ttft_s - allowed_s))
+        # The worker works its queue off at one second per second, so the excess is the wait (a retry
+        # is a new send: the time this one waited before the router does not recur).
+        behind = f"waiting behind the prefill queued on {ttft.worker_id}"
+        if ttft.waited_s > 0:
+            parts = f"{ms(ttft.waited_s)} of it spent before reaching the router, {ms(ttft.queue_s - ttft.waited_s)} {behind}"
+        else:
+            parts = f"{ms(ttft.queue_s)} of it {behind}"
+        return reject(Cause.TTFT, f"predicted TTFT {ms(ttft.ttft_s)} ({parts}) exceeds {rule}",
+                      self.retry_after(ttft.ttft_s - ttft.waited_s - allowed_s))
 
     def _allowance(self, alone_s: float, slo_ms: float, priority: int) -> tuple[float, str]:
         """(the most a prediction may be, the rule in words); below `alone_s` when even that is too much."""

@@ -4,9 +4,12 @@ TTFT on a prefill worker (the first token streams as soon as prefill samples it,
 `cluster/client.py` step 2, so the transfer is not part of TTFT) is the larger of two predictions:
     steps_s    = drain(queued + this request's uncached tokens)
     observed_s = ttft_fit(queued + this request's uncached tokens), 0 when nothing is queued
-    ttft_s     = max(steps_s, observed_s)
+    ttft_s     = waited_s + max(steps_s, observed_s)
     prefill_s  = drain(queued + uncached) − drain(queued)   (its own share of the steps)
     queue_s    = ttft_s − prefill_s                         (everything else: waiting)
+where `waited_s` is the time since the request's client sent it (`AdmissionRequest.waited_s`): TTFT is
+what the client sees, and a request that waited in its client or in the router's intake has less of
+its SLO left (in a burst, the last to arrive have waited longest).
 where `queued` is every uncached token this router admitted to the worker and has not had a first
 token back for, and drain(n) is the time the worker's prefill steps take to compute n tokens,
 `budget` at a time (the step-level cost model, so a short prompt sharing a step with the queue's tail
@@ -14,7 +17,8 @@ costs only its share). The step model alone runs short under load: it sees neith
 a step nor a prefill pool held by hand-offs, which lets fewer than `budget` tokens into a step
 (`cost_model`: observed TTFT). The observed model alone runs short where its window has not seen a
 queue that long. The maximum is right wherever either is. Then the KV moves: transfer_s = latency +
-prompt bytes / bandwidth, and the sequence joins a decode instance at join_s = ttft_s + transfer_s.
+prompt bytes / bandwidth, and the sequence joins a decode instance at join_s = ttft_s − waited_s +
+transfer_s from now.
 
 TPOT on a decode instance is its step time at join_s: the running sequences are projected forward to
 join_s (`decode_projection`), those that will have finished are dropped, and the newcomer (context =
@@ -37,11 +41,12 @@ class TtftPrediction(NamedTuple):
     queue_s: float
     prefill_s: float
     transfer_s: float
+    waited_s: float = 0.0  # of ttft_s (and queue_s): spent before the router saw the request
 
     @property
     def join_s(self) -> float:
         """When the sequence is expected to join its decode instance (from now)."""
-        return self.ttft_s + self.transfer_s
+        return self.ttft_s - self.waited_s + self.transfer_s
 
 
 class TpotPrediction(NamedTuple):
@@ -80,9 +85,9 @@ def predict_ttft(request: AdmissionRequest, worker: WorkerLoad, view: ClusterVie
     through = queued + request.uncached_prompt_tokens
     steps_s = drain_time_s(through, view.prefill_fit, budget)
     prefill_s = steps_s - drain_time_s(queued, view.prefill_fit, budget)
-    ttft_s = max(steps_s, view.ttft_fit.time_s(through)) if queued > 0 else steps_s
+    ttft_s = request.waited_s + (max(steps_s, view.ttft_fit.time_s(through)) if queued > 0 else steps_s)
     transfer_s = view.transfer_fit.time_s(view.kv_bytes_per_token * request.num_prompt_tokens)
-    return TtftPrediction(worker.worker_id, ttft_s, ttft_s - prefill_s, prefill_s, transfer_s)
+    return TtftPrediction(worker.worker_id, ttft_s, ttft_s - prefill_s, prefill_s, transfer_s, request.waited_s)
 
 
 def best_prefill(request: AdmissionRequest, view: ClusterView) -> TtftPrediction | None:

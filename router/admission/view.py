@@ -31,12 +31,14 @@ class AdmissionRequest:
     ttft_ms: float | None  # the request's own SLO; None: its priority's default
     tpot_ms: float | None
     priority: int  # higher is more important
+    waited_s: float = 0.0  # time since its client sent it: already part of the TTFT the client will see
 
     def __post_init__(self):
         _check(self.num_prompt_tokens >= 1, "num_prompt_tokens", "must be >= 1")
         _check(0 <= self.num_cached_tokens_expected <= self.num_prompt_tokens, "num_cached_tokens_expected",
                f"must be in [0, num_prompt_tokens={self.num_prompt_tokens}]")
         _check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(math.isfinite(self.waited_s) and self.waited_s >= 0, "waited_s", "must be finite and >= 0")
         for name in ("ttft_ms", "tpot_ms"):
             value = getattr(self, name)
             _check(value is None or (math.isfinite(value) and value > 0), name, "must be None or finite and > 0")
@@ -47,10 +49,11 @@ class AdmissionRequest:
         return max(self.num_prompt_tokens - self.num_cached_tokens_expected, 1)
 
     @classmethod
-    def from_router_request(cls, request, num_cached_tokens_expected: int = 0) -> "AdmissionRequest":
+    def from_router_request(cls, request, num_cached_tokens_expected: int = 0,
+                            waited_s: float = 0.0) -> "AdmissionRequest":
         """From a `router.validation.RouterRequest` (duck-typed: only its fields are read)."""
         return cls(len(request.prompt_token_ids), num_cached_tokens_expected, request.params.max_tokens,
-                   request.ttft_ms, request.tpot_ms, request.priority)
+                   request.ttft_ms, request.tpot_ms, request.priority, waited_s)
 
 
 class RunningRequest(NamedTuple):

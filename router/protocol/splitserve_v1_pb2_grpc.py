@@ -63,6 +63,8 @@ class RouterServicer:
         the field, UNAUTHENTICATED, RESOURCE_EXHAUSTED (with a retry-after), ALREADY_EXISTS (a request
         with this request_id is still running), UNAVAILABLE (a worker was lost; safe to retry when no
         token was received), DEADLINE_EXCEEDED (the call's deadline passed; the workers' blocks are freed).
+        Optional request metadata `splitserve-sent-at-us`: when the client first sent the request (Unix
+        time in microseconds; the SDK sets it). Admission then counts the time since against the TTFT SLO.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -92,6 +92,18 @@ def test_predictive_ttft_rejection_reason_and_wait():
     assert got.prediction is None
 
 
+def test_predictive_counts_the_time_a_request_waited_before_the_router():
+    # 1300 tokens through the queue: 160 ms of steps (120 ms of it queued); the budget is 400 ms.
+    assert PredictivePolicy(CONFIG).decide(dataclasses.replace(request(), waited_s=0.2), view(queued=1000)).admit
+    got = PredictivePolicy(CONFIG).decide(dataclasses.replace(request(), waited_s=0.25), view(queued=1000))
+    assert (got.admit, got.cause) == (False, Cause.TTFT)
+    assert got.reason == ("predicted TTFT 410 ms (250 ms of it spent before reaching the router, 120 ms waiting "
+                          "behind the prefill queued on p0) exceeds the 400 ms allowed for priority 2: 40.0 ms alone "
+                          "+ 100% of the room up to the budget of 400 ms (SLO 500 ms × margin 0.8)")
+    # A retry is a new send: without this one's 250 ms it would fit now, so the floor.
+    assert got.retry_after_s == CONFIG.min_retry_after_s
+
+
 def test_predictive_lower_priority_gets_a_smaller_share_of_the_room_for_load():
     policy = PredictivePolicy(CONFIG)
     # 2300 tokens = 5 steps: 280 ms. Allowed: 40 + 0.8 × 360 = 328 ms for priority 1, 40 + 0.6 × 360 = 256 for 0.

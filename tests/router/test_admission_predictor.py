@@ -1,6 +1,8 @@
 """The predictor and the decode projection, on hand-computed numbers."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from router.admission.cost_model import DecodeStepFit, ObservedTtftFit, PrefillTimeFit, TransferTimeFit
@@ -184,3 +186,15 @@ def test_views_validate_their_fields():
         AdmissionRequest(10, 0, 1, 0.0, None, 0)
     with pytest.raises(ValueError, match="prefill_fit"):
         ClusterView((), (), PrefillTimeFit(-1.0, 0.0, 0.0), DECODE, TRANSFER, 0, 16, 512)
+
+
+def test_time_waited_before_the_router_counts_toward_ttft_but_not_toward_the_join():
+    waited = dataclasses.replace(request(prompt=300, cached=100), waited_s=0.05)
+    got = predict_ttft(waited, WorkerLoad("p0", 3, 1000), view())
+    # As in the first TTFT test (queue 120 ms, own prefill 30 ms), plus the 50 ms already spent: the
+    # client sees 200 ms; the sequence still joins its decode instance 152.3 ms from now.
+    assert got.ttft_s == pytest.approx(0.20, abs=1e-12)
+    assert got.queue_s == pytest.approx(0.17, abs=1e-12)
+    assert got.prefill_s == pytest.approx(0.03, abs=1e-12)
+    assert got.waited_s == 0.05
+    assert got.join_s == pytest.approx(0.1523, abs=1e-12)

@@ -1,7 +1,8 @@
 """Admission control on a real small cluster with a tight TTFT SLO: a burst is answered with early
 RESOURCE_EXHAUSTED rejections (reason + retry-after) instead of queueing past the SLO, the requests it
 admits meet their SLO, the same burst with admission off misses it for most, lower priorities are shed
-first, and no block is left reserved.
+first, and no block is left reserved. Bursts come from a client process of their own (`burst_client`),
+as they would in production, and TTFT is what that client saw.
 
 Timing on a shared 2-core box: the SLO is not a constant but the median TTFT of a warm-up burst of the
 same prompts measured in the same test, so it means "room for about half of a 24-prompt burst" on a
@@ -9,17 +10,14 @@ fast machine and on a slow one alike.
 """
 from __future__ import annotations
 
-import asyncio
 import statistics
-import time
 from dataclasses import replace
 
 import pytest
 
 from router.admission import AdmissionConfig, AlwaysAdmitPolicy
-from router.client import AsyncClient
-from router.sdk_types import ResourceExhausted
 from tests.factories import TinySpec, random_prompts
+from tests.router.burst_client import BurstResult, burst
 from tests.router.conftest import router_config, start_router
 
 BURST = 80
@@ -47,45 +45,35 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return random_prompts(n, 400, 480, 512, seed=seed)
 
 
-async def _burst(target: str, prompts, priorities, ttft_ms: float) -> list:
-    """All at once; per request the ResourceExhausted error, or the TTFT its client saw (s)."""
-    async with AsyncClient(target, max_retries=0) as client:
-        async def one(prompt, priority):
-            started_s, ttft_s = time.perf_counter(), None
-            try:
-                async for _ in client.generate_stream(prompt, temperature=0.0, max_tokens=2, ignore_eos=True,
-                                                      priority=priority, ttft_ms=ttft_ms, timeout_s=60):
-                    ttft_s = ttft_s if ttft_s is not None else time.perf_counter() - started_s
-                return ttft_s
-            except ResourceExhausted as err:
-                return err
-        return await asyncio.gather(*(one(p, q) for p, q in zip(prompts, priorities)))
+def _burst(target: str, prompts, priorities, ttft_ms: float) -> list[BurstResult]:
+    """All at once, from a client process of its own (`burst_client`): per request its result."""
+    return burst(target, prompts, priorities, ttft_ms)
 
 
 def _warm_up(stack, seed: int) -> float:
     """A burst of the test's prompts under an SLO nobody misses, so the step models (from the worker's
     reports, probed right after) and the router's observed-TTFT model have seen queues as long as the
     test's. Returns the test's TTFT SLO (ms): the median TTFT this burst saw."""
-    ttfts_s = asyncio.run(_burst(stack.target, _prompts(WARM_UP, seed), [0] * WARM_UP, 60_000.0))
+    ttfts_s = [r.ttft_s for r in _burst(stack.target, _prompts(WARM_UP, seed), [0] * WARM_UP, 60_000.0)]
     stack.loop.call(stack.server.service.monitor.probe_all())
     return statistics.median(ttfts_s) * 1000.0
 
 
 def _admitted_ttfts_s(results) -> list[float]:
-    return [r for r in results if not isinstance(r, ResourceExhausted)]
+    return [r.ttft_s for r in results if not r.rejected]
 
 
 def test_a_burst_is_rejected_early_and_admitted_requests_meet_their_slo(admitting):
     slo_ms = _warm_up(admitting, seed=1)
-    results = asyncio.run(_burst(admitting.target, _prompts(BURST, 2), [0] * BURST, slo_ms))
-    rejected = [r for r in results if isinstance(r, ResourceExhausted)]
+    results = _burst(admitting.target, _prompts(BURST, 2), [0] * BURST, slo_ms)
+    rejected = [r for r in results if r.rejected]
     admitted_s = _admitted_ttfts_s(results)
     assert rejected and admitted_s, (len(rejected), len(admitted_s), slo_ms)
     assert all("TTFT" in r.reason and r.retry_after_s is not None and r.retry_after_s > 0 for r in rejected)
     assert len(rejected) >= len(results) // 4  # the tail of the burst was turned away, not queued
     assert admitting.server.service.metrics.snapshot()["rejected_requests_total"]["ttft_slo"] >= len(rejected)
     met = sum(ttft_s * 1000.0 <= slo_ms for ttft_s in admitted_s)
-    assert met >= MIN_MET_SHARE * len(admitted_s), (met, sorted(round(t * 1000) for t in admitted_s), slo_ms)
+    assert met >= MIN_MET_SHARE * len(admitted_s), f"{met} met: {sorted(round(t * 1000) for t in admitted_s)} ms vs SLO {slo_ms:.0f} ms"
     admitting.check_workers_clean()  # rejections reserved nothing; admitted requests freed theirs
 
 
@@ -94,7 +82,7 @@ def test_the_same_burst_without_admission_misses_the_slo_for_most(admitting):
     gate = admitting.server.service.admission
     predictive, gate.policy = gate.policy, AlwaysAdmitPolicy(gate.config)  # same cluster, same moment
     try:
-        results = asyncio.run(_burst(admitting.target, _prompts(BURST, 4), [0] * BURST, slo_ms))
+        results = _burst(admitting.target, _prompts(BURST, 4), [0] * BURST, slo_ms)
     finally:
         gate.policy = predictive
     admitted_s = _admitted_ttfts_s(results)
@@ -105,9 +93,12 @@ def test_the_same_burst_without_admission_misses_the_slo_for_most(admitting):
 
 
 def test_lower_priorities_are_shed_first(admitting):
+    # Priority -3 may use 10% of the room for load (shed step 0.3 per level), priority 0 all of it. Only
+    # the first ~10 arrivals of a burst find room at all (then the queue and the wait in the router's
+    # intake fill the budget), and they come in no fixed order: a gap this wide shows in every such draw.
     slo_ms = _warm_up(admitting, seed=5)
-    priorities = [-2 if i % 2 else 0 for i in range(40)]
-    results = asyncio.run(_burst(admitting.target, _prompts(40, 6), priorities, slo_ms))
-    shed = {p: sum(isinstance(r, ResourceExhausted) for r, q in zip(results, priorities) if q == p) for p in (-2, 0)}
-    assert shed[-2] > shed[0], shed
+    priorities = [-3 if i % 2 else 0 for i in range(40)]
+    results = _burst(admitting.target, _prompts(40, 6), priorities, slo_ms)
+    shed = {p: sum(r.rejected for r, q in zip(results, priorities) if q == p) for p in (-3, 0)}
+    assert shed[-3] > shed[0], shed
     admitting.check_workers_clean()

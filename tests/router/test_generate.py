@@ -8,8 +8,9 @@ import time
 import grpc
 import pytest
 
-from router.client import AsyncClient, Client
-from router.sdk_types import AlreadyExists, DeadlineExceeded, InvalidArgument
+from router.client import AsyncClient, Client, build_request
+from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
+from router.sdk_types import SENT_AT_KEY, AlreadyExists, DeadlineExceeded, InvalidArgument, error_from_rpc
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts
 
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -110,6 +111,18 @@ def test_each_bad_field_is_invalid_argument_naming_it(router_stack, prompt, opti
         assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and err.value.field == field
         assert field in err.value.reason
         assert client.generate([1, 2, 3], **GREEDY).token_ids  # the next request is served as usual
+
+
+def test_a_malformed_send_time_header_is_invalid_argument_naming_it(router_stack):
+    with grpc.insecure_channel(router_stack.target) as channel:
+        call = pb_grpc.RouterStub(channel).Generate(build_request([1, 2, 3], **GREEDY), timeout=30,
+                                                    metadata=((SENT_AT_KEY, "soon"),))
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+    error = error_from_rpc(err.value)
+    assert isinstance(error, InvalidArgument) and error.field == f"metadata {SENT_AT_KEY}"
+    with Client(router_stack.target) as client:  # the SDK stamps a valid one on every request
+        assert client.generate([1, 2, 3], **GREEDY).token_ids
 
 
 def test_prompt_over_the_limit_states_the_limit(router_stack):
