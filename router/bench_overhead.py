@@ -12,6 +12,9 @@ the prefill call and the reservation release, no decoding). Two figures for the 
   arm vs arm — latency percentiles of the router arm minus the direct arm;
   paired — per routed request, the latency its client saw minus the time the router spent waiting
            on the cluster API for that very request (same request, same moment: no cross-arm noise).
+A third arm measures the floor under both: the same client process, rate and requests against a
+do-nothing `Generate` (one message back at once, no router, no cluster) served on this process's loop —
+what the gRPC hop alone costs on this machine, for reading the paired figure against.
 The streaming round sends `--stream-requests` sequential requests of `--stream-tokens` tokens each
 way and reports the difference in time per output token.
 """
@@ -25,11 +28,15 @@ import subprocess
 import sys
 import time
 
+import grpc
+
 from cluster.client import ClusterClient
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
 from cluster.messages import GenerateRequest
 from engine import SamplingParams
+from router.protocol import splitserve_v1_pb2 as pb
+from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -85,6 +92,22 @@ async def _router_round(target: str, args, seed: int, tag: str, requests: int, m
     return json.loads(out)
 
 
+class _NullRouter(pb_grpc.RouterServicer):
+    """The floor arm's server: answers every Generate with one final message, doing nothing else."""
+
+    async def Generate(self, request, context):
+        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[0],
+                                  finish_reason=pb.FINISH_REASON_LENGTH)
+
+
+async def _null_server():
+    server = grpc.aio.server()
+    pb_grpc.add_RouterServicer_to_server(_NullRouter(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
 async def run(cluster, service, target: str, args) -> dict:
     client = ClusterClient(cluster)
     ids = iter(range(10**9))
@@ -94,20 +117,24 @@ async def run(cluster, service, target: str, args) -> dict:
         async for _ in client.generate(GenerateRequest(f"d{next(ids)}", tuple(prompt), params)):
             pass
 
-    direct_s, routed = [], {}
+    direct_s, routed, floor_s = [], {}, []
+    null_server, null_target = await _null_server()
     await _open_loop(direct, _prompts(50, args.prompt_len, args.vocab, 0), args.rate, 0)  # warm-up
     await _router_round(target, args, 0, "warm", 50, args.max_tokens, args.rate)
-    for round_index in range(args.rounds):  # alternate arms: machine noise hits both alike
+    for round_index in range(args.rounds):  # alternate arms: machine noise hits all alike
         seed = args.seed + round_index + 1
         direct_s += await _open_loop(direct, _prompts(args.requests, args.prompt_len, args.vocab, seed),
                                      args.rate, seed)
         routed.update(await _router_round(target, args, seed, f"r{round_index}", args.requests,
                                           args.max_tokens, args.rate))
+        floor_s += (await _router_round(null_target, args, seed, f"f{round_index}", args.requests,
+                                        args.max_tokens, args.rate)).values()
+    await null_server.stop(1.0)
     inside = dict(service.cluster_call_s)
     paired = [seen_s - inside[request_id] for request_id, seen_s in routed.items()]
     per_token = await _streaming(direct, target, args)
     await client.close()
-    return _report(direct_s, list(routed.values()), paired, per_token, args)
+    return _report(direct_s, list(routed.values()), paired, floor_s, per_token, args)
 
 
 async def _streaming(direct, target: str, args) -> dict:
@@ -122,9 +149,9 @@ async def _streaming(direct, target: str, args) -> dict:
     return {arm: _pct(values, 0.5) for arm, values in took.items()}
 
 
-def _report(direct_s, router_s, paired_s, per_token: dict, args) -> dict:
+def _report(direct_s, router_s, paired_s, floor_s, per_token: dict, args) -> dict:
     row = {"rate_rps": args.rate, "requests_per_arm": len(direct_s)}
-    for arm, values in (("direct", direct_s), ("router", router_s)):
+    for arm, values in (("direct", direct_s), ("router", router_s), ("grpc_floor", floor_s)):
         row[f"{arm}_p50_ms"] = _pct(values, 0.50) * 1e3
         row[f"{arm}_p99_ms"] = _pct(values, 0.99) * 1e3
     row["added_p50_ms"] = row["router_p50_ms"] - row["direct_p50_ms"]
@@ -191,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"router overhead at {args.rate:g} req/s, paired per request: +{row['paired_added_p50_ms']:.2f} ms p50, "
           f"+{row['paired_added_p99_ms']:.2f} ms p99 (target p99 <= 2 ms); arm vs arm: "
           f"+{row['added_p50_ms']:.2f} ms p50, +{row['added_p99_ms']:.2f} ms p99; "
+          f"gRPC floor (do-nothing handler): {row['grpc_floor_p50_ms']:.2f} ms p50, "
+          f"{row['grpc_floor_p99_ms']:.2f} ms p99; "
           f"streaming: +{row['per_token_added_ms']:.3f} ms per token")
 
 
