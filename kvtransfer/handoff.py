@@ -106,11 +106,20 @@ def send_sequence_kv(transport: KVTransport, kv_cache: torch.Tensor, block_ids: 
             heads = kv_cache[layer, :, rank.kv_head_start:rank.kv_head_end]
             payload = heads.index_select(2, index)  # [2, heads, blocks, block_size, head_dim]
             sent_bytes += transport.send(rank.peer_id, [payload], call_timeout_s(target.lease_deadline_s)).num_bytes
-    for rank in target.ranks:  # acks after all sends: ranks copy in parallel with later sends
+    # Acks after all sends, so ranks copy in parallel with later sends. Every rank's ack is read even
+    # after one failed: an unread ack would be taken by the next hand-off to that rank for its own.
+    failure: TransferError | None = None
+    for rank in target.ranks:
         ack = torch.zeros(1, dtype=torch.int64)
-        transport.recv(rank.peer_id, [ack], call_timeout_s(target.lease_deadline_s))
+        try:
+            transport.recv(rank.peer_id, [ack], call_timeout_s(target.lease_deadline_s))
+        except TransferError as err:  # the transport reset this channel: nothing of it is left to read
+            failure = failure or err
+            continue
         if int(ack[0]) != ACK_OK:
-            raise TransferError(rank.peer_id, f"decode rank refused the KV of {request_id!r}")
+            failure = failure or TransferError(rank.peer_id, f"decode rank refused the KV of {request_id!r}")
+    if failure is not None:
+        raise failure
     return sent_bytes
 
 

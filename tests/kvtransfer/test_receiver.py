@@ -108,3 +108,51 @@ def test_a_pull_expectation_accepts_fewer_blocks_and_reports_them(pair):
     assert receiver.wait("pull", 1.0) == 2
     assert torch.equal(receiver.kv_cache[:, :, :, [4, 5]], source[:, :, :, [0, 1]])
     assert not receiver.kv_cache[:, :, :, 6].any()
+
+
+def test_a_refusal_by_one_rank_leaves_no_ack_of_another_unread():
+    """Tensor-parallel decode: every rank acks; when rank 0 refuses, rank 1's ack must still be read,
+    or the next hand-off to rank 1 would take that stale ack for its own."""
+    store = create_rendezvous_store()
+    sender = TorchDistTransport("prefill-x", store.host, store.port)
+    rank_shape = (SHAPE[0], SHAPE[1], 1, *SHAPE[3:])  # one KV head per rank
+    receivers = [KVReceiver(TorchDistTransport(f"decode-x/rank{r}", store.host, store.port), torch.zeros(rank_shape))
+                 for r in range(2)]
+    ranks = tuple(RankTarget(f"decode-x/rank{r}", r, r + 1) for r in range(2))
+    source = torch.randn(SHAPE)
+    try:
+        def hand_off(request_id: str, expected_by: tuple[int, ...]):
+            for r in expected_by:
+                receivers[r].expect(request_id, (5, 6), time.time() + 5.0)
+            errors: dict = {}
+
+            def receive(r: int) -> None:
+                try:
+                    receivers[r].receive("prefill-x", request_id)
+                except TransferError as err:
+                    errors[r] = err
+            threads = [threading.Thread(target=receive, args=(r,)) for r in range(2)]
+            for thread in threads:
+                thread.start()
+            target = HandoffTarget("decode-x", ranks, (5, 6), time.time() + 5.0)
+            try:
+                send_sequence_kv(sender, source, (1, 2), 2 * SHAPE[4], request_id, target)
+                outcome = "sent"
+            except TransferError as err:
+                outcome = str(err)
+            for thread in threads:
+                thread.join(10)
+            return outcome, errors
+
+        outcome, _ = hand_off("a", expected_by=(1,))  # rank 0 refuses, rank 1 accepts
+        assert "decode-x/rank0" in outcome and "refused" in outcome
+        outcome, _ = hand_off("b", expected_by=(0,))  # now rank 1 refuses: its ack, not a's, must say so
+        assert "decode-x/rank1" in outcome and "refused" in outcome
+        outcome, errors = hand_off("c", expected_by=(0, 1))
+        assert outcome == "sent" and not errors
+        for r, receiver in enumerate(receivers):
+            assert torch.equal(receiver.kv_cache[:, :, :, [5, 6]], source[:, :, r:r + 1, [1, 2]])
+    finally:
+        sender.close()
+        for receiver in receivers:
+            receiver.transport.close()
