@@ -4,6 +4,10 @@
 prefill actors and D decode instances of `decode.tp_size` ranks, and waits for every actor to report
 ready — with a timeout and a clear error when Ray cannot place them (Ray leaves an unsatisfiable actor
 pending forever, so waiting without a bound would hang).
+
+The ranks of a tensor-parallel decode instance all-reduce in every layer of every step: across nodes
+that traffic would cross the network. Each such instance gets a STRICT_PACK placement group of one
+bundle per rank, so Ray puts all its ranks on one node or none of them.
 """
 from __future__ import annotations
 
@@ -13,8 +17,10 @@ import secrets
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, PoolConfig
 from cluster.messages import WorkerInfo
 from engine.block_hash import spec_fingerprint
 from kvtransfer.store import create_rendezvous_store
@@ -52,6 +58,7 @@ class LaunchedCluster:
     store: object  # keeps the rendezvous TCPStore alive for the cluster's lifetime
     started_ray: bool = False
     actors: list = field(default_factory=list)
+    placement_groups: list = field(default_factory=list)  # one per tensor-parallel decode instance
 
     def shutdown(self) -> None:
         for actor in self.actors:
@@ -60,6 +67,12 @@ class LaunchedCluster:
             except Exception:  # already dead: nothing to do
                 pass
         self.actors.clear()
+        for group in self.placement_groups:
+            try:
+                remove_placement_group(group)
+            except Exception:  # Ray already gone: its groups went with it
+                pass
+        self.placement_groups.clear()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -95,15 +108,28 @@ def _start_actors(cluster: LaunchedCluster, host: str, port: int) -> None:
     for index in range(cfg.decode.replicas):
         instance_id = f"{cluster.cluster_id}/decode-{index}"
         names = [f"{instance_id}/rank{r}" for r in range(cfg.decode.tp_size)]
+        group = _rank_placement_group(cfg.decode, instance_id)
+        if group is not None:
+            cluster.placement_groups.append(group)
         ranks = []
         for rank in reversed(range(cfg.decode.tp_size)):  # followers first: rank 0 looks them up by name
+            strategy = None if group is None else PlacementGroupSchedulingStrategy(group, rank)
             options = decode_cls.options(name=names[rank], num_cpus=cfg.decode.num_cpus,
                                          num_gpus=cfg.decode.num_gpus, resources=_custom(cfg.decode),
-                                         runtime_env=_worker_env(cfg.decode.threads))
+                                         runtime_env=_worker_env(cfg.decode.threads), scheduling_strategy=strategy)
             followers = tuple(names[1:]) if rank == 0 else ()
             ranks.insert(0, options.remote(instance_id, rank, raw, cluster.model_dir, host, port, followers))
         cluster.actors.extend(ranks)
         cluster.decode.append(DecodeInstance(instance_id, ranks))
+
+
+def _rank_placement_group(pool: PoolConfig, instance_id: str):
+    """One node for all ranks of a tensor-parallel instance (see the module docstring); None for TP 1."""
+    if pool.tp_size == 1:
+        return None
+    bundle = {"CPU": pool.num_cpus, **({"GPU": pool.num_gpus} if pool.num_gpus else {}), **_custom(pool)}
+    return placement_group([dict(bundle) for _ in range(pool.tp_size)], strategy="STRICT_PACK",
+                           name=f"{instance_id}/ranks")
 
 
 def _wait_ready(cluster: LaunchedCluster) -> None:
@@ -130,7 +156,8 @@ def _unplaced_message(cluster: LaunchedCluster, num_pending: int) -> str:
             f"(prefill {cfg.prefill.replicas} x {cfg.prefill.num_cpus:g}, decode {cfg.decode.replicas} x "
             f"{cfg.decode.tp_size} ranks x {cfg.decode.num_cpus:g}) and GPUs "
             f"{cfg.prefill.replicas * cfg.prefill.num_gpus + cfg.decode.replicas * cfg.decode.tp_size * cfg.decode.num_gpus:g};"
-            f" the Ray cluster has CPU={available.get('CPU', 0):g}, GPU={available.get('GPU', 0):g}. "
+            f" the Ray cluster has CPU={available.get('CPU', 0):g}, GPU={available.get('GPU', 0):g}"
+            f"{'; all ranks of a decode instance must fit on one node' if cfg.decode.tp_size > 1 else ''}. "
             "Lower the pools' num_cpus/num_gpus or add capacity (or raise ready_timeout_s if loading is slow).")
 
 

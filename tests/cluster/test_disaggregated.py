@@ -193,6 +193,13 @@ def test_decode_tp2_from_prefill_tp1_equals_hf(num_kv_heads, checkpoint, cluster
     cluster = cluster_factory(model_dir, decode=PoolConfig(**{**SMALL_POOL.__dict__, "tp_size": 2}))
     import ray
 
+    # The ranks run in their instance's STRICT_PACK group: every bundle's CPU is taken by its rank.
+    (group,) = cluster.placement_groups
+    table = ray.util.placement_group_table(group)
+    assert (table["strategy"], table["state"], len(table["bundles"])) == ("STRICT_PACK", "CREATED", 2)
+    group_cpu = f"CPU_group_{group.id.hex()}"
+    assert ray.cluster_resources()[group_cpu] == 2 * SMALL_POOL.num_cpus
+    assert ray.available_resources().get(group_cpu, 0.0) == 0.0  # Ray lists none left as absent
     target = ray.get(cluster.decode[0].driver.reserve.remote("probe", 20, "tester"))
     assert [(r.kv_head_start, r.kv_head_end) for r in target.ranks] == (
         [(0, 1), (1, 2)] if num_kv_heads == 2 else [(0, 1), (0, 1)])
