@@ -89,8 +89,9 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._ttft = self._histogram("ttft_seconds", "Time to first token, from admission to the first "
-                                     "token leaving the router.", ("priority",), TTFT_BUCKETS_S)
+        self._ttft = self._histogram("ttft_seconds", "Time to first token: from the client's send (its "
+                                     "splitserve-sent-at-us metadata; else arrival at the router) to the "
+                                     "first token leaving the router.", ("priority",), TTFT_BUCKETS_S)
         self._tpot = self._histogram("tpot_seconds", "Mean time per output token after the first, one "
                                      "observation per request.", ("priority",), TPOT_BUCKETS_S)
         self._duration = self._histogram("request_duration_seconds", "End-to-end time of requests that "
