@@ -84,6 +84,27 @@ def test_prefix_hash_moves_only_about_one_nth_of_keys_when_a_worker_joins_or_lea
     policy.check_integrity()
 
 
+def test_prefix_hash_bounds_load_and_spills_a_hot_prefix_in_ring_order():
+    ids = ("w0", "w1", "w2", "w3")
+    q = query(list(range(100, 112)))  # 12 tokens
+    first, second, third, _ = PrefixHashPolicy().preference(q, loads(*ids))
+
+    def pick(load_factor=1.25, **queued):
+        policy = PrefixHashPolicy(prefix_blocks=2, load_factor=load_factor, slack_tokens=4096)
+        return choose(policy, q, [WorkerLoad(w, 0, queued.get(w, 0)) for w in ids]).worker_id
+    assert pick() == first  # idle: the owner
+    assert pick(**{first: 4000}) == first  # under the slack: affinity kept whatever the others hold
+    assert pick(**dict.fromkeys(ids, 8000)) == first  # balanced: bound 1.25 · 32012 / 4 = 10003.75
+    # bound max(1.25 · 10012 / 4, 4096) = 4096: the owner's 10000 are over → the next in ring order
+    assert pick(**{first: 10000}) == second
+    assert pick(**{first: 20000, second: 9000}) == second  # bound 1.25 · 29012 / 4 = 9066.25
+    assert pick(**{first: 20000, second: 12000}) == third  # bound 1.25 · 32012 / 4 = 10003.75
+    assert pick(None, **{first: 10**6}) == first  # load_factor None: the pure ring
+    for bad in (dict(load_factor=0.9), dict(slack_tokens=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PrefixHashPolicy(**bad)
+
+
 def test_cache_aware_cost_is_queued_plus_uncached_tokens():
     index = InProcessPrefixIndex(lease_s=30)
     prompt = list(range(1, 41))  # 40 tokens = 10 blocks of 4
