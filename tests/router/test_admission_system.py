@@ -17,7 +17,7 @@ import pytest
 
 from router.admission import AdmissionConfig, AlwaysAdmitPolicy
 from tests.factories import TinySpec, random_prompts
-from tests.router.burst_client import BurstResult, burst
+from tests.router.burst_client import burst
 from tests.router.conftest import router_config, start_router
 
 BURST = 80
@@ -45,16 +45,11 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return random_prompts(n, 400, 480, 512, seed=seed)
 
 
-def _burst(target: str, prompts, priorities, ttft_ms: float) -> list[BurstResult]:
-    """All at once, from a client process of its own (`burst_client`): per request its result."""
-    return burst(target, prompts, priorities, ttft_ms)
-
-
 def _warm_up(stack, seed: int) -> float:
     """A burst of the test's prompts under an SLO nobody misses, so the step models (from the worker's
     reports, probed right after) and the router's observed-TTFT model have seen queues as long as the
     test's. Returns the test's TTFT SLO (ms): the median TTFT this burst saw."""
-    ttfts_s = [r.ttft_s for r in _burst(stack.target, _prompts(WARM_UP, seed), [0] * WARM_UP, 60_000.0)]
+    ttfts_s = [r.ttft_s for r in burst(stack.target, _prompts(WARM_UP, seed), [0] * WARM_UP, 60_000.0)]
     stack.loop.call(stack.server.service.monitor.probe_all())
     return statistics.median(ttfts_s) * 1000.0
 
@@ -65,7 +60,7 @@ def _admitted_ttfts_s(results) -> list[float]:
 
 def test_a_burst_is_rejected_early_and_admitted_requests_meet_their_slo(admitting):
     slo_ms = _warm_up(admitting, seed=1)
-    results = _burst(admitting.target, _prompts(BURST, 2), [0] * BURST, slo_ms)
+    results = burst(admitting.target, _prompts(BURST, 2), [0] * BURST, slo_ms)
     rejected = [r for r in results if r.rejected]
     admitted_s = _admitted_ttfts_s(results)
     assert rejected and admitted_s, (len(rejected), len(admitted_s), slo_ms)
@@ -82,7 +77,7 @@ def test_the_same_burst_without_admission_misses_the_slo_for_most(admitting):
     gate = admitting.server.service.admission
     predictive, gate.policy = gate.policy, AlwaysAdmitPolicy(gate.config)  # same cluster, same moment
     try:
-        results = _burst(admitting.target, _prompts(BURST, 4), [0] * BURST, slo_ms)
+        results = burst(admitting.target, _prompts(BURST, 4), [0] * BURST, slo_ms)
     finally:
         gate.policy = predictive
     admitted_s = _admitted_ttfts_s(results)
@@ -98,7 +93,7 @@ def test_lower_priorities_are_shed_first(admitting):
     # intake fill the budget), and they come in no fixed order: a gap this wide shows in every such draw.
     slo_ms = _warm_up(admitting, seed=5)
     priorities = [-3 if i % 2 else 0 for i in range(40)]
-    results = _burst(admitting.target, _prompts(40, 6), priorities, slo_ms)
+    results = burst(admitting.target, _prompts(40, 6), priorities, slo_ms)
     shed = {p: sum(r.rejected for r, q in zip(results, priorities) if q == p) for p in (-3, 0)}
     assert shed[-3] > shed[0], shed
     admitting.check_workers_clean()
