@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.factories import TinySpec
 
 REPO = Path(__file__).resolve().parents[2]
-SPLITSERVE = [sys.executable, "-m", "cluster.cli"]
+SPLITSERVE = [sys.executable, "-m", "splitserve.cli"]
 
 
 def _lines(stream, sink: queue.Queue) -> None:
