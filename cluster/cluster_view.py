@@ -13,6 +13,8 @@ import asyncio
 import logging
 from typing import Callable
 
+import ray
+
 from cluster.config import ClusterConfig
 from cluster.launcher import LaunchedCluster
 from cluster.membership import Member, Membership
@@ -31,6 +33,7 @@ class ClusterView:
         self.membership: Membership = launched.membership
         self.listeners: list[Callable[[Membership, Membership], None]] = []  # (old, new)
         self._task: asyncio.Task | None = None
+        self._watch = None  # the long-poll in flight (cancelled on close: the controller may outlive us)
 
     @property
     def prefill(self) -> list[Member]:
@@ -64,8 +67,8 @@ class ClusterView:
         failing = False
         while True:
             try:
-                membership = await asyncio.wait_for(self.controller.watch.remote(self.membership.version, WATCH_S),
-                                                    WATCH_S + WATCH_SLACK_S)
+                self._watch = self.controller.watch.remote(self.membership.version, WATCH_S)
+                membership = await asyncio.wait_for(self._watch, WATCH_S + WATCH_SLACK_S)
                 failing = False
             except asyncio.CancelledError:
                 raise
@@ -81,3 +84,6 @@ class ClusterView:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        if self._watch is not None:
+            ray.cancel(self._watch)
+            self._watch = None

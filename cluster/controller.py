@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import signal
 import time
@@ -134,6 +135,10 @@ class ClusterController:
     async def ping(self) -> str:
         return self.state.cluster_id
 
+    async def pid(self) -> int:
+        """This controller's process id (fault injection in tests kills it)."""
+        return os.getpid()
+
     # ---- supervision -------------------------------------------------------------------------------
     async def _supervise(self) -> None:
         try:  # nothing is published until this is done: a restarted controller resumes the same version
@@ -208,7 +213,8 @@ class ClusterController:
             self._publish()
 
     def _members(self) -> tuple[Member, ...]:
-        return tuple(slot.member() for slot in sorted(self.slots.values(), key=lambda s: (s.role, s.index))
+        ordered = sorted(self.slots.values(), key=lambda s: (ROLES.index(s.role), s.index))
+        return tuple(slot.member() for slot in ordered
                      if slot.info is not None and slot.ranks is not None and slot.state in (SERVING, DRAINING))
 
     def _publish(self, force: bool = False) -> None:

@@ -87,8 +87,8 @@ class SlotStarter:
 
     async def _start_once(self, slot: Slot) -> None:
         controller, config = self.controller, self.controller.config
+        slot.epoch = controller.state.take_epoch()  # before any await: starts are numbered in start order
         host, port = await self._store_address()
-        slot.epoch = controller.state.take_epoch()
         started = start_worker(controller.state.cluster_name, config, controller.state.model_dir, slot.worker_id,
                                slot.role, slot.epoch, host, port)
         slot.ranks, slot.actor_names, slot.placement_group = started.ranks, started.actor_names, started.placement_group
@@ -218,7 +218,8 @@ class SlotStarter:
 
     def _capacity_hint(self) -> str:
         cfg, available = self.controller.config, ray.cluster_resources()
-        gpus = cfg.prefill.replicas * cfg.prefill.num_gpus + cfg.decode.replicas * cfg.decode.tp_size * cfg.decode.num_gpus
+        gpus = (cfg.prefill.replicas * cfg.prefill.num_gpus
+                + cfg.decode.replicas * cfg.decode.tp_size * cfg.decode.num_gpus)
         return (f"The pools ask for {cfg.num_cpus_needed:g} CPUs (prefill {cfg.prefill.replicas} x "
                 f"{cfg.prefill.num_cpus:g}, decode {cfg.decode.replicas} x {cfg.decode.tp_size} ranks x "
                 f"{cfg.decode.num_cpus:g}) and {gpus:g} GPUs; the Ray cluster has CPU={available.get('CPU', 0):g}, "

@@ -124,9 +124,9 @@ def connect_controller(cluster_name: str):
     """The running controller of `cluster_name`, or None (checked with a bounded ping)."""
     try:
         controller = ray.get_actor(controller_name(cluster_name), namespace=RAY_NAMESPACE)
-    except ValueError:
+        ray.get(controller.ping.remote(), timeout=JOIN_TIMEOUT_S)
+    except (ValueError, ray.exceptions.ActorDiedError):  # none, or one being removed
         return None
-    ray.get(controller.ping.remote(), timeout=JOIN_TIMEOUT_S)
     return controller
 
 

@@ -134,6 +134,12 @@ class DecodeRank:
         return await self.outbox.drain(owner, max_wait_s)
 
     async def check_integrity(self) -> dict:
+        """Rank 0: the block pool's integrity check and what it still holds. Ranks > 0 hold no pool of
+        their own (rank 0 allocates for all): their `num_sequences` is the transfers still expected."""
+        if self.setup.loop is None:
+            return {"num_blocks": self.setup.num_blocks, "num_free_blocks": self.setup.num_blocks,
+                    "num_sequences": self.receiver.num_expected}
+
         def check(engine: LLMEngine) -> dict:
             engine.kv.check_integrity()
             return {"num_blocks": engine.num_blocks, "num_free_blocks": engine.kv.num_free_blocks,

@@ -249,8 +249,8 @@ class RouterService:
 
     def worker_loads(self) -> dict[str, int]:
         """Requests this router has in flight on each member (draining ones included)."""
-        return {m.worker_id: self._inflight[m.worker_id] if m.role == "prefill" else self.client.decode_load(m.worker_id)
-                for m in self.cluster.members}
+        return {m.worker_id: (self._inflight[m.worker_id] if m.role == "prefill"
+                              else self.client.decode_load(m.worker_id)) for m in self.cluster.members}
 
     async def index_entries(self) -> int:
         """Block hashes the prefix index holds over all workers (0 without an index)."""
