@@ -61,6 +61,11 @@ class ChaosReport:
     compared: int  # requests that completed in both runs and were compared token by token
     migrations_per_request: dict[int, int]
     kills: list[dict]
+    # Per migrated request: its longest wait between tokens (the migration's stall, TTFT included), the
+    # tokens it had to prefill again there (prompt + tokens streamed before), and its end-to-end time
+    # over the same request's in the fault-free replay.
+    stalls: list[dict] = dataclasses.field(default_factory=list)
+    extra_e2e_unmigrated_s: float | None = None  # the same, median over requests that did not migrate
 
     @property
     def clean(self) -> bool:
@@ -83,7 +88,21 @@ def compare(chaos: list[RequestRecord], reference: list[RequestRecord], kills: l
         duplicated=sum(r.ok and len(r.token_ids) > r.max_tokens for r in chaos),
         missing=sum(r.ok and r.finish_reason == "length" and len(r.token_ids) < r.max_tokens for r in chaos),
         diverged=sum(r.token_ids != ref[r.index].token_ids for r in compared), compared=len(compared),
-        migrations_per_request=dict(sorted(Counter(r.migrations for r in chaos if r.ok).items())), kills=kills)
+        migrations_per_request=dict(sorted(Counter(r.migrations for r in chaos if r.ok).items())), kills=kills,
+        stalls=[_stall(r, ref[r.index]) for r in compared if r.migrations],
+        extra_e2e_unmigrated_s=_median([r.e2e_s - ref[r.index].e2e_s for r in compared if not r.migrations]))
+
+
+def _stall(record: RequestRecord, reference: RequestRecord) -> dict:
+    times = (0.0,) + record.token_times_s
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    at = max(range(len(gaps)), key=gaps.__getitem__)
+    return {"index": record.index, "migrations": record.migrations, "stall_s": round(gaps[at], 4),
+            "context_tokens": record.prompt_tokens + at, "extra_e2e_s": round(record.e2e_s - reference.e2e_s, 4)}
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def _lost(record: RequestRecord) -> bool:
@@ -131,8 +150,20 @@ def format_report(report: ChaosReport) -> str:
              + "; every pool at full strength again after "
              + (f"{min(recoveries):.1f}-{max(recoveries):.1f} s" if recoveries else "(none recovered)")
              + f" ({sum(k.get('recovered_s') is None for k in report.kills)} not recovered)",
+             _stall_line(report),
              "CLEAN" if report.clean else "NOT CLEAN"]
     return "\n".join(lines)
+
+
+def _stall_line(report: ChaosReport) -> str:
+    if not report.stalls:
+        return "no request migrated"
+    stalls = sorted(s["stall_s"] for s in report.stalls)
+    extra = sorted(s["extra_e2e_s"] for s in report.stalls)
+    unmigrated = report.extra_e2e_unmigrated_s
+    return (f"migrated requests {len(stalls)}: stall p50 {stalls[len(stalls) // 2] * 1e3:.0f} ms, max "
+            f"{stalls[-1] * 1e3:.0f} ms; end-to-end over the fault-free run p50 {extra[len(extra) // 2] * 1e3:+.0f} ms"
+            + (f" (requests that did not migrate: {unmigrated * 1e3:+.0f} ms)" if unmigrated is not None else ""))
 
 
 def build_chaos_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,8 @@ def _record(index: int, tokens=(1, 2, 3), *, max_tokens=3, finish="length", erro
 
 def test_the_report_counts_each_kind_of_harm_exactly():
     reference = [_record(i) for i in range(7)]
-    chaos = [_record(0, migrations=1), _record(1, (1, 2, 9)),  # diverged
+    migrated = replace(_record(0, migrations=1), token_times_s=(0.01, 0.02, 0.5), e2e_s=0.55)
+    chaos = [migrated, _record(1, (1, 2, 9)),  # diverged
              _record(2, (1, 2, 3, 3), max_tokens=3),  # duplicated (and so diverged)
              _record(3, (1, 2)),  # missing (and diverged)
              _record(4, (1,), finish=None, error="CANCELLED", reason="still running when the bench stopped"),
@@ -36,6 +37,10 @@ def test_the_report_counts_each_kind_of_harm_exactly():
     assert (report.lost, report.hung, report.duplicated, report.missing, report.diverged) == (1, 1, 1, 1, 3)
     assert report.failed_by_status == {"UNAVAILABLE": 1}
     assert report.migrations_per_request == {0: 3, 1: 1}
+    # its stall: the 0.48 s before its third token, with prompt (5) + 2 streamed tokens to prefill again
+    assert report.stalls == [{"index": 0, "migrations": 1, "stall_s": 0.48, "context_tokens": 7,
+                              "extra_e2e_s": 0.45}]
+    assert report.extra_e2e_unmigrated_s == 0.0
     assert not report.clean and "NOT CLEAN" in format_report(report)
     assert compare(reference, reference, []).clean
 
