@@ -42,13 +42,13 @@ class IncrementalDetokenizer:
         return delta
 
 
-def find_stop_string(text: str, delta_len: int, stops: tuple[str, ...]) -> int | None:
-    """Index in `text` where the earliest stop string that the last `delta_len` characters completed
-    begins, or None. Only the tail is searched: earlier text was checked on earlier tokens."""
+def find_stop_string(text: str, delta_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """(index in `text`, the stop string) of the earliest stop string that the last `delta_len`
+    characters completed, or None. Only the tail is searched: earlier text was checked on earlier tokens."""
     best = None
     for stop in stops:
         window_start = max(0, len(text) - delta_len - len(stop) + 1)
         index = text.find(stop, window_start)
-        if index != -1 and (best is None or index < best):
-            best = index
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
     return best

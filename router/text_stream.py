@@ -3,7 +3,8 @@
 The decode worker stops a request on a stop string and the output text must end before it. Text is
 therefore held back by (longest stop string − 1) characters while streaming: a stop string can only
 complete in a later delta, and when it does, none of it has been sent yet. At the end the held-back
-text is released, cut at the stop string when that is why the request finished.
+text is released, cut at the stop string when that is why the request finished (before it, or after
+it when the request asked to include it).
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from engine.tokenizer import IncrementalDetokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stop = stop
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._stop, self._include_stop = stop, include_stop
         self._holdback_chars = max((len(s) for s in stop), default=1) - 1
         self._sent_chars = 0
 
@@ -27,12 +29,15 @@ class TextStream:
         return self._take(visible)
 
     def finish(self, finish_reason: str | None) -> str:
-        """The rest of the text, ending before the stop string if one ended the request."""
+        """The rest of the text, ending before the stop string if one ended the request (after it
+        with include_stop)."""
         text = self._final_text()
         end = len(text)
         if finish_reason == "stop" and self._stop:
-            hits = [i for i in (text.find(s, self._sent_chars) for s in self._stop) if i >= 0]
-            end = min(hits, default=end)
+            hits = [(i, len(s)) for s, i in ((s, text.find(s, self._sent_chars)) for s in self._stop) if i >= 0]
+            if hits:
+                index, length = min(hits)
+                end = index + length * self._include_stop
         return self._take(end, text)
 
     def _final_text(self) -> str:
