@@ -1,4 +1,4 @@
-"""`splitserve serve`: start (or join) Ray, launch the worker pools, serve the gRPC router.
+"""`splitserve serve`: start (or join) Ray, launch the worker pools, serve the router (gRPC and HTTP).
 
 Configuration comes from one place: an optional YAML file (`--config`, the same schema the Helm chart
 renders) with flags layered on top, all validated by `ClusterConfig.from_dict`. No `--model` means
@@ -34,7 +34,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
-    p.add_argument("--uds", help="also serve on this unix socket path (reachable from outside a network sandbox)")
+    p.add_argument("--uds", help="also serve gRPC on this unix socket path (reachable from outside a network sandbox)")
+    p.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (default 8000; 0 turns it off)")
+    p.add_argument("--http-uds", help="also serve the HTTP API on this unix socket path")
     p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
     p.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     p.add_argument("--rendezvous-host", help="address workers use to reach this process (default 127.0.0.1)")
@@ -61,10 +63,12 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         if value is not None:
             target = raw if section is None else raw.setdefault(section, {})
             target[key] = value
+    if args.http_port is not None:  # on the command line 0 means off (in a config file: null)
+        raw.setdefault("router", {})["http_port"] = args.http_port or None
     return ClusterConfig.from_dict(raw)
 
 
-async def serve(config: ClusterConfig, uds: str | None = None) -> None:
+async def serve(config: ClusterConfig, uds: str | None = None, http_uds: str | None = None) -> None:
     """Runs until SIGINT or SIGTERM, then drains streams in flight and stops the workers."""
     from cluster.launcher import launch
     from router.server import RouterServer
@@ -73,7 +77,8 @@ async def serve(config: ClusterConfig, uds: str | None = None) -> None:
     cluster = await loop.run_in_executor(None, launch, config, None)
     server = None
     try:
-        server = await RouterServer.start(cluster, config, extra_addresses=[f"unix:{uds}"] if uds else [])
+        server = await RouterServer.start(cluster, config, extra_addresses=[f"unix:{uds}"] if uds else [],
+                                          http_uds=http_uds)
         _announce(server, config, uds)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -94,6 +99,10 @@ def _announce(server, config: ClusterConfig, uds: str | None) -> None:
           f"{len(server.service.cluster.decode)} decode instance(s) x {config.decode.tp_size} rank(s), "
           f"policy {config.router.policy}, model {server.service.info.model_identity}", flush=True)
     print(f"try:  splitserve generate --target {target}{auth} --max-tokens 32 \"Once upon a time\"", flush=True)
+    http = server.http
+    if http is not None:
+        where = " and ".join(([http.url] if http.port else []) + ([f"unix:{http.uds}"] if http.uds else []))
+        print(f"splitserve: OpenAI-compatible API on {where}", flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -103,4 +112,4 @@ def main(argv: list[str]) -> None:
         config = build_config(args)
     except ConfigError as err:
         sys.exit(f"splitserve serve: {err}")
-    asyncio.run(serve(config, args.uds))
+    asyncio.run(serve(config, args.uds, args.http_uds))

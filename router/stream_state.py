@@ -40,9 +40,7 @@ class StreamState:
         self.num_tokens += len(chunk.token_ids)
         delta = ""
         if self.text is not None:
-            delta = self.text.push(chunk.token_ids)
-            if chunk.finish_reason:
-                delta += self.text.finish(chunk.finish_reason)
+            delta = self.text.push(chunk.token_ids, chunk.finish_reason)
         usage = None
         if chunk.finish_reason:
             usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.cached_tokens)

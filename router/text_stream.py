@@ -21,10 +21,13 @@ class TextStream:
         self._holdback_chars = max((len(s) for s in stop), default=1) - 1
         self._sent_chars = 0
 
-    def push(self, token_ids: Iterable[int]) -> str:
-        """Adds tokens; returns the text that may be shown now."""
+    def push(self, token_ids: Iterable[int], finish_reason: str | None = None) -> str:
+        """Adds tokens; returns the text that may be shown now (all of it, cut at the stop string, when
+        these are the last tokens: the token that completes a stop string may carry text past it)."""
         for token_id in token_ids:
             self._detokenizer.append(token_id)
+        if finish_reason:
+            return self.finish(finish_reason)
         visible = max(len(self._detokenizer.text) - self._holdback_chars, self._sent_chars)
         return self._take(visible)
 
