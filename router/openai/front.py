@@ -96,7 +96,10 @@ class HttpFront:
         return await self._generate(request, parse_chat, "messages")
 
     async def _models(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        try:
+            self._authorize(request)
+        except Unauthenticated as err:
+            return self._error_response(self._failed(err, "prompt"))
         info, limits = self.service.info, self.context.limits
         card = {"id": self.context.model_names[0], "object": "model", "created": 0, "owned_by": "splitserve",
                 "root": self.context.model_names[-1], "max_model_len": limits.max_model_len,

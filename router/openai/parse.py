@@ -142,7 +142,10 @@ def _completion_prompts(prompt, context: Context) -> list[tuple[str | None, tupl
         return [(prompt, text_prompt(prompt, context.limits, context.tokenize, "prompt"))]
     if not isinstance(prompt, list) or not prompt:
         _fail("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
-    if all(_is_int(t) for t in prompt):
+    if _is_int(prompt[0]):  # one prompt of token ids
+        bad = next((i for i, t in enumerate(prompt) if not _is_int(t)), None)
+        if bad is not None:
+            _fail(f"prompt[{bad}]", "token ids must be integers")
         return [(None, token_prompt(tuple(prompt), context.limits, "prompt"))]
     out = []
     for i, item in enumerate(prompt):
