@@ -32,7 +32,7 @@ from router.errors import Unauthenticated
 from router.openai.choices import run_choices
 from router.openai.errors import HttpError, http_error
 from router.openai.parse import ApiRequest, Context, parse_chat, parse_completion
-from router.openai.render import DONE_EVENT, ChoiceState, Renderer
+from router.openai.render import DONE_EVENT, Renderer
 from router.sdk_types import SENT_AT_KEY
 from router.service import RouterService
 from router.validation import client_wait_s
@@ -139,34 +139,39 @@ class HttpFront:
 
     async def _whole(self, api: ApiRequest, deadline_s, waited_s) -> web.Response:
         renderer = Renderer(api, self.context.tokenizer)
-        states = [ChoiceState(choice) for choice in api.choices]
         async with aclosing(run_choices(self.service, api, deadline_s, waited_s)) as outputs:
             async for position, output in outputs:
-                renderer.add(states[position], output)
-        return web.Response(body=renderer.response(states), content_type="application/json")
+                renderer.add(position, output)
+        return web.Response(body=renderer.response(), content_type="application/json")
 
     async def _stream(self, request: web.Request, api: ApiRequest, deadline_s, waited_s,
                       prompt_field: str) -> web.StreamResponse:
         renderer = Renderer(api, self.context.tokenizer)
-        states = [ChoiceState(choice) for choice in api.choices]
         async with aclosing(run_choices(self.service, api, deadline_s, waited_s)) as outputs:
             iterator = aiter(outputs)
-            position, output = await anext(iterator)  # a failure here is still a status
+            first = await anext(iterator)  # a failure here is still a status
             response = web.StreamResponse(headers=_SSE_HEADERS)
             await response.prepare(request)
             try:
-                await response.write(renderer.chunk(states[position], output))
-                async for position, output in iterator:
-                    await response.write(renderer.chunk(states[position], output))
-                if api.include_usage:
-                    await response.write(renderer.usage_event(states))
+                await self._events(response, renderer, first, iterator, prompt_field)
             except ConnectionError:  # the client left between writes; closing `outputs` aborts the rest
-                return response
-            except Exception as err:
-                await response.write(self._failed(err, prompt_field).event)
-            await response.write(DONE_EVENT)
-            await response.write_eof()
+                pass
         return response
+
+    async def _events(self, response: web.StreamResponse, renderer: Renderer, first, iterator,
+                      prompt_field: str) -> None:
+        try:
+            await response.write(renderer.chunk(*first))
+            async for position, output in iterator:
+                await response.write(renderer.chunk(position, output))
+            if renderer.api.include_usage:
+                await response.write(renderer.usage_event())
+        except ConnectionError:
+            raise
+        except Exception as err:  # after the 200: an error event, then the usual end
+            await response.write(self._failed(err, prompt_field).event)
+        await response.write(DONE_EVENT)
+        await response.write_eof()
 
     # ---- errors ----
 

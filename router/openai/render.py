@@ -44,11 +44,13 @@ class Renderer:
         self._tail = ',"usage":null}\n\n' if api.include_usage else "}\n\n"
         self._created = created
         self._token_texts: dict[int, str] = {}
+        self.states = [ChoiceState(choice) for choice in api.choices]  # by position in api.choices
 
     # ---- streaming ----
 
-    def chunk(self, state: ChoiceState, output: RouterOutput) -> bytes:
-        """The event for one router output of `state`'s choice (and accounts it in `state`)."""
+    def chunk(self, position: int, output: RouterOutput) -> bytes:
+        """The event for one router output of the choice at `position` (and accounts it)."""
+        state = self.states[position]
         text = self._account(state, output)
         if not state.started and state.choice.echo:
             text = state.choice.echo + text
@@ -64,15 +66,15 @@ class Renderer:
         return (f'{self._head}{state.choice.index},{body},"logprobs":{logprobs},"finish_reason":{finish}{ids}}}]'
                 f'{self._tail}').encode()
 
-    def usage_event(self, states: list[ChoiceState]) -> bytes:
+    def usage_event(self) -> bytes:
         """The last event with `stream_options.include_usage`: no choices, the whole request's usage."""
-        return (f'{self._head[:self._head.rindex("[")]}[],"usage":{_dumps(usage(states))}}}\n\n').encode()
+        return (f'{self._head[:self._head.rindex("[")]}[],"usage":{_dumps(usage(self.states))}}}\n\n').encode()
 
     # ---- whole responses ----
 
-    def response(self, states: list[ChoiceState]) -> bytes:
+    def response(self) -> bytes:
         choices = []
-        for state in states:
+        for state in self.states:
             text = "".join(state.texts)
             choice = {"index": state.choice.index}
             if self.chat:
@@ -87,10 +89,11 @@ class Renderer:
             choices.append(choice)
         return _dumps({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                        "created": self._created, "model": self.api.model, "choices": choices,
-                       "usage": usage(states)}).encode()
+                       "usage": usage(self.states)}).encode()
 
-    def add(self, state: ChoiceState, output: RouterOutput) -> None:
+    def add(self, position: int, output: RouterOutput) -> None:
         """Accounts one output of a request that is answered as a whole."""
+        state = self.states[position]
         state.texts.append(self._account(state, output))
         if self.api.logprobs is not None:
             self._logprob_entries(state, output)

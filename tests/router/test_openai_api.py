@@ -187,6 +187,23 @@ def test_deadline_is_a_504_and_frees_blocks(client, model, router_stack):
     router_stack.check_workers_clean()
 
 
+def test_a_failure_after_the_first_token_is_an_error_event_then_done(client, model, router_stack):
+    request = dict(model=model, prompt=[4, 5, 6], max_tokens=500, stream=True)
+    started_s = time.perf_counter()
+    times = [time.perf_counter() - started_s for _ in client.completions.create(**request,
+                                                                                extra_body={"ignore_eos": True})]
+    # A deadline halfway between this machine's first and last token of the same stream.
+    timeout_ms = 1000 * (times[0] + times[-1]) / 2
+    texts = []
+    with pytest.raises(openai.APIError) as err:  # the 200 went out with the first token; the deadline
+        for chunk in client.completions.create(**request, extra_body={"ignore_eos": True, "timeout_ms": timeout_ms}):
+            texts.append(chunk.choices[0].text)  # passes while decoding
+    assert texts and "deadline" in err.value.message
+    assert err.value.body["code"] == "deadline_exceeded"
+    _wait_idle(router_stack)
+    router_stack.check_workers_clean()
+
+
 def test_client_disconnect_mid_stream_frees_blocks_on_both_workers(http_url, model, router_stack):
     body = json.dumps({"model": model, "prompt": list(range(10, 90)), "max_tokens": 400, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
