@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.cli import main as splitserve
+from splitserve.cli import main as splitserve
 from loadtest.backends import RequestError
 from loadtest.openai_backend import _event
 from loadtest.records import read_jsonl
