@@ -72,6 +72,7 @@ class ModelNotFound(LookupError):
 
 def parse_completion(body, context: Context, request_id: str | None = None) -> ApiRequest:
     body = _object(body)
+    model = _model(body, context)  # an unknown model is a 404 whatever else is wrong
     prompts = _completion_prompts(body.get("prompt"), context)
     echo = _flag(body, "echo")
     logprobs = _optional_int(body, "logprobs")
@@ -80,11 +81,12 @@ def parse_completion(body, context: Context, request_id: str | None = None) -> A
     max_tokens = body.get("max_tokens")
     values = _sampling_values(body, COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, logprobs)
     echoes = [_prompt_text(text, tokens, context) if echo else None for text, tokens in prompts]
-    return _api_request("completion", body, context, prompts, values, {}, echoes, logprobs, request_id)
+    return _api_request("completion", model, body, context, prompts, values, {}, echoes, logprobs, request_id)
 
 
 def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequest:
     body = _object(body)
+    model = _model(body, context)
     add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
     text = render_chat(body.get("messages"), context.tokenizer, add_generation_prompt)
     tokens = text_prompt(text, context.limits, lambda t: context.tokenizer.encode(t, add_special_tokens=False),
@@ -105,12 +107,11 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     if top is not None:
         names["logprobs"] = "top_logprobs"
     values = _sampling_values(body, max_tokens, logprobs)
-    return _api_request("chat", body, context, [(text, tokens)], values, names, [None], logprobs, request_id)
+    return _api_request("chat", model, body, context, [(text, tokens)], values, names, [None], logprobs, request_id)
 
 
-def _api_request(kind, body: dict, context: Context, prompts, values: dict, names: dict, echoes, logprobs,
-                 request_id: str | None) -> ApiRequest:
-    model = _model(body, context)
+def _api_request(kind: str, model: str, body: dict, context: Context, prompts, values: dict, names: dict, echoes,
+                 logprobs, request_id: str | None) -> ApiRequest:
     params = sampling_params(values, context.limits, "", names)
     for name, neutral in _UNSUPPORTED.items():
         if body.get(name) is not None and not neutral(body[name]):

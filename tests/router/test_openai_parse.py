@@ -94,9 +94,11 @@ def test_chat_without_a_template_is_a_clear_400(context):
     assert error.status == 400 and json.loads(error.body)["error"]["param"] == "messages"
 
 
-def test_unknown_model(context):
+def test_unknown_model_comes_first(context):
     with pytest.raises(ModelNotFound):
         parse_completion({"model": "other", "prompt": [1]}, context)
+    with pytest.raises(ModelNotFound):  # a 404, not a 400 for the bad prompt
+        parse_chat({"model": "other", "messages": []}, context)
 
 
 @pytest.mark.parametrize("error, status, code, param", [
