@@ -34,6 +34,8 @@ class StreamEvent:
     cached_prompt_tokens: int | None = None
     completion_tokens: int | None = None  # the server's own count (usage), when it sends one
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens themselves, when the server sends them
+    migrations: int = 0  # splitserve: times the router moved the request to other workers (final message)
     # False when num_tokens is a guess (an OpenAI server that sends text only: one token per chunk
     # with text); the server's completion_tokens then corrects the total (see `recorder`).
     exact: bool = True
@@ -84,7 +86,8 @@ class GrpcBackend:
                 cached = chunk.usage.cached_prompt_tokens if chunk.usage is not None else (
                     chunk.route.cached_prompt_tokens if chunk.route is not None else None)
                 completion = chunk.usage.completion_tokens if chunk.usage is not None else None
-                yield StreamEvent(len(chunk.token_ids), cached, completion, chunk.finish_reason)
+                yield StreamEvent(len(chunk.token_ids), cached, completion, chunk.finish_reason, tuple(chunk.token_ids),
+                                  chunk.migrations)
         except SplitserveError as err:
             raise RequestError(err.code.name, err.reason) from None
 

@@ -134,10 +134,8 @@ def _event(chunk: dict) -> StreamEvent | None:
     if text is None:
         text = (choice.get("delta") or {}).get("content")
     if token_ids is not None:
-        tokens, exact = len(token_ids), True
-    else:
-        tokens, exact = (1 if text else 0), False
-    return StreamEvent(tokens, cached, completion, choice.get("finish_reason"), exact)
+        return StreamEvent(len(token_ids), cached, completion, choice.get("finish_reason"), tuple(token_ids))
+    return StreamEvent(1 if text else 0, cached, completion, choice.get("finish_reason"), exact=False)
 
 
 def _code_of(error: dict) -> str:

@@ -21,6 +21,8 @@ class RequestRecorder:
         self._messages: list[tuple[float, int]] = []  # (time from send, tokens) per message with tokens
         self._exact = True
         self._reported: int | None = None
+        self._token_ids: list[int] = []
+        self._migrations = 0
         self._end_s: float | None = None
         self._cached: int | None = None
         self._finish: str | None = None
@@ -35,12 +37,13 @@ class RequestRecorder:
         if event.num_tokens:
             self._messages.append((now_s - self.send_s, event.num_tokens))
             self._exact = self._exact and event.exact
+        self._token_ids.extend(event.token_ids)
         if event.cached_prompt_tokens is not None:  # the final count wins over an early one
             self._cached = event.cached_prompt_tokens
         if event.completion_tokens is not None:
             self._reported = event.completion_tokens
         if event.finish_reason:
-            self._finish = event.finish_reason
+            self._finish, self._migrations = event.finish_reason, event.migrations
             self._end_s = now_s
 
     def on_error(self, code: str, reason: str, now_s: float) -> None:
@@ -62,7 +65,8 @@ class RequestRecorder:
         return RequestRecord(self.request_id, p.index, p.arrival_s, self.send_s, p.num_prompt_tokens, p.max_tokens,
                              self._token_times(), self._end_s - self.send_s, self._cached,
                              None if self._error else self._finish, code, reason,
-                             p.slo.ttft_ms, p.slo.tpot_ms, p.priority, p.tenant)
+                             p.slo.ttft_ms, p.slo.tpot_ms, p.priority, p.tenant, tuple(self._token_ids),
+                             self._migrations)
 
     def _token_times(self) -> tuple[float, ...]:
         counted = sum(n for _, n in self._messages)

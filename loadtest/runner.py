@@ -26,6 +26,13 @@ class BenchError(Exception):
     """The bench cannot run: the server is unreachable or the workload does not fit the served model."""
 
 
+async def _limits(backend) -> ModelLimits:
+    try:
+        return await backend.model_limits()
+    except BackendError as err:
+        raise BenchError(str(err)) from None
+
+
 def _plan(config: BenchConfig, limits: ModelLimits, rate: float | None, salt: int) -> Plan:
     spec = config.spec.with_rate(rate) if rate is not None else config.spec
     try:
@@ -65,10 +72,7 @@ async def run_bench(config: BenchConfig, echo=print) -> list[Summary]:
     backend = make_backend(config.backend, target=config.target, token=token, timeout_s=config.driver.request_timeout_s,
                            model=config.model, tokenizer=config.tokenizer)
     async with backend:
-        try:
-            limits = await backend.model_limits()
-        except BackendError as err:
-            raise BenchError(str(err)) from None
+        limits = await _limits(backend)
         run_info = _run_info(config, limits)
         for i, rate in enumerate(rates):
             plan = _plan(config, limits, rate, i)

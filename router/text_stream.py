@@ -21,19 +21,20 @@ class TextStream:
         self._holdback_chars = max((len(s) for s in stop), default=1) - 1
         self._sent_chars = 0
 
-    def push(self, token_ids: Iterable[int], finish_reason: str | None = None) -> str:
-        """Adds tokens; returns the text that may be shown now (all of it, cut at the stop string, when
-        these are the last tokens: the token that completes a stop string may carry text past it)."""
+    def push(self, token_ids: Iterable[int]) -> str:
+        """Adds tokens; returns the text that may be shown now."""
         for token_id in token_ids:
             self._detokenizer.append(token_id)
-        if finish_reason:
-            return self.finish(finish_reason)
         visible = max(len(self._detokenizer.text) - self._holdback_chars, self._sent_chars)
         return self._take(visible)
 
-    def finish(self, finish_reason: str | None) -> str:
-        """The rest of the text, ending before the stop string if one ended the request (after it
-        with include_stop)."""
+    def finish(self, finish_reason: str | None, token_ids: Iterable[int] = ()) -> str:
+        """The rest of the text, with the last chunk's `token_ids`, ending before the stop string if one
+        ended the request (after it with include_stop). The last tokens must come here, not through
+        `push`: the token that completes a stop string may carry more characters after it, which `push`
+        would already release."""
+        for token_id in token_ids:
+            self._detokenizer.append(token_id)
         text = self._final_text()
         end = len(text)
         if finish_reason == "stop" and self._stop:
