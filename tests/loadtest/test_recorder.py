@@ -8,15 +8,15 @@ from loadtest.recorder import RequestRecorder
 PLANNED = PlannedRequest(3, 1.0, (5, 6, 7, 8), 3, Slo(100.0, None), priority=2, tenant="a")
 
 
-def chunk(tokens, cached=None, reported=None, finish=None, exact=True) -> StreamEvent:
-    return StreamEvent(len(tokens), cached, reported, finish, exact)
+def chunk(tokens, cached=None, reported=None, finish=None, exact=True, migrations=0) -> StreamEvent:
+    return StreamEvent(len(tokens), cached, reported, finish, tuple(tokens) if exact else (), migrations, exact)
 
 
 def test_a_completed_stream():
     r = RequestRecorder(PLANNED, "run-000003", send_s=1.25)
     r.on_event(chunk([11], cached=2), 1.30)
     r.on_event(chunk([12, 13]), 1.40)
-    r.on_event(chunk([], cached=4, reported=3, finish="length"), 1.45)
+    r.on_event(chunk([], cached=4, reported=3, finish="length", migrations=1), 1.45)
     r.on_stream_end(1.46)
     record = r.record(9.0)
     assert (record.request_id, record.index, record.arrival_s, record.send_s) == ("run-000003", 3, 1.0, 1.25)
@@ -25,6 +25,7 @@ def test_a_completed_stream():
     assert (record.cached_prompt_tokens, record.finish_reason, record.error_code) == (4, "length", None)
     assert (record.prompt_tokens, record.max_tokens, record.ttft_slo_ms, record.tpot_slo_ms) == (4, 3, 100.0, None)
     assert (record.priority, record.tenant, record.ok) == (2, "a", True)
+    assert (record.token_ids, record.migrations) == ((11, 12, 13), 1)
 
 
 def test_an_error_after_the_first_token_keeps_what_came():
