@@ -191,7 +191,7 @@ async def bench_main(args) -> dict:
     from router.server import RouterServer
 
     pool = PoolConfig(num_cpus=1.0, threads=1)
-    config = ClusterConfig(prefill=pool, decode=pool, router=RouterConfig(port=0), ray_num_cpus=4)
+    config = ClusterConfig(prefill=pool, decode=pool, router=RouterConfig(port=0, http_port=None), ray_num_cpus=4)
     loop = asyncio.get_running_loop()
     cluster = await loop.run_in_executor(None, launch, config, args.model or _small_model())
     try:

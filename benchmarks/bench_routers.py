@@ -32,7 +32,7 @@ CLUSTER = "routers-bench"
 
 def _start_router(gcs_address: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "router", "--ray-address", gcs_address,
-                                "--cluster-name", CLUSTER, "--port", "0"], stdout=subprocess.PIPE,
+                                "--cluster-name", CLUSTER, "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline_s = time.monotonic() + 120
     for line in process.stdout:

@@ -41,6 +41,19 @@ def test_text_prompt_streams_the_decoded_text(router_stack, checkpoint):
     assert completion.usage.prompt_tokens == len(tokenizer.encode("The quick brown fox"))
 
 
+def test_stop_strings_cut_the_streamed_text_before_them(router_stack):
+    prompt = random_prompts(1, 10, 10, 512, seed=24)[0]
+    options = dict(temperature=0.0, max_tokens=16, ignore_eos=True, return_text=True)
+    with Client(router_stack.target) as client:
+        full = client.generate(prompt, **options).text
+        for start in range(1, len(full) - 2, 3):  # stops that begin inside a token's text, too
+            stop = full[start:start + 2]
+            chunks = list(client.generate_stream(prompt, stop=[stop], **options))
+            assert chunks[-1].finish_reason == "stop"
+            assert "".join(c.text for c in chunks) == full[:full.index(stop)], stop
+            assert "".join(c.text for c in chunks[:-1]).find(stop) == -1
+
+
 def test_64_concurrent_streams_each_equal_its_solo_output(router_stack):
     prompts = random_prompts(64, 2, 40, 512, seed=5)
     with Client(router_stack.target) as client:
