@@ -46,7 +46,14 @@ PREFIX_PULL_MODES = ("auto", "always", "never")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The gRPC router: where it listens, how it routes, who may call it."""
+    """The gRPC router: where it listens, how it routes, who may call it.
+
+    TLS (`cluster/tls.py` reads and checks the files when the router starts; any front end of the
+    router serves with the same settings): `tls_cert_file` + `tls_key_file` (PEM; the chain may hold
+    intermediates) turn TLS on for every listening address; `tls_client_ca_file` then also requires
+    each client to present a certificate signed by that CA (mutual TLS). The files are re-read when
+    they change, so a renewed certificate (cert-manager) is served without a restart.
+    """
 
     host: str = "127.0.0.1"  # loopback unless deliberately exposed (the Helm chart sets 0.0.0.0)
     port: int = 50051  # 0: the OS picks a free port (tests)
@@ -56,6 +63,12 @@ class RouterConfig:
     metrics_port: int | None = None  # Prometheus endpoint; None: off
     index_poll_interval_s: float = 0.05  # how often the in-process prefix index pulls worker KV events
     prefix_pull: str = "auto"  # one of PREFIX_PULL_MODES (needs the cache_aware policy's index)
+    tls_cert_file: str | None = None  # PEM certificate chain the router presents; None: plaintext
+    tls_key_file: str | None = None  # PEM private key of that certificate
+    tls_client_ca_file: str | None = None  # PEM CA bundle client certificates must chain to (mutual TLS)
+    # A plaintext port serving only the standard gRPC health service, for probes that cannot speak TLS
+    # (Kubernetes' gRPC probes); None: health is served on `port` only.
+    health_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +178,22 @@ def _check_router(router: RouterConfig) -> None:
            "must be None or in [0, 65535]")
     _check(router.index_poll_interval_s > 0, "router.index_poll_interval_s", "must be > 0")
     _check(router.prefix_pull in PREFIX_PULL_MODES, "router.prefix_pull", f"must be one of {list(PREFIX_PULL_MODES)}")
+    _check_tls(router)
+    _check(router.health_port is None or 0 <= router.health_port <= 65535, "router.health_port",
+           "must be None or in [0, 65535]")
+    for other in ("port", "metrics_port"):
+        clash = router.health_port not in (None, 0) and router.health_port == getattr(router, other)
+        _check(not clash, "router.health_port", f"must differ from router.{other}")
+
+
+def _check_tls(router: RouterConfig) -> None:
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        value = getattr(router, key)
+        _check(value is None or bool(value), f"router.{key}", "must be None or a non-empty path")
+    _check((router.tls_cert_file is None) == (router.tls_key_file is None), "router.tls_key_file",
+           "tls_cert_file and tls_key_file go together (a certificate and its private key)")
+    _check(router.tls_client_ca_file is None or router.tls_cert_file is not None, "router.tls_client_ca_file",
+           "mutual TLS needs the router's own certificate: set tls_cert_file and tls_key_file too")
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -205,6 +234,8 @@ def _check_type(value, hint: str, key: str) -> None:
             raise ConfigError(f"{key}: must not be null (expected {hint})")
         return
     for name in allowed:
+        if name == "None":  # null was handled above; a non-null value must match another type
+            continue
         types = _SCALARS.get(name)
         if types is None:  # a nested section, already built
             return

@@ -21,7 +21,9 @@ _FLAG_KEYS = {"model": (None, "model_dir"), "block_size": (None, "block_size"), 
               "rendezvous_host": (None, "rendezvous_host"), "prefill": ("prefill", "replicas"),
               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size"), "host": ("router", "host"),
               "port": ("router", "port"), "policy": ("router", "policy"),
-              "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port")}
+              "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port"),
+              "tls_cert_file": ("router", "tls_cert_file"), "tls_key_file": ("router", "tls_key_file"),
+              "tls_client_ca_file": ("router", "tls_client_ca_file"), "health_port": ("router", "health_port")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", help="routing policy: round_robin, prefix_hash or cache_aware")
     p.add_argument("--auth-token-file", help="require this bearer token from clients")
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port")
+    p.add_argument("--tls-cert-file", help="serve TLS with this PEM certificate chain (needs --tls-key-file)")
+    p.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+    p.add_argument("--tls-client-ca-file", help="require client certificates signed by this PEM CA (mutual TLS)")
+    p.add_argument("--health-port", type=int, help="plaintext port serving only gRPC health (probes without TLS)")
     return p
 
 
@@ -89,6 +95,7 @@ async def serve(config: ClusterConfig, uds: str | None = None) -> None:
 def _announce(server, config: ClusterConfig, uds: str | None) -> None:
     target = f"unix:{uds}" if uds else server.address
     auth = f" --auth-token-file {config.router.auth_token_file}" if config.router.auth_token_file else ""
+    auth += " --tls-ca-file CA.pem" if config.router.tls_cert_file else ""
     print(f"splitserve: router listening on {server.address}" + (f" and unix:{uds}" if uds else ""), flush=True)
     print(f"splitserve: {len(server.service.cluster.prefill)} prefill worker(s), "
           f"{len(server.service.cluster.decode)} decode instance(s) x {config.decode.tp_size} rank(s), "

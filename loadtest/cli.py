@@ -23,6 +23,8 @@ from loadtest.runner import BenchError, run_bench
 from loadtest.trace import OVERFLOW_POLICIES
 from loadtest.trace_rows import FORMATS
 from loadtest.workloads import DEFAULTS, WORKLOADS, spec_from_args
+from router.channel import ClientTls
+from router.cli_args import add_connection_flags
 
 
 def _workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve bench", description="Load-test a running splitserve "
                                      "router over gRPC: open-loop arrivals, latency, SLO attainment, goodput.",
                                      epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT (default %(default)s)")
-    parser.add_argument("--auth-token-file", help="file holding the router's bearer token")
+    add_connection_flags(parser)  # --target, --auth-token-file, --tls-*: as every client command
     _workload_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--duration-s", type=float, help="stop issuing after this many seconds")
@@ -90,8 +91,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     driver = DriverConfig(args.max_concurrency, args.duration_s, args.grace_s, args.request_timeout_s,
                           args.temperature, f"bench-{uuid.uuid4().hex[:8]}", not args.no_progress)
     defaults = RequestDefaults(Slo(args.ttft_ms, args.tpot_ms), args.priority, args.tenant)
+    tls = ClientTls.from_files(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name,
+                               enabled=args.tls)
     return BenchConfig(args.target, args.workload, spec_from_args(args), driver, defaults, args.seed,
-                       args.auth_token_file, args.out, args.plot, sweep, args.attainment_target, args.warmup_s)
+                       args.auth_token_file, args.out, args.plot, sweep, args.attainment_target, args.warmup_s, tls)
 
 
 def parse_config(argv: list[str]) -> BenchConfig:

@@ -13,16 +13,20 @@ from loadtest.plan import RequestDefaults
 from loadtest.poisson import PoissonSpec
 from loadtest.shared_prefix import SharedPrefixSpec
 from loadtest.trace import TraceSpec
+from router import channel
+from router.channel import ClientTls
+from router.cli_args import read_token
 
 WorkloadSpec = PoissonSpec | SharedPrefixSpec | TraceSpec
 
 
 def check_target(target: str) -> str:
-    """HOST:PORT (IPv6 as [ADDR]:PORT) with a port in [1, 65535]; returns it unchanged."""
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"--target must be HOST:PORT with a port in [1, 65535], got {target!r}")
-    return target
+    """One of the SDK's target forms (`router/channel.py`: HOST:PORT, [IPV6]:PORT, unix:PATH, a gRPC
+    URI); returns it unchanged, else ValueError naming --target."""
+    try:
+        return channel.check_target(target)
+    except ValueError as err:
+        raise ValueError(f"--target: {err}") from None
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -36,19 +40,6 @@ def parse_rates(text: str) -> tuple[float, ...]:
     if len(set(rates)) != len(rates):
         raise ValueError(f"--sweep rates must be distinct, got {text!r}")
     return rates
-
-
-def read_token(path: str | None) -> str | None:
-    """The bearer token in `path` (surrounding whitespace stripped); None without a file."""
-    if path is None:
-        return None
-    try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as err:
-        raise ValueError(f"--auth-token-file {path}: {err.strerror or err}") from None
-    if not token:
-        raise ValueError(f"--auth-token-file {path} is empty")
-    return token
 
 
 @dataclass(frozen=True)
@@ -65,6 +56,7 @@ class BenchConfig:
     sweep_rates: tuple[float, ...] = ()
     attainment_target: float = 0.9
     warmup_s: float = 0.0
+    tls: ClientTls = ClientTls()  # plaintext unless a TLS flag was given
 
     def __post_init__(self):
         check_target(self.target)

@@ -74,7 +74,8 @@ async def run_bench(config: BenchConfig, echo=print) -> list[Summary]:
     token = read_token(config.auth_token_file)
     rates = config.sweep_rates or (None,)
     runs: list[tuple[float | None, RunResult, Summary]] = []
-    async with AsyncClient(config.target, token=token, timeout_s=config.driver.request_timeout_s) as client:
+    async with AsyncClient(config.target, token=token, tls=config.tls,
+                           timeout_s=config.driver.request_timeout_s) as client:
         limits = await _limits(client, config.target)
         run_info = _run_info(config, limits)
         for i, rate in enumerate(rates):

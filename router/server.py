@@ -21,7 +21,9 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import LaunchedCluster
+from cluster.tls import load_server_tls
 from router.admission_gate import AdmissionGate
+from router.health_listener import HealthListener
 from router.index_feeder import IndexFeeder
 from cluster.metrics_http import start_metrics_server
 from router.interceptors import AuthInterceptor, ErrorInterceptor
@@ -31,6 +33,7 @@ from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.routing import make_policy
 from router.service import RouterService
 from router.servicer import RouterServicer
+from router.tls_credentials import bind
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
@@ -49,11 +52,17 @@ class RouterServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def health_port(self) -> int | None:
+        """The plaintext health-only port (`router.health_port`), when configured."""
+        return next((part.port for part in self._background if isinstance(part, HealthListener)), None)
+
     @classmethod
     async def start(cls, cluster: LaunchedCluster, config: ClusterConfig,
                     extra_addresses: tuple[str, ...] | list[str] = ()) -> "RouterServer":
         """Serves on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock")."""
         router = config.router
+        load_server_tls(router)  # unusable TLS files fail here, before anything starts
         index, feeder = await _make_index(cluster, config)
         metrics = RouterMetrics()
         service = RouterService(cluster, make_policy(router.policy, index), tokenizer=_load_tokenizer(cluster),
@@ -78,16 +87,15 @@ class RouterServer:
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(f"{router.host}:{router.port}")
-        if port == 0:
-            raise OSError(f"cannot listen on {router.host}:{router.port}")
-        for address in extra_addresses:
-            server.add_insecure_port(address)
+        port = bind(server, router, extra_addresses)  # TLS on every address when configured
         await server.start()
+        probes = None if router.health_port is None else await HealthListener.start(health, router.host,
+                                                                                    router.health_port)
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("router serving %s on %s:%d (policy %s)", SERVICE_NAME, router.host, port, router.policy)
-        return cls(server, service, health, port, router.host, [feeder, service.monitor, service, index],
+        log.info("router serving %s on %s:%d (policy %s%s)", SERVICE_NAME, router.host, port, router.policy,
+                 ", TLS" if router.tls_cert_file else "")
+        return cls(server, service, health, port, router.host, [probes, feeder, service.monitor, service, index],
                    exporter)
 
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -13,8 +13,7 @@ import pytest
 from scipy.optimize import nnls
 
 from router.admission.cost_model import PrefillCostModel, PrefillTimeFit
-from router.admission.linear_fit import (MAX_TERMS, WindowedLinearFit, _identifiable_terms,
-                                         nonnegative_least_squares)
+from router.admission.linear_fit import MAX_TERMS, WindowedLinearFit, _identifiable_terms, nonnegative_least_squares
 from router.admission.step_stats import PrefillStep
 
 TRUTH = PrefillTimeFit(intercept_s=0.010, per_token_s=5e-5, per_token_sq_s=0.0)
