@@ -6,13 +6,14 @@ advertise exactly the Ray resources the pools will ask for.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 
 import pytest
 
-from tests.deploy.chart import (CONFIG_PATH, MATRIX, NAMESPACE, cluster_config_raw, objects, of_kind, only,
-                                pod_templates)
+from router.cli_args import add_connection_flags
+from tests.deploy.chart import CONFIG_PATH, MATRIX, NAMESPACE, cluster_config_raw, objects, of_kind, only, pod_templates
 
 matrix = pytest.mark.parametrize("case", sorted(MATRIX))
 # What a worker needs to land on its own worker group and join the right cluster: always rendered,
@@ -73,11 +74,17 @@ def test_service_target_ports_are_container_ports(case):
 def test_router_port_is_one_number_everywhere(case):
     objs = objects(MATRIX[case])
     router = pod_templates(objs)["router"]
-    port = cluster_config_raw(objs)["router"]["port"]
+    config = cluster_config_raw(objs)["router"]
+    port = config["port"]
     assert _container_port(router, "grpc") == port
+    # Kubernetes' gRPC probes speak plaintext: with TLS on they ask the health-only port.
+    probe_port = config.get("health_port", port)
+    assert ("health_port" in config) == ("tls_cert_file" in config)
     container = router["spec"]["containers"][0]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == port, probe
+        assert container[probe]["grpc"]["port"] == probe_port, probe
+    if "health_port" in config:
+        assert _container_port(router, "health") == config["health_port"] != port
     service = only(objs, "Service", "-router")
     assert {"grpc"} <= {p["targetPort"] for p in service["spec"]["ports"]}
     metrics_port = cluster_config_raw(objs)["router"].get("metrics_port")
@@ -117,7 +124,8 @@ def test_config_addresses_point_at_rendered_objects(case):
     head_client = _container_port(ray["spec"]["headGroupSpec"]["template"], "client")
     # KubeRay names the head Service "<RayCluster name>-head-svc".
     expected = f"ray://{ray['metadata']['name']}-head-svc.{NAMESPACE}.svc:{head_client}"
-    assert config["ray_address"] == expected
+    args = pod_templates(objs)["router"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["--ray-address", expected] and "ray_address" not in config
     assert len(f"{ray['metadata']['name']}-head-svc") <= 50, "KubeRay would shorten the name"
     redis = [s for s in of_kind(objs, "Service") if s["metadata"]["name"].endswith("-redis")]
     external = MATRIX[case].get("redis", {}).get("external", {})
@@ -134,7 +142,7 @@ def test_redis_url_from_a_secret_reaches_the_router_as_a_flag_only():
     objs = objects(MATRIX["external-redis-secret"])
     assert "redis_url" not in cluster_config_raw(objs)
     container = pod_templates(objs)["router"]["spec"]["containers"][0]
-    assert container["args"] == ["--rendezvous-host", "$(POD_IP)", "--redis-url", "$(SPLITSERVE_REDIS_URL)"]
+    assert container["args"][2:] == ["--redis-url", "$(SPLITSERVE_REDIS_URL)"]
     env = {e["name"]: e for e in container["env"]}
     assert env["SPLITSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-conn", "key": "redis-url"}
 
@@ -144,7 +152,6 @@ def test_worker_groups_advertise_what_the_pools_ask_for(case):
     objs = objects(MATRIX[case])
     config = cluster_config_raw(objs)
     groups = {g["groupName"]: g for g in only(objs, "RayCluster")["spec"]["workerGroupSpecs"]}
-    assert config["ray_address"]
     for name in ("prefill", "decode"):
         pool, group = config[name], groups[name]
         assert PLACEMENT_KEYS <= pool.keys(), name
@@ -173,7 +180,7 @@ def test_config_and_model_are_mounted_in_router_and_ray_pods(case):
     config_dir, config_file = CONFIG_PATH.rsplit("/", 1)
     model = values.get("model", {})
     for component, template in pod_templates(objs).items():
-        if component == "redis":
+        if component in ("redis", "test"):
             continue
         mounts = {m["mountPath"]: m["name"] for m in template["spec"]["containers"][0]["volumeMounts"]}
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
@@ -225,9 +232,92 @@ def test_every_pod_runs_non_root_and_locked_down(case):
         assert {"/tmp", "/data"} & {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]}, component
 
 
-def test_workers_are_told_the_router_pod_ip_for_the_rendezvous_store():
-    for case in ("defaults", "gpu"):
-        container = pod_templates(objects(MATRIX[case]))["router"]["spec"]["containers"][0]
-        assert container["args"][:2] == ["--rendezvous-host", "$(POD_IP)"]
-        env = {e["name"]: e for e in container["env"]}
-        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+@matrix
+def test_routers_are_peers_that_join_the_ray_cluster(case):
+    values, objs = MATRIX[case], objects(MATRIX[case])
+    router = only(objs, "Deployment", "-router")
+    replicas = values.get("router", {}).get("replicas", 2)
+    assert router["spec"]["replicas"] == replicas and router["spec"]["strategy"]["type"] == "RollingUpdate"
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    # The command line the controller design fixes: serve joins (or first starts) the cluster's controller.
+    assert container["command"] + container["args"][:2] == ["splitserve", "serve", "--config", CONFIG_PATH,
+                                                             "--ray-address", cluster_ray_address(objs)]
+    assert "POD_IP" not in {e["name"] for e in container["env"]}, "no worker dials a router pod any more"
+    pdbs = of_kind(objs, "PodDisruptionBudget")
+    budget = values.get("router", {}).get("podDisruptionBudget", {})
+    assert len(pdbs) == (1 if budget.get("enabled", True) else 0)
+    for pdb in pdbs:
+        assert pdb["spec"]["maxUnavailable"] == budget.get("maxUnavailable", 1) and "minAvailable" not in pdb["spec"]
+    affinity = router["spec"]["template"]["spec"]["affinity"]
+    (term,) = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert _selects(term["podAffinityTerm"]["labelSelector"], router["spec"]["template"]["metadata"]["labels"])
+
+
+def cluster_ray_address(objs: list[dict]) -> str:
+    ray = only(objs, "RayCluster")
+    return f"ray://{ray['metadata']['name']}-head-svc.{NAMESPACE}.svc:10001"
+
+
+@matrix
+def test_tls_files_are_the_mounted_secrets(case):
+    values, objs = MATRIX[case], objects(MATRIX[case])
+    tls = values.get("tls", {})
+    config = cluster_config_raw(objs)["router"]
+    router = pod_templates(objs)["router"]["spec"]
+    service = only(objs, "Service", "-router")
+    grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    if not tls.get("enabled"):
+        assert not {"tls_cert_file", "tls_key_file", "tls_client_ca_file", "health_port"} & config.keys()
+        assert grpc_port["appProtocol"] == "kubernetes.io/h2c"
+        return
+    assert "appProtocol" not in grpc_port, "TLS end to end: not cleartext HTTP/2"
+    mounts = {m["name"]: m["mountPath"] for m in router["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v["secret"] for v in router["volumes"] if "secret" in v}
+    secret = tls.get("existingSecret") or "rel-splitserve-router-tls"
+    assert volumes["tls"]["secretName"] == secret and "items" not in volumes["tls"], "renewals must reach the pod"
+    assert config["tls_cert_file"] == f"{mounts['tls']}/tls.crt" and config["tls_key_file"] == f"{mounts['tls']}/tls.key"
+    client_ca = tls.get("clientCA", {})
+    if client_ca.get("existingSecret"):
+        key = client_ca.get("key", "ca.crt")
+        assert volumes["client-ca"]["secretName"] == client_ca["existingSecret"]
+        assert config["tls_client_ca_file"] == f"{mounts['client-ca']}/{key}"
+    else:
+        assert "tls_client_ca_file" not in config and "client-ca" not in volumes
+    certificates = {c["spec"]["secretName"]: c for c in of_kind(objs, "Certificate")}
+    if tls.get("certManager", {}).get("enabled"):
+        names = certificates[secret]["spec"]["dnsNames"]
+        assert f"{service['metadata']['name']}.{NAMESPACE}.svc" in names, "the name clients dial"
+        assert set(tls["certManager"].get("extraDnsNames", [])) <= set(names)
+
+
+@matrix
+def test_helm_test_pod_checks_health_then_generates_as_a_client_of_the_release(case):
+    values, objs = MATRIX[case], objects(MATRIX[case])
+    pods = of_kind(objs, "Pod")
+    if values.get("test", {}).get("enabled", True) is False:
+        assert pods == []
+        return
+    (pod,) = pods
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test" and pod["spec"]["restartPolicy"] == "Never"
+    (health,), (generate,) = pod["spec"]["initContainers"], pod["spec"]["containers"]
+    assert health["command"][:2] == ["splitserve", "health"] and generate["command"][:2] == ["splitserve", "generate"]
+    service = only(objs, "Service", "-router")
+    target = f"{service['metadata']['name']}.{NAMESPACE}.svc:{service['spec']['ports'][0]['port']}"
+    parser = argparse.ArgumentParser()
+    add_connection_flags(parser)
+    parser.add_argument("--timeout-s")
+    for container in (health, generate):
+        args, _ = parser.parse_known_args(container["command"][2:])
+        assert args.target == target
+        files = [f for f in (args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.auth_token_file) if f]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        for path in files:  # every file a flag names is a key of a mounted Secret
+            folder, key = path.rsplit("/", 1)
+            assert key in {i["path"] for i in volumes[mounts[folder]]["secret"]["items"]}, path
+        tls = values.get("tls", {})
+        assert bool(args.tls_ca_file or args.tls) == bool(tls.get("enabled"))
+        assert bool(args.tls_cert_file) == bool(tls.get("enabled") and tls.get("clientCA", {}).get("existingSecret"))
+        assert bool(args.auth_token_file) == bool(values.get("auth", {}).get("enabled"))
+    generated = parser.parse_known_args(generate["command"][2:])[1]
+    assert generated[-1] == values.get("test", {}).get("prompt", "Hello") and "--max-tokens" in generated
