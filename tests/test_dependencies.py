@@ -14,11 +14,12 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-import cluster
+import splitserve
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-PRODUCT = ("engine", "prefill_worker", "decode_worker", "kvtransfer", "router", "cluster", "loadtest")
+PRODUCT = ("engine", "prefill_worker", "decode_worker", "kvtransfer", "router", "cluster", "loadtest", "splitserve",
+           "benchmarks")
 # Distribution -> the module it is imported as, where the names differ.
 IMPORT_NAMES = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "grpcio-reflection": "grpc_reflection",
                 "grpcio-tools": "grpc_tools", "protobuf": "google.protobuf", "pyyaml": "yaml",
@@ -118,10 +119,10 @@ def test_nothing_is_declared_that_nothing_imports():
 
 def test_the_version_is_written_once():
     assert PYPROJECT["project"]["dynamic"] == ["version"]
-    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "cluster.__version__"}
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "splitserve.__version__"}
     chart = yaml.safe_load((REPO / "deploy/helm/splitserve/Chart.yaml").read_text())
-    assert chart["appVersion"] == cluster.__version__
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "--version"], capture_output=True, text=True,
+    assert chart["appVersion"] == splitserve.__version__
+    done = subprocess.run([sys.executable, "-m", "splitserve.cli", "--version"], capture_output=True, text=True,
                           cwd=REPO, timeout=30, check=True)
-    assert done.stdout.startswith(f"splitserve {cluster.__version__} (Python ")
+    assert done.stdout.startswith(f"splitserve {splitserve.__version__} (Python ")
     assert "torch " in done.stdout and "grpcio " in done.stdout

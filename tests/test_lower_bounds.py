@@ -16,7 +16,8 @@ from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 LOWER_PYTHON = Path(os.environ.get("SPLITSERVE_LOWER_PYTHON", REPO / ".venv-lower" / "bin" / "python"))
-PACKAGES = ("engine", "prefill_worker", "decode_worker", "kvtransfer", "router", "cluster", "loadtest")
+PACKAGES = ("engine", "prefill_worker", "decode_worker", "kvtransfer", "router", "cluster", "loadtest", "splitserve",
+            "benchmarks")
 lower_bound_pin = load_script("lower_bounds").lower_bound_pin
 
 SCRIPT = r"""
@@ -90,7 +91,7 @@ def test_the_lower_bounds_serve_a_request(checkpoint, tmp_path):
 
 def test_bench_plots_need_the_plot_extra(tmp_path):
     """The runtime set has no matplotlib: `--plot` fails before any request, naming the extra."""
-    done = subprocess.run([str(LOWER_PYTHON), "-m", "cluster.cli", "bench", "--plot", str(tmp_path)],
+    done = subprocess.run([str(LOWER_PYTHON), "-m", "splitserve.cli", "bench", "--plot", str(tmp_path)],
                           capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"]},
                           timeout=60, cwd="/", check=False)
     assert done.returncode == 2 and "splitserve[plot]" in done.stderr, done.stderr

@@ -8,7 +8,7 @@ import ssl
 import pytest
 
 from cluster.config import ClusterConfig, ConfigError
-from cluster.serve import build_config, parser
+from splitserve.serve import build_config, parser
 from cluster.tls import TlsFiles, load_server_tls, server_ssl_context
 from tests.tls_certs import TestCA
 
@@ -41,11 +41,11 @@ def test_config_rules_name_the_key(keys, named):
 
 def test_serve_flags_reach_the_config_and_are_validated_there(pki):
     _, server, _, _ = pki
-    config = build_config(parser().parse_args(["--tls-cert-file", str(server.cert_file), "--tls-key-file",
-                                               str(server.key_file), "--health-port", "8081"]))
+    config, _ = build_config(parser("splitserve serve").parse_args([
+        "--tls-cert-file", str(server.cert_file), "--tls-key-file", str(server.key_file), "--health-port", "8081"]))
     assert (config.router.tls_cert_file, config.router.health_port) == (str(server.cert_file), 8081)
     with pytest.raises(ConfigError, match="router.tls_key_file"):
-        build_config(parser().parse_args(["--tls-cert-file", str(server.cert_file)]))
+        build_config(parser("splitserve serve").parse_args(["--tls-cert-file", str(server.cert_file)]))
 
 
 def test_unusable_files_are_named(pki, tmp_path):

@@ -13,7 +13,17 @@ import shlex
 import pytest
 
 from router.cli_args import add_connection_flags
-from tests.deploy.chart import CONFIG_PATH, MATRIX, NAMESPACE, cluster_config_raw, objects, of_kind, only, pod_templates
+from tests.deploy.chart import (
+    CONFIG_PATH,
+    MATRIX,
+    NAMESPACE,
+    RELEASE,
+    cluster_config_raw,
+    objects,
+    of_kind,
+    only,
+    pod_templates,
+)
 
 matrix = pytest.mark.parametrize("case", sorted(MATRIX))
 # What a worker needs to land on its own worker group and join the right cluster: always rendered,
@@ -321,3 +331,13 @@ def test_helm_test_pod_checks_health_then_generates_as_a_client_of_the_release(c
         assert bool(args.auth_token_file) == bool(values.get("auth", {}).get("enabled"))
     generated = parser.parse_known_args(generate["command"][2:])[1]
     assert generated[-1] == values.get("test", {}).get("prompt", "Hello") and "--max-tokens" in generated
+
+
+def test_one_cluster_per_release_and_no_rendezvous_in_the_router_pod():
+    """The controller of the release's cluster (named after the release) owns the pools and the
+    rendezvous store lives in the Ray cluster: a router pod carries neither, so losing one loses neither."""
+    for case in ("defaults", "gpu"):
+        objs = objects(MATRIX[case])
+        assert cluster_config_raw(objs)["cluster_name"] == f"{RELEASE}-splitserve"
+        container = pod_templates(objs)["router"]["spec"]["containers"][0]
+        assert "--rendezvous-host" not in container.get("args", [])

@@ -16,7 +16,7 @@ from tests.deploy.chart import CHART_DIR, MATRIX, chart, cluster_config_raw, obj
 CHART_OWNED_TOP = {"model_dir", "redis_url", "prefill", "decode", "router",
                    "ray_address",  # the RayCluster's head, passed as --ray-address
                    "ray_num_cpus",  # sizes a local Ray cluster; a release always joins KubeRay's
-                   "rendezvous_host"}  # where workers reach the cluster's shared store: the controller's to say
+                   "cluster_name"}  # the release's full name: one cluster (one controller) per release
 CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource"}
 CHART_OWNED_ROUTER = {"host", "port", "policy", "auth_token_file", "metrics_port",
                       "tls_cert_file", "tls_key_file", "tls_client_ca_file", "health_port"}  # from tls.*

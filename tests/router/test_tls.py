@@ -27,7 +27,7 @@ from tests.router.conftest import SMALL_POOL, LoopThread
 from tests.tls_certs import TestCA
 
 REPO = Path(__file__).resolve().parents[2]
-SPLITSERVE = [sys.executable, "-m", "cluster.cli"]
+SPLITSERVE = [sys.executable, "-m", "splitserve.cli"]
 PROMPT = [5, 6, 7, 8]
 FAIL_FAST_S = 5.0  # a refused handshake must surface well within this, never as a hang
 

@@ -13,6 +13,7 @@ router's command line names it (`--ray-address`). */}}
 {{- define "splitserve.clusterConfig" -}}
 {{- $v := .Values -}}
 {{- $cfg := deepCopy $v.config -}}
+{{- $_ := set $cfg "cluster_name" (include "splitserve.fullname" .) -}}
 {{- with $v.model.dir }}{{ $_ := set $cfg "model_dir" . }}{{ end -}}
 {{- $prefill := dict "pool" $v.prefill "tpSize" 1 "gpu" $v.gpu.enabled "extra" $cfg.prefill -}}
 {{- $_ := set $cfg "prefill" (include "splitserve.poolConfig" $prefill | fromYaml) -}}
