@@ -8,8 +8,8 @@ import ssl
 import pytest
 
 from cluster.config import ClusterConfig, ConfigError
-from splitserve.serve import build_config, parser
 from cluster.tls import TlsFiles, load_server_tls, server_ssl_context
+from splitserve.serve import build_config, parser
 from tests.tls_certs import TestCA
 
 
