@@ -14,8 +14,9 @@ Model: target ≈ Σ_j coef_j · feature_j, fitted over the most recent `window`
   solution on its own support, so the best non-negative subset solution is exactly it; on a tie
   the subset with fewer terms wins. (The greedy active set this replaced pinned the most negative
   unscaled coefficient, usually the fixed cost, and never let it back in: on prefill windows of long
-  prompts — 1,000-2,048 tokens per step, 5% noise — it missed the optimum in 28% of windows, dropping
-  the fixed overhead and predicting a 64-token prompt at 0.27x its true time.)
+  prompts — 1,000-2,048 tokens per step, 5% noise — it missed the optimum in 27% of windows, dropping
+  the fixed overhead and predicting a 64-token prompt at down to 0.27x its true time;
+  `python -m benchmarks.fit_vs_greedy` measures both.)
 * Prior-backed: before `min_samples` samples the prior is the whole answer. After that, a term the
   window cannot identify — its feature is zero in every sample, or a combination of the terms before
   it (e.g. every decode step had batch size 1, so "per sequence" and "fixed" cost look the same) —
