@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from cluster.membership import Member
 from cluster.messages import GenerateRequest, PullOutcome, TokenUpdate
 from engine.errors import InvalidRequestError
-from kvtransfer.session import HandoffFailed, HandoffStats
+from kvtransfer.session import HandoffStats
 
 POLL_WAIT_S = 0.2
 
@@ -37,10 +37,12 @@ class RequestFailed(RuntimeError):
     the bad input, if any)."""
 
     def __init__(self, reason: str, *, unavailable: bool = False, field: str | None = None,
-                 timed_out: bool = False, out_of_capacity: bool = False):
+                 timed_out: bool = False, out_of_capacity: bool = False, lost_worker: tuple[str, int] | None = None):
         super().__init__(reason)
         self.reason, self.unavailable, self.field, self.timed_out = reason, unavailable, field, timed_out
         self.out_of_capacity = out_of_capacity  # a worker's KV pool is full now: retry later
+        self.lost_worker = lost_worker  # (worker id, epoch) of a worker found dead on the way, if any
+        self.migration_cause = "worker_failed"  # set by the router: which part was lost (metrics)
 
 
 @dataclass(frozen=True)
@@ -96,14 +98,14 @@ class ClusterClient:
         finished, prefill_holds = False, True
         try:
             stream = prefill.actor.prefill.options(num_returns="streaming").remote(request, decode, self.client_id)
-            first = await _next(stream, deadline_s, f"prefill worker {prefill.worker_id}")
+            first = await _next(stream, deadline_s, f"prefill worker {prefill.worker_id}", prefill)
             yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason,
                              first.num_cached_tokens, first.pull)
             if not first.handoff:  # done at prefill: nothing was reserved on decode
                 finished = True
                 return
             stats: HandoffStats = await _next(stream, deadline_s, f"KV hand-off {prefill.worker_id} -> "
-                                                                  f"{decode.worker_id}")
+                                                                  f"{decode.worker_id}", prefill)
             prefill_holds = False  # adopted: the prefill worker holds nothing of it any more
             for listener in self.handoff_listeners:
                 listener(stats)
@@ -129,9 +131,11 @@ class ClusterClient:
         while True:
             left_s = deadline_s - time.monotonic()
             try:
-                update: TokenUpdate = await asyncio.wait_for(queue.get(), max(left_s, 0.0))
+                update: TokenUpdate | RequestFailed = await asyncio.wait_for(queue.get(), max(left_s, 0.0))
             except asyncio.TimeoutError:
                 raise RequestFailed("the request's deadline passed while decoding", timed_out=True) from None
+            if isinstance(update, RequestFailed):  # its decode instance failed (see _fail_instance)
+                raise update
             if update.error is not None:
                 raise RequestFailed(update.error, unavailable=True)
             yield TokenChunk(update.token_ids, update.logprobs, update.finish_reason)
@@ -163,7 +167,8 @@ class ClusterClient:
             try:
                 updates = await decode.actor.poll.remote(self.client_id, POLL_WAIT_S)
             except (RayActorError, RayTaskError) as err:
-                self._fail_instance(key, f"decode instance {decode.worker_id} is unavailable: {err}")
+                self._fail_instance(key, f"decode instance {decode.worker_id} is unavailable: {type(err).__name__}",
+                                    dead=isinstance(err, RayActorError))
                 self._pollers.pop(key, None)
                 return
             for update in updates:  # an idle instance's poll blocks server-side up to POLL_WAIT_S
@@ -171,10 +176,10 @@ class ClusterClient:
                 if queue is not None:
                     queue.put_nowait(update)
 
-    def _fail_instance(self, key: tuple[str, int], reason: str) -> None:
+    def _fail_instance(self, key: tuple[str, int], reason: str, dead: bool) -> None:
         for request_id, queue in self._queues.items():
             if self._instance_of.get(request_id) == key:
-                queue.put_nowait(TokenUpdate(request_id, (), (), error=reason))
+                queue.put_nowait(RequestFailed(reason, unavailable=True, lost_worker=key if dead else None))
 
     async def close(self) -> None:
         if self._cleanups:  # let aborts in flight reach the workers (each is bounded)
@@ -184,7 +189,7 @@ class ClusterClient:
         self._pollers.clear()
 
 
-async def _next(stream, deadline_s: float, what: str):
+async def _next(stream, deadline_s: float, what: str, prefill: Member):
     """The next item of a streaming Ray call, within the request's deadline; failures → RequestFailed."""
     try:
         ref = await asyncio.wait_for(stream.__anext__(), max(deadline_s - time.monotonic(), 0.0))
@@ -194,13 +199,14 @@ async def _next(stream, deadline_s: float, what: str):
     except asyncio.TimeoutError:
         raise RequestFailed(f"{what} did not answer before the request deadline", timed_out=True) from None
     except RayActorError as err:
-        raise RequestFailed(f"{what} died: {err.__class__.__name__}", unavailable=True) from None
+        raise RequestFailed(f"{what} died: {err.__class__.__name__}", unavailable=True,
+                            lost_worker=(prefill.worker_id, prefill.epoch)) from None
     except RayTaskError as err:
         cause = err.cause if hasattr(err, "cause") else err
         if isinstance(cause, InvalidRequestError):
             raise RequestFailed(str(cause), field=cause.field) from None
         if isinstance(cause, MemoryError):
             raise RequestFailed(f"{what}: {cause}", out_of_capacity=True) from None
-        if isinstance(cause, HandoffFailed):
-            raise RequestFailed(f"{what}: {cause}", unavailable=True) from None
+        if time.monotonic() >= deadline_s:
+            raise RequestFailed(f"{what}: the request's deadline passed ({cause})", timed_out=True) from None
         raise RequestFailed(f"{what} failed: {cause}", unavailable=True) from None

@@ -34,6 +34,7 @@ class ClusterView:
         self.listeners: list[Callable[[Membership, Membership], None]] = []  # (old, new)
         self._task: asyncio.Task | None = None
         self._watch = None  # the long-poll in flight (cancelled on close: the controller may outlive us)
+        self._waiters: set[asyncio.Future] = set()
 
     @property
     def prefill(self) -> list[Member]:
@@ -57,11 +58,25 @@ class ClusterView:
         if membership.cluster_id == old.cluster_id and membership.version <= old.version:
             return
         self.membership = membership
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         for listener in self.listeners:
             try:
                 listener(old, membership)
             except Exception:  # one listener's bug must not stop the others or the watch
                 log.exception("membership listener failed")
+
+    async def wait_for_change(self, timeout_s: float) -> None:
+        """Returns at the next new membership, or after `timeout_s`."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wait_for(waiter, max(timeout_s, 0.0))
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(waiter)
 
     async def _follow(self) -> None:
         failing = False

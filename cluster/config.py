@@ -64,6 +64,8 @@ class RouterConfig:
     metrics_port: int | None = None  # Prometheus endpoint; None: off
     index_poll_interval_s: float = 0.05  # how often the in-process prefix index pulls worker KV events
     prefix_pull: str = "auto"  # one of PREFIX_PULL_MODES (needs the cache_aware policy's index)
+    migration_limit: int = 3  # a request moves to other workers at most this often when workers fail under it
+    worker_wait_s: float = 60.0  # a pool with no serving worker (a replacement starting) is waited for this long
     tls_cert_file: str | None = None  # PEM certificate chain the router presents; None: plaintext
     tls_key_file: str | None = None  # PEM private key of that certificate
     tls_client_ca_file: str | None = None  # PEM CA bundle client certificates must chain to (mutual TLS)
@@ -204,6 +206,8 @@ def _check_router(router: RouterConfig) -> None:
            "must be None or in [0, 65535]")
     _check(router.index_poll_interval_s > 0, "router.index_poll_interval_s", "must be > 0")
     _check(router.prefix_pull in PREFIX_PULL_MODES, "router.prefix_pull", f"must be one of {list(PREFIX_PULL_MODES)}")
+    _check(router.migration_limit >= 0, "router.migration_limit", "must be >= 0")
+    _check(router.worker_wait_s >= 0, "router.worker_wait_s", "must be >= 0")
     _check_tls(router)
     _check(router.health_port is None or 0 <= router.health_port <= 65535, "router.health_port",
            "must be None or in [0, 65535]")

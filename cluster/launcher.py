@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import GetTimeoutError, RayTaskError
 
 from cluster.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
 from cluster.controller import ClusterController, controller_name
@@ -151,19 +151,25 @@ def _start_or_join(name: str, config: ClusterConfig, model_dir: str | None, give
 
 
 def _wait_ready(controller, timeout_s: float, say) -> Membership:
-    """Until the pools serve, telling `say` how far they got every few seconds."""
+    """Until the pools serve, telling `say` how far they got every few seconds. The whole wait, the
+    controller's own start included, is bounded by `timeout_s` (plus a little for the calls)."""
     deadline_s = time.monotonic() + timeout_s
     while True:
-        wait_s = min(PROGRESS_EVERY_S, max(deadline_s - time.monotonic(), 0.1))
+        left_s = max(deadline_s - time.monotonic(), 0.1)
         try:
-            return ray.get(controller.wait_ready.remote(wait_s), timeout=wait_s + JOIN_TIMEOUT_S)
+            return ray.get(controller.wait_ready.remote(min(PROGRESS_EVERY_S, left_s)), timeout=left_s + JOIN_TIMEOUT_S)
         except RayTaskError as err:
             cause = getattr(err, "cause", None)
             if not isinstance(cause, ClusterStartError):
                 raise
             if time.monotonic() >= deadline_s:
                 raise cause from None
-        say(ray.get(controller.progress.remote(), timeout=JOIN_TIMEOUT_S))
+        except GetTimeoutError:
+            raise ClusterStartError(f"the cluster controller did not answer within {timeout_s:.0f} s") from None
+        try:
+            say(ray.get(controller.progress.remote(), timeout=JOIN_TIMEOUT_S))
+        except GetTimeoutError:
+            pass
 
 
 def _non_null(raw: dict) -> dict:

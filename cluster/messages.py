@@ -37,6 +37,13 @@ class GenerateRequest:
     tenant: str = ""  # salts block hashes: tenants never share prefix-cache entries
     prefix_pull: PrefixPull | None = None
     deadline_s: float | None = None  # time.time() by which the request must be done; None: no bound
+    # Tokens the request already streamed (a migrated request resumes after them; they count as output).
+    output_token_ids: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token whose KV the prefill computes: the prompt, then what was already streamed."""
+        return tuple(self.prompt_token_ids) + tuple(self.output_token_ids)
 
 
 @dataclass(frozen=True)

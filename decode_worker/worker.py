@@ -116,7 +116,7 @@ class DecodeRank:
         if self._leases.pop(rid, None) is None:
             raise HandoffFailed("adopt", f"{rid!r} was cancelled or its lease ended")
         self.receiver.forget(rid)
-        tokens = tuple(request.prompt_token_ids) + (first_token_id,)
+        tokens = tuple(request.prompt_token_ids) + tuple(request.output_token_ids) + (first_token_id,)
         await self._call(lambda engine: engine.adopt(rid, tokens, len(request.prompt_token_ids), request.params,
                                                      priority=request.priority, tenant_salt=request.tenant))
         await asyncio.gather(*(f.cancel_expected.remote(rid) for f in self._followers))
@@ -153,6 +153,10 @@ class DecodeRank:
     async def debug_signal(self, signum: int) -> None:
         """Fault injection (chaos, tests): send `signum` to this actor's own process (SIGKILL: no cleanup)."""
         os.kill(os.getpid(), signum)
+
+    async def debug_set_step_delay(self, seconds: float) -> None:
+        """Fault injection for tests (rank 0): sleep `seconds` before each engine step."""
+        self.setup.loop.step_delay_s = seconds
 
     async def debug_set_receive_delay(self, seconds: float) -> None:
         """Fault injection for tests: stall each KV receive by `seconds`."""

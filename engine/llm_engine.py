@@ -24,7 +24,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_model_config
 from engine.model_runner import ModelRunner, StepInput, build_step_input, order_chunks
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
-from engine.request_checks import check_new_request
+from engine.request_checks import check_new_request, check_resumed_outputs
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -75,9 +75,17 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, seq_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    priority: int = 0, tenant_salt: str = "", arrival_time_s: float | None = None) -> Sequence:
-        """Queue a request; raises InvalidRequestError naming the bad field (nothing else changes)."""
+                    priority: int = 0, tenant_salt: str = "", arrival_time_s: float | None = None,
+                    output_token_ids: Seq[int] = ()) -> Sequence:
+        """Queue a request; raises InvalidRequestError naming the bad field (nothing else changes).
+        `output_token_ids`: tokens the request already generated elsewhere (a migrated request resumes
+        after them): they are output for penalties, seeded draws (by position), stop strings, min/max
+        tokens, and the next token sampled is output number len(output_token_ids)."""
         seq = self._new_sequence(seq_id, prompt_token_ids, params, priority, tenant_salt, arrival_time_s)
+        if output_token_ids:
+            check_resumed_outputs(output_token_ids, seq.num_prompt_tokens, params, self.model_config.vocab_size,
+                                  self.max_model_len, self.num_blocks, self.config.block_size)
+            seq.token_ids.extend(output_token_ids)
         self.scheduler.add(seq)
         self.seqs[seq_id] = seq
         return seq

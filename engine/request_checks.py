@@ -33,3 +33,22 @@ def check_new_request(prompt_token_ids: Sequence[int], params: SamplingParams, p
         raise InvalidRequestError("prompt", f"needs {blocks_needed} KV blocks; this worker's pool has "
                                             f"{num_blocks}")
     return tokens
+
+
+def check_resumed_outputs(output_token_ids: Sequence[int], num_prompt_tokens: int, params: SamplingParams,
+                          vocab_size: int, max_model_len: int, num_blocks: int, block_size: int) -> None:
+    """Tokens a resumed request already generated: in the vocabulary, leaving room for one more."""
+    for index, token in enumerate(output_token_ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError("output_token_ids", f"token {token!r} at index {index} is outside the "
+                                                          f"vocabulary [0, {vocab_size})")
+    count = len(output_token_ids)
+    if count >= params.max_tokens:
+        raise InvalidRequestError("output_token_ids", f"{count} tokens already reach max_tokens={params.max_tokens}")
+    total = num_prompt_tokens + count
+    if total >= max_model_len:
+        raise InvalidRequestError("output_token_ids", f"prompt and output hold {total} tokens; the model's limit "
+                                                      f"is {max_model_len} including the next one")
+    if (total + 1 + block_size - 1) // block_size > num_blocks:
+        raise InvalidRequestError("output_token_ids", f"prompt and output need more KV blocks than this "
+                                                      f"worker's pool of {num_blocks}")

@@ -14,6 +14,8 @@ class RequestRecorder:
     def __init__(self, planned: PlannedRequest, request_id: str, send_s: float):
         self.planned, self.request_id, self.send_s = planned, request_id, send_s
         self._token_times_s: list[float] = []
+        self._token_ids: list[int] = []
+        self._migrations = 0
         self._end_s: float | None = None
         self._cached: int | None = None
         self._finish: str | None = None
@@ -26,12 +28,13 @@ class RequestRecorder:
     def on_chunk(self, chunk, now_s: float) -> None:
         """One streamed message (an SDK `GenerateChunk`) arrived at now_s."""
         self._token_times_s.extend([now_s - self.send_s] * len(chunk.token_ids))
+        self._token_ids.extend(chunk.token_ids)
         if chunk.route is not None:
             self._cached = chunk.route.cached_prompt_tokens
         if chunk.usage is not None:  # the final count wins over the route's early one
             self._cached = chunk.usage.cached_prompt_tokens
         if chunk.finish_reason:
-            self._finish = chunk.finish_reason
+            self._finish, self._migrations = chunk.finish_reason, chunk.migrations
             self._end_s = now_s
 
     def on_error(self, code: str, reason: str, now_s: float) -> None:
@@ -53,4 +56,5 @@ class RequestRecorder:
         return RequestRecord(self.request_id, p.index, p.arrival_s, self.send_s, p.num_prompt_tokens, p.max_tokens,
                              tuple(self._token_times_s), self._end_s - self.send_s, self._cached,
                              None if self._error else self._finish, code, reason,
-                             p.slo.ttft_ms, p.slo.tpot_ms, p.priority, p.tenant)
+                             p.slo.ttft_ms, p.slo.tpot_ms, p.priority, p.tenant, tuple(self._token_ids),
+                             self._migrations)

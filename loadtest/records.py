@@ -41,6 +41,8 @@ class RequestRecord:
     tpot_slo_ms: float | None = None
     priority: int = 0
     tenant: str = ""
+    token_ids: tuple[int, ...] = ()  # what the stream delivered, in order (chaos compares them with a replay)
+    migrations: int = 0  # times the router moved the request to other workers (final message)
 
     @property
     def ok(self) -> bool:
@@ -98,6 +100,7 @@ class RequestRecord:
         """Inverse of `to_dict` (derived values are recomputed, not trusted)."""
         values = {f.name: raw[f.name] for f in fields(RequestRecord) if f.name in raw}
         values["token_times_s"] = tuple(values.get("token_times_s", ()))
+        values["token_ids"] = tuple(values.get("token_ids", ()))
         return RequestRecord(**values)
 
 

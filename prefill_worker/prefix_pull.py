@@ -128,7 +128,7 @@ class PrefixPuller:
 
     async def pull(self, request: GenerateRequest) -> PullOutcome:
         """Fetches the request's prefix from its holder; never raises (a failure means recompute)."""
-        started_s, rid, tokens = time.perf_counter(), request.request_id, request.prompt_token_ids
+        started_s, rid, tokens = time.perf_counter(), request.request_id, request.token_ids
         spec = request.prefix_pull
         reservation = await self._engine(lambda e: reserve_pull(e, rid, tokens, request.tenant, spec.num_blocks))
         if reservation is None:
@@ -157,7 +157,7 @@ class PrefixPuller:
         holder = self._find_worker(spec.holder_id)
         if holder is None:
             raise LookupError(f"{spec.holder_id} is not a live prefill worker")
-        tokens = request.prompt_token_ids[:spec.num_blocks * self.block_size + 1]  # all the holder verifies
+        tokens = request.token_ids[:spec.num_blocks * self.block_size + 1]  # all the holder verifies
         count = await asyncio.wait_for(
             holder.export_prefix.remote(self.worker_id, self.peer_id, request.request_id, tokens, request.tenant,
                                         reservation.num_local_blocks, spec.num_blocks),

@@ -115,7 +115,7 @@ class PrefillWorker:
                     return await waiter
             await asyncio.wrap_future(self.loop.call(lambda engine: engine.add_request(
                 rid, request.prompt_token_ids, request.params, priority=request.priority,
-                tenant_salt=request.tenant)))
+                tenant_salt=request.tenant, output_token_ids=request.output_token_ids)))
         except Exception:
             self._waiters.pop(rid, None)
             self._started_s.pop(rid, None)

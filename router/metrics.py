@@ -100,6 +100,8 @@ class RouterMetrics:
         self._goodput = self._counter("goodput_requests_total", "Requests finished OK within their SLO.")
         self._admitted = self._counter("admitted_requests_total", "Requests admitted by admission control.")
         self._rejected = self._counter("rejected_requests_total", "Requests refused early, by reason.", ("reason",))
+        self._migrations = self._counter("migrations_total", "Requests moved to other workers after a worker was "
+                                         "lost under them, by cause.", ("cause",))
         self._inflight = self._gauge("inflight_requests", "Requests streaming now (incl. aborts not yet "
                                      "confirmed by workers).")
         self._prompt = self._counter("prompt_tokens_total", "Prompt tokens of requests that finished OK.")
@@ -143,6 +145,13 @@ class RouterMetrics:
         label = reject_reason(reason)
         self._rejected.labels(label).inc()
         return label
+
+    def migrated(self, cause: str) -> None:
+        """A request resumed on other workers; `cause`: prefill_lost, decode_lost, handoff_failed, worker_failed."""
+        self._migrations.labels(cause).inc()
+
+    def migrations_by_cause(self) -> dict[str, int]:
+        return {cause: int(n) for cause, n in plain(sample_values(self._migrations, "_total")).items() if n}
 
     def prompt_tokens(self, total: int, cached: int) -> None:
         """A finished request's prompt length and how much of it a prefix cache supplied."""
@@ -191,6 +200,7 @@ class RouterMetrics:
             "goodput_requests_total": plain(sample_values(self._goodput, "_total")),
             "admitted_requests_total": plain(sample_values(self._admitted, "_total")),
             "rejected_requests_total": plain(sample_values(self._rejected, "_total")),
+            "migrations_total": plain(sample_values(self._migrations, "_total")),
             "inflight_requests": plain(sample_values(self._inflight)),
             "prompt_tokens_total": plain(sample_values(self._prompt, "_total")),
             "cached_prompt_tokens_total": plain(sample_values(self._cached, "_total")),

@@ -105,6 +105,7 @@ class GenerateChunk:
     finish_reason: str | None  # "stop" / "length" on the last chunk
     route: Route | None  # first chunk only
     usage: Usage | None  # last chunk only
+    migrations: int = 0  # last chunk only: times the router moved the request to other workers
 
 
 @dataclass(frozen=True)
@@ -118,14 +119,16 @@ class Completion:
     logprobs: tuple[TokenLogprob, ...] = ()
     route: Route | None = None
     usage: Usage | None = None
-    attempts: int = 1
+    attempts: int = 1  # calls the SDK made (it retries UNAVAILABLE before the first token)
+    migrations: int = 0  # times the router moved the request to other workers (an unbroken stream)
 
     @staticmethod
     def from_chunks(chunks: list[GenerateChunk], attempts: int = 1) -> "Completion":
         first, last = chunks[0], chunks[-1]
         return Completion(first.request_id, tuple(t for c in chunks for t in c.token_ids),
                           "".join(c.text for c in chunks), last.finish_reason or "",
-                          tuple(lp for c in chunks for lp in c.logprobs), first.route, last.usage, attempts)
+                          tuple(lp for c in chunks for lp in c.logprobs), first.route, last.usage, attempts,
+                          last.migrations)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class ClusterStatus:
     prompt_tokens_total: int = 0
     cached_prompt_tokens_total: int = 0
     index_entries: int = 0
+    migrations_total: dict = field(default_factory=dict)  # by cause
 
 
 def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
@@ -158,7 +162,7 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
     logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
                      for lp in msg.logprobs)
     return GenerateChunk(msg.request_id, tuple(msg.token_ids), msg.text, logprobs,
-                         _FINISH.get(msg.finish_reason), route, usage)
+                         _FINISH.get(msg.finish_reason), route, usage, msg.migrations)
 
 
 def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
@@ -169,4 +173,5 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
 def status_from_proto(msg: pb.ClusterStatus) -> ClusterStatus:
     workers = tuple({f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields} for w in msg.workers)
     return ClusterStatus(workers, msg.inflight_requests, dict(msg.requests_total), msg.routing_policy,
-                         msg.prompt_tokens_total, msg.cached_prompt_tokens_total, msg.index_entries)
+                         msg.prompt_tokens_total, msg.cached_prompt_tokens_total, msg.index_entries,
+                         dict(msg.migrations_total))

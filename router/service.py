@@ -7,27 +7,30 @@ exceptions raised here (`InvalidRequestError`, `RequestFailed`, `Overloaded`, `D
 """
 from __future__ import annotations
 
-import array
-import sys
+import logging
 import time
-from collections import Counter, defaultdict, deque
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from cluster.client import ClusterClient, RequestFailed
 from cluster.cluster_view import ClusterView
-from cluster.membership import Membership
-from cluster.messages import GenerateRequest, PrefixPull
-from engine.block_hash import HashNamespace, check_spec_fingerprint, hash_blocks
+from cluster.membership import Member, Membership
+from cluster.messages import GenerateRequest
+from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
-from router.routing import NoWorkersError, RouteQuery, RoutingPolicy, WorkerLoad
-from router.admission import RunningRequest
+from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.admission_gate import AdmissionGate
 from router.metrics import RouterMetrics, slo_met
+from router.ledger import RouteLedger
 from router.prefix_pull_planner import PullPlanner
+from router.request_keys import route_query, timed
 from router.stream_state import StreamState, Usage
 from router.validation import ModelLimits, RouterRequest
 from router.worker_monitor import WorkerMonitor
+
+
+log = logging.getLogger(__name__)
 
 
 class Overloaded(RuntimeError):
@@ -59,6 +62,7 @@ class RouterOutput:
     finish_reason: str | None
     route: RouteInfo | None = None
     usage: Usage | None = None
+    migrations: int = 0  # on the last output: how many times the request moved to other workers
 
 
 class RouterService:
@@ -87,12 +91,10 @@ class RouterService:
             self.monitor.listeners.append(self.pull_planner.observe_stats)
         self.client.handoff_listeners.append(lambda stats: self.pull_planner.observe_transfer(stats.num_bytes,
                                                                                               stats.elapsed_s))
-        self._decoding: dict[str, dict[str, StreamState]] = defaultdict(dict)  # decode worker → its streams
         # admitted request → uncached tokens queued on its prefill worker at admission, its own included
         self._tokens_through: dict[str, int] = {}
         self._running: set[str] = set()
-        self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
-        self._inflight = Counter()  # prefill worker → requests in flight
+        self.ledger = RouteLedger()
         # (request id, seconds spent inside the cluster API) of recent requests: benchmarks subtract it
         # from what the client saw to get what the router path added to that very request.
         self.cluster_call_s: deque[tuple[str, float]] = deque(maxlen=100_000)
@@ -131,44 +133,69 @@ class RouterService:
 
     async def _run(self, request: RouterRequest, deadline_s: float | None, state: StreamState,
                    waited_s: float) -> AsyncIterator[RouterOutput]:
-        query = self._route_query(request)
-        prefill, decode, decision = await self._choose(query)
+        """Attempts until the request ends. A worker lost under it (dead, or its hand-off failed) is not
+        the request's failure: it **migrates** — the prompt and every token already streamed are
+        prefilled again elsewhere (prefix-cache hits where they exist, a peer pull where it pays), and
+        decoding resumes at the next token; the client sees one unbroken stream, equal to a fault-free
+        run (seeded draws depend only on the token's position). `migration_limit` bounds it."""
+        limit = self.cluster.config.router.migration_limit
+        while True:
+            try:
+                async for output in self._attempt(request, deadline_s, state, waited_s):
+                    yield output
+                return
+            except RequestFailed as err:
+                if err.lost_worker is not None:  # known dead: no request routes to it again
+                    self.monitor.mark_dead(*err.lost_worker)
+                if not err.unavailable:
+                    raise
+                self.monitor.probe_soon()
+                if state.migrations >= limit:
+                    raise RequestFailed(f"{err.reason} (after {state.migrations} migration(s), the limit)",
+                                        unavailable=True) from None
+                state.migrations += 1
+                self.metrics.migrated(err.migration_cause)
+                log.info("migrating %s after %d token(s): %s", request.request_id, state.num_tokens, err.reason)
+
+    async def _attempt(self, request: RouterRequest, deadline_s: float | None, state: StreamState,
+                       waited_s: float) -> AsyncIterator[RouterOutput]:
+        """One route of the request: from its prompt and the tokens streamed so far, to its end or a failure."""
+        resumed = tuple(state.token_ids)
+        query = route_query(request.prompt_token_ids + resumed, request.tenant, self.info.model_identity,
+                            self.info.block_size)
+        prefill, decode, decision = await self._choose(query, deadline_s)
         worker_id = prefill.worker_id
         healthy = [h.worker_id for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
         pull = self.pull_planner.plan(query, decision, healthy)
         expected_blocks = pull.num_blocks if pull is not None else decision.expected_cached_blocks
-        self._admission_check(request, expected_blocks * query.block_size, worker_id, decode, waited_s)
+        if state.migrations == 0:  # admitted once: a migration is never refused
+            self._admission_check(request, expected_blocks * query.block_size, worker_id, decode, waited_s)
         uncached = max(query.num_prompt_tokens - expected_blocks * query.block_size, 1)
-        self._decoding[decode.worker_id][request.request_id] = state
-        self._inflight[worker_id] += 1
-        self._queued_tokens[worker_id] += uncached
-        cluster_s = [0.0]
+        self.ledger.book(request.request_id, worker_id, decode.worker_id, uncached, state)
+        cluster_s, first = [0.0], True
         try:
-            chunks = _timed(self.client.generate(self._cluster_request(request, pull), prefill, decode,
-                                                 deadline_s), cluster_s)
-            async for chunk in chunks:
-                route = None
-                if not state.started:
-                    self._queued_tokens[worker_id] -= uncached
+            # Each attempt has an id of its own on the workers: the cleanup of a failed attempt (abort, cancel)
+            # must never reach the next attempt of the same request on the same worker.
+            attempt_id = request.request_id if state.migrations == 0 else f"{request.request_id}~m{state.migrations}"
+            cluster_request = GenerateRequest(attempt_id, request.prompt_token_ids, request.params,
+                                              request.priority, request.tenant, pull, output_token_ids=resumed)
+            async for chunk in timed(self.client.generate(cluster_request, prefill, decode, deadline_s), cluster_s):
+                if first:
+                    self.ledger.first_token(worker_id, uncached)
                     if chunk.pull is not None:
                         self.pull_planner.observe_pull(chunk.pull)
-                    route = RouteInfo(worker_id, decode.worker_id, self.policy.name, chunk.num_cached_tokens)
+                route = None if state.started else RouteInfo(worker_id, decode.worker_id, self.policy.name,
+                                                             chunk.num_cached_tokens)
+                first = False
                 delta, usage = state.add(chunk)
-                yield RouterOutput(request.request_id, chunk.token_ids, delta, chunk.logprobs,
-                                   chunk.finish_reason, route, usage)
+                yield RouterOutput(request.request_id, chunk.token_ids, delta, chunk.logprobs, chunk.finish_reason,
+                                   route, usage, state.migrations if chunk.finish_reason else 0)
             self._finished(state, cluster_s[0])
         except RequestFailed as err:
-            if err.unavailable:  # re-probe now so that the next requests avoid a dead worker at once
-                self.monitor.probe_soon()
+            err.migration_cause = _cause(err, prefill, decode)
             raise
         finally:
-            if not state.started:
-                self._queued_tokens[worker_id] -= uncached
-            self._inflight[worker_id] -= 1
-            streams = self._decoding[decode.worker_id]
-            streams.pop(request.request_id, None)
-            if not streams:
-                del self._decoding[decode.worker_id]
+            self.ledger.release(request.request_id, worker_id, decode.worker_id, uncached if first else 0)
             tokens_through = self._tokens_through.pop(request.request_id, None)
             if tokens_through is not None and state.started:
                 # From the router's arrival: the wait before it is the request's own, not the worker's.
@@ -179,10 +206,8 @@ class RouterService:
         """Admit, or reject early (before any worker is touched) with the policy's reason."""
         if self.admission is None:
             return
-        running = [RunningRequest(s.num_tokens, s.request.params.max_tokens,
-                                  len(s.request.prompt_token_ids) + s.num_tokens)
-                   for s in self._decoding.get(decode.worker_id, {}).values()]
-        load = WorkerLoad(worker_id, self._inflight[worker_id], self._queued_tokens[worker_id])
+        running = self.ledger.running_on(decode.worker_id)
+        load = self.ledger.prefill_load(worker_id)
         total = decode.info.num_blocks
         # The monitor's figure is up to a probe interval old; what this router reserved since is exact.
         held = sum(-(-(r.context_tokens + 1) // self.info.block_size) for r in running)
@@ -196,7 +221,7 @@ class RouterService:
         self.metrics.admitted()
         # The same uncached count `_run` queues; every admitted request is a sample, whatever the policy.
         uncached = max(len(request.prompt_token_ids) - cached_tokens, 1)
-        self._tokens_through[request.request_id] = self._queued_tokens[worker_id] + uncached
+        self._tokens_through[request.request_id] = load.queued_prompt_tokens + uncached
 
     def _finished(self, state: StreamState, cluster_s: float) -> None:
         request = state.request
@@ -221,35 +246,39 @@ class RouterService:
             raise InvalidRequestError(field, f"prompt needs {blocks_needed} KV blocks; the smallest worker pool "
                                              f"has {self._min_pool_blocks}")
 
-    def _route_query(self, request: RouterRequest) -> RouteQuery:
-        namespace = HashNamespace(self.info.model_identity, self.info.block_size, request.tenant)
-        tokens = request.prompt_token_ids
-        hashes = tuple(hash_blocks(namespace, tokens))
-        key = b"" if hashes else _le_uint32(tokens) + request.tenant.encode()  # keys only block-less prompts
-        return RouteQuery(hashes, len(tokens), self.info.block_size, key)
+    async def _choose(self, query: RouteQuery, deadline_s: float | None):
+        """A serving prefill worker and decode instance for the query; waits for membership (a dead worker's
+        replacement) while a pool has none, up to the request's deadline or `router.worker_wait_s`."""
+        wait_until_s = time.monotonic() + self.cluster.config.router.worker_wait_s
+        if deadline_s is not None:
+            wait_until_s = min(wait_until_s, deadline_s)
+        while True:
+            missing = self._missing_pool()
+            if missing is None:
+                return await self._pick(query)
+            if time.monotonic() >= wait_until_s:
+                raise NoWorkersError(f"no healthy {missing} to route to")
+            await self.cluster.wait_for_change(min(wait_until_s - time.monotonic(), 1.0))
 
-    async def _choose(self, query: RouteQuery):
+    def _missing_pool(self) -> str | None:
+        if not any(self.monitor.is_healthy(m.worker_id) for m in self.cluster.prefill):
+            return "prefill worker"
+        if not any(self.monitor.is_healthy(m.worker_id) for m in self.cluster.decode):
+            return "decode instance"
+        return None
+
+    async def _pick(self, query: RouteQuery):
         healthy = [h for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
-        if not healthy:
-            raise NoWorkersError("no healthy prefill worker to route to")
-        loads = [WorkerLoad(h.worker_id, self._inflight[h.worker_id], self._queued_tokens[h.worker_id])
-                 for h in healthy]
+        loads = [self.ledger.prefill_load(h.worker_id) for h in healthy]
         decision = await self.policy.choose(query, loads)
         prefill = next(h for h in healthy if h.worker_id == decision.worker_id)
         decodes = [d for d in self.cluster.decode if self.monitor.is_healthy(d.worker_id)]
-        if not decodes:
-            raise NoWorkersError("no healthy decode instance to route to")
         decode = min(decodes, key=lambda d: (self.client.decode_load(d.worker_id), d.worker_id))
         return prefill, decode, decision
 
-    @staticmethod
-    def _cluster_request(request: RouterRequest, pull: PrefixPull | None) -> GenerateRequest:
-        return GenerateRequest(request.request_id, request.prompt_token_ids, request.params, request.priority,
-                               request.tenant, pull)
-
     def worker_loads(self) -> dict[str, int]:
         """Requests this router has in flight on each member (draining ones included)."""
-        return {m.worker_id: (self._inflight[m.worker_id] if m.role == "prefill"
+        return {m.worker_id: (self.ledger.inflight(m.worker_id) if m.role == "prefill"
                               else self.client.decode_load(m.worker_id)) for m in self.cluster.members}
 
     async def index_entries(self) -> int:
@@ -260,30 +289,10 @@ class RouterService:
         await self.client.close()
 
 
-def _le_uint32(tokens) -> bytes:
-    """Token ids as little-endian uint32 bytes, built in C (a Python join costs ~10x more)."""
-    packed = array.array("I", tokens)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-async def _timed(chunks: AsyncIterator, spent_s: list[float]) -> AsyncIterator:
-    """Passes `chunks` through, adding the time spent waiting on it to spent_s[0]."""
-    iterator = chunks.__aiter__()
-    try:
-        while True:
-            started_s = time.perf_counter()
-            try:
-                chunk = await iterator.__anext__()
-            except StopAsyncIteration:
-                return
-            finally:
-                spent_s[0] += time.perf_counter() - started_s
-            yield chunk
-    finally:
-        await iterator.aclose()  # leaving early must still run the cluster client's cleanup
-
-
-def deadline_from_remaining(time_remaining_s: float | None) -> float | None:
-    return None if time_remaining_s is None else time.monotonic() + time_remaining_s
+def _cause(err: RequestFailed, prefill: Member, decode: Member) -> str:
+    """Why an attempt failed, for the migration metric: which worker was lost, or the hand-off."""
+    if err.lost_worker == (prefill.worker_id, prefill.epoch):
+        return "prefill_lost"
+    if err.lost_worker == (decode.worker_id, decode.epoch):
+        return "decode_lost"
+    return "handoff_failed" if "hand-off" in err.reason else "worker_failed"

@@ -7,7 +7,8 @@ from __future__ import annotations
 from engine.block_hash import spec_fingerprint
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
-from router.service import RouterOutput, RouterService, deadline_from_remaining
+from router.request_keys import deadline_from_remaining
+from router.service import RouterOutput, RouterService
 from router.validation import client_wait_s, parse_request
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
@@ -38,7 +39,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                                 requests_total=service.metrics.requests_by_outcome(), routing_policy=service.policy.name,
                                 prompt_tokens_total=int(figures["prompt_tokens_total"]),
                                 cached_prompt_tokens_total=int(figures["cached_prompt_tokens_total"]),
-                                index_entries=await service.index_entries())
+                                index_entries=await service.index_entries(),
+                                migrations_total=service.metrics.migrations_by_cause())
 
 
 def _worker(member, monitor, loads) -> pb.WorkerStatus:
@@ -62,6 +64,8 @@ def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
         route, proto = output.route, message.route
         proto.prefill_worker, proto.decode_instance = route.prefill_worker, route.decode_instance
         proto.policy, proto.cached_prompt_tokens = route.policy, route.cached_prompt_tokens
+    if output.migrations:
+        message.migrations = output.migrations
     if output.usage is not None:
         usage, proto = output.usage, message.usage
         proto.prompt_tokens, proto.completion_tokens = usage.prompt_tokens, usage.completion_tokens

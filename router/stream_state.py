@@ -19,7 +19,8 @@ class StreamState:
     def __init__(self, request: RouterRequest, tokenizer, started_s: float):
         self.request, self.started_s = request, started_s
         self.text = TextStream(tokenizer, request.params.stop) if request.return_text else None
-        self.num_tokens = 0
+        self.token_ids: list[int] = []  # every token streamed so far (a migration resumes after them)
+        self.migrations = 0
         self.cached_tokens = 0
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
@@ -35,16 +36,19 @@ class StreamState:
             self.first_token_s = now_s
             self.cached_tokens = chunk.num_cached_tokens
         self.last_token_s = now_s
-        self.num_tokens += len(chunk.token_ids)
+        self.token_ids.extend(chunk.token_ids)
         delta = ""
         if self.text is not None:
-            delta = self.text.push(chunk.token_ids)
-            if chunk.finish_reason:
-                delta += self.text.finish(chunk.finish_reason)
+            delta = (self.text.finish(chunk.finish_reason, chunk.token_ids) if chunk.finish_reason
+                     else self.text.push(chunk.token_ids))
         usage = None
         if chunk.finish_reason:
             usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.cached_tokens)
         return delta, usage
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def ttft_s(self) -> float | None:

@@ -26,8 +26,12 @@ class TextStream:
         visible = max(len(self._detokenizer.text) - self._holdback_chars, self._sent_chars)
         return self._take(visible)
 
-    def finish(self, finish_reason: str | None) -> str:
-        """The rest of the text, ending before the stop string if one ended the request."""
+    def finish(self, finish_reason: str | None, token_ids: Iterable[int] = ()) -> str:
+        """The rest of the text, with the last chunk's `token_ids`, ending before the stop string if one
+        ended the request. The last tokens must come here, not through `push`: the token that completes
+        a stop string may carry more characters after it, which `push` would already release."""
+        for token_id in token_ids:
+            self._detokenizer.append(token_id)
         text = self._final_text()
         end = len(text)
         if finish_reason == "stop" and self._stop:

@@ -35,6 +35,12 @@ class WorkerMonitor:
         member = self.view.membership.get(worker_id)
         return member is not None and (worker_id, member.epoch) not in self._dead
 
+    def mark_dead(self, worker_id: str, epoch: int) -> None:
+        """A request found this start of the worker dead: avoid it until membership drops it."""
+        member = self.view.membership.get(worker_id)
+        if member is not None and member.epoch == epoch:
+            self._dead.add((worker_id, epoch))
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.ensure_future(self._loop())

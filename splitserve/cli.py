@@ -31,6 +31,12 @@ def _bench(argv: list[str]) -> None:
     main(argv)
 
 
+def _chaos(argv: list[str]) -> None:
+    from loadtest.chaos import main
+
+    main(argv)
+
+
 def _offline(argv: list[str]) -> None:
     from engine.demo import main
 
@@ -83,6 +89,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "demo-model": (_demo_model, "write the demo checkpoint to a directory"),
     "bench-engine": (_bench_engine, "offline throughput of the engine vs transformers.generate"),
     "bench": (_bench, "load-test a running router (Poisson, shared-prefix, trace replay)"),
+    "chaos": (_chaos, "SIGKILL workers while a bench workload runs; report lost, diverged, migrated requests"),
     "offline": (_offline, "generate offline with the in-process engine and print timings"),
 }
 

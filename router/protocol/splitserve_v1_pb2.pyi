@@ -123,7 +123,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "route", "usage")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "route", "usage", "migrations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -138,7 +139,8 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     route: RouteInfo
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -195,8 +197,15 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("workers", "inflight_requests", "requests_total", "routing_policy", "prompt_tokens_total", "cached_prompt_tokens_total", "index_entries")
+    __slots__ = ("workers", "inflight_requests", "requests_total", "routing_policy", "prompt_tokens_total", "cached_prompt_tokens_total", "index_entries", "migrations_total")
     class RequestsTotalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MigrationsTotalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +219,7 @@ class ClusterStatus(_message.Message):
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     INDEX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     inflight_requests: int
     requests_total: _containers.ScalarMap[str, int]
@@ -217,4 +227,5 @@ class ClusterStatus(_message.Message):
     prompt_tokens_total: int
     cached_prompt_tokens_total: int
     index_entries: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., requests_total: _Optional[_Mapping[str, int]] = ..., routing_policy: _Optional[str] = ..., prompt_tokens_total: _Optional[int] = ..., cached_prompt_tokens_total: _Optional[int] = ..., index_entries: _Optional[int] = ...) -> None: ...
+    migrations_total: _containers.ScalarMap[str, int]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., inflight_requests: _Optional[int] = ..., requests_total: _Optional[_Mapping[str, int]] = ..., routing_policy: _Optional[str] = ..., prompt_tokens_total: _Optional[int] = ..., cached_prompt_tokens_total: _Optional[int] = ..., index_entries: _Optional[int] = ..., migrations_total: _Optional[_Mapping[str, int]] = ...) -> None: ...

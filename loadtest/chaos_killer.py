@@ -1,0 +1,74 @@
+"""The killing half of `splitserve chaos`: every `every_s`, SIGKILL one serving worker through the
+controller, and time each kill until the pools are back to full strength."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+RECOVERY_POLL_S = 2.0
+
+
+class Killer:
+    """`controller` is the cluster's controller actor handle; `kind` is prefill, decode or any."""
+
+    def __init__(self, controller, kind: str, every_s: float, rng: random.Random, echo=print):
+        self.controller, self.kind, self.every_s, self.rng, self.echo = controller, kind, every_s, rng, echo
+        self.kills: list[dict] = []
+        self._watchers: list[asyncio.Task] = []
+        self._started_s = time.monotonic()
+
+    async def run(self) -> None:
+        """Kills until cancelled."""
+        while True:
+            await asyncio.sleep(self.every_s)
+            await self._kill_one()
+
+    async def _kill_one(self) -> None:
+        membership = await self.controller.membership.remote()
+        roles = ("prefill", "decode") if self.kind == "any" else (self.kind,)
+        candidates = [m for role in roles for m in membership.serving(role)]
+        if not candidates:
+            self.echo("chaos: no serving worker to kill now (all are being replaced)")
+            return
+        victim = self.rng.choice(candidates)
+        killed_s = time.monotonic()
+        if not await self.controller.kill_worker.remote(victim.worker_id):
+            return
+        kill = {"worker_id": victim.worker_id, "role": victim.role, "epoch": victim.epoch,
+                "at_s": round(killed_s - self._started_s, 3), "replaced_s": None, "recovered_s": None}
+        self.kills.append(kill)
+        self.echo(f"chaos: SIGKILL {victim.worker_id} (epoch {victim.epoch}) at {kill['at_s']:.1f} s")
+        self._watchers.append(asyncio.ensure_future(self._until_recovered(kill, killed_s)))
+
+    async def _until_recovered(self, kill: dict, killed_s: float) -> None:
+        config = await self.controller.cluster_config.remote()
+        desired = {role: config[role]["replicas"] for role in ("prefill", "decode")}
+        membership = await self.controller.membership.remote()
+        while not _full_strength(membership, desired, kill):
+            if kill["replaced_s"] is None and _replaced(membership, kill):
+                kill["replaced_s"] = round(time.monotonic() - killed_s, 3)
+            membership = await self.controller.watch.remote(membership.version, RECOVERY_POLL_S)
+        now_s = round(time.monotonic() - killed_s, 3)
+        kill["replaced_s"] = kill["replaced_s"] or now_s
+        kill["recovered_s"] = now_s
+
+    async def settle(self, timeout_s: float) -> list[dict]:
+        """Waits (bounded) for the last kills to recover; the ones that did not keep recovered_s None."""
+        if self._watchers:
+            _, pending = await asyncio.wait(self._watchers, timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+        return self.kills
+
+
+def _replaced(membership, kill: dict) -> bool:
+    """The victim's slot serves again, with a new epoch."""
+    member = membership.get(kill["worker_id"])
+    return member is not None and member.epoch > kill["epoch"] and member in membership.serving(member.role)
+
+
+def _full_strength(membership, desired: dict[str, int], kill: dict) -> bool:
+    """Every pool at its desired size and the victim replaced (later kills may delay this)."""
+    return all(len(membership.serving(role)) >= count for role, count in desired.items()) and _replaced(membership,
+                                                                                                           kill)

@@ -1,0 +1,212 @@
+"""No request lost (real Ray actors, real SIGKILLs): streams whose decode instance or prefill worker dies
+under them migrate and finish token-for-token equal to a fault-free run — greedy against HF
+transformers, seeded sampling against the colocated engine — with stop strings, logprobs and usage
+right; past `migration_limit` a request fails UNAVAILABLE naming the cause; and a sustained overload
+of 1 prefill + 1 decode with admission `always` fails nothing."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import ray
+
+from engine import SamplingParams
+from router.client import Client
+from router.sdk_types import Unavailable
+from tests.factories import TinySpec, hf_greedy_generate, random_prompts
+from tests.router.cleanliness import wait_workers_clean
+from tests.router.conftest import router_config, start_router
+
+MAX_TOKENS = 48
+STEP_DELAY_S = 0.03  # decode steps are slowed so that a kill lands mid-stream (the tiny model is fast)
+
+
+def _sigkill(actor) -> None:
+    try:
+        ray.get(actor.debug_signal.remote(signal.SIGKILL), timeout=10)
+    except ray.exceptions.RayActorError:
+        pass
+
+
+class Streams:
+    """Runs each prompt as one streaming request on its own thread, recording tokens as they arrive."""
+
+    def __init__(self, target: str, prompts, params: dict, tag: str = "s"):
+        self.tag = tag
+        self.tokens = [[] for _ in prompts]
+        self.texts, self.routes = [[] for _ in prompts], [None] * len(prompts)
+        self.finals, self.errors = [None] * len(prompts), [None] * len(prompts)
+        self.threads = [threading.Thread(target=self._run, args=(target, i, p, params), daemon=True)
+                        for i, p in enumerate(prompts)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, target, index, prompt, params) -> None:
+        try:
+            with Client(target) as client:
+                for chunk in client.generate_stream(prompt, request_id=f"{self.tag}{index}", **params):
+                    self.tokens[index].extend(chunk.token_ids)
+                    self.texts[index].append(chunk.text)
+                    self.routes[index] = self.routes[index] or chunk.route
+                    if chunk.finish_reason:
+                        self.finals[index] = chunk
+        except Exception as err:  # asserted on by the tests
+            self.errors[index] = err
+
+    def wait_tokens(self, at_least: int, timeout_s: float = 60) -> None:
+        deadline_s = time.monotonic() + timeout_s
+        while min(len(t) for t in self.tokens) < at_least:
+            assert time.monotonic() < deadline_s, [len(t) for t in self.tokens]
+            time.sleep(0.02)
+
+    def route_decode(self, index: int) -> str:
+        return self.routes[index].decode_instance
+
+    def join(self, timeout_s: float = 180) -> None:
+        for thread in self.threads:
+            thread.join(timeout_s)
+        assert not any(t.is_alive() for t in self.threads), "a stream hung"
+
+
+@pytest.fixture(scope="module")
+def stack(ray_session, checkpoint):
+    config = router_config()
+    two = replace(config, prefill=replace(config.prefill, replicas=2), decode=replace(config.decode, replicas=2))
+    stack = start_router(checkpoint(TinySpec()), two)
+    yield stack
+    stack.stop()
+
+
+def _membership(stack):
+    return stack.server.service.cluster.membership
+
+
+def _wait_full_strength(stack, timeout_s: float = 60) -> None:
+    """Until both pools are back to 2, every decode instance stepping slowly (see STEP_DELAY_S)."""
+    deadline_s = time.monotonic() + timeout_s
+    while len(_membership(stack).prefill) < 2 or len(_membership(stack).decode) < 2:
+        assert time.monotonic() < deadline_s
+        time.sleep(0.1)
+    for decode in _membership(stack).decode:
+        ray.get(decode.actor.debug_set_step_delay.remote(STEP_DELAY_S), timeout=10)
+
+
+def test_greedy_streams_survive_a_decode_instance_being_killed(stack, checkpoint):
+    model_dir = checkpoint(TinySpec())
+    _wait_full_strength(stack)
+    prompts = random_prompts(16, 10, 50, 512, seed=41)
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    streams = Streams(stack.target, prompts, greedy)
+    streams.wait_tokens(4)
+    _sigkill(_membership(stack).decode[0].actor)
+    streams.join()
+    assert streams.errors == [None] * len(prompts)
+    assert streams.tokens == hf_greedy_generate(model_dir, prompts, MAX_TOKENS)
+    assert sum(f.migrations for f in streams.finals) >= 1
+    for final in streams.finals:  # usage counts every token once; logprobs came with every token
+        assert final.usage.completion_tokens == MAX_TOKENS and final.finish_reason == "length"
+    with Client(stack.target) as client:
+        assert client.status().migrations_total.get("decode_lost", 0) >= 1
+    _wait_full_strength(stack)
+    stack.cluster.refresh()
+    wait_workers_clean(stack.cluster)
+
+
+def test_seeded_streams_survive_a_decode_kill_with_the_fault_free_tokens(stack, checkpoint, make_llm):
+    model_dir = checkpoint(TinySpec())
+    _wait_full_strength(stack)
+    prompts = random_prompts(8, 10, 50, 512, seed=42)
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=300 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             presence_penalty=0.3) for i in range(len(prompts))]
+    expected = [list(o.token_ids) for o in make_llm(model_dir).generate(prompts, seeded, use_tqdm=False)]
+    streams = [Streams(stack.target, [p], dict(temperature=0.9, top_p=0.95, seed=300 + i, max_tokens=MAX_TOKENS,
+                                               ignore_eos=True, presence_penalty=0.3), tag=f"seeded{i}-")
+               for i, p in enumerate(prompts)]
+    for s in streams:
+        s.wait_tokens(4)
+    _sigkill(_membership(stack).decode[1].actor)
+    for s in streams:
+        s.join()
+    assert [s.errors[0] for s in streams] == [None] * len(prompts)
+    assert [s.tokens[0] for s in streams] == expected
+
+
+def test_streams_survive_a_prefill_worker_killed_mid_hand_off(stack, checkpoint):
+    model_dir = checkpoint(TinySpec())
+    _wait_full_strength(stack)
+    decodes = _membership(stack).decode
+    for decode in decodes:  # every transfer stalls on the decode side: hand-offs are under way
+        ray.get(decode.actor.debug_set_receive_delay.remote(3.0), timeout=10)
+    prompts = random_prompts(6, 20, 60, 512, seed=43)
+    streams = Streams(stack.target, prompts, dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    streams.wait_tokens(1)  # first tokens streamed; their KV is on the wire
+    _sigkill(_membership(stack).prefill[0].actor)
+    for decode in decodes:
+        ray.get(decode.actor.debug_set_receive_delay.remote(0.0), timeout=10)
+    streams.join()
+    assert streams.errors == [None] * len(prompts)
+    assert streams.tokens == hf_greedy_generate(model_dir, prompts, MAX_TOKENS)
+    _wait_full_strength(stack)
+    stack.cluster.refresh()
+    wait_workers_clean(stack.cluster)
+
+
+def test_stop_strings_stay_right_across_a_migration(stack, checkpoint):
+    model_dir = checkpoint(TinySpec())
+    _wait_full_strength(stack)
+    prompt = random_prompts(1, 30, 30, 512, seed=44)[0]
+    text = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, return_text=True)
+    with Client(stack.target) as client:
+        whole = client.generate(prompt, **text)
+    stop = whole.text[len(whole.text) * 3 // 4:][:3]  # late in the output: the kill comes before it
+    assert stop.strip(), whole.text
+    with Client(stack.target) as client:
+        expected = client.generate(prompt, stop=[stop], **text)
+    assert expected.finish_reason == "stop" and len(expected.token_ids) > 4
+    streams = Streams(stack.target, [prompt], dict(stop=[stop], **text))
+    streams.wait_tokens(3)
+    _sigkill(next(d for d in _membership(stack).decode if d.worker_id == streams.route_decode(0)).actor)
+    streams.join()
+    assert streams.errors == [None] and streams.finals[0].migrations == 1
+    assert streams.tokens[0] == list(expected.token_ids) and streams.finals[0].finish_reason == "stop"
+    assert "".join(streams.texts[0]) == expected.text and stop not in expected.text
+    assert list(expected.token_ids) == hf_greedy_generate(model_dir, [prompt], MAX_TOKENS)[0][:len(expected.token_ids)]
+
+
+def test_past_the_migration_limit_a_request_fails_naming_the_cause(ray_session, checkpoint):
+    config = router_config(migration_limit=0)
+    stack = start_router(checkpoint(TinySpec()), config)
+    try:
+        ray.get(_membership(stack).decode[0].actor.debug_set_step_delay.remote(STEP_DELAY_S), timeout=10)
+        streams = Streams(stack.target, [[5] * 20], dict(temperature=0.0, max_tokens=400, ignore_eos=True))
+        streams.wait_tokens(3)
+        _sigkill(_membership(stack).decode[0].actor)
+        streams.join()
+        assert isinstance(streams.errors[0], Unavailable)
+        assert "decode instance" in str(streams.errors[0]) and "limit" in str(streams.errors[0])
+    finally:
+        stack.stop()
+
+
+def test_overload_fails_no_request_with_admission_always(ray_session, checkpoint):
+    """Several times what 1 prefill + 1 decode serve, all at once, with a decode pool that cannot hold
+    them all: requests wait for room (prefill queue, decode reservations), none is refused or lost."""
+    model_dir = checkpoint(TinySpec())
+    config = router_config()
+    tight = replace(config, decode=replace(config.decode, num_kv_blocks=40), handoff_lease_s=3.0)
+    stack = start_router(model_dir, tight)
+    prompts = random_prompts(48, 40, 120, 512, seed=45)
+    try:
+        with Client(stack.target, timeout_s=600) as client, ThreadPoolExecutor(48) as pool:
+            results = list(pool.map(lambda p: client.generate(p, temperature=0.0, max_tokens=24, ignore_eos=True),
+                                    prompts))
+        assert [list(r.token_ids) for r in results] == hf_greedy_generate(model_dir, prompts, 24)
+        with Client(stack.target) as client:
+            assert set(client.status().requests_total) == {"ok"}
+        wait_workers_clean(stack.cluster)
+    finally:
+        stack.stop()
