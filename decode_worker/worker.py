@@ -51,6 +51,9 @@ class DecodeRank:
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
         self._followers = list(followers)
         self._leases: dict[str, float] = {}  # rank 0: reserved, not yet adopted → deadline
+        # rank 0: request ids cancelled before they were reserved (a router's cleanup can overtake a
+        # dead prefill worker's last reserve call) → until when a reserve for them is refused
+        self._cancelled: dict[str, float] = {}
         self.membership = Membership("", 0)
         self.owner_timeout_s = min(OWNER_TIMEOUT_MAX_S, self.config.handoff_lease_s)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep()) if rank == 0 else None
@@ -98,6 +101,8 @@ class DecodeRank:
         when the owner is gone."""
         if owner in self.outbox.stale_owners(self.owner_timeout_s):
             raise HandoffFailed("reserve", f"router {owner} stopped polling this instance")
+        if request_id in self._cancelled:
+            raise HandoffFailed("reserve", f"{request_id!r} was cancelled")
         try:
             block_ids = await self._call(lambda engine: engine.reserve(request_id, num_tokens))
         except MemoryError as err:
@@ -122,8 +127,10 @@ class DecodeRank:
         await asyncio.gather(*(f.cancel_expected.remote(rid) for f in self._followers))
 
     async def cancel(self, request_id: str) -> None:
-        """Abort a running request, or drop a reservation (after no rank can still write into it)."""
+        """Abort a running request, or drop a reservation (after no rank can still write into it); a
+        reserve for the id that arrives later (it was overtaken) is refused for the lease's length."""
         self._leases.pop(request_id, None)
+        self._cancelled[request_id] = time.time() + self.config.handoff_lease_s + LEASE_GRACE_S
         await asyncio.gather(self.cancel_expected(request_id),
                              *(f.cancel_expected.remote(request_id) for f in self._followers))
         await self._call(lambda engine: _abort_or_release(engine, request_id))
@@ -187,6 +194,8 @@ class DecodeRank:
                 self.outbox.push(TokenUpdate(rid, (), (), error=f"the KV of {rid!r} did not arrive within the "
                                                                 f"{self.config.handoff_lease_s:.0f} s lease"))
                 asyncio.ensure_future(self.cancel(rid))
+            for rid in [rid for rid, until in self._cancelled.items() if now_s > until]:
+                del self._cancelled[rid]
             self._drop_gone_owners()
 
     def _drop_gone_owners(self) -> None:

@@ -21,6 +21,7 @@ class StreamState:
         self.text = TextStream(tokenizer, request.params.stop) if request.return_text else None
         self.token_ids: list[int] = []  # every token streamed so far (a migration resumes after them)
         self.migrations = 0
+        self.upstream_s = 0.0  # time spent waiting on the cluster, over the attempts that ended
         self.cached_tokens = 0
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None

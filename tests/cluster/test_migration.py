@@ -22,6 +22,7 @@ from tests.router.cleanliness import wait_workers_clean
 from tests.router.conftest import router_config, start_router
 
 MAX_TOKENS = 48
+LEASE_S = 6.0  # a decode rank waiting on a prefill worker that died before its channel formed gives up then
 STEP_DELAY_S = 0.03  # decode steps are slowed so that a kill lands mid-stream (the tiny model is fast)
 
 
@@ -75,7 +76,8 @@ class Streams:
 @pytest.fixture(scope="module")
 def stack(ray_session, checkpoint):
     config = router_config()
-    two = replace(config, prefill=replace(config.prefill, replicas=2), decode=replace(config.decode, replicas=2))
+    two = replace(config, prefill=replace(config.prefill, replicas=2), decode=replace(config.decode, replicas=2),
+                  handoff_lease_s=LEASE_S)
     stack = start_router(checkpoint(TinySpec()), two)
     yield stack
     stack.stop()
@@ -152,7 +154,7 @@ def test_streams_survive_a_prefill_worker_killed_mid_hand_off(stack, checkpoint)
     assert streams.tokens == hf_greedy_generate(model_dir, prompts, MAX_TOKENS)
     _wait_full_strength(stack)
     stack.cluster.refresh()
-    wait_workers_clean(stack.cluster)
+    wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
 
 
 def test_stop_strings_stay_right_across_a_migration(stack, checkpoint):

@@ -163,3 +163,18 @@ def _wait_inflight_zero(client: Client, timeout_s: float = 10.0) -> None:
     while client.status().inflight_requests:
         assert time.monotonic() < deadline_s, "requests still in flight on the router"
         time.sleep(0.05)
+
+
+def test_a_finished_stream_says_how_long_the_cluster_took(router_stack):
+    """The `splitserve-upstream-ms` trailer: the router's wait on the cluster for this very request, so
+    a client can tell the router's share of its latency (positive, and less than what the client saw)."""
+    from router.sdk_types import UPSTREAM_MS_KEY
+
+    with grpc.insecure_channel(router_stack.target) as channel:
+        started_s = time.perf_counter()
+        call = pb_grpc.RouterStub(channel).Generate(build_request([5, 6, 7], max_tokens=4, ignore_eos=True),
+                                                    timeout=60)
+        assert len([message for message in call]) >= 1
+        seen_ms = (time.perf_counter() - started_s) * 1e3
+        upstream_ms = float(dict(call.trailing_metadata())[UPSTREAM_MS_KEY])
+    assert 0 < upstream_ms < seen_ms

@@ -203,6 +203,7 @@ def test_names_and_labels_follow_prometheus_conventions(metrics):
         P + "ttft_seconds": "histogram", P + "tpot_seconds": "histogram",
         P + "request_duration_seconds": "histogram", P + "requests": "counter", P + "goodput_requests": "counter",
         P + "admitted_requests": "counter", P + "rejected_requests": "counter", P + "inflight_requests": "gauge",
+        P + "migrations": "counter",
         P + "prompt_tokens": "counter", P + "cached_prompt_tokens": "counter",
         P + "worker_waiting_requests": "gauge", P + "worker_running_requests": "gauge",
         P + "worker_kv_usage_ratio": "gauge", P + "worker_healthy": "gauge"}  # counters: family name drops _total
@@ -210,7 +211,7 @@ def test_names_and_labels_follow_prometheus_conventions(metrics):
         assert family.name.startswith(P), family.name
         assert family.documentation, family.name
         for sample in family.samples:
-            assert set(sample.labels) <= {"priority", "outcome", "reason", "worker", "role", "le"}, sample
+            assert set(sample.labels) <= {"priority", "outcome", "reason", "worker", "role", "le", "cause"}, sample
             if family.type == "counter" and not sample.name.endswith("_created"):
                 assert sample.name.endswith("_total"), sample.name
         if family.type == "histogram":
