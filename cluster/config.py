@@ -48,7 +48,15 @@ PREFIX_PULL_MODES = ("auto", "always", "never")
 @dataclass(frozen=True)
 class RouterConfig:
     """The router: where it listens (gRPC, and OpenAI-compatible HTTP on the same host), how it routes,
-    who may call it."""
+    who may call it.
+
+    TLS (`cluster/tls.py` reads and checks the files when the router starts; both front ends serve with
+    the same settings): `tls_cert_file` + `tls_key_file` (PEM; the chain may hold intermediates) turn
+    TLS on for every listening address, gRPC and HTTP; `tls_client_ca_file` then also requires each
+    client to present a certificate signed by that CA (mutual TLS). gRPC re-reads the files when they
+    change, so a renewed certificate (cert-manager) is served without a restart; the HTTP front reads
+    them when it starts.
+    """
 
     host: str = "127.0.0.1"  # loopback unless deliberately exposed (the Helm chart sets 0.0.0.0)
     port: int = 50051  # 0: the OS picks a free port (tests)
@@ -61,6 +69,12 @@ class RouterConfig:
     prefix_pull: str = "auto"  # one of PREFIX_PULL_MODES (needs the cache_aware policy's index)
     migration_limit: int = 3  # a request moves to other workers at most this often when workers fail under it
     worker_wait_s: float = 60.0  # a pool with no serving worker (a replacement starting) is waited for this long
+    tls_cert_file: str | None = None  # PEM certificate chain the router presents; None: plaintext
+    tls_key_file: str | None = None  # PEM private key of that certificate
+    tls_client_ca_file: str | None = None  # PEM CA bundle client certificates must chain to (mutual TLS)
+    # A plaintext port serving only the standard gRPC health service, for probes that cannot speak TLS
+    # (Kubernetes' gRPC probes); None: health is served on `port` only.
+    health_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,22 @@ def _check_router(router: RouterConfig) -> None:
     _check(router.prefix_pull in PREFIX_PULL_MODES, "router.prefix_pull", f"must be one of {list(PREFIX_PULL_MODES)}")
     _check(router.migration_limit >= 0, "router.migration_limit", "must be >= 0")
     _check(router.worker_wait_s >= 0, "router.worker_wait_s", "must be >= 0")
+    _check_tls(router)
+    _check(router.health_port is None or 0 <= router.health_port <= 65535, "router.health_port",
+           "must be None or in [0, 65535]")
+    for other in ("port", "metrics_port"):
+        clash = router.health_port not in (None, 0) and router.health_port == getattr(router, other)
+        _check(not clash, "router.health_port", f"must differ from router.{other}")
+
+
+def _check_tls(router: RouterConfig) -> None:
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        value = getattr(router, key)
+        _check(value is None or bool(value), f"router.{key}", "must be None or a non-empty path")
+    _check((router.tls_cert_file is None) == (router.tls_key_file is None), "router.tls_key_file",
+           "tls_cert_file and tls_key_file go together (a certificate and its private key)")
+    _check(router.tls_client_ca_file is None or router.tls_cert_file is not None, "router.tls_client_ca_file",
+           "mutual TLS needs the router's own certificate: set tls_cert_file and tls_key_file too")
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -258,6 +288,8 @@ def _check_type(value, hint: str, key: str) -> None:
             raise ConfigError(f"{key}: must not be null (expected {hint})")
         return
     for name in allowed:
+        if name == "None":  # null was handled above; a non-null value must match another type
+            continue
         types = _SCALARS.get(name)
         if types is None:  # a nested section, already built
             return

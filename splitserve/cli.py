@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import Callable
 
+from splitserve import __version__
+
 
 def _demo_model(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="splitserve demo-model",
@@ -92,10 +94,28 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 }
 
 
+def version_line() -> str:
+    """splitserve's version and those of the packages a bug report needs, read from their metadata
+    (nothing heavy is imported)."""
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{d} {version(d)}" for d in ("torch", "ray", "transformers", "grpcio", "protobuf"))
+    return f"splitserve {__version__} (Python {sys.version.split()[0]}; {deps})"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-V", "--version"):
+        print(version_line())
+        return
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: splitserve COMMAND [ARGS]\n\ncommands:")
+        print("usage: splitserve [--version] COMMAND [ARGS]\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:<14} {help_text}")
         return

@@ -48,8 +48,21 @@ MATRIX: dict[str, dict] = {
         "podSecurity": {"runAsUser": 1000680000, "runAsGroup": 1000680000, "fsGroup": 1000680000},
     },
     "minimal-objects": {"networkPolicy": {"enabled": False}, "serviceAccount": {"create": False},
-                        "router": {"podDisruptionBudget": {"enabled": False}}},
+                        "router": {"podDisruptionBudget": {"enabled": False}}, "test": {"enabled": False}},
+    "tls-existing-secret": {"tls": {"enabled": True, "existingSecret": "router-tls", "caKey": ""},
+                            "router": {"replicas": 3}},
+    "tls-cert-manager-mutual": {
+        "tls": {"enabled": True, "healthPort": 8081, "clientCA": {"existingSecret": "client-ca"},
+                "certManager": {"enabled": True, "issuerRef": {"name": "ca", "kind": "ClusterIssuer",
+                                                               "group": "cert-manager.io"},
+                                "extraDnsNames": ["llm.example.com"]}},
+        "auth": {"enabled": True, "existingSecret": "splitserve-token"},
+        "router": {"replicas": 1, "podDisruptionBudget": {"enabled": True, "maxUnavailable": 0}}},
 }
+# TLS on top of everything else at once: an existing certificate, mutual TLS, the test's own client cert.
+MATRIX["everything"] = {**MATRIX["everything"], "tls": {
+    "enabled": True, "existingSecret": "router-tls", "clientCA": {"existingSecret": "clients", "key": "bundle.pem"},
+    "testClientSecret": "test-client-tls"}}
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,8 +108,10 @@ def cluster_config_raw(objs: list[dict]) -> dict:
 
 
 def pod_templates(objs: list[dict]) -> dict[str, dict]:
-    """Every pod template of the release by component label: workloads and RayCluster groups."""
+    """Every pod (template) of the release by component label: workloads, RayCluster groups and the
+    helm test pod."""
     templates = [o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+    templates.extend({"metadata": o["metadata"], "spec": o["spec"]} for o in objs if o["kind"] == "Pod")
     for ray in of_kind(objs, "RayCluster"):
         templates.append(ray["spec"]["headGroupSpec"]["template"])
         templates.extend(group["template"] for group in ray["spec"]["workerGroupSpecs"])
