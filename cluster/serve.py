@@ -21,7 +21,8 @@ _FLAG_KEYS = {"model": (None, "model_dir"), "block_size": (None, "block_size"), 
               "rendezvous_host": (None, "rendezvous_host"), "prefill": ("prefill", "replicas"),
               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size"), "host": ("router", "host"),
               "port": ("router", "port"), "policy": ("router", "policy"),
-              "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port")}
+              "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port"),
+              "kv_cache_dtype": (None, "kv_cache_dtype"), "quantization": (None, "quantization")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, help="decode instances")
     p.add_argument("--tp", type=int, help="tensor-parallel ranks per decode instance")
     p.add_argument("--block-size", type=int, help="tokens per KV block")
+    p.add_argument("--kv-cache-dtype", help="KV cache storage: auto (the model dtype), int8 or fp8")
+    p.add_argument("--quantization", help="weight quantization: none or int8 (weight-only, per output channel)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
     p.add_argument("--uds", help="also serve on this unix socket path (reachable from outside a network sandbox)")

@@ -60,6 +60,8 @@ def test_rendered_cluster_config_loads(case):
     config = ClusterConfig.from_dict(yaml.safe_load(raw))
     assert config.router.host == "0.0.0.0"
     assert config.ray_address.startswith("ray://")
+    quantization = {"kvCacheDtype": "auto", "weights": "none", **MATRIX[case].get("quantization", {})}
+    assert (config.kv_cache_dtype, config.quantization) == (quantization["kvCacheDtype"], quantization["weights"])
 
 
 @matrix

@@ -14,6 +14,8 @@ values schema keeps the two sets apart, so no key has two sources. */}}
 {{- $cfg := deepCopy $v.config -}}
 {{- $_ := set $cfg "ray_address" (include "splitserve.rayAddress" .) -}}
 {{- with $v.model.dir }}{{ $_ := set $cfg "model_dir" . }}{{ end -}}
+{{- $_ = set $cfg "kv_cache_dtype" $v.quantization.kvCacheDtype -}}
+{{- $_ = set $cfg "quantization" $v.quantization.weights -}}
 {{- $prefill := dict "pool" $v.prefill "tpSize" 1 "gpu" $v.gpu.enabled "extra" $cfg.prefill -}}
 {{- $_ = set $cfg "prefill" (include "splitserve.poolConfig" $prefill | fromYaml) -}}
 {{- $decode := dict "pool" $v.decode "tpSize" $v.decode.tpSize "gpu" $v.gpu.enabled "extra" $cfg.decode -}}
