@@ -45,7 +45,7 @@ test: setup test-deps
 	PY=$(PY) scripts/run_tests.sh $(PYTEST_ARGS)
 
 bench-engine: setup
-	scripts/in_sandbox.sh $(PY) -m engine.bench
+	scripts/in_sandbox.sh $(PY) -m benchmarks.bench_engine
 
 clean:
 	rm -rf $(VENV) $(SDK_VENV) build *.egg-info

@@ -1,27 +1,32 @@
 """The cluster's request API: submit a request, iterate its tokens (what the router builds on).
 
-One request's lifecycle (DESIGN.md steps 3–6), every wait bounded:
-1. pick a prefill worker and a decode instance; the decode instance reserves blocks for the prompt;
-2. the prefill worker computes the prompt and returns the first token (streamed at once: TTFT);
-3. the KV moves to the decode ranks; `wait_handoff` reports the transfer's end;
-4. the decode instance adopts the sequence; its per-step outputs arrive through one poller per
-   instance and are fanned out to the requests' queues.
-Failures end the stream with `RequestFailed` naming the reason; reservations and pins are released.
+One request's lifecycle (DESIGN.md steps 4–6), every wait bounded by the request's deadline:
+1. one streaming call to the chosen prefill worker, `prefill(request, decode, owner)`: it yields the
+   first token as soon as it is sampled (streamed at once: TTFT), then — after its hand-off session
+   reserved blocks on the decode instance, moved the KV and had the instance adopt the sequence —
+   the hand-off's statistics;
+2. the decode instance's per-step outputs arrive through one poller per instance (this client is
+   their `owner`) and are fanned out to the requests' queues.
+Failures end the stream with `RequestFailed` naming the reason; leaving early (cancel, deadline,
+error) aborts the request on both workers.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from cluster.launcher import DecodeInstance, LaunchedCluster, PrefillHandle
+from cluster.membership import Member
 from cluster.messages import GenerateRequest, PullOutcome, TokenUpdate
 from engine.errors import InvalidRequestError
+from kvtransfer.session import HandoffFailed, HandoffStats
 
 POLL_WAIT_S = 0.2
 
@@ -48,13 +53,16 @@ class TokenChunk:
 
 
 class ClusterClient:
-    def __init__(self, cluster: LaunchedCluster):
+    """`cluster` is anything with the current `prefill` / `decode` members and the `config` (a
+    LaunchedCluster snapshot, or a router's live ClusterView)."""
+
+    def __init__(self, cluster):
         self.cluster = cluster
-        self._prefill_cycle = itertools.cycle(cluster.prefill)
+        self._prefill_turn = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._load = {instance.instance_id: 0 for instance in cluster.decode}
-        self._pollers: dict[str, asyncio.Task] = {}
-        self._instance_of: dict[str, str] = {}  # request id → decode instance id
+        self._load: Counter = Counter()  # decode worker id → requests in flight from this client
+        self._pollers: dict[tuple[str, int], asyncio.Task] = {}  # (decode worker id, epoch) → its poller
+        self._instance_of: dict[str, tuple[str, int]] = {}  # request id → (decode worker id, epoch)
         self.client_id = secrets.token_hex(4)  # decode instances route this client's tokens by it
         self._cleanups: dict[str, asyncio.Task] = {}  # request id → abort in progress on its workers
         self.handoff_listeners: list = []  # called with each finished hand-off's HandoffStats (cost models)
@@ -67,62 +75,57 @@ class ClusterClient:
     def num_cleanups(self) -> int:
         return len(self._cleanups)
 
-    def decode_load(self, instance_id: str) -> int:
+    def decode_load(self, worker_id: str) -> int:
         """Requests this client has in flight on a decode instance."""
-        return self._load[instance_id]
+        return self._load[worker_id]
 
-    async def generate(self, request: GenerateRequest, prefill: PrefillHandle | None = None,
-                       decode: DecodeInstance | None = None,
+    async def generate(self, request: GenerateRequest, prefill: Member | None = None, decode: Member | None = None,
                        deadline_s: float | None = None) -> AsyncIterator[TokenChunk]:
         """Streams the request's tokens. `deadline_s` (time.monotonic) bounds it, and so does the
         config's request_timeout_s. Leaving early (cancel, deadline, error) aborts it on both workers."""
-        prefill = prefill or next(self._prefill_cycle)
-        decode = decode or min(self.cluster.decode, key=lambda d: self._load[d.instance_id])
+        prefill = prefill or self._next_prefill()
+        decode = decode or min(self.cluster.decode, key=lambda d: (self._load[d.worker_id], d.worker_id))
         self._ensure_poller(decode)
         limit_s = time.monotonic() + self.cluster.config.request_timeout_s
         deadline_s = limit_s if deadline_s is None else min(deadline_s, limit_s)
+        request = dataclasses.replace(request, deadline_s=time.time() + deadline_s - time.monotonic())
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request.request_id] = queue
-        self._instance_of[request.request_id] = decode.instance_id
-        self._load[decode.instance_id] += 1
+        rid, key = request.request_id, (decode.worker_id, decode.epoch)
+        self._queues[rid], self._instance_of[rid] = queue, key
+        self._load[decode.worker_id] += 1
         finished, prefill_holds = False, True
         try:
-            first = await self._prefill(request, prefill, decode, deadline_s)
-            prefill_holds = first.handoff  # finished there: the prefill worker keeps nothing of it
+            stream = prefill.actor.prefill.options(num_returns="streaming").remote(request, decode, self.client_id)
+            first = await _next(stream, deadline_s, f"prefill worker {prefill.worker_id}")
             yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason,
                              first.num_cached_tokens, first.pull)
-            if not first.handoff:  # done at prefill: `finished` stays False so the decode reservation is freed
+            if not first.handoff:  # done at prefill: nothing was reserved on decode
+                finished = True
                 return
-            await self._handoff(request, prefill, decode, first, deadline_s)
-            async for chunk in self._decode_stream(queue, decode, deadline_s):
+            stats: HandoffStats = await _next(stream, deadline_s, f"KV hand-off {prefill.worker_id} -> "
+                                                                  f"{decode.worker_id}")
+            prefill_holds = False  # adopted: the prefill worker holds nothing of it any more
+            for listener in self.handoff_listeners:
+                listener(stats)
+            async for chunk in self._decode_stream(queue, deadline_s):
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            self._queues.pop(request.request_id, None)
-            self._instance_of.pop(request.request_id, None)
-            self._load[decode.instance_id] -= 1
+            self._queues.pop(rid, None)
+            self._instance_of.pop(rid, None)
+            self._load[decode.worker_id] -= 1
             if not finished:  # a task of its own: the caller's task may be being cancelled right now
-                cleanup = asyncio.ensure_future(self._cancel(request.request_id, prefill if prefill_holds else None,
-                                                             decode))
-                self._cleanups[request.request_id] = cleanup
-                cleanup.add_done_callback(lambda _: self._cleanups.pop(request.request_id, None))
+                cleanup = asyncio.ensure_future(self._cancel(rid, prefill if prefill_holds else None, decode))
+                self._cleanups[rid] = cleanup
+                cleanup.add_done_callback(lambda _: self._cleanups.pop(rid, None))
 
-    async def _prefill(self, request, prefill, decode, deadline_s):
-        target = await _bounded(decode.driver.reserve.remote(request.request_id, len(request.prompt_token_ids),
-                                                             self.client_id),
-                                deadline_s, f"decode instance {decode.instance_id}")
-        return await _bounded(prefill.actor.prefill.remote(request, target), deadline_s,
-                              f"prefill worker {prefill.worker_id}")
+    def _next_prefill(self) -> Member:
+        members = self.cluster.prefill
+        if not members:
+            raise RequestFailed("no prefill worker is serving", unavailable=True)
+        return members[next(self._prefill_turn) % len(members)]
 
-    async def _handoff(self, request, prefill, decode, first, deadline_s) -> None:
-        stats = await _bounded(prefill.actor.wait_handoff.remote(request.request_id), deadline_s,
-                               f"KV hand-off {prefill.worker_id} -> {decode.instance_id}")
-        for listener in self.handoff_listeners:
-            listener(stats)
-        await _bounded(decode.driver.adopt.remote(request, first.token_id), deadline_s,
-                       f"decode instance {decode.instance_id}")
-
-    async def _decode_stream(self, queue, decode, deadline_s) -> AsyncIterator[TokenChunk]:
+    async def _decode_stream(self, queue, deadline_s) -> AsyncIterator[TokenChunk]:
         while True:
             left_s = deadline_s - time.monotonic()
             try:
@@ -135,11 +138,11 @@ class ClusterClient:
             if update.finish_reason is not None:
                 return
 
-    async def _cancel(self, request_id: str, prefill: PrefillHandle | None, decode: DecodeInstance) -> None:
-        """Frees what the request holds on its prefill worker (`None`: nothing, it finished there) and its
-        decode reservation."""
-        calls = [decode.driver.cancel.remote(request_id)]
-        if prefill is not None:
+    async def _cancel(self, request_id: str, prefill: Member | None, decode: Member) -> None:
+        """Frees what the request holds on its prefill worker (`None`: nothing left there) and on its
+        decode instance (a reservation, or the running sequence)."""
+        calls = [decode.actor.cancel.remote(request_id)]
+        if prefill is not None:  # first: its hand-off session then stops before reserving anything
             calls.insert(0, prefill.actor.abort.remote(request_id))
         for call in calls:
             try:
@@ -147,27 +150,30 @@ class ClusterClient:
             except Exception:  # a dead worker has nothing left to free
                 pass
 
-    def _ensure_poller(self, decode: DecodeInstance) -> None:
-        task = self._pollers.get(decode.instance_id)
+    def _ensure_poller(self, decode: Member) -> None:
+        key = (decode.worker_id, decode.epoch)
+        task = self._pollers.get(key)
         if task is None or task.done():
-            self._pollers[decode.instance_id] = asyncio.ensure_future(self._poll(decode))
+            self._pollers[key] = asyncio.ensure_future(self._poll(decode))
 
-    async def _poll(self, decode: DecodeInstance) -> None:
+    async def _poll(self, decode: Member) -> None:
         """One long-poll loop per decode instance; fans each batch out to the requests' queues."""
+        key = (decode.worker_id, decode.epoch)
         while True:
             try:
-                updates = await decode.driver.poll.remote(self.client_id, POLL_WAIT_S)
+                updates = await decode.actor.poll.remote(self.client_id, POLL_WAIT_S)
             except (RayActorError, RayTaskError) as err:
-                self._fail_instance(decode, f"decode instance {decode.instance_id} is unavailable: {err}")
+                self._fail_instance(key, f"decode instance {decode.worker_id} is unavailable: {err}")
+                self._pollers.pop(key, None)
                 return
             for update in updates:  # an idle instance's poll blocks server-side up to POLL_WAIT_S
                 queue = self._queues.get(update.request_id)
                 if queue is not None:
                     queue.put_nowait(update)
 
-    def _fail_instance(self, decode: DecodeInstance, reason: str) -> None:
+    def _fail_instance(self, key: tuple[str, int], reason: str) -> None:
         for request_id, queue in self._queues.items():
-            if self._instance_of.get(request_id) == decode.instance_id:
+            if self._instance_of.get(request_id) == key:
                 queue.put_nowait(TokenUpdate(request_id, (), (), error=reason))
 
     async def close(self) -> None:
@@ -178,10 +184,13 @@ class ClusterClient:
         self._pollers.clear()
 
 
-async def _bounded(ref, deadline_s: float, what: str):
-    """Await a Ray call with the request's deadline; translate failures into RequestFailed."""
+async def _next(stream, deadline_s: float, what: str):
+    """The next item of a streaming Ray call, within the request's deadline; failures → RequestFailed."""
     try:
-        return await asyncio.wait_for(ref, max(deadline_s - time.monotonic(), 0.0))
+        ref = await asyncio.wait_for(stream.__anext__(), max(deadline_s - time.monotonic(), 0.0))
+        return await ref
+    except StopAsyncIteration:
+        raise RequestFailed(f"{what} ended the stream early", unavailable=True) from None
     except asyncio.TimeoutError:
         raise RequestFailed(f"{what} did not answer before the request deadline", timed_out=True) from None
     except RayActorError as err:
@@ -192,4 +201,6 @@ async def _bounded(ref, deadline_s: float, what: str):
             raise RequestFailed(str(cause), field=cause.field) from None
         if isinstance(cause, MemoryError):
             raise RequestFailed(f"{what}: {cause}", out_of_capacity=True) from None
+        if isinstance(cause, HandoffFailed):
+            raise RequestFailed(f"{what}: {cause}", unavailable=True) from None
         raise RequestFailed(f"{what} failed: {cause}", unavailable=True) from None

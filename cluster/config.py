@@ -6,6 +6,7 @@ the Helm chart renders): unknown keys and bad values fail naming the key. Defaul
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,21 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class ControllerConfig:
+    """How the controller supervises workers (cluster/controller.py)."""
+
+    health_interval_s: float = 0.5  # every worker rank is pinged this often
+    health_timeout_s: float = 5.0  # a ping unanswered this long is a strike (a busy box answers late)
+    health_failures: int = 3  # consecutive strikes after which a worker is declared hung and replaced
+    drain_quiet_s: float = 2.0  # a draining worker stops after being idle this long (routers have moved on)
+    restart_backoff_s: float = 1.0  # first wait before retrying a failed start; doubles up to 30 s
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
+    # Which cluster in the Ray cluster (its controller's name). None: a new cluster of its own
+    # (the Python API); the command line uses "default".
+    cluster_name: str | None = None
     model_dir: str | None = None  # None: the generated demo checkpoint
     dtype: str = "auto"
     # How KV blocks are stored (engine/kv_quant.py): cluster-wide, because blocks cross from prefill
@@ -78,9 +93,9 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     ray_address: str | None = None  # None: start a local Ray cluster
     ray_num_cpus: int | None = None  # logical CPUs of a local Ray cluster (None: enough for the pools)
-    # The address workers dial to reach the rendezvous store the launching process hosts (on Kubernetes:
-    # the router pod's IP). The store listens on every interface; this is only what workers are told.
-    rendezvous_host: str = "127.0.0.1"
+    # The address workers dial to reach the cluster's rendezvous store (cluster/rendezvous_host.py). The
+    # store listens on every interface; this is only what workers are told. None: its node's IP.
+    rendezvous_host: str | None = None
     ready_timeout_s: float = 120.0
     handoff_lease_s: float = 30.0  # a reservation/transfer not finished by then is abandoned
     request_timeout_s: float = 600.0  # longest any single request may take end to end
@@ -89,6 +104,7 @@ class ClusterConfig:
     index_lease_s: float = 30.0  # a worker's prefix-index entries expire this long after its last heartbeat
     prefix_pull_timeout_s: float = 5.0  # a prefix pull not done by then is abandoned (the prompt is computed)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # router admission control
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     def __post_init__(self):
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -105,7 +121,11 @@ class ClusterConfig:
         _check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
         _check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
         _check(self.prefix_pull_timeout_s > 0, "prefix_pull_timeout_s", "must be > 0")
-        _check(bool(self.rendezvous_host), "rendezvous_host", "must be a non-empty host name or address")
+        _check(self.rendezvous_host is None or bool(self.rendezvous_host), "rendezvous_host",
+               "must be None or a non-empty host name or address")
+        _check(self.cluster_name is None or _NAME.fullmatch(self.cluster_name) is not None, "cluster_name",
+               "must be 1-64 letters, digits, '.', '_' or '-'")
+        _check_controller(self.controller)
         _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
                "redis_url", "must start with redis://, rediss:// or unix://")
         _check_router(self.router)
@@ -174,6 +194,12 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
            f"must be None or one of {list(QUANTIZATIONS)}")
 
 
+def _check_controller(controller: ControllerConfig) -> None:
+    for key in ("health_interval_s", "health_timeout_s", "drain_quiet_s", "restart_backoff_s"):
+        _check(getattr(controller, key) > 0, f"controller.{key}", "must be > 0")
+    _check(controller.health_failures >= 1, "controller.health_failures", "must be >= 1")
+
+
 def _check_router(router: RouterConfig) -> None:
     _check(isinstance(router.host, str) and bool(router.host), "router.host", "must be a non-empty string")
     _check(0 <= router.port <= 65535, "router.port", "must be in [0, 65535]")
@@ -190,7 +216,26 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-_SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig}
+_SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "controller": ControllerConfig}
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# What a cluster's controller owns: a command joining a running cluster may not ask for other values.
+# The rest (router, admission, where Ray is) belongs to each process.
+PER_PROCESS_KEYS = frozenset({"router", "admission", "ray_address", "ray_num_cpus", "cluster_name"})
+
+
+def config_conflicts(given: dict[str, Any], running: dict[str, Any], prefix: str = "") -> list[str]:
+    """Where plain-data keys explicitly `given` to a joining command differ from the running cluster's
+    config (`ClusterConfig.to_dict()`); per-process keys are not compared."""
+    conflicts = []
+    for key, value in given.items():
+        if not prefix and key in PER_PROCESS_KEYS:
+            continue
+        have = running.get(key)
+        if isinstance(value, dict) and isinstance(have, dict):
+            conflicts += config_conflicts(value, have, f"{prefix}{key}.")
+        elif value != have:
+            conflicts.append(f"{prefix}{key}: the running cluster has {have!r}, this command asked for {value!r}")
+    return conflicts
 
 
 def _reject_unknown(raw: dict, cls, prefix: str) -> None:

@@ -1,164 +1,175 @@
-"""Starting and stopping the worker pools on Ray from one `ClusterConfig`.
+"""Starting or joining a cluster from any process: `launch(config)` → a `LaunchedCluster` handle.
 
-`launch(config)` starts (or joins) Ray, hosts the rendezvous store for torch.distributed, starts P
-prefill actors and D decode instances of `decode.tp_size` ranks, and waits for every actor to report
-ready — with a timeout and a clear error when Ray cannot place them (Ray leaves an unsatisfiable actor
-pending forever, so waiting without a bound would hang).
+The cluster belongs to its controller (`cluster/controller.py`), a named, detached Ray actor, not to
+the process that asked for it. `launch` starts (or joins) Ray, starts the controller if none runs for
+`config.cluster_name` in that Ray cluster — or joins the one that does, refusing when keys this
+process set explicitly disagree with the running cluster's config — and waits until the pools serve
+(bounded: a pool Ray cannot place fails with the resources asked and available instead of hanging).
 
-The ranks of a tensor-parallel decode instance all-reduce in every layer of every step: across nodes
-that traffic would cross the network. Each such instance gets a STRICT_PACK placement group of one
-bundle per rank, so Ray puts all its ranks on one node or none of them.
+`LaunchedCluster.shutdown()` ends the pools only if this process started the controller; a process
+that joined leaves them serving. The returned handle's `prefill` / `decode` are the membership as of
+launch (or the last `refresh`); routers follow membership live (`cluster/cluster_view.py`).
 """
 from __future__ import annotations
 
 import math
 import os
 import secrets
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.exceptions import RayTaskError
 
-from cluster.config import ClusterConfig, PoolConfig
-from cluster.messages import WorkerInfo
-from engine.block_hash import spec_fingerprint
-from kvtransfer.store import create_rendezvous_store
+from cluster.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
+from cluster.controller import ClusterController, controller_name
+from cluster.controller_slots import ClusterStartError  # noqa: F401  (re-exported: callers catch it here)
+from cluster.membership import Member, Membership
 
-
-class ClusterStartError(RuntimeError):
-    """The cluster could not start; the message says what did not fit or what failed."""
-
-
-@dataclass
-class DecodeInstance:
-    instance_id: str
-    ranks: list  # actor handles, rank 0 first
-    info: WorkerInfo | None = None
-
-    @property
-    def driver(self):
-        return self.ranks[0]
+RAY_NAMESPACE = "splitserve"
+JOIN_TIMEOUT_S = 10.0  # a controller that does not answer this fast is not there (or broken)
+PROGRESS_EVERY_S = 3.0
 
 
-@dataclass
-class PrefillHandle:
-    worker_id: str
-    actor: object
-    info: WorkerInfo | None = None
+class ClusterNotFound(RuntimeError):
+    """No controller runs for the cluster name in this Ray cluster (and the caller would only join)."""
 
 
 @dataclass
 class LaunchedCluster:
-    config: ClusterConfig
+    config: ClusterConfig  # the running cluster's config, with this process's own router/admission sections
     model_dir: str
-    cluster_id: str
-    prefill: list[PrefillHandle]
-    decode: list[DecodeInstance]
-    store: object  # keeps the rendezvous TCPStore alive for the cluster's lifetime
+    controller: Any  # the controller's actor handle
+    membership: Membership
+    owns_controller: bool  # this process started it: shutdown() ends the pools
     started_ray: bool = False
-    actors: list = field(default_factory=list)
-    placement_groups: list = field(default_factory=list)  # one per tensor-parallel decode instance
+
+    @property
+    def cluster_id(self) -> str:
+        return self.membership.cluster_id
+
+    @property
+    def prefill(self) -> list[Member]:
+        return self.membership.prefill
+
+    @property
+    def decode(self) -> list[Member]:
+        return self.membership.decode
+
+    def refresh(self, timeout_s: float = 30.0) -> Membership:
+        """Fetch the controller's current membership."""
+        self.membership = ray.get(self.controller.membership.remote(), timeout=timeout_s)
+        return self.membership
+
+    def wait_for(self, predicate: Callable[[Membership], bool], timeout_s: float) -> Membership:
+        """Follow membership until `predicate` holds; raises TimeoutError naming the last version."""
+        deadline_s = time.monotonic() + timeout_s
+        while not predicate(self.membership):
+            left_s = deadline_s - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError(f"membership did not reach the expected state within {timeout_s:.0f} s "
+                                   f"(version {self.membership.version}: "
+                                   f"{[(m.worker_id, m.epoch, m.state) for m in self.membership.members]})")
+            self.membership = ray.get(self.controller.watch.remote(self.membership.version, min(left_s, 5.0)),
+                                      timeout=left_s + 10.0)
+        return self.membership
+
+    def scale(self, role: str, replicas: int) -> None:
+        ray.get(self.controller.scale.remote(role, replicas), timeout=JOIN_TIMEOUT_S)
 
     def shutdown(self) -> None:
-        for actor in self.actors:
+        if self.owns_controller:
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead: nothing to do
+                ray.get(self.controller.shutdown.remote(), timeout=30)
+            except Exception:  # already gone: nothing left to stop
                 pass
-        self.actors.clear()
-        for group in self.placement_groups:
             try:
-                remove_placement_group(group)
-            except Exception:  # Ray already gone: its groups went with it
+                ray.kill(self.controller, no_restart=True)
+            except Exception:
                 pass
-        self.placement_groups.clear()
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 
 
-def launch(config: ClusterConfig, model_dir: str | None = None) -> LaunchedCluster:
-    model_dir = model_dir or config.model_dir or _demo_model_dir()
+def launch(config: ClusterConfig, model_dir: str | None = None, *, given: dict | None = None,
+           join_only: bool = False, on_progress: Callable[[str], None] | None = None) -> LaunchedCluster:
+    """Start or join the cluster `config.cluster_name` (None: a new one). `given`: the plain-data keys the
+    caller set explicitly (CLI flags, YAML), checked against a running cluster; default: all of `config`.
+    `join_only`: raise ClusterNotFound instead of starting a controller. `on_progress` hears what happens."""
+    say = on_progress or (lambda _: None)
     started_ray = _ensure_ray(config)
-    store = create_rendezvous_store(config.rendezvous_host)
-    cluster = LaunchedCluster(config, str(model_dir), secrets.token_hex(3), [], [], store, started_ray)
     try:
-        _start_actors(cluster, store.host, store.port)
-        _wait_ready(cluster)
+        name = config.cluster_name or f"c{secrets.token_hex(4)}"
+        if join_only and connect_controller(name) is None:
+            raise ClusterNotFound(f"no controller runs for cluster {name!r} in this Ray cluster; start one "
+                                  "with `splitserve controller` or `splitserve serve`")
+        controller, owns = _start_or_join(name, config, model_dir, given, say)
     except BaseException:
-        cluster.shutdown()
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
         raise
-    return cluster
+    try:
+        membership = _wait_ready(controller, config.ready_timeout_s, say)
+        running = ClusterConfig.from_dict(ray.get(controller.cluster_config.remote(), timeout=JOIN_TIMEOUT_S))
+    except BaseException:  # a cluster this call started and that cannot serve is not left behind retrying
+        LaunchedCluster(config, "", controller, Membership("", 0), owns, started_ray).shutdown()
+        raise
+    mine = {key: getattr(config, key) for key in ("router", "admission", "ray_address", "ray_num_cpus")}
+    merged = ClusterConfig(**{**{f: getattr(running, f) for f in running.__dataclass_fields__}, **mine})
+    return LaunchedCluster(merged, running.model_dir, controller, membership, owns, started_ray)
 
 
-def _start_actors(cluster: LaunchedCluster, host: str, port: int) -> None:
-    from decode_worker.worker import DecodeRank
-    from prefill_worker.worker import PrefillWorker
-
-    cfg, raw = cluster.config, cluster.config.to_dict()
-    prefill_cls = ray.remote(PrefillWorker)
-    for index in range(cfg.prefill.replicas):
-        worker_id = f"{cluster.cluster_id}/prefill-{index}"
-        actor = prefill_cls.options(name=worker_id, num_cpus=cfg.prefill.num_cpus, num_gpus=cfg.prefill.num_gpus,
-                                    resources=_custom(cfg.prefill), runtime_env=_worker_env(cfg.prefill.threads)).remote(
-            worker_id, raw, cluster.model_dir, host, port)
-        cluster.actors.append(actor)
-        cluster.prefill.append(PrefillHandle(worker_id, actor))
-    decode_cls = ray.remote(DecodeRank)
-    for index in range(cfg.decode.replicas):
-        instance_id = f"{cluster.cluster_id}/decode-{index}"
-        names = [f"{instance_id}/rank{r}" for r in range(cfg.decode.tp_size)]
-        group = _rank_placement_group(cfg.decode, instance_id)
-        if group is not None:
-            cluster.placement_groups.append(group)
-        ranks = []
-        for rank in reversed(range(cfg.decode.tp_size)):  # followers first: rank 0 looks them up by name
-            strategy = None if group is None else PlacementGroupSchedulingStrategy(group, rank)
-            options = decode_cls.options(name=names[rank], num_cpus=cfg.decode.num_cpus,
-                                         num_gpus=cfg.decode.num_gpus, resources=_custom(cfg.decode),
-                                         runtime_env=_worker_env(cfg.decode.threads), scheduling_strategy=strategy)
-            followers = tuple(names[1:]) if rank == 0 else ()
-            ranks.insert(0, options.remote(instance_id, rank, raw, cluster.model_dir, host, port, followers))
-        cluster.actors.extend(ranks)
-        cluster.decode.append(DecodeInstance(instance_id, ranks))
-
-
-def _rank_placement_group(pool: PoolConfig, instance_id: str):
-    """One node for all ranks of a tensor-parallel instance (see the module docstring); None for TP 1."""
-    if pool.tp_size == 1:
+def connect_controller(cluster_name: str):
+    """The running controller of `cluster_name`, or None (checked with a bounded ping)."""
+    try:
+        controller = ray.get_actor(controller_name(cluster_name), namespace=RAY_NAMESPACE)
+        ray.get(controller.ping.remote(), timeout=JOIN_TIMEOUT_S)
+    except (ValueError, ray.exceptions.ActorDiedError):  # none, or one being removed
         return None
-    bundle = {"CPU": pool.num_cpus, **({"GPU": pool.num_gpus} if pool.num_gpus else {}), **_custom(pool)}
-    return placement_group([dict(bundle) for _ in range(pool.tp_size)], strategy="STRICT_PACK",
-                           name=f"{instance_id}/ranks")
+    return controller
 
 
-def _wait_ready(cluster: LaunchedCluster) -> None:
-    refs = {a.ready.remote(): a for a in cluster.actors}
-    done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=cluster.config.ready_timeout_s)
-    if pending:
-        raise ClusterStartError(_unplaced_message(cluster, len(pending)))
-    infos = {id(refs[ref]): info for ref, info in zip(done, ray.get(done))}
-    for handle in cluster.prefill:
-        handle.info = infos[id(handle.actor)]
-    for instance in cluster.decode:
-        instance.info = infos[id(instance.driver)]
-    for info in infos.values():
-        if info.hash_spec != spec_fingerprint():
-            raise ClusterStartError(f"worker {info.worker_id} uses block-hash spec {info.hash_spec!r}, "
-                                    f"this process {spec_fingerprint()!r}; refusing to mix them")
+def _start_or_join(name: str, config: ClusterConfig, model_dir: str | None, given: dict | None, say):
+    controller = connect_controller(name)
+    if controller is not None:
+        say(f"joining the running cluster {name!r}")
+        explicit = given if given is not None else _non_null(config.to_dict())
+        try:
+            ray.get(controller.check_join.remote(explicit), timeout=JOIN_TIMEOUT_S)
+        except RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            raise (cause if isinstance(cause, ConfigError) else err) from None
+        return controller, False
+    say(f"starting the controller of cluster {name!r}")
+    model_dir = str(model_dir or config.model_dir or _demo_model_dir())
+    options = ray.remote(ClusterController).options(
+        name=controller_name(name), namespace=RAY_NAMESPACE, get_if_exists=True, lifetime="detached",
+        num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=1000,
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}})
+    return options.remote(name, config.to_dict(), model_dir), True
 
 
-def _unplaced_message(cluster: LaunchedCluster, num_pending: int) -> str:
-    cfg = cluster.config
-    available = ray.cluster_resources()
-    return (f"{num_pending} of {len(cluster.actors)} worker actors were not ready within "
-            f"{cfg.ready_timeout_s:.0f} s. The pools ask for {cfg.num_cpus_needed:g} CPUs "
-            f"(prefill {cfg.prefill.replicas} x {cfg.prefill.num_cpus:g}, decode {cfg.decode.replicas} x "
-            f"{cfg.decode.tp_size} ranks x {cfg.decode.num_cpus:g}) and GPUs "
-            f"{cfg.prefill.replicas * cfg.prefill.num_gpus + cfg.decode.replicas * cfg.decode.tp_size * cfg.decode.num_gpus:g};"
-            f" the Ray cluster has CPU={available.get('CPU', 0):g}, GPU={available.get('GPU', 0):g}"
-            f"{'; all ranks of a decode instance must fit on one node' if cfg.decode.tp_size > 1 else ''}. "
-            "Lower the pools' num_cpus/num_gpus or add capacity (or raise ready_timeout_s if loading is slow).")
+def _wait_ready(controller, timeout_s: float, say) -> Membership:
+    """Until the pools serve, telling `say` how far they got every few seconds."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        wait_s = min(PROGRESS_EVERY_S, max(deadline_s - time.monotonic(), 0.1))
+        try:
+            return ray.get(controller.wait_ready.remote(wait_s), timeout=wait_s + JOIN_TIMEOUT_S)
+        except RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            if not isinstance(cause, ClusterStartError):
+                raise
+            if time.monotonic() >= deadline_s:
+                raise cause from None
+        say(ray.get(controller.progress.remote(), timeout=JOIN_TIMEOUT_S))
+
+
+def _non_null(raw: dict) -> dict:
+    """Keys with a value (None means "whatever the cluster has"), minus per-process ones."""
+    return {k: (_non_null(v) if isinstance(v, dict) else v) for k, v in raw.items()
+            if v is not None and k not in PER_PROCESS_KEYS}
 
 
 def _ensure_ray(config: ClusterConfig) -> bool:
@@ -167,20 +178,9 @@ def _ensure_ray(config: ClusterConfig) -> bool:
     num_cpus = None
     if config.ray_address is None:
         num_cpus = config.ray_num_cpus or max(2, math.ceil(config.num_cpus_needed))
-    ray.init(address=config.ray_address, num_cpus=num_cpus, include_dashboard=False, namespace="splitserve",
+    ray.init(address=config.ray_address, num_cpus=num_cpus, include_dashboard=False, namespace=RAY_NAMESPACE,
              log_to_driver=True, configure_logging=False)
     return True
-
-
-def _custom(pool) -> dict:
-    return {pool.ray_resource: 1} if pool.ray_resource else {}
-
-
-def _worker_env(threads: int) -> dict:
-    value = str(threads)
-    return {"env_vars": {"OMP_NUM_THREADS": value, "MKL_NUM_THREADS": value,
-                         "TOKENIZERS_PARALLELISM": "false",
-                         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}}
 
 
 def _demo_model_dir() -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+from engine.step_log import StepRecord
+from kvtransfer.session import HandoffStats  # noqa: F401  (re-exported: the router's cost models read it)
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class GenerateRequest:
     priority: int = 0
     tenant: str = ""  # salts block hashes: tenants never share prefix-cache entries
     prefix_pull: PrefixPull | None = None
+    deadline_s: float | None = None  # time.time() by which the request must be done; None: no bound
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,6 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens served from cache, pulled ones included
     prefill_time_s: float
     pull: PullOutcome | None = None  # set when the request asked for a prefix pull
-
-
-@dataclass(frozen=True)
-class HandoffStats:
-    num_bytes: int
-    elapsed_s: float
 
 
 @dataclass(frozen=True)
@@ -81,3 +78,32 @@ class WorkerInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     kv_bytes_per_token: int = 0  # KV cache bytes one token occupies (all layers, K and V)
+    epoch: int = 0  # which start of the worker this is (the controller counts them)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's load and recent engine steps: what routers read for load and cost models. Answered
+    from the engine loop's last snapshot, so a busy engine never delays it."""
+
+    waiting: int
+    running: int
+    num_free_blocks: int
+    num_blocks: int
+    steps: tuple[StepRecord, ...]  # the newest engine steps, oldest first
+    in_flight: int = 0  # prefill: hand-offs in progress; decode: reservations whose KV has not arrived
+    metrics_port: int | None = None  # the worker's Prometheus endpoint, when it has one
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """A worker's answer to the controller's health check (from its event loop, never its engine)."""
+
+    worker_id: str
+    epoch: int
+    engine_ok: bool  # False: the engine loop died (the worker must be replaced)
+    error: str | None = None

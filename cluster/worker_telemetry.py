@@ -2,11 +2,11 @@
 recent engine steps the router's cost models are fitted from. Shared by prefill and decode workers."""
 from __future__ import annotations
 
-import dataclasses
-
 from cluster.config import ClusterConfig
+from cluster.messages import WorkerStats
 from cluster.metrics_http import start_metrics_server
 from cluster.worker_metrics import WorkerMetrics
+from engine.engine_loop import EngineLoop
 from engine.step_log import StepRecord
 
 RECENT_STEPS = 64  # per stats() call; the router polls about once a second
@@ -25,15 +25,14 @@ class WorkerTelemetry:
         """Engine-loop hook (engine thread)."""
         self.metrics.observe_step(self.role, record.duration_s, record.num_tokens)
 
-    def engine_stats(self, engine, step_log) -> dict:
-        """Runs on the engine thread: load figures, also set on the gauges, plus the recent steps."""
-        used = engine.num_blocks - engine.kv.num_free_blocks
-        waiting, running = len(engine.scheduler.waiting), len(engine.scheduler.running)
-        self.metrics.set_load(waiting, running, used, engine.num_blocks)
-        return {"waiting": waiting, "running": running, "kv_usage": engine.kv.usage,
-                "num_free_blocks": engine.kv.num_free_blocks, "num_blocks": engine.num_blocks,
-                "steps": [dataclasses.astuple(r) for r in step_log.recent(RECENT_STEPS)],
-                "metrics_port": self.exporter.port if self.exporter is not None else None}
+    def stats(self, loop: EngineLoop, in_flight: int) -> WorkerStats:
+        """Load as of the engine loop's last snapshot (never waits for a step), also set on the gauges,
+        plus the recent steps."""
+        load = loop.load
+        self.metrics.set_load(load.waiting, load.running, load.num_blocks - load.num_free_blocks, load.num_blocks)
+        return WorkerStats(load.waiting, load.running, load.num_free_blocks, load.num_blocks,
+                           loop.step_log.recent(RECENT_STEPS), in_flight,
+                           self.exporter.port if self.exporter is not None else None)
 
     def close(self) -> None:
         if self.exporter is not None:

@@ -5,11 +5,16 @@ step's tokens; a client's `poll` drains everything pending for its own requests 
 waiting up to a bound when nothing is pending. Routing by owner matters: a poll left in flight by a
 client that went away must not swallow another client's tokens. Tokens of one request that pile up
 between polls are merged into one `TokenUpdate`.
+
+Owners are routers: each polls every instance it has requests on, continuously. An owner that has
+not polled for a while is gone (its process died): `stale_owners` names them so that the instance
+can drop their requests instead of decoding for nobody.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from cluster.messages import TokenUpdate
 from engine.llm_engine import LLMEngine, SequenceUpdate
@@ -22,6 +27,26 @@ class Outbox:
         self._pending: dict[str, dict[str, TokenUpdate]] = {}  # owner → request id → update
         self._events: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_poll_s: dict[str, float] = {}  # owner → time.monotonic() of its latest poll
+
+    def last_poll_s(self, owner: str) -> float | None:
+        return self._last_poll_s.get(owner)
+
+    def stale_owners(self, timeout_s: float) -> set[str]:
+        """Owners that polled before but not within `timeout_s`."""
+        now_s = time.monotonic()
+        return {owner for owner, seen_s in self._last_poll_s.items() if now_s - seen_s > timeout_s}
+
+    def requests_of(self, owners: set[str]) -> list[str]:
+        with self._lock:
+            return [rid for rid, owner in self._owner_of.items() if owner in owners]
+
+    def drop_owner(self, owner: str) -> None:
+        """Forget an owner that is gone (its undelivered updates too)."""
+        with self._lock:
+            self._pending.pop(owner, None)
+            self._events.pop(owner, None)
+            self._last_poll_s.pop(owner, None)
 
     def assign(self, request_id: str, owner: str) -> None:
         with self._lock:
@@ -64,6 +89,7 @@ class Outbox:
             self._owner_of.pop(request_id, None)
 
     async def drain(self, owner: str, max_wait_s: float) -> list[TokenUpdate]:
+        self._last_poll_s[owner] = time.monotonic()
         with self._lock:
             self._loop = asyncio.get_running_loop()
             event = self._events.setdefault(owner, asyncio.Event())
@@ -79,4 +105,5 @@ class Outbox:
                 return []
         with self._lock:
             updates = list(self._pending.pop(owner, {}).values())
+        self._last_poll_s[owner] = time.monotonic()
         return updates

@@ -24,10 +24,11 @@ class RankSetup:
     max_model_len: int
     loop: EngineLoop | None  # rank 0 only
     close: Callable[[], None]
+    follower_alive: Callable[[], bool] = lambda: True  # ranks > 0: still following rank 0
 
 
 def build_rank(owner, config: ClusterConfig, model_dir: str, store_host: str, store_port: int) -> RankSetup:
-    """`owner` is the DecodeRank (its `peer_id`, `rank`, `instance_id`, `outbox`)."""
+    """`owner` is the DecodeRank (its `peer_id`, `rank`, `group_id`, `outbox`)."""
     engine_cfg = config.engine_config("decode", model_dir)
     transport = TorchDistTransport(owner.peer_id, store_host, store_port)
     if config.decode.tp_size == 1:
@@ -48,7 +49,7 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
     """Rank 0 drives the step loop and broadcasts each step; ranks > 0 follow on a thread."""
     from decode_worker.tp_group import StepFollower, TensorParallelEngine, build_follower_runner, create_tp_group
 
-    tp = create_tp_group(owner.instance_id, owner.rank, config.decode.tp_size, store_host, store_port,
+    tp = create_tp_group(owner.group_id, owner.rank, config.decode.tp_size, store_host, store_port,
                          timeout_s=config.ready_timeout_s)
     if owner.rank == 0:
         engine = TensorParallelEngine(engine_cfg, tp)
@@ -74,7 +75,7 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
         transport.close()
 
     return RankSetup(transport, runner, model_cfg, engine_cfg.num_blocks_for(model_cfg),
-                     engine_cfg.max_len_for(model_cfg), None, close)
+                     engine_cfg.max_len_for(model_cfg), None, close, thread.is_alive)
 
 
 def _follow(follower, runner, stop: threading.Event, name: str) -> None:

@@ -1,49 +1,81 @@
 """One rank of a decode instance (a Ray actor). A decode instance is `tp_size` of these.
 
 Every rank holds its shard of the model and its KV heads, and receives its part of each hand-off
-(`receive_kv`, announced by the prefill worker). Rank 0 also runs the scheduler and sampler: it
-reserves blocks (`reserve`), adopts sequences once their KV is in (`adopt`), continues them in a
-continuous batch, and collects each step's tokens for the whole batch into an outbox that the client
-drains with one `poll` call per round trip (never one remote call per token).
+(`receive_kv`, announced by the prefill worker's hand-off session). Rank 0 also runs the scheduler
+and sampler: it reserves blocks (`reserve`, called by the session once the prefill is done, so a
+request queued for prefill never holds decode memory), adopts sequences once their KV is in
+(`adopt`), continues them in a continuous batch, and collects each step's tokens for the whole batch
+into an outbox that each router drains with one `poll` call per round trip.
+
+Rank 0 sweeps in the background: a reservation whose KV did not arrive within its lease is dropped
+(its router is told), and requests of a router that stopped polling (its process died) are aborted,
+so no block outlives the caller that asked for it. Liveness (`ping`) and load (`stats`) never wait
+for an engine step.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.config import ClusterConfig
-from cluster.messages import GenerateRequest, TokenUpdate, WorkerInfo
+from cluster.membership import Membership
+from cluster.messages import GenerateRequest, Liveness, TokenUpdate, WorkerInfo, WorkerStats
 from cluster.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
-from kvtransfer.receiver import KVReceiver
 from engine.block_hash import spec_fingerprint
 from engine.llm_engine import LLMEngine
 from kvtransfer.handoff import HandoffTarget, RankTarget
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.session import DecodeFull, HandoffFailed
 
 LEASE_GRACE_S = 2.0  # clocks of two hosts may differ a little; blocks are freed only after this
+SWEEP_INTERVAL_S = 0.5
+OWNER_TIMEOUT_MAX_S = 10.0  # a router that has not polled for this long (or the lease, if shorter) is gone
+FORGET_OWNER_FACTOR = 10
 
 
 class DecodeRank:
-    def __init__(self, instance_id: str, rank: int, config: dict, model_dir: str, store_host: str,
-                 store_port: int, follower_names: tuple[str, ...] = ()):
+    def __init__(self, instance_id: str, epoch: int, rank: int, config: dict, model_dir: str, store_host: str,
+                 store_port: int, followers: tuple = ()):
         self.config = ClusterConfig.from_dict(config)
-        self.instance_id, self.rank = instance_id, rank
-        self.peer_id = f"{instance_id}/rank{rank}"
+        self.instance_id, self.epoch, self.rank = instance_id, epoch, rank
+        self.group_id = f"{instance_id}@{epoch}"  # this start's id: its TP group and transport ids
+        self.peer_id = rank_peer_id(self.group_id, rank)
         self.outbox = Outbox()
         self.telemetry = WorkerTelemetry(instance_id, "decode", self.config) if rank == 0 else None
         self.setup: RankSetup = build_rank(self, self.config, model_dir, store_host, store_port)
         self.receiver = KVReceiver(self.setup.transport, self.setup.runner.kv_cache)
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
-        self._followers = [_actor(name) for name in follower_names]
+        self._followers = list(followers)
         self._leases: dict[str, float] = {}  # rank 0: reserved, not yet adopted → deadline
+        self.membership = Membership("", 0)
+        self.owner_timeout_s = min(OWNER_TIMEOUT_MAX_S, self.config.handoff_lease_s)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep()) if rank == 0 else None
 
     async def ready(self) -> WorkerInfo:
         cfg = self.setup.model_config
-        return WorkerInfo(self.instance_id, "decode", (self.peer_id,), self.setup.num_blocks,
-                          self.config.block_size, cfg.num_kv_heads, spec_fingerprint(), cfg.identity,
-                          self.setup.max_model_len, cfg.vocab_size, cfg.eos_token_ids)
+        peers = tuple(rank_peer_id(self.group_id, r) for r in range(self.config.decode.tp_size))
+        return WorkerInfo(self.instance_id, "decode", peers, self.setup.num_blocks, self.config.block_size,
+                          cfg.num_kv_heads, spec_fingerprint(), cfg.identity, self.setup.max_model_len,
+                          cfg.vocab_size, cfg.eos_token_ids, epoch=self.epoch)
+
+    async def ping(self) -> Liveness:
+        loop = self.setup.loop
+        ok = loop.running if loop is not None else self.setup.follower_alive()
+        error = loop.error if loop is not None else None
+        return Liveness(self.instance_id, self.epoch, ok, None if error is None else repr(error))
+
+    async def set_membership(self, membership: Membership) -> None:
+        """The controller's latest membership: channels to peers that left are closed."""
+        if membership.version <= self.membership.version and membership.cluster_id == self.membership.cluster_id:
+            return
+        gone = self.membership.peer_ids() - membership.peer_ids()
+        self.membership = membership
+        for peer in gone:
+            self.setup.transport.forget_peer(peer)
 
     # ---- every rank -------------------------------------------------------------------------------
     async def expect(self, request_id: str, block_ids: tuple[int, ...], deadline_s: float) -> None:
@@ -61,9 +93,15 @@ class DecodeRank:
 
     # ---- rank 0 ---------------------------------------------------------------------------------
     async def reserve(self, request_id: str, num_tokens: int, owner: str) -> HandoffTarget:
-        """Allocates blocks for `num_tokens` of incoming KV on every rank for client `owner` (whose
-        `poll` gets the request's tokens); raises MemoryError if the pool is full."""
-        block_ids = await self._call(lambda engine: engine.reserve(request_id, num_tokens))
+        """Allocates blocks for `num_tokens` of incoming KV on every rank for router `owner` (whose `poll`
+        gets the request's tokens). Raises DecodeFull when the pool has no room now, HandoffFailed
+        when the owner is gone."""
+        if owner in self.outbox.stale_owners(self.owner_timeout_s):
+            raise HandoffFailed("reserve", f"router {owner} stopped polling this instance")
+        try:
+            block_ids = await self._call(lambda engine: engine.reserve(request_id, num_tokens))
+        except MemoryError as err:
+            raise DecodeFull(str(err)) from None
         self.outbox.assign(request_id, owner)
         deadline_s = time.time() + self.config.handoff_lease_s
         self._leases[request_id] = deadline_s
@@ -75,7 +113,8 @@ class DecodeRank:
         """Continues a request whose prompt KV arrived (every rank acked the prefill worker)."""
         rid = request.request_id
         await asyncio.get_running_loop().run_in_executor(None, self.receiver.wait, rid, 1.0)
-        self._leases.pop(rid, None)
+        if self._leases.pop(rid, None) is None:
+            raise HandoffFailed("adopt", f"{rid!r} was cancelled or its lease ended")
         self.receiver.forget(rid)
         tokens = tuple(request.prompt_token_ids) + (first_token_id,)
         await self._call(lambda engine: engine.adopt(rid, tokens, len(request.prompt_token_ids), request.params,
@@ -92,26 +131,36 @@ class DecodeRank:
 
     async def poll(self, owner: str, max_wait_s: float) -> list[TokenUpdate]:
         """Everything produced for `owner`'s requests since its last poll, waiting up to `max_wait_s`."""
-        self._expire_leases()
         return await self.outbox.drain(owner, max_wait_s)
 
     async def check_integrity(self) -> dict:
+        """Rank 0: the block pool's integrity check and what it still holds. Ranks > 0 hold no pool of
+        their own (rank 0 allocates for all): their `num_sequences` is the transfers still expected."""
+        if self.setup.loop is None:
+            return {"num_blocks": self.setup.num_blocks, "num_free_blocks": self.setup.num_blocks,
+                    "num_sequences": self.receiver.num_expected}
+
         def check(engine: LLMEngine) -> dict:
             engine.kv.check_integrity()
             return {"num_blocks": engine.num_blocks, "num_free_blocks": engine.kv.num_free_blocks,
                     "num_sequences": len(engine.seqs)}
         return await self._call(check)
 
-    async def stats(self) -> dict:
-        """Rank 0: load, recent engine steps and this instance's metrics (see WorkerTelemetry)."""
-        stats = await self._call(lambda engine: self.telemetry.engine_stats(engine, self.setup.loop.step_log))
-        return {**stats, "reservations": len(self._leases)}
+    async def stats(self) -> WorkerStats:
+        """Rank 0: load, recent engine steps and reservations waiting for their KV (see WorkerTelemetry)."""
+        return self.telemetry.stats(self.setup.loop, len(self._leases))
+
+    async def debug_signal(self, signum: int) -> None:
+        """Fault injection (chaos, tests): send `signum` to this actor's own process (SIGKILL: no cleanup)."""
+        os.kill(os.getpid(), signum)
 
     async def debug_set_receive_delay(self, seconds: float) -> None:
         """Fault injection for tests: stall each KV receive by `seconds`."""
         self.receiver.delay_s = seconds
 
     def shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self.telemetry is not None:
             self.telemetry.close()
         self.setup.close()
@@ -121,27 +170,41 @@ class DecodeRank:
         cfg, size = self.setup.model_config, self.config.decode.tp_size
         heads_per_rank = max(1, cfg.num_kv_heads // size)
         replicas = max(1, size // cfg.num_kv_heads)  # KV heads replicated when ranks outnumber them
-        return tuple(RankTarget(f"{self.instance_id}/rank{r}", (r // replicas) * heads_per_rank,
+        return tuple(RankTarget(rank_peer_id(self.group_id, r), (r // replicas) * heads_per_rank,
                                 (r // replicas) * heads_per_rank + heads_per_rank) for r in range(size))
 
-    def _expire_leases(self) -> None:
-        now_s = time.time()
-        for rid in [rid for rid, deadline in self._leases.items() if now_s > deadline + LEASE_GRACE_S]:
+    async def _sweep(self) -> None:
+        """Rank 0: drop expired reservations and the requests of routers that are gone."""
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            now_s = time.time()
+            for rid in [rid for rid, deadline in self._leases.items() if now_s > deadline + LEASE_GRACE_S]:
+                self._leases.pop(rid, None)
+                self.outbox.push(TokenUpdate(rid, (), (), error=f"the KV of {rid!r} did not arrive within the "
+                                                                f"{self.config.handoff_lease_s:.0f} s lease"))
+                asyncio.ensure_future(self.cancel(rid))
+            self._drop_gone_owners()
+
+    def _drop_gone_owners(self) -> None:
+        """Abort what routers that stopped polling own (told in their outbox, should they come back);
+        forget such a router entirely once it has been silent for FORGET_OWNER_FACTOR timeouts."""
+        stale = self.outbox.stale_owners(self.owner_timeout_s)
+        for rid in self.outbox.requests_of(stale):
+            self.outbox.push(TokenUpdate(rid, (), (), error="its router stopped polling this decode instance"))
             self._leases.pop(rid, None)
-            self.outbox.push(TokenUpdate(rid, (), (), error=f"the KV of {rid!r} did not arrive within the "
-                                                            f"{self.config.handoff_lease_s:.0f} s lease"))
             asyncio.ensure_future(self.cancel(rid))
+        for owner in self.outbox.stale_owners(self.owner_timeout_s * FORGET_OWNER_FACTOR):
+            self.outbox.drop_owner(owner)
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self.setup.loop.call(fn))
 
 
+def rank_peer_id(group_id: str, rank: int) -> str:
+    """The transport id of one rank of one start of a decode instance."""
+    return f"{group_id}/rank{rank}"
+
+
 def _abort_or_release(engine: LLMEngine, request_id: str) -> None:
     if not engine.abort_request(request_id) and engine.kv.has(request_id):
         engine.release(request_id)  # a reservation that was never adopted
-
-
-def _actor(name: str):
-    import ray
-
-    return ray.get_actor(name)

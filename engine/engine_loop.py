@@ -4,6 +4,10 @@ The engine is not thread-safe; everything that touches it goes through `call(fn)
 `fn(engine)` on the loop thread between steps and returns a Future. After every step the loop hands
 the step's updates to `on_updates` (on the loop thread). While idle it waits for commands, calling
 `on_idle` at most every `idle_interval_s` (a tensor-parallel driver sends heartbeats there).
+
+`load` is a snapshot of the engine's queue and pool, refreshed by the loop thread after every step
+and command batch: other threads read it without waiting for the engine (a long step must never
+make a live worker look hung).
 """
 from __future__ import annotations
 
@@ -11,13 +15,22 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 from engine.llm_engine import LLMEngine, SequenceUpdate
 from engine.step_log import StepLog, StepRecord
 
 T = TypeVar("T")
 STALL_WAIT_S = 0.005
+
+
+class EngineLoad(NamedTuple):
+    """The engine's queue and pool as of the loop's last iteration."""
+
+    waiting: int
+    running: int
+    num_free_blocks: int
+    num_blocks: int
 
 
 class EngineLoop:
@@ -35,6 +48,12 @@ class EngineLoop:
         self.error: BaseException | None = None  # set if a step failed; the loop then stops
         self.step_delay_s = 0.0  # fault injection for tests: sleep before each step
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.load = self._measure_load()
+
+    @property
+    def running(self) -> bool:
+        """The loop thread is alive and has not failed."""
+        return self.error is None and self._thread.is_alive() and not self._stopping.is_set()
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -75,9 +94,15 @@ class EngineLoop:
                     self._on_updates(updates)
                 elif self._on_idle is not None and not self._stopping.is_set():
                     self._on_idle()
+                self.load = self._measure_load()
         except BaseException as err:  # noqa: BLE001 — a dead loop must say why to every caller
             self.error = err
             self._fail_pending(err)
+
+    def _measure_load(self) -> EngineLoad:
+        engine = self.engine
+        return EngineLoad(len(engine.scheduler.waiting), len(engine.scheduler.running),
+                          engine.kv.num_free_blocks, engine.num_blocks)
 
     def _run_commands(self, block_s: float) -> None:
         try:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class StepRecord:
+class StepRecord(NamedTuple):
     index: int  # 1, 2, ... per engine: readers skip what they have seen
     duration_s: float
     num_tokens: int  # tokens computed this step (prefill chunks + one per decoding sequence)

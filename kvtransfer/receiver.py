@@ -135,6 +135,12 @@ class KVReceiver:
         if entry.state is TransferState.RECEIVING and not entry.finished.wait(timeout_s):
             raise TimeoutError(f"receive of {request_id!r} still running after {timeout_s:.1f} s")
 
+    @property
+    def num_expected(self) -> int:
+        """Transfers registered and not forgotten yet (a leak check: 0 when idle)."""
+        with self._lock:
+            return len(self._expected)
+
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._expected.pop(request_id, None)

@@ -154,6 +154,14 @@ class TorchDistTransport(KVTransport):
         if channel is not None:
             self._retire(peer, channel)
 
+    def forget_peer(self, peer: PeerId) -> bool:
+        with self._lock:
+            if peer in self._busy or peer not in self._channels:
+                return False
+            channel = self._channels.pop(peer)
+        self._retire(peer, channel)
+        return True
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -110,7 +110,9 @@ class KVTransport(ABC):
        failure: the peer follows to a fresh channel without an error, on its next call or from the
        call it has pending at that moment (nothing of which was delivered yet, as ``close_peer``
        does not race with our own calls to that peer). ``close()`` closes every channel; the
-       transport is unusable afterwards. Both are idempotent and never block long.
+       transport is unusable afterwards. Both are idempotent and never block long. ``forget_peer(peer)``
+       is for a peer known to be dead: it releases an idle channel at once (so a dead peer's pair group
+       does not linger), never races with a call in flight, and never blocks.
     8. **Threads.** Calls for different peers may run concurrently from different threads. Calls
        for the same peer must be serialized by the caller (at most one in-flight ``send`` or
        ``recv`` per peer on this side); a concurrent second call for the same peer raises
@@ -132,6 +134,12 @@ class KVTransport(ABC):
     @abstractmethod
     def close_peer(self, peer: PeerId) -> None:
         """Tear down the channel with ``peer`` (no-op if none); the next call re-creates it."""
+
+    @abstractmethod
+    def forget_peer(self, peer: PeerId) -> bool:
+        """``peer`` left the cluster (its process is gone): close its channel now unless a call with it is
+        in flight (that call fails on its own and discards the channel). Safe from any thread at any
+        time, unlike ``close_peer``. Returns whether a channel was closed."""
 
     @abstractmethod
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The pure half of the admission evaluation (`loadtest.eval_admission`): where goodput saturates, the
+"""The pure half of the admission evaluation (`benchmarks.eval_admission`): where goodput saturates, the
 issue's targets, and the table. No cluster, no clock: tests feed it synthetic points.
 
 Definitions:

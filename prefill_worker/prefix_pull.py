@@ -21,9 +21,10 @@ One pull, requester R and holder H, every wait bounded by the pull timeout:
 Any failure (holder dead or slow, transfer error, timeout) releases R's reservation and the request
 is computed as if no pull had been asked: a pull can save time, never fail a request.
 
-R receives pulls on a transport of its own, `pull_peer_id(R)`: two workers pulling from each other
-at once then use two one-way channels (the transport allows one call per peer at a time, and a
-pair's conversation must be one-way or alternate).
+R receives pulls on a transport of its own, `pull_peer_id(R's peer id)`: two workers pulling from
+each other at once then use two one-way channels (the transport allows one call per peer at a time,
+and a pair's conversation must be one-way or alternate). Workers find each other through the
+membership the controller pushes to them (`find_worker`), never by actor names.
 """
 from __future__ import annotations
 
@@ -32,8 +33,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
-
-import ray
 
 from cluster.messages import GenerateRequest, PullOutcome
 from engine.block_hash import HashNamespace, hash_blocks
@@ -46,9 +45,9 @@ log = logging.getLogger(__name__)
 CANCEL_GRACE_S = 5.0  # a receive ends by its deadline plus transport slack; cancel waits that long more
 
 
-def pull_peer_id(worker_id: str) -> str:
-    """The transport id a prefill worker receives pulled prefixes on."""
-    return f"{worker_id}/pull-in"
+def pull_peer_id(peer_id: str) -> str:
+    """The transport id a prefill worker (transport id `peer_id`) receives pulled prefixes on."""
+    return f"{peer_id}/pull-in"
 
 
 def pull_table_id(request_id: str) -> str:
@@ -111,20 +110,21 @@ def pin_export(engine: LLMEngine, table: str, token_ids, tenant: str, num_blocks
 
 # ---- requester side ------------------------------------------------------------------------------
 class PrefixPuller:
-    """Pulls prefixes for one prefill worker. `call_engine(fn)` runs fn(engine) on the engine thread
-    and returns a concurrent Future (EngineLoop.call)."""
+    """Pulls prefixes for one prefill worker (`worker_id`, transport id `peer_id`). `call_engine(fn)` runs
+    fn(engine) on the engine thread and returns a concurrent Future (EngineLoop.call); `find_worker(id)`
+    is the membership's actor handle of a prefill worker, or None."""
 
-    def __init__(self, worker_id: str, store_host: str, store_port: int, engine: LLMEngine,
-                 call_engine: Callable, timeout_s: float, metrics):
-        self.worker_id, self.timeout_s, self.metrics = worker_id, timeout_s, metrics
-        self.transport = TorchDistTransport(pull_peer_id(worker_id), store_host, store_port)
+    def __init__(self, worker_id: str, peer_id: str, store_host: str, store_port: int, engine: LLMEngine,
+                 call_engine: Callable, find_worker: Callable, timeout_s: float, metrics):
+        self.worker_id, self.peer_id, self.timeout_s, self.metrics = worker_id, peer_id, timeout_s, metrics
+        self.transport = TorchDistTransport(pull_peer_id(peer_id), store_host, store_port)
         self.receiver = KVReceiver(self.transport, engine.runner.kv_cache)
         self.receive_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pull-recv")
         self._call_engine = call_engine
         self.block_size = engine.config.block_size
         kv = engine.runner.kv_cache  # [layers, 2, kv_heads, blocks, block_size, head_dim]
         self.bytes_per_block = kv[:, :, :, 0].numel() * kv.element_size()
-        self._holders: dict[str, object] = {}
+        self._find_worker = find_worker
 
     async def pull(self, request: GenerateRequest) -> PullOutcome:
         """Fetches the request's prefix from its holder; never raises (a failure means recompute)."""
@@ -154,10 +154,12 @@ class PrefixPuller:
     async def _transfer(self, request: GenerateRequest, reservation: PullReservation, deadline_s: float) -> int:
         """Asks the holder to send, then waits for the receive; returns the blocks received."""
         spec = request.prefix_pull
-        holder = await self._holder(spec.holder_id)
+        holder = self._find_worker(spec.holder_id)
+        if holder is None:
+            raise LookupError(f"{spec.holder_id} is not a live prefill worker")
         tokens = request.prompt_token_ids[:spec.num_blocks * self.block_size + 1]  # all the holder verifies
         count = await asyncio.wait_for(
-            holder.export_prefix.remote(self.worker_id, request.request_id, tokens, request.tenant,
+            holder.export_prefix.remote(self.worker_id, self.peer_id, request.request_id, tokens, request.tenant,
                                         reservation.num_local_blocks, spec.num_blocks),
             max(deadline_s - time.time(), 0.0))
         if count == 0:
@@ -175,12 +177,6 @@ class PrefixPuller:
             log.error("pull receive of %r still running after %.1f s; keeping its blocks", request_id, wait_s)
             return
         await self._engine(lambda e: e.release(pull_table_id(request_id)))
-
-    async def _holder(self, holder_id: str):
-        if holder_id not in self._holders:  # a GCS lookup: off the event loop, once per holder
-            loop = asyncio.get_running_loop()
-            self._holders[holder_id] = await loop.run_in_executor(None, ray.get_actor, holder_id)
-        return self._holders[holder_id]
 
     async def _engine(self, fn):
         return await asyncio.wrap_future(self._call_engine(fn))

@@ -28,8 +28,8 @@ OBSERVED_TTFT_WINDOW = 64
 
 
 class AdmissionGate:
-    def __init__(self, config: AdmissionConfig, roles: dict[str, str], kv_bytes_per_token: int,
-                 block_size: int, prefill_step_budget_tokens: int):
+    def __init__(self, config: AdmissionConfig, kv_bytes_per_token: int, block_size: int,
+                 prefill_step_budget_tokens: int):
         self.config = config
         self.policy = policy_from_config(config)
         window, minimum = config.cost_window_steps, config.cost_min_samples
@@ -38,8 +38,7 @@ class AdmissionGate:
         self.transfer_cost = TransferCostModel(window_steps=window, min_samples=minimum)
         self.ttft_cost = ObservedTtftModel(window_steps=min(window, OBSERVED_TTFT_WINDOW),
                                            min_samples=min(minimum, OBSERVED_TTFT_WINDOW))
-        self._roles = roles  # worker id → "prefill" / "decode"
-        self._seen_step: dict[str, int] = {}
+        self._seen_step: dict[tuple[str, int], int] = {}  # (worker id, epoch) → newest step index read
         self.kv_bytes_per_token, self.block_size = kv_bytes_per_token, block_size
         self.prefill_step_budget_tokens = prefill_step_budget_tokens
 
@@ -52,16 +51,18 @@ class AdmissionGate:
         """A finished prefill → decode KV hand-off (cluster.messages.HandoffStats): the transfer model."""
         self.transfer_cost.observe(TransferStep(stats.num_bytes, stats.elapsed_s))
 
-    def observe_stats(self, worker_id: str, stats: dict) -> None:
-        """Feeds a worker's newly reported steps (index, duration_s, tokens, seqs, context) to its model."""
-        steps = unseen_steps(stats, self._seen_step.get(worker_id, 0))
+    def observe_stats(self, worker_id: str, role: str, epoch: int, stats) -> None:
+        """Feeds a worker's newly reported steps (WorkerStats.steps: index, duration_s, tokens, seqs,
+        context) to its role's model. Step indexes restart with each start (epoch) of a worker."""
+        key = (worker_id, epoch)
+        steps = unseen_steps(stats, self._seen_step.get(key, 0))
         for _, duration_s, num_tokens, num_seqs, context_tokens in steps:
-            if self._roles.get(worker_id) == "prefill":
+            if role == "prefill":
                 self.prefill_cost.observe(PrefillStep(num_tokens, duration_s))
             else:
                 self.decode_cost.observe(DecodeStep(num_seqs, context_tokens, duration_s))
         if steps:
-            self._seen_step[worker_id] = steps[-1][0]
+            self._seen_step[key] = steps[-1][0]
 
     def decide(self, request, expected_cached_tokens: int, prefill: WorkerLoad, decode_id: str,
                decode_running: list[RunningRequest], blocks_free: int, decode_blocks_total: int,

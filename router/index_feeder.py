@@ -1,48 +1,71 @@
-"""Feeds the router's in-process prefix index from the prefill workers' KV events (single router).
+"""Feeds the router's in-process prefix index from the prefill workers' KV events (no Redis).
 
-One loop per prefill worker pulls `read_kv_events(since_seq)` every `interval_s`, applies the batch
-to the index and refreshes the worker's lease. Pulling keeps the workers free of any knowledge of
-the router; a worker that stops answering stops being heartbeated, so its entries expire after the
-index lease. With Redis configured the workers publish instead and no feeder runs.
+One loop per prefill member pulls `read_kv_events(since_seq)` every `interval_s`, applies the batch
+to the index and refreshes the worker's lease. It follows membership: a worker that leaves (dead or
+drained) has its loop stopped and its entries dropped at once; its replacement (same worker id, new
+epoch) gets a new loop. With Redis configured the workers publish instead and no feeder runs.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from cluster.launcher import LaunchedCluster
+from cluster.cluster_view import ClusterView
+from cluster.membership import Member, Membership
 
 log = logging.getLogger(__name__)
 
 
 class IndexFeeder:
-    def __init__(self, cluster: LaunchedCluster, index, interval_s: float = 0.05, timeout_s: float = 5.0):
-        self.index, self.interval_s, self.timeout_s = index, interval_s, timeout_s
-        self._workers = {h.worker_id: h.actor for h in cluster.prefill}
-        self._tasks: list[asyncio.Task] = []
+    def __init__(self, view: ClusterView, index, interval_s: float = 0.05, timeout_s: float = 5.0):
+        self.view, self.index, self.interval_s, self.timeout_s = view, index, interval_s, timeout_s
+        self._tasks: dict[tuple[str, int], asyncio.Task] = {}  # (worker id, epoch) → its loop
+        self._removals: set[asyncio.Task] = set()
+        self._started = False
+        view.listeners.append(self._on_membership)
 
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._follow(worker_id, actor))
-                       for worker_id, actor in self._workers.items()]
+        self._started = True
+        self._on_membership(self.view.membership, self.view.membership)
 
     async def sync_once(self) -> None:
         """Pulls and applies every worker's pending events now (tests use it to avoid sleeping)."""
-        for worker_id, actor in self._workers.items():
-            await self._pull(worker_id, actor)
+        for member in self._prefill():
+            await self._pull(member)
 
-    async def _follow(self, worker_id: str, actor) -> None:
+    def _prefill(self) -> list[Member]:
+        return [m for m in self.view.members if m.role == "prefill"]
+
+    def _on_membership(self, old: Membership, new: Membership) -> None:
+        if not self._started:
+            return
+        live = {(m.worker_id, m.epoch): m for m in self._prefill()}
+        for key in [key for key in self._tasks if key not in live]:
+            self._tasks.pop(key).cancel()
+            if new.get(key[0]) is None:  # gone for good (a restart's new epoch replaces its entries itself)
+                removal = asyncio.ensure_future(self.index.remove_worker(key[0]))
+                self._removals.add(removal)
+                removal.add_done_callback(self._removals.discard)
+        for key, member in live.items():
+            if key not in self._tasks:
+                self._tasks[key] = asyncio.ensure_future(self._follow(member))
+
+    async def _follow(self, member: Member) -> None:
         failing = False
         while True:
             try:
-                await self._pull(worker_id, actor)
+                await self._pull(member)
                 failing = False
+            except asyncio.CancelledError:
+                raise
             except Exception as err:  # keep following: a slow worker may answer next time
                 if not failing:
-                    log.warning("cannot read KV events of %s: %s", worker_id, type(err).__name__)
+                    log.warning("cannot read KV events of %s: %s", member.worker_id, type(err).__name__)
                 failing = True
             await asyncio.sleep(self.interval_s)
 
-    async def _pull(self, worker_id: str, actor) -> None:
+    async def _pull(self, member: Member) -> None:
+        worker_id, actor = member.worker_id, member.actor
         cursor = await self.index.cursor(worker_id)
         since_seq = cursor[1] if cursor is not None else 0
         batch = await asyncio.wait_for(actor.read_kv_events.remote(since_seq), self.timeout_s)
@@ -54,6 +77,7 @@ class IndexFeeder:
         await self.index.heartbeat(worker_id, batch.epoch)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        self._started = False
+        for task in self._tasks.values():
             task.cancel()
         self._tasks.clear()

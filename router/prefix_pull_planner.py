@@ -11,7 +11,7 @@ with prefill_s fitted online from the prefill workers' reported engine steps (th
 model's shape) and pull_s fitted (latency + bytes / bandwidth) from every KV transfer that finished:
 the prefill → decode hand-off of each request moves KV over the same transport, so the model learns
 the link before the first pull, and pulls add their own samples. Until enough transfers were seen, pull_s uses PULL_PRIOR: 20 ms for the two Ray round trips, the engine-thread
-hops and the channel, and 0.5 GB/s — what `prefill_worker.bench_pull` measured for whole pulls on the
+hops and the channel, and 0.5 GB/s — what `benchmarks.bench_pull` measured for whole pulls on the
 busy 2-core dev box (a 3 MB pull took ~20 ms; raw gloo moves 2.4-3.4 GB/s on loopback), so a cold
 router errs towards recomputing yet still pulls prefixes of a few blocks of a real model.
 Mode "always" pulls whenever the holder has more (tests, benchmarks); "never" turns pulls off.
@@ -31,8 +31,7 @@ MODES = ("auto", "always", "never")
 
 
 class PullPlanner:
-    def __init__(self, mode: str, kv_bytes_per_token: int, prefill_worker_ids: Collection[str],
-                 prefill_cost: PrefillCostModel | None = None):
+    def __init__(self, mode: str, kv_bytes_per_token: int, prefill_cost: PrefillCostModel | None = None):
         """`prefill_cost`: a model someone else feeds (the admission gate's); None: an own one, fed by
         `observe_stats`."""
         if mode not in MODES:
@@ -40,8 +39,7 @@ class PullPlanner:
         self.mode, self.kv_bytes_per_token = mode, kv_bytes_per_token
         self.prefill_cost = prefill_cost if prefill_cost is not None else PrefillCostModel()
         self.pull_cost = TransferCostModel(prior=PULL_PRIOR)
-        self._prefill_ids = frozenset(prefill_worker_ids)
-        self._seen_step: dict[str, int] = {}
+        self._seen_step: dict[tuple[str, int], int] = {}  # (worker id, epoch) → newest step index read
 
     def plan(self, query: RouteQuery, decision: RouteDecision, healthy_ids: Collection[str]) -> PrefixPull | None:
         """The pull the chosen worker should do before computing this prompt, or None."""
@@ -79,12 +77,14 @@ class PullPlanner:
         """Any finished KV transfer (a hand-off's HandoffStats, a pull)."""
         self.pull_cost.observe(TransferStep(num_bytes, duration_s))
 
-    def observe_stats(self, worker_id: str, stats: dict) -> None:
-        """WorkerMonitor listener: feeds a prefill worker's newly reported engine steps to the prefill model."""
-        if worker_id not in self._prefill_ids:
+    def observe_stats(self, worker_id: str, role: str, epoch: int, stats) -> None:
+        """WorkerMonitor listener: feeds a prefill worker's newly reported engine steps (WorkerStats) to the
+        prefill model."""
+        if role != "prefill":
             return
-        steps = unseen_steps(stats, self._seen_step.get(worker_id, 0))
+        key = (worker_id, epoch)
+        steps = unseen_steps(stats, self._seen_step.get(key, 0))
         for _, duration_s, num_tokens, _, _ in steps:
             self.prefill_cost.observe(PrefillStep(num_tokens, duration_s))
         if steps:
-            self._seen_step[worker_id] = steps[-1][0]
+            self._seen_step[key] = steps[-1][0]

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from cluster.cluster_view import ClusterView
 from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import LaunchedCluster
 from router.admission_gate import AdmissionGate
@@ -50,10 +51,12 @@ class RouterServer:
         return f"{self.host}:{self.port}"
 
     @classmethod
-    async def start(cls, cluster: LaunchedCluster, config: ClusterConfig,
+    async def start(cls, launched: LaunchedCluster, config: ClusterConfig,
                     extra_addresses: tuple[str, ...] | list[str] = ()) -> "RouterServer":
-        """Serves on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock")."""
+        """Serves on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock"), for
+        the cluster `launched` joined; follows its membership from then on."""
         router = config.router
+        cluster = ClusterView(launched)
         index, feeder = await _make_index(cluster, config)
         metrics = RouterMetrics()
         service = RouterService(cluster, make_policy(router.policy, index), tokenizer=_load_tokenizer(cluster),
@@ -64,6 +67,7 @@ class RouterServer:
         if router.metrics_port is not None:
             exporter = start_metrics_server(metrics.registry, router.metrics_port, router.host)
             log.info("router metrics on http://%s:%d/metrics", exporter.host, exporter.port)
+        cluster.start()
         service.monitor.start()
         if feeder is not None:
             feeder.start()
@@ -87,8 +91,8 @@ class RouterServer:
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("router serving %s on %s:%d (policy %s)", SERVICE_NAME, router.host, port, router.policy)
-        return cls(server, service, health, port, router.host, [feeder, service.monitor, service, index],
-                   exporter)
+        return cls(server, service, health, port, router.host,
+                   [cluster, feeder, service.monitor, service, index], exporter)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops taking calls, lets streams in flight end for `grace_s`, then cancels the rest."""
@@ -101,7 +105,7 @@ class RouterServer:
             self.exporter.stop()
 
 
-async def _make_index(cluster: LaunchedCluster, config: ClusterConfig):
+async def _make_index(cluster: ClusterView, config: ClusterConfig):
     """Redis when configured (the workers publish into it; several routers share it), else an
     in-process index this router feeds by pulling the workers' KV events."""
     from cluster.prefix_index import IndexNamespace, make_prefix_index
@@ -114,23 +118,15 @@ async def _make_index(cluster: LaunchedCluster, config: ClusterConfig):
     return index, IndexFeeder(cluster, index, interval_s=config.router.index_poll_interval_s)
 
 
-def _make_admission(cluster: LaunchedCluster, config: ClusterConfig) -> AdmissionGate | None:
+def _make_admission(cluster: ClusterView, config: ClusterConfig) -> AdmissionGate | None:
     """None for the `always` policy: admitting everything needs no view of the cluster."""
     if config.admission.policy == "always":
         return None
-    from engine.model_loader import load_model_config
-
-    model = load_model_config(cluster.model_dir, config.dtype)
-    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * _DTYPE_BYTES[model.dtype]
-    roles = {h.worker_id: "prefill" for h in cluster.prefill} | {d.instance_id: "decode" for d in cluster.decode}
-    return AdmissionGate(config.admission, roles, kv_bytes_per_token, config.block_size,
+    return AdmissionGate(config.admission, cluster.prefill[0].info.kv_bytes_per_token, config.block_size,
                          config.prefill.max_num_batched_tokens)
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _load_tokenizer(cluster: LaunchedCluster):
+def _load_tokenizer(cluster: ClusterView):
     if not (Path(cluster.model_dir) / "tokenizer.json").is_file():
         log.warning("%s has no tokenizer.json: only token-id prompts will be accepted", cluster.model_dir)
         return None

@@ -10,12 +10,13 @@ from __future__ import annotations
 import array
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from cluster.client import ClusterClient, RequestFailed
-from cluster.launcher import LaunchedCluster
+from cluster.cluster_view import ClusterView
+from cluster.membership import Membership
 from cluster.messages import GenerateRequest, PrefixPull
 from engine.block_hash import HashNamespace, check_spec_fingerprint, hash_blocks
 from engine.errors import InvalidRequestError
@@ -61,17 +62,15 @@ class RouterOutput:
 
 
 class RouterService:
-    def __init__(self, cluster: LaunchedCluster, policy: RoutingPolicy, *, tokenizer=None,
+    """`cluster` is the router's live ClusterView: every request routes over the members serving now."""
+
+    def __init__(self, cluster: ClusterView, policy: RoutingPolicy, *, tokenizer=None,
                  max_concurrent_requests: int = 1024, monitor: WorkerMonitor | None = None, index=None,
                  metrics: RouterMetrics | None = None, admission: AdmissionGate | None = None):
-        infos = [h.info for h in cluster.prefill] + [d.info for d in cluster.decode]
-        for info in infos:  # a worker hashing blocks differently would make every prefix lookup wrong
-            check_spec_fingerprint(info.hash_spec)
-        identities = {info.model_identity for info in infos}
-        if len(identities) != 1:
-            raise RuntimeError(f"workers serve different models: {sorted(identities)}")
         self.cluster, self.policy, self.tokenizer, self.index = cluster, policy, tokenizer, index
         self.info = cluster.prefill[0].info
+        self._check_members(cluster.membership, cluster.membership)
+        cluster.listeners.append(self._check_members)
         self.limits = ModelLimits(self.info.vocab_size, self.info.max_model_len, tokenizer is not None)
         self.max_concurrent_requests = max_concurrent_requests
         self.client = ClusterClient(cluster)
@@ -83,22 +82,30 @@ class RouterService:
             self.client.handoff_listeners.append(admission.observe_handoff)
         # With admission on, the planner reads the gate's prefill model (fitted once, from the same steps).
         self.pull_planner = PullPlanner(cluster.config.router.prefix_pull, self.info.kv_bytes_per_token,
-                                        [h.worker_id for h in cluster.prefill],
                                         admission.prefill_cost if admission is not None else None)
         if admission is None:
             self.monitor.listeners.append(self.pull_planner.observe_stats)
         self.client.handoff_listeners.append(lambda stats: self.pull_planner.observe_transfer(stats.num_bytes,
                                                                                               stats.elapsed_s))
-        self._decoding: dict[str, dict[str, StreamState]] = {d.instance_id: {} for d in cluster.decode}
+        self._decoding: dict[str, dict[str, StreamState]] = defaultdict(dict)  # decode worker → its streams
         # admitted request → uncached tokens queued on its prefill worker at admission, its own included
         self._tokens_through: dict[str, int] = {}
-        self._min_pool_blocks = min(info.num_blocks for info in infos)
         self._running: set[str] = set()
         self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
         self._inflight = Counter()  # prefill worker → requests in flight
         # (request id, seconds spent inside the cluster API) of recent requests: benchmarks subtract it
         # from what the client saw to get what the router path added to that very request.
         self.cluster_call_s: deque[tuple[str, float]] = deque(maxlen=100_000)
+
+    def _check_members(self, old: Membership, new: Membership) -> None:
+        """Membership listener: every worker must hash blocks by this router's spec and serve its model
+        (the controller starts them all from one config; this catches a mixed deployment loudly)."""
+        for member in new.members:
+            check_spec_fingerprint(member.info.hash_spec)
+            if member.info.model_identity != self.info.model_identity:
+                raise RuntimeError(f"worker {member.worker_id} serves {member.info.model_identity}, this router "
+                                   f"{self.info.model_identity}")
+        self._min_pool_blocks = min((m.info.num_blocks for m in new.members), default=0)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
@@ -132,7 +139,7 @@ class RouterService:
         expected_blocks = pull.num_blocks if pull is not None else decision.expected_cached_blocks
         self._admission_check(request, expected_blocks * query.block_size, worker_id, decode, waited_s)
         uncached = max(query.num_prompt_tokens - expected_blocks * query.block_size, 1)
-        self._decoding[decode.instance_id][request.request_id] = state
+        self._decoding[decode.worker_id][request.request_id] = state
         self._inflight[worker_id] += 1
         self._queued_tokens[worker_id] += uncached
         cluster_s = [0.0]
@@ -145,7 +152,7 @@ class RouterService:
                     self._queued_tokens[worker_id] -= uncached
                     if chunk.pull is not None:
                         self.pull_planner.observe_pull(chunk.pull)
-                    route = RouteInfo(worker_id, decode.instance_id, self.policy.name, chunk.num_cached_tokens)
+                    route = RouteInfo(worker_id, decode.worker_id, self.policy.name, chunk.num_cached_tokens)
                 delta, usage = state.add(chunk)
                 yield RouterOutput(request.request_id, chunk.token_ids, delta, chunk.logprobs,
                                    chunk.finish_reason, route, usage)
@@ -158,7 +165,10 @@ class RouterService:
             if not state.started:
                 self._queued_tokens[worker_id] -= uncached
             self._inflight[worker_id] -= 1
-            self._decoding[decode.instance_id].pop(request.request_id, None)
+            streams = self._decoding[decode.worker_id]
+            streams.pop(request.request_id, None)
+            if not streams:
+                del self._decoding[decode.worker_id]
             tokens_through = self._tokens_through.pop(request.request_id, None)
             if tokens_through is not None and state.started:
                 # From the router's arrival: the wait before it is the request's own, not the worker's.
@@ -171,13 +181,14 @@ class RouterService:
             return
         running = [RunningRequest(s.num_tokens, s.request.params.max_tokens,
                                   len(s.request.prompt_token_ids) + s.num_tokens)
-                   for s in self._decoding[decode.instance_id].values()]
+                   for s in self._decoding.get(decode.worker_id, {}).values()]
         load = WorkerLoad(worker_id, self._inflight[worker_id], self._queued_tokens[worker_id])
         total = decode.info.num_blocks
         # The monitor's figure is up to a probe interval old; what this router reserved since is exact.
         held = sum(-(-(r.context_tokens + 1) // self.info.block_size) for r in running)
-        free = min(self.monitor.stats.get(decode.instance_id, {}).get("num_free_blocks", total), total - held)
-        verdict = self.admission.decide(request, cached_tokens, load, decode.instance_id, running,
+        stats = self.monitor.stats.get(decode.worker_id)
+        free = min(stats.num_free_blocks if stats is not None else total, total - held)
+        verdict = self.admission.decide(request, cached_tokens, load, decode.worker_id, running,
                                         max(free, 0), total, waited_s)
         if not verdict.admit:
             self.metrics.rejected(str(verdict.cause))
@@ -219,14 +230,16 @@ class RouterService:
 
     async def _choose(self, query: RouteQuery):
         healthy = [h for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
+        if not healthy:
+            raise NoWorkersError("no healthy prefill worker to route to")
         loads = [WorkerLoad(h.worker_id, self._inflight[h.worker_id], self._queued_tokens[h.worker_id])
                  for h in healthy]
         decision = await self.policy.choose(query, loads)
         prefill = next(h for h in healthy if h.worker_id == decision.worker_id)
-        decodes = [d for d in self.cluster.decode if self.monitor.is_healthy(d.instance_id)]
+        decodes = [d for d in self.cluster.decode if self.monitor.is_healthy(d.worker_id)]
         if not decodes:
             raise NoWorkersError("no healthy decode instance to route to")
-        decode = min(decodes, key=lambda d: (self.client.decode_load(d.instance_id), d.instance_id))
+        decode = min(decodes, key=lambda d: (self.client.decode_load(d.worker_id), d.worker_id))
         return prefill, decode, decision
 
     @staticmethod
@@ -235,9 +248,9 @@ class RouterService:
                                request.tenant, pull)
 
     def worker_loads(self) -> dict[str, int]:
-        loads = {h.worker_id: self._inflight[h.worker_id] for h in self.cluster.prefill}
-        loads.update({d.instance_id: self.client.decode_load(d.instance_id) for d in self.cluster.decode})
-        return loads
+        """Requests this router has in flight on each member (draining ones included)."""
+        return {m.worker_id: (self._inflight[m.worker_id] if m.role == "prefill"
+                              else self.client.decode_load(m.worker_id)) for m in self.cluster.members}
 
     async def index_entries(self) -> int:
         """Block hashes the prefix index holds over all workers (0 without an index)."""

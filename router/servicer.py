@@ -33,11 +33,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def GetClusterStatus(self, request: pb.GetClusterStatusRequest, context) -> pb.ClusterStatus:
         service = self.service
         monitor, loads, figures = service.monitor, service.worker_loads(), service.metrics.snapshot()
-        workers = []
-        for handle in service.cluster.prefill:
-            workers.append(_worker(handle.worker_id, "prefill", 1, handle.info, monitor, loads))
-        for instance in service.cluster.decode:
-            workers.append(_worker(instance.instance_id, "decode", len(instance.ranks), instance.info, monitor, loads))
+        workers = [_worker(member, monitor, loads) for member in service.cluster.members]
         return pb.ClusterStatus(workers=workers, inflight_requests=service.inflight_requests,
                                 requests_total=service.metrics.requests_by_outcome(), routing_policy=service.policy.name,
                                 prompt_tokens_total=int(figures["prompt_tokens_total"]),
@@ -45,12 +41,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                                 index_entries=await service.index_entries())
 
 
-def _worker(worker_id: str, role: str, tp_size: int, info, monitor, loads) -> pb.WorkerStatus:
-    stats = monitor.stats.get(worker_id, {})
-    return pb.WorkerStatus(worker_id=worker_id, role=role, healthy=monitor.is_healthy(worker_id),
-                           inflight_requests=loads.get(worker_id, 0), waiting=stats.get("waiting", 0),
-                           running=stats.get("running", 0), num_kv_blocks=info.num_blocks,
-                           kv_usage=stats.get("kv_usage", 0.0), tp_size=tp_size)
+def _worker(member, monitor, loads) -> pb.WorkerStatus:
+    stats, worker_id = monitor.stats.get(member.worker_id), member.worker_id
+    return pb.WorkerStatus(worker_id=worker_id, role=member.role, healthy=monitor.is_healthy(worker_id),
+                           inflight_requests=loads.get(worker_id, 0), waiting=stats.waiting if stats else 0,
+                           running=stats.running if stats else 0, num_kv_blocks=member.info.num_blocks,
+                           kv_usage=stats.kv_usage if stats else 0.0, tp_size=member.tp_size, epoch=member.epoch,
+                           restarts=member.restarts, state=member.state)
 
 
 def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:

@@ -1,35 +1,39 @@
-"""Periodic health and load probes of every worker, for routing and `GetClusterStatus`.
+"""Periodic load probes of every member of the cluster, for routing, admission and `GetClusterStatus`.
 
-Each probe is a `stats()` call bounded by `timeout_s`. A worker whose probe fails or times out is
-unhealthy (no new requests are routed to it) until a later probe succeeds. Requests already on a
-dead worker fail on their own (the cluster client sees the actor die); this only steers new ones.
+Liveness is the controller's business, not this monitor's: a worker is routable while membership
+lists it as serving. Each probe is a `stats()` call (answered from the worker's last engine snapshot,
+so a busy worker answers fast) bounded by `timeout_s`; a probe that times out keeps the last figures.
+A worker whose actor is found dead here (by a probe, or by a request: `probe_soon`) is avoided at
+once, until membership catches up (within one watch round trip).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from cluster.launcher import LaunchedCluster
+from ray.exceptions import RayActorError
+
+from cluster.cluster_view import ClusterView
+from cluster.membership import Member, Membership
+from cluster.messages import WorkerStats
 
 log = logging.getLogger(__name__)
 
 
 class WorkerMonitor:
-    def __init__(self, cluster: LaunchedCluster, metrics=None, interval_s: float = 1.0, timeout_s: float = 5.0):
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+    def __init__(self, view: ClusterView, metrics=None, interval_s: float = 1.0, timeout_s: float = 5.0):
+        self.view, self.interval_s, self.timeout_s = view, interval_s, timeout_s
         self.metrics = metrics  # router.metrics.RouterMetrics: per-worker gauges, when given
-        self._roles = {h.worker_id: "prefill" for h in cluster.prefill}
-        self._roles.update({d.instance_id: "decode" for d in cluster.decode})
-        self._actors = {h.worker_id: h.actor for h in cluster.prefill}
-        self._actors.update({d.instance_id: d.driver for d in cluster.decode})
-        self.stats: dict[str, dict] = {worker_id: {} for worker_id in self._actors}
-        self._unhealthy: set[str] = set()
-        self.listeners: list = []  # called with (worker_id, stats) after each successful probe
+        self.stats: dict[str, WorkerStats] = {}
+        self._dead: set[tuple[str, int]] = set()  # (worker id, epoch) found dead, until membership drops it
+        self.listeners: list = []  # called with (worker_id, role, epoch, stats) after each successful probe
         self._task: asyncio.Task | None = None
         self._probes: set[asyncio.Task] = set()
+        view.listeners.append(self._on_membership)
 
     def is_healthy(self, worker_id: str) -> bool:
-        return worker_id not in self._unhealthy
+        member = self.view.membership.get(worker_id)
+        return member is not None and (worker_id, member.epoch) not in self._dead
 
     def start(self) -> None:
         if self._task is None:
@@ -42,34 +46,45 @@ class WorkerMonitor:
         task.add_done_callback(self._probes.discard)
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(worker_id, actor) for worker_id, actor in self._actors.items()))
+        await asyncio.gather(*(self._probe(member) for member in self.view.members))
 
     async def _loop(self) -> None:
         while True:
             await self.probe_all()
             await asyncio.sleep(self.interval_s)
 
-    async def _probe(self, worker_id: str, actor) -> None:
+    async def _probe(self, member: Member) -> None:
         try:
-            self.stats[worker_id] = await asyncio.wait_for(actor.stats.remote(), self.timeout_s)
-        except Exception as err:  # dead, hung or crashed: all mean "route elsewhere"
-            if worker_id not in self._unhealthy:
-                log.warning("worker %s is unhealthy: %s", worker_id, type(err).__name__)
-            self._unhealthy.add(worker_id)
+            stats = await asyncio.wait_for(member.actor.stats.remote(), self.timeout_s)
+        except RayActorError as err:
+            if (member.worker_id, member.epoch) not in self._dead:
+                log.warning("worker %s (epoch %d) is dead: %s", member.worker_id, member.epoch, type(err).__name__)
+            self._dead.add((member.worker_id, member.epoch))
+        except Exception as err:  # slow or erroring: keep the last figures; liveness is the controller's
+            log.debug("stats of %s unavailable: %s", member.worker_id, type(err).__name__)
         else:
+            if self.view.membership.get(member.worker_id) is not member:
+                return  # it left (or restarted) while we asked
+            self.stats[member.worker_id] = stats
             for listener in self.listeners:
-                listener(worker_id, self.stats[worker_id])
-            if worker_id in self._unhealthy:
-                log.info("worker %s is healthy again", worker_id)
-            self._unhealthy.discard(worker_id)
-        self._export(worker_id)
+                listener(member.worker_id, member.role, member.epoch, stats)
+        self._export(member)
 
-    def _export(self, worker_id: str) -> None:
-        if self.metrics is not None:
-            stats = self.stats.get(worker_id, {})
-            self.metrics.set_worker_load(worker_id, self._roles[worker_id], stats.get("waiting", 0),
-                                         stats.get("running", 0), stats.get("kv_usage", 0.0),
-                                         healthy=self.is_healthy(worker_id))
+    def _on_membership(self, old: Membership, new: Membership) -> None:
+        for member in old.members:
+            current = new.get(member.worker_id)
+            if current is None or current.epoch != member.epoch:
+                self.stats.pop(member.worker_id, None)
+                self._dead.discard((member.worker_id, member.epoch))
+                if self.metrics is not None and current is None:
+                    self.metrics.forget_worker(member.worker_id, member.role)
+
+    def _export(self, member: Member) -> None:
+        if self.metrics is not None and self.view.membership.get(member.worker_id) is member:
+            stats = self.stats.get(member.worker_id)
+            self.metrics.set_worker_load(member.worker_id, member.role, stats.waiting if stats else 0,
+                                         stats.running if stats else 0, stats.kv_usage if stats else 0.0,
+                                         healthy=self.is_healthy(member.worker_id))
 
     async def close(self) -> None:
         if self._task is not None:

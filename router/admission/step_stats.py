@@ -58,7 +58,8 @@ def step_problem(step: PrefillStep | DecodeStep | TransferStep | TtftSample) -> 
     return None
 
 
-def unseen_steps(stats: dict, seen_index: int) -> list[tuple]:
-    """The step records in a worker's `stats()` newer than `seen_index`, oldest first. A record is
-    (index, duration_s, num_tokens, num_seqs, context_tokens) (`engine.step_log.StepRecord`)."""
-    return [record for record in stats.get("steps", ()) if record[0] > seen_index]
+def unseen_steps(stats, seen_index: int) -> list[tuple]:
+    """The step records in a worker's `stats()` (cluster.messages.WorkerStats) newer than `seen_index`,
+    oldest first. A record is (index, duration_s, num_tokens, num_seqs, context_tokens)
+    (`engine.step_log.StepRecord`)."""
+    return [record for record in stats.steps if record[0] > seen_index]

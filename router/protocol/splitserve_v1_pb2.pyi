@@ -167,7 +167,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "healthy", "inflight_requests", "waiting", "running", "num_kv_blocks", "kv_usage", "tp_size")
+    __slots__ = ("worker_id", "role", "healthy", "inflight_requests", "waiting", "running", "num_kv_blocks", "kv_usage", "tp_size", "epoch", "restarts", "state")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,9 @@ class WorkerStatus(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     healthy: bool
@@ -186,7 +189,10 @@ class WorkerStatus(_message.Message):
     num_kv_blocks: int
     kv_usage: float
     tp_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    epoch: int
+    restarts: int
+    state: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "inflight_requests", "requests_total", "routing_policy", "prompt_tokens_total", "cached_prompt_tokens_total", "index_entries")

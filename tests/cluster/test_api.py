@@ -29,5 +29,5 @@ def test_sync_cluster_streams_tokens_and_names_bad_fields(checkpoint, ray_sessio
         import ray
 
         for report in ray.get([cluster.launched.prefill[0].actor.check_integrity.remote(),
-                               cluster.launched.decode[0].driver.check_integrity.remote()]):
+                               cluster.launched.decode[0].actor.check_integrity.remote()]):
             assert report["num_free_blocks"] == report["num_blocks"] and report["num_sequences"] == 0

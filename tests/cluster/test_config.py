@@ -55,9 +55,10 @@ def test_kv_cache_dtype_is_cluster_wide_and_weights_may_differ_per_pool():
 
 
 def test_serve_flags_set_the_kv_cache_dtype_and_weight_quantization():
-    from cluster.serve import build_config, parser
+    from splitserve.serve import build_config, parser
 
-    config = build_config(parser().parse_args(["--kv-cache-dtype", "int8", "--quantization", "int8"]))
+    config, _ = build_config(parser("splitserve serve").parse_args(["--kv-cache-dtype", "int8", "--quantization",
+                                                                   "int8"]))
     assert (config.kv_cache_dtype, config.quantization) == ("int8", "int8")
     with pytest.raises(ConfigError, match="kv_cache_dtype: must be one of"):
-        build_config(parser().parse_args(["--kv-cache-dtype", "int4"]))
+        build_config(parser("splitserve serve").parse_args(["--kv-cache-dtype", "int4"]))

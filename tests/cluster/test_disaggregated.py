@@ -46,7 +46,7 @@ def _assert_clean(cluster) -> None:
     import ray
 
     reports = ray.get([h.actor.check_integrity.remote() for h in cluster.prefill]
-                      + [d.driver.check_integrity.remote() for d in cluster.decode], timeout=30)
+                      + [d.actor.check_integrity.remote() for d in cluster.decode], timeout=30)
     for report in reports:
         assert report["num_free_blocks"] == report["num_blocks"], report
         assert report["num_sequences"] == 0, report
@@ -123,7 +123,7 @@ def test_decode_killed_during_transfer_releases_prefill_pins(checkpoint, cluster
     import ray
 
     cluster = cluster_factory(checkpoint(TinySpec()), handoff_lease_s=3.0)
-    decode = cluster.decode[0].driver
+    decode = cluster.decode[0].actor
     ray.get(decode.debug_set_receive_delay.remote(30.0))  # the transfer stalls on the decode side
 
     async def scenario():
@@ -166,7 +166,7 @@ def test_prefill_killed_fails_requests_and_decode_frees_reservations(checkpoint,
 
     errors = run(scenario(), timeout_s=60)
     assert all(isinstance(e, RequestFailed) and e.unavailable and "prefill" in e.reason for e in errors), errors
-    report = ray.get(cluster.decode[0].driver.check_integrity.remote(), timeout=10)
+    report = ray.get(cluster.decode[0].actor.check_integrity.remote(), timeout=10)
     assert report["num_free_blocks"] == report["num_blocks"]
 
 
@@ -174,7 +174,7 @@ def test_reservation_without_transfer_expires_after_the_lease(checkpoint, cluste
     import ray
 
     cluster = cluster_factory(checkpoint(TinySpec()), handoff_lease_s=1.0)
-    decode = cluster.decode[0].driver
+    decode = cluster.decode[0].actor
     target = ray.get(decode.reserve.remote("orphan", 40, "tester"), timeout=10)
     assert len(target.block_ids) == 3
     time.sleep(1.0 + 2.5)  # lease + grace
@@ -194,16 +194,18 @@ def test_decode_tp2_from_prefill_tp1_equals_hf(num_kv_heads, checkpoint, cluster
     import ray
 
     # The ranks run in their instance's STRICT_PACK group: every bundle's CPU is taken by its rank.
-    (group,) = cluster.placement_groups
+    (name,) = [t["name"] for t in ray.util.placement_group_table().values()
+                if t["name"].startswith(f"{cluster.config.cluster_name}:") and t["state"] == "CREATED"]
+    group = ray.util.get_placement_group(name)
     table = ray.util.placement_group_table(group)
     assert (table["strategy"], table["state"], len(table["bundles"])) == ("STRICT_PACK", "CREATED", 2)
     group_cpu = f"CPU_group_{group.id.hex()}"
     assert ray.cluster_resources()[group_cpu] == 2 * SMALL_POOL.num_cpus
     assert ray.available_resources().get(group_cpu, 0.0) == 0.0  # Ray lists none left as absent
-    target = ray.get(cluster.decode[0].driver.reserve.remote("probe", 20, "tester"))
+    target = ray.get(cluster.decode[0].actor.reserve.remote("probe", 20, "tester"))
     assert [(r.kv_head_start, r.kv_head_end) for r in target.ranks] == (
         [(0, 1), (1, 2)] if num_kv_heads == 2 else [(0, 1), (0, 1)])
-    ray.get(cluster.decode[0].driver.cancel.remote("probe"))
+    ray.get(cluster.decode[0].actor.cancel.remote("probe"))
     assert run(_generate_all(cluster, prompts)) == hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
     _assert_clean(cluster)
 
@@ -224,7 +226,7 @@ def test_leaving_after_the_first_token_frees_both_sides_and_forgets_the_handoff(
 
     assert len(run(leave_early()).token_ids) == 1
     deadline_s = time.monotonic() + 20
-    while ray.get(cluster.prefill[0].actor.stats.remote(), timeout=10)["handoffs_in_flight"]:
+    while ray.get(cluster.prefill[0].actor.stats.remote(), timeout=10).in_flight:
         assert time.monotonic() < deadline_s, "the prefill worker kept the abandoned hand-off"
         time.sleep(0.1)
     _wait_clean(cluster, timeout_s=20)
@@ -237,7 +239,7 @@ def test_hand_offs_abandoned_in_a_burst_leave_the_channel_usable(checkpoint, clu
     cluster = cluster_factory(model_dir, handoff_lease_s=1.5)
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     prompts = random_prompts(24, 300, 400, 512, seed=77)
-    decode = cluster.decode[0].driver
+    decode = cluster.decode[0].actor
 
     async def burst_then_serve():
         await decode.debug_set_receive_delay.remote(0.3)  # each transfer takes a while: the sender queues

@@ -61,7 +61,7 @@ def _assert_clean(cluster) -> None:
     deadline_s = time.monotonic() + 20
     while True:  # a holder's pins are released by its sender thread just after the requester moved on
         reports = ray.get([h.actor.check_integrity.remote() for h in cluster.prefill]
-                          + [d.driver.check_integrity.remote() for d in cluster.decode], timeout=30)
+                          + [d.actor.check_integrity.remote() for d in cluster.decode], timeout=30)
         if all(r["num_free_blocks"] == r["num_blocks"] and r["num_sequences"] == 0 for r in reports):
             return
         assert time.monotonic() < deadline_s, reports

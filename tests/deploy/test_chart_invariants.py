@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 
-from tests.deploy.chart import (CONFIG_PATH, MATRIX, NAMESPACE, cluster_config_raw, objects, of_kind, only,
+from tests.deploy.chart import (CONFIG_PATH, MATRIX, NAMESPACE, RELEASE, cluster_config_raw, objects, of_kind, only,
                                 pod_templates)
 
 matrix = pytest.mark.parametrize("case", sorted(MATRIX))
@@ -134,7 +134,7 @@ def test_redis_url_from_a_secret_reaches_the_router_as_a_flag_only():
     objs = objects(MATRIX["external-redis-secret"])
     assert "redis_url" not in cluster_config_raw(objs)
     container = pod_templates(objs)["router"]["spec"]["containers"][0]
-    assert container["args"] == ["--rendezvous-host", "$(POD_IP)", "--redis-url", "$(SPLITSERVE_REDIS_URL)"]
+    assert container["args"] == ["--redis-url", "$(SPLITSERVE_REDIS_URL)"]
     env = {e["name"]: e for e in container["env"]}
     assert env["SPLITSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-conn", "key": "redis-url"}
 
@@ -225,9 +225,11 @@ def test_every_pod_runs_non_root_and_locked_down(case):
         assert {"/tmp", "/data"} & {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]}, component
 
 
-def test_workers_are_told_the_router_pod_ip_for_the_rendezvous_store():
+def test_one_cluster_per_release_and_no_rendezvous_in_the_router_pod():
+    """The controller of the release's cluster (named after the release) owns the pools and the
+    rendezvous store lives in the Ray cluster: a router pod carries neither, so losing one loses neither."""
     for case in ("defaults", "gpu"):
-        container = pod_templates(objects(MATRIX[case]))["router"]["spec"]["containers"][0]
-        assert container["args"][:2] == ["--rendezvous-host", "$(POD_IP)"]
-        env = {e["name"]: e for e in container["env"]}
-        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        objs = objects(MATRIX[case])
+        assert cluster_config_raw(objs)["cluster_name"] == f"{RELEASE}-splitserve"
+        container = pod_templates(objs)["router"]["spec"]["containers"][0]
+        assert "--rendezvous-host" not in container.get("args", [])

@@ -17,7 +17,7 @@ from tests.deploy.chart import CHART_DIR, MATRIX, chart, cluster_config_raw, obj
 # Config keys the chart sets from its own values (or from the release: addresses, mounts).
 CHART_OWNED_TOP = {"model_dir", "ray_address", "redis_url", "prefill", "decode", "router",
                    "ray_num_cpus",  # sizes a local Ray cluster; a release always joins KubeRay's
-                   "rendezvous_host",  # the router pod's IP, passed as --rendezvous-host $(POD_IP)
+                   "cluster_name",  # the release's full name: one cluster (one controller) per release
                    "kv_cache_dtype", "quantization"}  # values.yaml `quantization:`
 CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource"}
 CHART_OWNED_ROUTER = {"host", "port", "policy", "auth_token_file", "metrics_port"}

@@ -48,6 +48,9 @@ def _run_op(transport: Any, op: dict, device: str) -> dict:
                     "elapsed_s": time.monotonic() - start_s}
         if kind == "stream":
             return _run_stream(transport, op, device)
+        if kind == "forget_peer":
+            time.sleep(op.get("after_s", 0.0))
+            return {"ok": True, "closed": transport.forget_peer(op["peer"]), "elapsed_s": time.monotonic() - start_s}
         if kind == "close_peer":
             transport.close_peer(op["peer"])
         elif kind == "sleep":

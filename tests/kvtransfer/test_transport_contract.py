@@ -145,6 +145,24 @@ def test_pair_is_recreated_after_close_peer(cluster: Cluster) -> None:
     assert_ok(a.run(close_peer(b), close_peer(b)))  # idempotent
 
 
+def test_forget_peer_closes_an_idle_channel_once_and_a_later_call_follows(cluster: Cluster) -> None:
+    a, b = cluster.fresh_ids()["a"], cluster.agents["b"]
+    transfer(a, b, small(1))
+    first, again = a.run({"op": "forget_peer", "peer": b.local_id}, {"op": "forget_peer", "peer": b.local_id})
+    assert (first["closed"], again["closed"]) == (True, False)  # idle channel closed; then nothing to close
+    transfer(a, b, small(2))  # b follows to a fresh channel as after any clean close
+
+
+def test_forget_peer_leaves_a_call_in_flight_alone(cluster: Cluster) -> None:
+    a, b = cluster.fresh_ids()["a"], cluster.agents["b"]
+    transfer(a, b, small(1))
+    a.start({"op": "parallel", "ops": [recv(b, small(0)), {"op": "forget_peer", "peer": b.local_id, "after_s": 0.3}]})
+    assert_ok(b.run({"op": "sleep", "s": 0.6}, send(a, small(3))))
+    receive, forget = a.result()[0]["results"]
+    assert_received(receive, small(3))
+    assert forget["closed"] is False
+
+
 def test_peer_closing_while_we_wait_is_followed(cluster: Cluster) -> None:
     a, b = cluster.fresh_ids()["a"], cluster.agents["b"]
     transfer(a, b, small(1))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cluster.cli import COMMANDS
+from splitserve.cli import COMMANDS
 from loadtest.cli import build_parser, config_from_args, parse_config
 from loadtest.poisson import PoissonSpec
 from loadtest.shared_prefix import SharedPrefixSpec

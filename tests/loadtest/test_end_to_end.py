@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 
-from cluster.cli import main as splitserve
+from splitserve.cli import main as splitserve
 from loadtest.records import read_jsonl
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

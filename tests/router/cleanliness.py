@@ -9,7 +9,7 @@ import ray
 def worker_reports(cluster) -> dict[str, dict]:
     actors = {h.worker_id: h.actor for h in cluster.prefill}
     for instance in cluster.decode:
-        actors.update({f"{instance.instance_id}/rank{r}": a for r, a in enumerate(instance.ranks)})
+        actors.update({f"{instance.worker_id}/rank{r}": a for r, a in enumerate(instance.ranks)})
     return {name: ray.get(actor.check_integrity.remote(), timeout=10) for name, actor in actors.items()}
 
 

@@ -10,13 +10,10 @@ from router.admission_gate import AdmissionGate
 from router.routing.base import WorkerLoad
 from router.validation import RouterRequest
 
-ROLES = {"p0": "prefill", "d0": "decode"}
-
-
 def gate() -> AdmissionGate:
     # Default priors elsewhere: prefill steps of 10 ms + 0.1 ms per token, 512 tokens at most.
     config = AdmissionConfig(policy="predictive", default_ttft_ms=500.0, cost_min_samples=2)
-    return AdmissionGate(config, ROLES, kv_bytes_per_token=1000, block_size=16, prefill_step_budget_tokens=512)
+    return AdmissionGate(config, kv_bytes_per_token=1000, block_size=16, prefill_step_budget_tokens=512)
 
 
 def routed(num_prompt_tokens: int = 300) -> RouterRequest:

@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.factories import TinySpec
 
 REPO = Path(__file__).resolve().parents[2]
-SPLITSERVE = [sys.executable, "-m", "cluster.cli"]
+SPLITSERVE = [sys.executable, "-m", "splitserve.cli"]
 
 
 def _lines(stream, sink: queue.Queue) -> None:
@@ -60,7 +60,10 @@ def test_serve_generate_status_and_health_end_to_end(checkpoint, tmp_path):
                             "hello"])
         assert over_socket.returncode == 0 and over_socket.stdout == generated.stdout.split("[")[0].rstrip() + "\n"
         status = _run(["status", "--target", address])
-        assert status.returncode == 0 and "prefill" in status.stdout and "policy prefix_hash" in status.stdout
+        assert status.returncode == 0 and "policy prefix_hash" in status.stdout
+        rows = {line.split()[0]: line.split() for line in status.stdout.splitlines() if "/prefill-" in line
+                or "/decode-" in line}
+        assert [row[1:5] for row in rows.values()] == [["prefill", "serving", "1", "0"], ["decode", "serving", "2", "0"]]  # epochs: start order
         assert _run(["health", "--target", address]).stdout.strip() == "SERVING"
         bad = _run(["generate", "--target", address, "--temperature", "-1", "hi"])
         assert bad.returncode != 0 and "sampling.temperature" in bad.stderr

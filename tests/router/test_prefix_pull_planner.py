@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.messages import PrefixPull, PullOutcome
+from cluster.messages import PrefixPull, PullOutcome, WorkerStats
+from engine.step_log import StepRecord
 from router.prefix_pull_planner import PullPlanner
 from router.routing import RouteDecision, RouteQuery
 
@@ -16,7 +17,7 @@ def _query(num_tokens: int) -> RouteQuery:
 
 
 def _planner(mode: str = "auto") -> PullPlanner:
-    return PullPlanner(mode, KV_BYTES_PER_TOKEN, ["p0", "p1"])
+    return PullPlanner(mode, KV_BYTES_PER_TOKEN)
 
 
 def test_no_pull_without_a_better_healthy_holder():
@@ -47,11 +48,15 @@ def test_auto_pulls_only_when_the_transfer_beats_recomputing():
     assert planner.plan(_query(300), RouteDecision("p1", 0, "p0", 12), {"p0", "p1"}) is None
 
 
+def _stats(steps) -> WorkerStats:
+    return WorkerStats(0, 0, 10, 10, tuple(StepRecord(*step) for step in steps))
+
+
 def test_fitted_models_replace_the_priors():
     planner = _planner()
     steps = [(i + 1, 0.001 + 0.00001 * tokens, tokens, 1, tokens) for i, tokens in enumerate(range(50, 450, 40))]
-    planner.observe_stats("p0", {"steps": steps})
-    planner.observe_stats("decode-0", {"steps": [(1, 5.0, 1, 1, 100)]})  # decode steps are not prefill's
+    planner.observe_stats("p0", "prefill", 1, _stats(steps))
+    planner.observe_stats("decode-0", "decode", 1, _stats([(1, 5.0, 1, 1, 100)]))  # decode steps are not prefill's
     assert planner.prefill_cost.num_samples == len(steps)
     assert planner.saved_s(_query(200), 0, 4) == pytest.approx(64 * 0.00001, rel=1e-6)
     # Slow pulls observed (50 ms + 1 us per KB): a 4-block pull no longer pays.
@@ -66,14 +71,14 @@ def test_fitted_models_replace_the_priors():
 
 def test_unknown_mode_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown prefix pull mode 'sometimes'; known: auto, always, never"):
-        PullPlanner("sometimes", KV_BYTES_PER_TOKEN, [])
+        PullPlanner("sometimes", KV_BYTES_PER_TOKEN)
 
 
 def test_a_prefill_model_fed_elsewhere_is_shared_not_copied():
     from router.admission import PrefillCostModel, PrefillStep
 
     model = PrefillCostModel(min_samples=2)
-    planner = PullPlanner("auto", KV_BYTES_PER_TOKEN, ["p0"], prefill_cost=model)
+    planner = PullPlanner("auto", KV_BYTES_PER_TOKEN, prefill_cost=model)
     for tokens in (100, 200, 300):
         model.observe(PrefillStep(tokens, 0.001 + 0.00001 * tokens))  # the admission gate feeds it
     assert planner.saved_s(_query(200), 0, 4) == pytest.approx(64 * 0.00001, rel=1e-6)

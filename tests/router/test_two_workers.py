@@ -79,7 +79,7 @@ def test_cache_aware_routes_to_the_holder_from_worker_events(ray_session, checkp
 
 
 def test_a_worker_dying_mid_stream_ends_it_unavailable_and_others_go_on(secured):
-    decode = secured.cluster.decode[0].driver
+    decode = secured.cluster.decode[0].actor
     prefill = secured.cluster.prefill[0].actor
     with Client(secured.target, token=TOKEN, max_retries=0) as client:
         ray.get(prefill.debug_set_step_delay.remote(30.0))  # requests on this worker wait in prefill
@@ -153,15 +153,15 @@ def _check_worker_telemetry(stack, worker_id: str) -> None:
 
     handle = next(h for h in stack.cluster.prefill if h.worker_id == worker_id)
     stats = ray.get(handle.actor.stats.remote(), timeout=10)
-    assert stats["steps"] and all(step[1] > 0 and step[2] >= 1 for step in stats["steps"])  # duration, tokens
-    samples = scrape(f"http://127.0.0.1:{stats['metrics_port']}/metrics")
+    assert stats.steps and all(step.duration_s > 0 and step.num_tokens >= 1 for step in stats.steps)
+    samples = scrape(f"http://127.0.0.1:{stats.metrics_port}/metrics")
     labels = (("phase", "prefill"), ("role", "prefill"), ("worker", worker_id))
     assert samples[("splitserve_worker_steps_total", labels)] >= 5
     prompt = samples[("splitserve_worker_prompt_tokens_total", (("role", "prefill"), ("worker", worker_id)))]
     hits = samples[("splitserve_worker_prefix_cache_hit_tokens_total", (("role", "prefill"), ("worker", worker_id)))]
     assert prompt >= 5 * 66 and hits >= 4 * 64
-    decode = ray.get(stack.cluster.decode[0].driver.stats.remote(), timeout=10)
-    assert decode["steps"] and decode["metrics_port"]
+    decode = ray.get(stack.cluster.decode[0].actor.stats.remote(), timeout=10)
+    assert decode.steps and decode.metrics_port
 
 
 def test_cache_aware_pulls_the_prefix_when_the_holder_is_busy(ray_session, checkpoint):

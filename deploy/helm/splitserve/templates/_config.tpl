@@ -13,6 +13,7 @@ values schema keeps the two sets apart, so no key has two sources. */}}
 {{- $v := .Values -}}
 {{- $cfg := deepCopy $v.config -}}
 {{- $_ := set $cfg "ray_address" (include "splitserve.rayAddress" .) -}}
+{{- $_ = set $cfg "cluster_name" (include "splitserve.fullname" .) -}}
 {{- with $v.model.dir }}{{ $_ := set $cfg "model_dir" . }}{{ end -}}
 {{- $_ = set $cfg "kv_cache_dtype" $v.quantization.kvCacheDtype -}}
 {{- $_ = set $cfg "quantization" $v.quantization.weights -}}

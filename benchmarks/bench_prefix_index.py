@@ -1,6 +1,6 @@
 """Prefix-index lookup latency, in-process vs Redis: W workers x M cached blocks, K-block prompts.
 
-    python -m cluster.prefix_index.bench [--workers 4 16] [--blocks-per-worker 50000]
+    python -m benchmarks.bench_prefix_index [--workers 4 16] [--blocks-per-worker 50000]
                                          [--prompt-blocks 64] [--lookups 2000] [--redis-url URL]
 
 Workload: a pool of documents (chains of K real block hashes); each worker caches a random prefix

@@ -1,6 +1,6 @@
 """Goodput vs offered load with admission `always` and `predictive`, on a small real cluster (issue 6).
 
-    scripts/in_sandbox.sh .venv/bin/python -m loadtest.eval_admission --out docs/perf
+    scripts/in_sandbox.sh .venv/bin/python -m benchmarks.eval_admission --out docs/perf
 
 1. Launches 1 prefill + 1 decode actor over a shrunken demo model (prefill compute is the bottleneck,
    as on a real cluster, at a rate a 2-core box reaches) and serves a router with admission

@@ -69,10 +69,12 @@ def status_main(argv: list[str]) -> None:
             sys.exit(f"splitserve status: {err}")
     print(f"model {info.model_identity}  max_model_len {info.max_model_len}  block_size {info.block_size}  "
           f"policy {status.routing_policy}  in flight {status.inflight_requests}")
-    print(f"{'worker':<28} {'role':<8} {'healthy':<8} {'inflight':>8} {'waiting':>8} {'running':>8} {'kv use':>7}")
+    print(f"{'worker':<28} {'role':<8} {'state':<9} {'epoch':>5} {'restarts':>8} {'healthy':<8} {'inflight':>8} "
+          f"{'waiting':>8} {'running':>8} {'kv use':>7}")
     for w in status.workers:
-        print(f"{w['worker_id']:<28} {w['role']:<8} {str(w['healthy']):<8} {w['inflight_requests']:>8} "
-              f"{w['waiting']:>8} {w['running']:>8} {w['kv_usage']:>6.1%}")
+        print(f"{w['worker_id']:<28} {w['role']:<8} {w['state']:<9} {w['epoch']:>5} {w['restarts']:>8} "
+              f"{str(w['healthy']):<8} {w['inflight_requests']:>8} {w['waiting']:>8} {w['running']:>8} "
+              f"{w['kv_usage']:>6.1%}")
     hit = status.cached_prompt_tokens_total / max(status.prompt_tokens_total, 1)
     print(f"prefix hit rate {hit:.1%} ({status.cached_prompt_tokens_total}/{status.prompt_tokens_total} prompt "
           f"tokens), index entries {status.index_entries}, requests {json.dumps(status.requests_total)}")

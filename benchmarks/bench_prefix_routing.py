@@ -1,6 +1,6 @@
 """Prefix-cache hit rate of the routing policies on the Mooncake conversation trace (issue 5).
 
-    python -m cluster.bench_prefix_routing [--trace FILE] [--requests N] [--workers 4]
+    python -m benchmarks.bench_prefix_routing [--trace FILE] [--requests N] [--workers 4]
         [--blocks-per-worker 16384] [--block-size 16] [--tokens-per-hash-id 64] [--max-prompt-tokens 2000]
         [--prefill-tokens-per-s 20000] [--offered-load 0.8 | --speedup S] [--spread-s 3] [--seed 0]
         [--policies ...] [--prefix-blocks K]
@@ -14,7 +14,7 @@ hashes are the real `engine.block_hash.hash_blocks`. The trace's ~3 s arrival bu
 uniformly over `spread-s` (seeded), then time is divided by a speed-up: given, or chosen so that
 prompt tokens per second = `offered-load` x the fleet's modelled prefill rate (before any hit).
 
-Each policy replays the same requests through `cluster.prefill_sim` (real pools, events, index
+Each policy replays the same requests through `benchmarks.prefill_sim` (real pools, events, index
 and policy; modelled compute). The oracle is one infinite cache (a set of block hashes) fed in
 arrival order, with the engine's rule that the last prompt token is always computed; no placement
 can beat it. A second reference, "pooled", replays the requests in arrival order through one real
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.prefill_sim import PrefillReplay, ReplayResult, SimConfig, SimRequest
+from benchmarks.prefill_sim import PrefillReplay, ReplayResult, SimConfig, SimRequest
 from engine.block_hash import HashNamespace, hash_blocks
 from engine.kv_cache_manager import KVCacheManager
 from loadtest import tokens

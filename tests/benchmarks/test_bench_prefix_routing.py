@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench_prefix_routing import DEFAULT_TRACE, POLICIES, main, oracle_cached_tokens, pooled_cached_tokens
-from cluster.prefill_sim import PrefillReplay, SimConfig, SimRequest
+from benchmarks.bench_prefix_routing import DEFAULT_TRACE, POLICIES, main, oracle_cached_tokens, pooled_cached_tokens
+from benchmarks.prefill_sim import PrefillReplay, SimConfig, SimRequest
 from engine.block_hash import HashNamespace, hash_blocks
 
 BLOCK_SIZE = 4

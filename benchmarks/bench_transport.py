@@ -2,7 +2,7 @@
 
 Run inside the sandbox (it starts a TCPStore, which binds every interface)::
 
-    scripts/in_sandbox.sh .venv/bin/python -m kvtransfer.bench
+    scripts/in_sandbox.sh .venv/bin/python -m benchmarks.bench_transport
 
 Two spawned processes move a sequence's gathered KV blocks, ~16 / 64 / 256 MiB in fp32 and bf16, as
 one message of either one tensor [2 (K/V), layers, blocks, block_size, kv_heads, head_dim] or one

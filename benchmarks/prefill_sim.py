@@ -38,7 +38,7 @@ from cluster.kv_events import KVEventBuffer
 from cluster.prefix_index.memory import InProcessPrefixIndex
 from engine.block_hash import BlockHash
 from cluster.messages import PullOutcome
-from cluster.prefill_sim_worker import SimWorker
+from benchmarks.prefill_sim_worker import SimWorker
 from router.admission import PrefillStep
 from router.index_feeder import IndexFeeder
 from router.prefix_pull_planner import PullPlanner
@@ -169,13 +169,14 @@ class PrefillReplay:
         self.now_s = 0.0
         self.workers = {worker_id: SimWorker(worker_id, config) for worker_id in config.worker_ids()}
         self.index = InProcessPrefixIndex(config.index_lease_s, clock=lambda: self.now_s)
-        handles = [SimpleNamespace(worker_id=w.worker_id, actor=SimpleNamespace(read_kv_events=_BufferMethod(w.events)))
+        handles = [SimpleNamespace(worker_id=w.worker_id, role="prefill",
+                                   actor=SimpleNamespace(read_kv_events=_BufferMethod(w.events)))
                    for w in self.workers.values()]
-        self.feeder = IndexFeeder(SimpleNamespace(prefill=handles), self.index)
+        self.feeder = IndexFeeder(SimpleNamespace(members=handles, listeners=[]), self.index)
         self.result = ReplayResult(policy_name, computed_tokens_by_worker=dict.fromkeys(self.workers, 0))
         self.policy = build_policy(policy_name, _TimedIndex(self.index, self.result.match_latencies_us),
                                    prefix_blocks)
-        self.planner = PullPlanner(config.prefix_pull, config.kv_bytes_per_token, list(self.workers))
+        self.planner = PullPlanner(config.prefix_pull, config.kv_bytes_per_token)
         self._pending: list[tuple] = []  # heap of (time_s, kind, order, payload)
         self._order = itertools.count()
 

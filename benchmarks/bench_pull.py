@@ -1,6 +1,6 @@
 """Prefix pull vs recompute on real prefill actors: what a pulled prefix saves, per prefix length.
 
-`scripts/in_sandbox.sh .venv/bin/python -m prefill_worker.bench_pull` launches 2 prefill actors and 1
+`scripts/in_sandbox.sh .venv/bin/python -m benchmarks.bench_pull` launches 2 prefill actors and 1
 decode actor (the demo model unless `--model`, 1 torch thread each). For each prefix length, worker 0
 computes a prompt with that prefix; then worker 1 gets, alternating, `--repeats` times each:
   pull:      prefix + a fresh 16-token tail, pulling the prefix from worker 0 (mode "always");

@@ -1,4 +1,4 @@
-"""One simulated prefill worker of `cluster.prefill_sim`: a real KV cache manager, modelled compute."""
+"""One simulated prefill worker of `benchmarks.prefill_sim`: a real KV cache manager, modelled compute."""
 from __future__ import annotations
 
 from collections import deque
@@ -9,7 +9,7 @@ from engine.kv_cache_manager import KVCacheManager
 from router.routing import WorkerLoad
 
 if TYPE_CHECKING:
-    from cluster.prefill_sim import SimConfig, SimRequest
+    from benchmarks.prefill_sim import SimConfig, SimRequest
 
 
 class SimWorker:

@@ -1,4 +1,4 @@
-"""Smoke test of `engine.bench`: the whole pipeline on a tiny checkpoint, in a few seconds."""
+"""Smoke test of `benchmarks.bench_engine`: the whole pipeline on a tiny checkpoint, in a few seconds."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import bench
+from benchmarks import bench_engine as bench
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Decode TPOT while long prompts keep arriving: disaggregated vs colocated, same requests, same run.
 
-`python -m cluster.bench_tpot` (inside scripts/in_sandbox.sh). The workload: `--streams` decode-heavy
+`python -m benchmarks.bench_tpot` (inside scripts/in_sandbox.sh). The workload: `--streams` decode-heavy
 requests (short prompt, `--stream-tokens` output) start at t=0; meanwhile a long prompt
 (`--long-prompt` tokens, 1 output token) arrives every `--long-every-s` seconds. TPOT is measured on
 the decode-heavy streams as the gaps between consecutive tokens as the caller receives them.

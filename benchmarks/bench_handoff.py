@@ -1,6 +1,6 @@
 """Hand-off latency: one sequence's prompt KV from a prefill process to a decode process, end to end.
 
-`python -m kvtransfer.bench_handoff` (inside scripts/in_sandbox.sh). Two real processes hold
+`python -m benchmarks.bench_handoff` (inside scripts/in_sandbox.sh). Two real processes hold
 demo-model-shaped KV caches (`[layers, 2, kv_heads, blocks, block_size, head_dim]`); the sender runs
 `send_sequence_kv` (header, one message per layer, ack) and the receiver `recv_sequence_kv` into its
 reserved blocks. Reported: wall time from the first send to the ack, per prompt length, the payload

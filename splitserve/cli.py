@@ -18,7 +18,7 @@ def _demo_model(argv: list[str]) -> None:
 
 
 def _bench_engine(argv: list[str]) -> None:
-    from engine.bench import main
+    from benchmarks.bench_engine import main
 
     main(argv)
 
@@ -36,31 +36,45 @@ def _offline(argv: list[str]) -> None:
 
 
 def _serve(argv: list[str]) -> None:
-    from cluster.serve import main
+    from splitserve.serve import main
 
     main(argv)
 
 
+def _controller(argv: list[str]) -> None:
+    from splitserve.serve import controller_main
+
+    controller_main(argv)
+
+
+def _router(argv: list[str]) -> None:
+    from splitserve.serve import router_main
+
+    router_main(argv)
+
+
 def _generate(argv: list[str]) -> None:
-    from cluster.cli_client import generate_main
+    from router.cli_client import generate_main
 
     generate_main(argv)
 
 
 def _status(argv: list[str]) -> None:
-    from cluster.cli_client import status_main
+    from router.cli_client import status_main
 
     status_main(argv)
 
 
 def _health(argv: list[str]) -> None:
-    from cluster.cli_client import health_main
+    from router.cli_client import health_main
 
     health_main(argv)
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
-    "serve": (_serve, "launch the workers on Ray and serve the gRPC router"),
+    "serve": (_serve, "start (or join) a cluster's controller and serve one router"),
+    "controller": (_controller, "start only a cluster's controller in a running Ray cluster"),
+    "router": (_router, "serve one more router against a running cluster"),
     "generate": (_generate, "stream a completion from a router to the terminal"),
     "status": (_status, "show a router's workers, load and cache figures"),
     "health": (_health, "exit 0 iff a router's gRPC health service is SERVING"),

@@ -1,9 +1,9 @@
-"""`cluster.bench_tpot`'s SLO figures on hand-made timings (no engine, no cluster)."""
+"""`benchmarks.bench_tpot`'s SLO figures on hand-made timings (no engine, no cluster)."""
 from __future__ import annotations
 
 import pytest
 
-from cluster.bench_tpot import Timing, slo_report
+from benchmarks.bench_tpot import Timing, slo_report
 
 
 def test_ttft_goodput_and_attainment_count_every_request():

@@ -1,7 +1,7 @@
 """What the router adds: per-request latency at a fixed request rate, and per streamed token, compared
 with calling the cluster API (`ClusterClient`) directly — same cluster, same requests, same run.
 
-`scripts/in_sandbox.sh .venv/bin/python -m router.bench_overhead` launches 1 prefill + 1 decode actor
+`scripts/in_sandbox.sh .venv/bin/python -m benchmarks.bench_overhead` launches 1 prefill + 1 decode actor
 (a shrunken demo model unless `--model`, so the cluster keeps up with the rate) and serves a router on
 this process's event loop, as `splitserve serve` does. Then it alternates rounds of two arms:
   direct: this process calls `ClusterClient.generate` itself;
@@ -82,7 +82,7 @@ async def client_main(args) -> None:
 
 
 async def _router_round(target: str, args, seed: int, tag: str, requests: int, max_tokens: int, rate: float):
-    command = [sys.executable, "-m", "router.bench_overhead", "--client", target, "--tag", tag,
+    command = [sys.executable, "-m", "benchmarks.bench_overhead", "--client", target, "--tag", tag,
                "--seed", str(seed), "--requests", str(requests), "--rate", str(rate),
                "--max-tokens", str(max_tokens), "--prompt-len", str(args.prompt_len), "--vocab", str(args.vocab)]
     process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)

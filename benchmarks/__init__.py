@@ -1,0 +1,1 @@
+"""Benchmark, evaluation and simulation scripts: they import the product; nothing imports them."""

@@ -1,0 +1,89 @@
+"""A router's live view of the cluster: the controller's membership, followed by long-poll.
+
+Routers are stateless peers: what they know of the workers comes from here, never from actor-name
+conventions. `ClusterView` holds the latest `Membership` and tells its listeners (the worker monitor,
+the prefix-index feeder, the router's own bookkeeping) about every new version. A worker that leaves
+(dead, draining) stops receiving new requests within one watch round trip; requests already on it
+keep their own handles. When the controller restarts, pending watches are retried by Ray and the
+restarted controller answers with the same version, so nothing moves.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.launcher import LaunchedCluster
+from cluster.membership import Member, Membership
+
+log = logging.getLogger(__name__)
+WATCH_S = 5.0  # one long-poll's wait at the controller
+WATCH_SLACK_S = 10.0  # beyond it, the call itself is given up and retried (controller restarting)
+RETRY_S = 0.5
+
+
+class ClusterView:
+    def __init__(self, launched: LaunchedCluster):
+        self.controller = launched.controller
+        self.config: ClusterConfig = launched.config
+        self.model_dir = launched.model_dir
+        self.membership: Membership = launched.membership
+        self.listeners: list[Callable[[Membership, Membership], None]] = []  # (old, new)
+        self._task: asyncio.Task | None = None
+        self._watch = None  # the long-poll in flight (cancelled on close: the controller may outlive us)
+
+    @property
+    def prefill(self) -> list[Member]:
+        return self.membership.prefill
+
+    @property
+    def decode(self) -> list[Member]:
+        return self.membership.decode
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        return self.membership.members
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._follow())
+
+    def apply(self, membership: Membership) -> None:
+        """Adopt a newer membership and tell the listeners (a stale or equal version is ignored)."""
+        old = self.membership
+        if membership.cluster_id == old.cluster_id and membership.version <= old.version:
+            return
+        self.membership = membership
+        for listener in self.listeners:
+            try:
+                listener(old, membership)
+            except Exception:  # one listener's bug must not stop the others or the watch
+                log.exception("membership listener failed")
+
+    async def _follow(self) -> None:
+        failing = False
+        while True:
+            try:
+                self._watch = self.controller.watch.remote(self.membership.version, WATCH_S)
+                membership = await asyncio.wait_for(self._watch, WATCH_S + WATCH_SLACK_S)
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # controller restarting or gone: keep the last membership, retry
+                if not failing:
+                    log.warning("cannot watch the cluster controller: %s", type(err).__name__)
+                failing = True
+                await asyncio.sleep(RETRY_S)
+                continue
+            self.apply(membership)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if self._watch is not None:
+            ray.cancel(self._watch)
+            self._watch = None

@@ -1,0 +1,209 @@
+"""One sequence's KV hand-off, prefill side: the single owner of its steps, its lease and every timeout.
+
+A `HandoffSession` starts once the prefill worker sampled the sequence's first token (its KV blocks
+pinned) and runs (DESIGN.md lifecycle step 5):
+
+1. **reserve** — ask the decode instance for blocks. The reservation (and its lease) starts here, not
+   when the request arrived, so a request still queued for prefill never holds decode memory. A full
+   decode pool is not a failure: the session retries with backoff until the request's own deadline;
+   meanwhile the prefill side keeps its pins, which back-pressures prefill instead of failing anyone.
+2. **announce** — every decode rank posts a receive for this sender (so no rank ever waits on an idle
+   channel: a transport timeout always means a real failure).
+3. **send** — header + one message per layer to every rank, then every rank's ack
+   (`kvtransfer.handoff.send_sequence_kv`), on the worker's sender thread.
+4. **release** — the prefill side's pins go, whatever happened (the blocks stay in its prefix cache).
+5. **adopt** — the decode instance adds the sequence to its running batch; tokens flow from there.
+
+Any failure after step 1 cancels the reservation on the decode side (best effort: a dead instance has
+nothing left to free, and a live one's lease frees it anyway) and raises `HandoffFailed` naming the
+step. `cancel()` (the request was aborted) stops the session at its next step the same way.
+Workers are thin adapters around it: the decode instance is reached through a `DecodeEndpoint`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s
+
+
+class DecodeFull(Exception):
+    """The decode instance has no room for the sequence now (retry later)."""
+
+
+class HandoffFailed(RuntimeError):
+    """The hand-off could not complete; `step` names where it stopped. `decode_lost`: the decode
+    instance itself failed (dead or unreachable), as opposed to a refusal or a timeout."""
+
+    def __init__(self, step: str, reason: str, *, decode_lost: bool = False):
+        super().__init__(f"KV hand-off failed at {step}: {reason}")
+        self.step, self.reason, self.decode_lost = step, reason, decode_lost
+
+    def __reduce__(self):  # crosses process boundaries (Ray) with its fields intact
+        return (_rebuild_failed, (self.step, self.reason, self.decode_lost))
+
+
+def _rebuild_failed(step: str, reason: str, decode_lost: bool) -> HandoffFailed:
+    return HandoffFailed(step, reason, decode_lost=decode_lost)
+
+
+@dataclass(frozen=True)
+class HandoffStats:
+    """What a finished hand-off moved and how long it took (reservation excluded: that is queueing)."""
+
+    num_bytes: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class HandoffTimeouts:
+    call_s: float = 10.0  # a control call to the decode instance (reserve, adopt, cancel) answers within this
+    full_backoff_min_s: float = 0.01  # first wait after "decode full"; doubles each time
+    full_backoff_max_s: float = 0.25
+
+    def __post_init__(self):
+        if not (self.call_s > 0 and 0 < self.full_backoff_min_s <= self.full_backoff_max_s):
+            raise ValueError(f"invalid hand-off timeouts {self}")
+
+
+class DecodeEndpoint(ABC):
+    """The decode instance as one hand-off sees it. Errors: `DecodeFull` from `reserve` when the pool is
+    full; `HandoffFailed` for a refusal; any other exception means the instance failed."""
+
+    @abstractmethod
+    async def reserve(self, num_tokens: int) -> HandoffTarget:
+        """Blocks for `num_tokens` of KV on every rank; the target names the ranks and the lease."""
+
+    @abstractmethod
+    def announce(self, rank: RankTarget) -> Awaitable[None]:
+        """Tell `rank` to receive this sequence now; the awaitable ends when the rank has stored it."""
+
+    @abstractmethod
+    async def adopt(self) -> None:
+        """Start decoding the sequence (its KV is in every rank's reserved blocks)."""
+
+    @abstractmethod
+    async def cancel(self) -> None:
+        """Drop the reservation (idempotent; waits until no rank can still write into it)."""
+
+
+class KVSender:
+    """A worker's one way out for KV: transfers run one at a time on its single thread, and each is
+    announced only after the previous one finished (announce → send → every ack), because a decode
+    rank takes a sender's hand-offs strictly in announce order (`kvtransfer.receiver`)."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self.turn = asyncio.Lock()
+
+
+class HandoffSession:
+    """Runs one hand-off (module docstring). `send(target)` moves the KV (blocking, run on the
+    `sender`'s thread) and returns the bytes sent; `release()` drops the prefill pins (thread-safe).
+    `deadline_s` (time.time()) is the request's: no step outlives it."""
+
+    def __init__(self, request_id: str, num_tokens: int, endpoint: DecodeEndpoint,
+                 send: Callable[[HandoffTarget], int], release: Callable[[], None], sender: KVSender,
+                 deadline_s: float, timeouts: HandoffTimeouts = HandoffTimeouts()):
+        self.request_id, self.num_tokens, self.endpoint = request_id, num_tokens, endpoint
+        self._send, self._release, self._sender = send, release, sender
+        self.deadline_s, self.timeouts = deadline_s, timeouts
+        self._cancelled = asyncio.Event()
+        self._reserved = False
+
+    def cancel(self) -> None:
+        """Stop at the next step (the request was aborted); the reservation, if any, is dropped."""
+        self._cancelled.set()
+
+    async def run(self) -> HandoffStats:
+        try:
+            target = await self._reserve()
+            started_s = time.perf_counter()
+            num_bytes = await self._transfer(target)
+        except BaseException:
+            self._release()
+            if self._reserved:
+                await self._cancel_reservation()
+            raise
+        self._release()
+        try:
+            self._check_cancelled("adopt")
+            await self._call("adopt", self.endpoint.adopt())
+        except BaseException:
+            await self._cancel_reservation()
+            raise
+        return HandoffStats(num_bytes, time.perf_counter() - started_s)
+
+    async def _reserve(self) -> HandoffTarget:
+        wait_s = self.timeouts.full_backoff_min_s
+        while True:
+            self._check_cancelled("reserve")
+            try:
+                target = await self._call("reserve", self.endpoint.reserve(self.num_tokens))
+                self._reserved = True
+                return target
+            except DecodeFull:
+                left_s = self.deadline_s - time.time()
+                if left_s <= 0:
+                    raise HandoffFailed("reserve", "the decode instance stayed full until the request's "
+                                                   "deadline") from None
+                await self._sleep_unless_cancelled(min(wait_s, left_s))
+                wait_s = min(wait_s * 2, self.timeouts.full_backoff_max_s)
+
+    async def _transfer(self, target: HandoffTarget) -> int:
+        """In the sender's turn: announce to every rank, send on the sender thread, wait for every copy."""
+        async with self._sender.turn:
+            self._check_cancelled("announce")
+            return await self._announce_and_send(target)
+
+    async def _announce_and_send(self, target: HandoffTarget) -> int:
+        confirmations = [asyncio.ensure_future(self.endpoint.announce(rank)) for rank in target.ranks]
+        try:
+            loop = asyncio.get_running_loop()
+            try:
+                num_bytes = await loop.run_in_executor(self._sender.executor, self._send, target)
+            except Exception as err:  # TransferError and anything else: named, decode side first
+                raise HandoffFailed("send", f"{type(err).__name__}: {err}") from err
+            wait_s = call_timeout_s(target.lease_deadline_s)
+            try:
+                await asyncio.wait_for(asyncio.gather(*confirmations), wait_s)
+            except asyncio.TimeoutError:
+                raise HandoffFailed("ack", f"decode ranks did not confirm within {wait_s:.1f} s") from None
+            except Exception as err:
+                raise HandoffFailed("ack", f"{type(err).__name__}: {err}", decode_lost=True) from err
+            return num_bytes
+        finally:
+            for confirmation in confirmations:
+                confirmation.cancel()
+
+    async def _call(self, step: str, call: Awaitable):
+        timeout_s = min(self.timeouts.call_s, max(self.deadline_s - time.time(), 0.001))
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except (DecodeFull, HandoffFailed):
+            raise
+        except asyncio.TimeoutError:
+            raise HandoffFailed(step, f"the decode instance did not answer within {timeout_s:.1f} s",
+                                decode_lost=True) from None
+        except Exception as err:
+            raise HandoffFailed(step, f"{type(err).__name__}: {err}", decode_lost=True) from err
+
+    async def _cancel_reservation(self) -> None:
+        try:
+            await asyncio.wait_for(self.endpoint.cancel(), self.timeouts.call_s)
+        except Exception:  # dead or slow: its lease frees the blocks; nothing more to do here
+            pass
+
+    def _check_cancelled(self, step: str) -> None:
+        if self._cancelled.is_set():
+            raise HandoffFailed(step, f"{self.request_id!r} was aborted")
+
+    async def _sleep_unless_cancelled(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._cancelled.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,1 @@
+"""Entry points: the `splitserve` command line and the serving processes (above every product package)."""

@@ -1,0 +1,162 @@
+"""Entry points: `splitserve serve`, `splitserve controller`, `splitserve router`.
+
+- `serve [pool flags]`: starts the cluster's controller if none runs for `--cluster-name` in the Ray
+  cluster it joins (or starts), then serves one router (one command on a laptop).
+- `controller --ray-address ADDR [pool flags]`: starts only the controller; returns once the pools
+  serve. The controller and its workers live in the Ray cluster, not in this process.
+- `router --ray-address ADDR [--port P]`: one more router against a running controller; fails within
+  seconds when there is none.
+Any of them joining a running cluster fails naming every pool/model key it was given that disagrees
+with the running config. A process that joined an existing Ray cluster (`--ray-address`) leaves the
+pools serving when it stops (a router pod's eviction must not take the workers); one that started
+its own local Ray takes everything down with it.
+
+Configuration comes from one place: an optional YAML file (`--config`, the same schema the Helm chart
+renders) with flags layered on top, all validated by `ClusterConfig.from_dict`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from cluster.config import ClusterConfig, ConfigError
+
+DEFAULT_CLUSTER_NAME = "default"
+# flag → (section, key) in the config mapping; None section = top level
+_POOL_FLAGS = {"model": (None, "model_dir"), "block_size": (None, "block_size"), "redis_url": (None, "redis_url"),
+               "rendezvous_host": (None, "rendezvous_host"), "prefill": ("prefill", "replicas"),
+               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size"),
+               "kv_cache_dtype": (None, "kv_cache_dtype"), "quantization": (None, "quantization")}
+_ROUTER_FLAGS = {"host": ("router", "host"), "port": ("router", "port"), "policy": ("router", "policy"),
+                 "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port")}
+_COMMON_FLAGS = {"ray_address": (None, "ray_address"), "cluster_name": (None, "cluster_name")}
+
+
+def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool = False) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, help="YAML cluster config (flags override it)")
+    p.add_argument("--ray-address", required=need_ray, help="join this Ray cluster"
+                   + ("" if need_ray else " (default: start a local one)"))
+    p.add_argument("--cluster-name", help=f"which cluster in the Ray cluster (default {DEFAULT_CLUSTER_NAME})")
+    if pools:
+        p.add_argument("--model", help="HF checkpoint directory (default: the demo model)")
+        p.add_argument("--prefill", type=int, help="prefill workers")
+        p.add_argument("--decode", type=int, help="decode instances")
+        p.add_argument("--tp", type=int, help="tensor-parallel ranks per decode instance")
+        p.add_argument("--block-size", type=int, help="tokens per KV block")
+        p.add_argument("--kv-cache-dtype", help="KV cache storage: auto (the model dtype), int8 or fp8")
+        p.add_argument("--quantization", help="weight quantization: none or int8 (weight-only, per output channel)")
+        p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
+        p.add_argument("--rendezvous-host", help="address workers use to reach the rendezvous store "
+                       "(default: its node's IP)")
+    if router:
+        p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+        p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
+        p.add_argument("--uds", help="also serve on this unix socket path (reachable from outside a network sandbox)")
+        p.add_argument("--policy", help="routing policy: round_robin, prefix_hash or cache_aware")
+        p.add_argument("--auth-token-file", help="require this bearer token from clients")
+        p.add_argument("--metrics-port", type=int, help="Prometheus metrics port")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> tuple[ClusterConfig, dict]:
+    """The YAML file (if any) with the flags that were given layered on top, validated once; and the
+    plain data that was given (checked against a running cluster's config when joining it)."""
+    raw: dict = {}
+    if args.config is not None:
+        import yaml
+
+        try:
+            raw = yaml.safe_load(args.config.read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"--config {args.config}: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"--config {args.config}: must hold a mapping, got {type(raw).__name__}")
+    for flag, (section, key) in {**_POOL_FLAGS, **_ROUTER_FLAGS, **_COMMON_FLAGS}.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            target = raw if section is None else raw.setdefault(section, {})
+            target[key] = value
+    raw.setdefault("cluster_name", DEFAULT_CLUSTER_NAME)
+    return ClusterConfig.from_dict(raw), raw
+
+
+async def serve(config: ClusterConfig, given: dict, uds: str | None = None, *, join_only: bool = False) -> None:
+    """Starts or joins the cluster, serves one router until SIGINT or SIGTERM, then drains streams in flight."""
+    from cluster.launcher import launch
+    from router.server import RouterServer
+
+    loop = asyncio.get_running_loop()
+    launched = await loop.run_in_executor(None, lambda: launch(config, given=given, join_only=join_only,
+                                                               on_progress=_say))
+    launched.owns_controller = config.ray_address is None  # a shared Ray cluster keeps the pools (see top)
+    server = None
+    try:
+        server = await RouterServer.start(launched, launched.config, extra_addresses=[f"unix:{uds}"] if uds else [])
+        _announce(server, launched.config, uds)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        _say("shutting down (streams in flight get 5 s)")
+    finally:
+        if server is not None:
+            await server.stop()
+        launched.shutdown()
+
+
+def _say(message: str) -> None:
+    print(f"splitserve: {message}", flush=True)
+
+
+def _announce(server, config: ClusterConfig, uds: str | None) -> None:
+    target = f"unix:{uds}" if uds else server.address
+    auth = f" --auth-token-file {config.router.auth_token_file}" if config.router.auth_token_file else ""
+    membership = server.service.cluster.membership
+    _say(f"router listening on {server.address}" + (f" and unix:{uds}" if uds else ""))
+    _say(f"cluster {config.cluster_name!r} ({membership.cluster_id}): {len(membership.prefill)} prefill worker(s), "
+         f"{len(membership.decode)} decode instance(s) x {config.decode.tp_size} rank(s), "
+         f"policy {config.router.policy}, model {server.service.info.model_identity}")
+    _say(f"try:  splitserve generate --target {target}{auth} --max-tokens 32 \"Once upon a time\"")
+
+
+def main(argv: list[str]) -> None:
+    _run(parser("splitserve serve"), argv, join_only=False)
+
+
+def router_main(argv: list[str]) -> None:
+    _run(parser("splitserve router", need_ray=True), argv, join_only=True)
+
+
+def controller_main(argv: list[str]) -> None:
+    """Starts (or checks) the controller, waits for its pools, returns: they live on in the Ray cluster."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parser("splitserve controller", router=False, need_ray=True).parse_args(argv)
+    from cluster.controller_slots import ClusterStartError
+    from cluster.launcher import launch
+
+    try:
+        config, given = build_config(args)
+        launched = launch(config, given=given, on_progress=_say)
+    except (ConfigError, ClusterStartError) as err:
+        sys.exit(f"splitserve controller: {err}")
+    membership = launched.membership
+    _say(f"cluster {config.cluster_name!r} ({membership.cluster_id}) serving: "
+         f"{len(membership.prefill)} prefill worker(s), {len(membership.decode)} decode instance(s)")
+
+
+def _run(p: argparse.ArgumentParser, argv: list[str], *, join_only: bool) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = p.parse_args(argv)
+    from cluster.controller_slots import ClusterStartError
+    from cluster.launcher import ClusterNotFound
+
+    try:
+        config, given = build_config(args)
+        asyncio.run(serve(config, given, args.uds, join_only=join_only))
+    except (ConfigError, ClusterStartError, ClusterNotFound) as err:
+        sys.exit(f"{p.prog}: {err}")
