@@ -39,7 +39,7 @@ def quantized_prefill_attention(q: torch.Tensor, cache: LayerKV, context_slots: 
     queries = q.view(query_len, kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(kv_heads, 1, -1, head_dim)
     table = context_slots[::block_size] // block_size  # the blocks, in order
     first = context_len - query_len  # absolute position of the chunk's first token
-    limits = torch.arange(first, context_len).repeat_interleave(group)[None, :]
+    limits = torch.arange(first, context_len, device=q.device).repeat_interleave(group)[None, :]
     out = _attend(queries, cache, table[None, :], limits, scale)  # [kv_heads, 1, query_len * group, dim]
     return out.view(kv_heads, query_len, group, head_dim).permute(1, 0, 2, 3).reshape(
         query_len, num_heads * head_dim).to(q.dtype)
@@ -51,13 +51,14 @@ def _attend(queries: torch.Tensor, cache: LayerKV, tables: torch.Tensor, limits:
     block_size = cache.k.shape[2]
     queries = queries.float() * scale
     kv_heads, batch, rows, dim = queries.shape
-    running_max = torch.full((kv_heads, batch, rows, 1), float("-inf"))
-    running_sum = torch.zeros(kv_heads, batch, rows, 1)
-    acc = torch.zeros(kv_heads, batch, rows, dim)
+    device = queries.device
+    running_max = torch.full((kv_heads, batch, rows, 1), float("-inf"), device=device)
+    running_sum = torch.zeros(kv_heads, batch, rows, 1, device=device)
+    acc = torch.zeros(kv_heads, batch, rows, dim, device=device)
     for start in range(0, tables.shape[1], CHUNK_BLOCKS):
         blocks = tables[:, start:start + CHUNK_BLOCKS]
         keys, values = _dequantized(cache, blocks)  # [kv_heads, batch, tokens, dim]
-        positions = start * block_size + torch.arange(keys.shape[2])
+        positions = start * block_size + torch.arange(keys.shape[2], device=device)
         hidden = positions[None, None, :] > limits[:, :, None]  # [batch, rows, tokens]
         scores = torch.matmul(queries, keys.transpose(-1, -2)).masked_fill_(hidden[None], float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
