@@ -21,6 +21,7 @@ import torch
 from engine.config import EngineConfig
 from engine.demo_model import ensure_demo_model
 from engine.llm_engine import LLMEngine
+from engine.model_loader import load_model_config
 from engine.sampling_params import SamplingParams
 
 CONFIGS = {
@@ -32,9 +33,11 @@ CONFIGS = {
 }
 
 
-def _requests(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+def _requests(model_dir: str, count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    model = load_model_config(model_dir)
+    vocab = [t for t in range(model.vocab_size) if t not in {*model.eos_token_ids, model.bos_token_id}]
     rng = random.Random(seed)
-    return [[rng.randrange(8, 4000) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+    return [rng.choices(vocab, k=rng.randint(lo, hi)) for _ in range(count)]
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], output: int) -> dict:
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
         _run(engine, [[5, 6, 7, 8]], 2)  # warm-up (kernels compiled, buffers sized), outside the timing
     results: dict = {}
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        prompts = _requests(batch, args.min_prompt, args.max_prompt, args.seed + batch)
+        prompts = _requests(model_dir, batch, args.min_prompt, args.max_prompt, args.seed + batch)
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for round_index in range(args.rounds):
             order = names if round_index % 2 == 0 else names[::-1]
