@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import DTYPES, EngineConfig
+from engine.kv_quant import KV_CACHE_DTYPES
+from engine.layers.quantization import QUANTIZATIONS
 from router.admission.config import AdmissionConfig
 
 
@@ -36,6 +38,9 @@ class PoolConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk_tokens: int = 512
     metrics_port: int | None = None  # each actor's Prometheus endpoint; None: off, 0: any free port
+    # Weight quantization of this pool's workers; None: the cluster's `quantization`. (Decode steps
+    # read every weight per token, prefill is compute-bound: the two may differ.)
+    quantization: str | None = None
 
 
 ROUTING_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
@@ -95,6 +100,10 @@ class ClusterConfig:
     cluster_name: str | None = None
     model_dir: str | None = None  # None: the generated demo checkpoint
     dtype: str = "auto"
+    # How KV blocks are stored (engine/kv_quant.py): cluster-wide, because blocks cross from prefill
+    # to decode (and between prefill workers) exactly as stored.
+    kv_cache_dtype: str = "auto"
+    quantization: str = "none"  # weights (engine/layers/quantization.py); a pool may override it
     block_size: int = 16
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -118,6 +127,8 @@ class ClusterConfig:
     def __post_init__(self):
         _check(self.block_size >= 1, "block_size", "must be >= 1")
         _check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {sorted(DTYPES)}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
+        _check(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {list(QUANTIZATIONS)}")
         for name in ("prefill", "decode"):
             _check_pool(name, getattr(self, name))
         _check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
@@ -149,6 +160,10 @@ class ClusterConfig:
                 section = values[name]
                 if not isinstance(section, dict):
                     raise ConfigError(f"{name}: must be a mapping")
+                if name in ("prefill", "decode") and "kv_cache_dtype" in section:
+                    raise ConfigError(f"{name}.kv_cache_dtype: the KV cache dtype is cluster-wide (top-level "
+                                      "kv_cache_dtype): prefill and decode pools must store KV alike, since "
+                                      "blocks move between them as stored")
                 _reject_unknown(section, section_cls, f"{name}.")
                 values[name] = _build(section_cls, section, f"{name}.")
         if "admission" in values:  # its own loader: per-priority SLOs are a nested mapping
@@ -167,6 +182,7 @@ class ClusterConfig:
     def engine_config(self, role: str, model_dir: str) -> EngineConfig:
         pool = self.prefill if role == "prefill" else self.decode
         return EngineConfig(model_dir=model_dir, role=role, dtype=self.dtype, block_size=self.block_size,
+                            kv_cache_dtype=self.kv_cache_dtype, quantization=pool.quantization or self.quantization,
                             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
                             max_num_seqs=pool.max_num_seqs, max_num_batched_tokens=pool.max_num_batched_tokens,
                             prefill_chunk_tokens=pool.prefill_chunk_tokens,
@@ -192,6 +208,8 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
     _check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
     _check(pool.metrics_port is None or 0 <= pool.metrics_port <= 65535, f"{name}.metrics_port",
            "must be None or in [0, 65535]")
+    _check(pool.quantization is None or pool.quantization in QUANTIZATIONS, f"{name}.quantization",
+           f"must be None or one of {list(QUANTIZATIONS)}")
 
 
 def _check_controller(controller: ControllerConfig) -> None:

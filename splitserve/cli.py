@@ -20,6 +20,11 @@ def _demo_model(argv: list[str]) -> None:
 
 
 def _bench_engine(argv: list[str]) -> None:
+    if "--accuracy" in argv:  # quantized configurations against the unquantized engine
+        from benchmarks.bench_quant_accuracy import main as accuracy_main
+
+        accuracy_main([arg for arg in argv if arg != "--accuracy"])
+        return
     from benchmarks.bench_engine import main
 
     main(argv)
@@ -87,7 +92,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "status": (_status, "show a router's workers, load and cache figures"),
     "health": (_health, "exit 0 iff a router's gRPC health service is SERVING"),
     "demo-model": (_demo_model, "write the demo checkpoint to a directory"),
-    "bench-engine": (_bench_engine, "offline throughput of the engine vs transformers.generate"),
+    "bench-engine": (_bench_engine, "offline throughput of the engine vs transformers.generate; --accuracy: quantized vs unquantized"),
     "bench": (_bench, "load-test a running router (Poisson, shared-prefix, trace replay)"),
     "chaos": (_chaos, "SIGKILL workers while a bench workload runs; report lost, diverged, migrated requests"),
     "offline": (_offline, "generate offline with the in-process engine and print timings"),

@@ -31,7 +31,8 @@ DEFAULT_CLUSTER_NAME = "default"
 # flag → (section, key) in the config mapping; None section = top level
 _POOL_FLAGS = {"model": (None, "model_dir"), "block_size": (None, "block_size"), "redis_url": (None, "redis_url"),
                "rendezvous_host": (None, "rendezvous_host"), "prefill": ("prefill", "replicas"),
-               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size")}
+               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size"),
+               "kv_cache_dtype": (None, "kv_cache_dtype"), "quantization": (None, "quantization")}
 _ROUTER_FLAGS = {"host": ("router", "host"), "port": ("router", "port"), "policy": ("router", "policy"),
                  "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port"),
                  "tls_cert_file": ("router", "tls_cert_file"), "tls_key_file": ("router", "tls_key_file"),
@@ -51,6 +52,8 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         p.add_argument("--decode", type=int, help="decode instances")
         p.add_argument("--tp", type=int, help="tensor-parallel ranks per decode instance")
         p.add_argument("--block-size", type=int, help="tokens per KV block")
+        p.add_argument("--kv-cache-dtype", help="KV cache storage: auto (the model dtype), int8 or fp8")
+        p.add_argument("--quantization", help="weight quantization: none or int8 (weight-only, per output channel)")
         p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
         p.add_argument("--rendezvous-host", help="address workers use to reach the rendezvous store "
                        "(default: its node's IP)")

@@ -36,9 +36,11 @@ MATRIX: dict[str, dict] = {
     "everything": {
         "model": {"dir": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}},
         "config": {"dtype": "bfloat16", "block_size": 32, "prefill": {"max_num_batched_tokens": 4096, "threads": 4},
-                   "decode": {"num_kv_blocks": 8192}, "router": {"max_concurrent_requests": 256}},
+                   "decode": {"num_kv_blocks": 8192, "quantization": "none"},
+                   "router": {"max_concurrent_requests": 256}},
         "router": {"policy": "prefix_hash", "service": {"type": "LoadBalancer", "port": 443}, "port": 8443},
         "gpu": {"enabled": True}, "decode": {"tpSize": 2},
+        "quantization": {"kvCacheDtype": "int8", "weights": "int8"},
         "auth": {"enabled": True, "token": "t"},
         "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
         "redis": {"external": {"url": "redis://redis.shared:6379/3"}},

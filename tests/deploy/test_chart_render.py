@@ -64,6 +64,8 @@ def test_rendered_cluster_config_loads(case):
     assert config.ray_address is None, "the Ray address has one source: the router's --ray-address flag"
     args = pod_templates(objs)["router"]["spec"]["containers"][0]["args"]
     assert args[args.index("--ray-address") + 1].startswith("ray://")
+    quantization = {"kvCacheDtype": "auto", "weights": "none", **MATRIX[case].get("quantization", {})}
+    assert (config.kv_cache_dtype, config.quantization) == (quantization["kvCacheDtype"], quantization["weights"])
 
 
 @matrix

@@ -10,13 +10,16 @@ import pytest
 
 from cluster.config import ROUTING_POLICIES, ClusterConfig, ConfigError, PoolConfig, RouterConfig
 from engine.config import DTYPES
+from engine.kv_quant import KV_CACHE_DTYPES
+from engine.layers.quantization import QUANTIZATIONS
 from tests.deploy.chart import CHART_DIR, MATRIX, chart, cluster_config_raw, objects
 
 # Config keys the chart sets from its own values (or from the release: addresses, mounts).
 CHART_OWNED_TOP = {"model_dir", "redis_url", "prefill", "decode", "router",
                    "ray_address",  # the RayCluster's head, passed as --ray-address
                    "ray_num_cpus",  # sizes a local Ray cluster; a release always joins KubeRay's
-                   "cluster_name"}  # the release's full name: one cluster (one controller) per release
+                   "cluster_name",  # the release's full name: one cluster (one controller) per release
+                   "kv_cache_dtype", "quantization"}  # values.yaml `quantization:`
 CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource"}
 CHART_OWNED_ROUTER = {"host", "port", "http_port", "policy", "auth_token_file", "metrics_port",
                       "tls_cert_file", "tls_key_file", "tls_client_ca_file", "health_port"}  # from tls.*
@@ -49,6 +52,9 @@ BAD_VALUES = [
     ({"tls": {"certManager": {"duration": "90d"}}}, "/tls/certManager/duration", "pattern"),
     ({"tls": {"enable": True}}, "/tls", "'enable' not allowed"),
     ({"test": {"maxTokens": 0}}, "/test/maxTokens", "minimum"),
+    ({"quantization": {"kvCacheDtype": "int4"}}, "/quantization/kvCacheDtype", "fp8"),
+    ({"quantization": {"weights": "fp8"}}, "/quantization/weights", "int8"),
+    ({"config": {"decode": {"kv_cache_dtype": "int8"}}}, "/config/decode", "'kv_cache_dtype' not allowed"),
 ]
 
 
@@ -107,6 +113,10 @@ def test_chart_values_cover_each_config_key_exactly_once():
 
 def test_schema_enums_match_the_config_loader():
     props = _schema()["properties"]
+    assert props["quantization"]["properties"]["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)
+    assert props["quantization"]["properties"]["weights"]["enum"] == list(QUANTIZATIONS)
+    pool = _schema()["definitions"]["poolEngine"]["properties"]
+    assert pool["quantization"]["enum"] == [None, *QUANTIZATIONS]
     assert props["router"]["properties"]["policy"]["enum"] == list(ROUTING_POLICIES)
     assert set(props["config"]["properties"]["dtype"]["enum"]) == {"auto", *DTYPES}
     for tp_size in props["decode"]["properties"]["tpSize"]["enum"]:

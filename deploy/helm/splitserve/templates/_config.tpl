@@ -15,6 +15,8 @@ router's command line names it (`--ray-address`). */}}
 {{- $cfg := deepCopy $v.config -}}
 {{- $_ := set $cfg "cluster_name" (include "splitserve.fullname" .) -}}
 {{- with $v.model.dir }}{{ $_ := set $cfg "model_dir" . }}{{ end -}}
+{{- $_ = set $cfg "kv_cache_dtype" $v.quantization.kvCacheDtype -}}
+{{- $_ = set $cfg "quantization" $v.quantization.weights -}}
 {{- $prefill := dict "pool" $v.prefill "tpSize" 1 "gpu" $v.gpu.enabled "extra" $cfg.prefill -}}
 {{- $_ := set $cfg "prefill" (include "splitserve.poolConfig" $prefill | fromYaml) -}}
 {{- $decode := dict "pool" $v.decode "tpSize" $v.decode.tpSize "gpu" $v.gpu.enabled "extra" $cfg.decode -}}
