@@ -25,7 +25,7 @@ from loadtest.trace_rows import FORMATS
 from loadtest.workloads import DEFAULTS, WORKLOADS, spec_from_args
 
 
-def _workload_flags(parser: argparse.ArgumentParser) -> None:
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     # Workload flags default to None so that "given to the wrong workload" can be told (workloads.py).
     g = parser.add_argument_group("workload (defaults apply to the workloads that take the flag)")
     g.add_argument("--workload", default="poisson", choices=tuple(WORKLOADS), help="default poisson")
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT (default %(default)s)")
     parser.add_argument("--auth-token-file", help="file holding the router's bearer token")
-    _workload_flags(parser)
+    add_workload_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--duration-s", type=float, help="stop issuing after this many seconds")
     run.add_argument("--grace-s", type=float, default=10.0, help="after --duration-s, wait this long, then "
