@@ -35,11 +35,10 @@ $(SDK_STAMP): requirements.txt
 test-deps: sdk-venv
 	@command -v redis-server >/dev/null 2>&1 || scripts/install_redis.sh
 
-# The router serves on 127.0.0.1:50051 inside the loopback sandbox and on a unix socket in .run/, which
-# other shells can reach: `.venv/bin/splitserve generate --target unix:$(CURDIR)/.run/router.sock "Hi"`.
+# The router serves inside the loopback sandbox on unix sockets in .run/; a forwarder outside it makes
+# 127.0.0.1:50051 (gRPC) and 127.0.0.1:8000 (OpenAI HTTP) reach them from other shells (scripts/run_local.sh).
 run: setup
-	mkdir -p .run
-	scripts/in_sandbox.sh $(VENV)/bin/splitserve serve --uds $(CURDIR)/.run/router.sock $(SERVE_ARGS)
+	scripts/run_local.sh $(SERVE_ARGS)
 
 test: setup test-deps
 	PY=$(PY) scripts/run_tests.sh $(PYTEST_ARGS)

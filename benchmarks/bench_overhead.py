@@ -11,7 +11,8 @@ Arrivals are open-loop Poisson at `--rate` req/s with `--max-tokens 1` (routing,
 the prefill call and the reservation release, no decoding). Two figures for the request overhead:
   arm vs arm — latency percentiles of the router arm minus the direct arm;
   paired — per routed request, the latency its client saw minus the time the router spent waiting
-           on the cluster API for that very request (same request, same moment: no cross-arm noise).
+           on the cluster API for that very request (the router's `splitserve-upstream-ms` trailer:
+           same request, same moment, no cross-arm noise).
 A third arm measures the floor under both: the same client process, rate and requests against a
 do-nothing `Generate` (one message back at once, no router, no cluster) served on this process's loop —
 what the gRPC hop alone costs on this machine, for reading the paired figure against.
@@ -68,17 +69,26 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def client_main(args) -> None:
-    """The router arm's client process: one round of open-loop requests; prints {request id: latency}."""
-    from router.client import AsyncClient
+    """A router arm's client process: one round of open-loop requests on one channel; prints
+    {request id: [latency_s, upstream_s]} (upstream: the router's trailer; None from the floor server)."""
+    from router.client import build_request
+    from router.sdk_types import UPSTREAM_MS_KEY
 
-    async with AsyncClient(args.client, timeout_s=60) as sdk:
+    upstream: dict[int, float | None] = {}
+    async with grpc.aio.insecure_channel(args.client) as channel:
+        stub = pb_grpc.RouterStub(channel)
+
         async def send(index: int, prompt) -> None:
-            async for _ in sdk.generate_stream(prompt, temperature=0.0, max_tokens=args.max_tokens,
-                                               ignore_eos=True, request_id=f"{args.tag}-{index}"):
+            call = stub.Generate(build_request(prompt, temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                                               request_id=f"{args.tag}-{index}"), timeout=60)
+            async for _ in call:
                 pass
+            ms = dict(await call.trailing_metadata() or ()).get(UPSTREAM_MS_KEY)
+            upstream[index] = None if ms is None else float(ms) / 1e3
+
         prompts = _prompts(args.requests, args.prompt_len, args.vocab, args.seed)
         latencies = await _open_loop(send, prompts, args.rate, args.seed)
-    print(json.dumps({f"{args.tag}-{i}": s for i, s in enumerate(latencies)}))
+    print(json.dumps({f"{args.tag}-{i}": [s, upstream[i]] for i, s in enumerate(latencies)}))
 
 
 async def _router_round(target: str, args, seed: int, tag: str, requests: int, max_tokens: int, rate: float):
@@ -108,7 +118,7 @@ async def _null_server():
     return server, f"127.0.0.1:{port}"
 
 
-async def run(cluster, service, target: str, args) -> dict:
+async def run(cluster, target: str, args) -> dict:
     client = ClusterClient(cluster)
     ids = iter(range(10**9))
 
@@ -117,7 +127,7 @@ async def run(cluster, service, target: str, args) -> dict:
         async for _ in client.generate(GenerateRequest(f"d{next(ids)}", tuple(prompt), params)):
             pass
 
-    direct_s, routed, floor_s = [], {}, []
+    direct_s, routed, floor_s = [], {}, []  # routed: request id → [latency_s, upstream_s]
     null_server, null_target = await _null_server()
     await _open_loop(direct, _prompts(50, args.prompt_len, args.vocab, 0), args.rate, 0)  # warm-up
     await _router_round(target, args, 0, "warm", 50, args.max_tokens, args.rate)
@@ -127,14 +137,13 @@ async def run(cluster, service, target: str, args) -> dict:
                                      args.rate, seed)
         routed.update(await _router_round(target, args, seed, f"r{round_index}", args.requests,
                                           args.max_tokens, args.rate))
-        floor_s += (await _router_round(null_target, args, seed, f"f{round_index}", args.requests,
-                                        args.max_tokens, args.rate)).values()
+        floor_s += [latency for latency, _ in (await _router_round(
+            null_target, args, seed, f"f{round_index}", args.requests, args.max_tokens, args.rate)).values()]
     await null_server.stop(1.0)
-    inside = dict(service.cluster_call_s)
-    paired = [seen_s - inside[request_id] for request_id, seen_s in routed.items()]
+    paired = [seen_s - upstream_s for seen_s, upstream_s in routed.values()]
     per_token = await _streaming(direct, target, args)
     await client.close()
-    return _report(direct_s, list(routed.values()), paired, floor_s, per_token, args)
+    return _report(direct_s, [seen_s for seen_s, _ in routed.values()], paired, floor_s, per_token, args)
 
 
 async def _streaming(direct, target: str, args) -> dict:
@@ -145,7 +154,7 @@ async def _streaming(direct, target: str, args) -> dict:
         await direct(index, prompt, args.stream_tokens)
         took["direct"].append((time.perf_counter() - started_s) / args.stream_tokens)
         seen = await _router_round(target, args, 1000 + index, f"s{index}", 1, args.stream_tokens, 1000.0)
-        took["router"].append(next(iter(seen.values())) / args.stream_tokens)
+        took["router"].append(next(iter(seen.values()))[0] / args.stream_tokens)
     return {arm: _pct(values, 0.5) for arm, values in took.items()}
 
 
@@ -182,13 +191,13 @@ async def bench_main(args) -> dict:
     from router.server import RouterServer
 
     pool = PoolConfig(num_cpus=1.0, threads=1)
-    config = ClusterConfig(prefill=pool, decode=pool, router=RouterConfig(port=0), ray_num_cpus=4)
+    config = ClusterConfig(prefill=pool, decode=pool, router=RouterConfig(port=0, http_port=None), ray_num_cpus=4)
     loop = asyncio.get_running_loop()
     cluster = await loop.run_in_executor(None, launch, config, args.model or _small_model())
     try:
         server = await RouterServer.start(cluster, config)
         try:
-            return await run(cluster, server.service, server.address, args)
+            return await run(cluster, server.address, args)
         finally:
             await server.stop(1.0)
     finally:

@@ -4,13 +4,12 @@
 
 One cluster (1 prefill + 1 decode, the shrunken demo model of `bench_overhead`), started by this
 process, and two `splitserve router` processes joined to it (real processes, as on a fleet). At each
-rate R, three arms run in turn, open-loop Poisson, `--max-tokens 1`:
-  direct      this process calls the cluster API (`ClusterClient`) at R: no router at all;
-  one router  one client process sends R to router A;
-  two routers two client processes send R/2 each, to router A and to router B, at the same time.
-A router arm's overhead at R is its p99 latency minus the direct arm's p99 at R (same run). The
-doubling rate of an arm is the lowest R whose overhead is at least twice the arm's overhead at the
-lowest rate.
+total rate R, open-loop Poisson, `--max-tokens 1`, two arms run in turn:
+  one router   one client process sends R to router A;
+  two routers  two client processes send R/2 each, to router A and to router B, at the same time.
+Router-side overhead is paired per request: the latency its client saw minus the time its router
+spent waiting on the cluster for it (the router's `splitserve-upstream-ms` trailer). An arm's doubling
+rate is the lowest R whose p99 overhead is at least twice the arm's p99 at the lowest rate.
 """
 from __future__ import annotations
 
@@ -24,19 +23,16 @@ import time
 
 import ray
 
-from benchmarks.bench_overhead import _open_loop, _pct, _prompts, _router_round, _small_model
-from cluster.client import ClusterClient
+from benchmarks.bench_overhead import _pct, _router_round, _small_model
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.launcher import launch
-from cluster.messages import GenerateRequest
-from engine import SamplingParams
 
 CLUSTER = "routers-bench"
 
 
 def _start_router(gcs_address: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "router", "--ray-address", gcs_address,
-                                "--cluster-name", CLUSTER, "--port", "0"], stdout=subprocess.PIPE,
+                                "--cluster-name", CLUSTER, "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline_s = time.monotonic() + 120
     for line in process.stdout:
@@ -49,26 +45,19 @@ def _start_router(gcs_address: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("a router process did not start")
 
 
-async def _arms(cluster, targets: list[str], rate: float, args) -> dict:
-    client = ClusterClient(cluster)
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+async def _arms(targets: list[str], rate: float, args) -> dict:
     seed = int(rate * 1000)
-
-    async def direct(index: int, prompt) -> None:
-        async for _ in client.generate(GenerateRequest(f"d{seed}-{index}", tuple(prompt), params)):
-            pass
-
-    direct_s = await _open_loop(direct, _prompts(args.requests, args.prompt_len, args.vocab, seed), rate, seed)
-    await client.close()
     one = await _router_round(targets[0], args, seed, f"one{seed}", args.requests, 1, rate)
     halves = await asyncio.gather(*(_router_round(t, args, seed + k, f"two{k}-{seed}", args.requests // 2, 1,
                                                   rate / 2) for k, t in enumerate(targets)))
-    two = [s for half in halves for s in half.values()]
-    row = {"rate_rps": rate, "direct_p99_ms": _pct(direct_s, 0.99) * 1e3}
-    for arm, values in (("one", list(one.values())), ("two", two)):
-        row[f"{arm}_p50_ms"] = _pct(values, 0.50) * 1e3
-        row[f"{arm}_p99_ms"] = _pct(values, 0.99) * 1e3
-        row[f"{arm}_overhead_p99_ms"] = row[f"{arm}_p99_ms"] - row["direct_p99_ms"]
+    two = {rid: pair for half in halves for rid, pair in half.items()}
+    row = {"rate_rps": rate}
+    for arm, pairs in (("one", one), ("two", two)):
+        latencies = [latency for latency, _ in pairs.values()]
+        overheads = [latency - upstream for latency, upstream in pairs.values()]
+        row[f"{arm}_p99_ms"] = _pct(latencies, 0.99) * 1e3
+        row[f"{arm}_overhead_p50_ms"] = _pct(overheads, 0.50) * 1e3
+        row[f"{arm}_overhead_p99_ms"] = _pct(overheads, 0.99) * 1e3
     return row
 
 
@@ -93,17 +82,17 @@ def main(argv: list[str] | None = None) -> None:
         routers = [_start_router(ray.get_runtime_context().gcs_address) for _ in range(2)]
         rows = []
         for rate in (float(r) for r in args.rates.split(",")):
-            rows.append(asyncio.run(_arms(launched, [t for _, t in routers], rate, args)))
+            rows.append(asyncio.run(_arms([t for _, t in routers], rate, args)))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         for process, _ in routers:
             process.kill()
             process.wait(30)
         launched.shutdown()
-    print(f"{'rate':>6} {'direct p99':>10} {'1 router p99 (+over)':>22} {'2 routers p99 (+over)':>22}")
+    print(f"{'rate':>6} {'1 router: overhead p50 / p99':>30} {'2 routers: overhead p50 / p99':>31}  (ms)")
     for r in rows:
-        print(f"{r['rate_rps']:>6g} {r['direct_p99_ms']:>9.1f}  {r['one_p99_ms']:>9.1f} (+{r['one_overhead_p99_ms']:.1f})"
-              f"{'':>4}{r['two_p99_ms']:>9.1f} (+{r['two_overhead_p99_ms']:.1f}) ms")
+        print(f"{r['rate_rps']:>6g} {r['one_overhead_p50_ms']:>20.2f} / {r['one_overhead_p99_ms']:<8.2f}"
+              f"{r['two_overhead_p50_ms']:>21.2f} / {r['two_overhead_p99_ms']:<8.2f}")
     print(f"p99 overhead doubles at: one router {_doubling_rate(rows, 'one')} req/s, "
           f"two routers {_doubling_rate(rows, 'two')} req/s (None: not within the rates run)")
     if args.json:

@@ -154,7 +154,7 @@ async def _serve_and_evaluate(args) -> dict:
 
     pool = PoolConfig(num_cpus=1.0, threads=1)
     admission = AdmissionConfig(policy="predictive")
-    config = ClusterConfig(prefill=pool, decode=pool, router=RouterConfig(port=0), ray_num_cpus=4,
+    config = ClusterConfig(prefill=pool, decode=pool, router=RouterConfig(port=0, http_port=None), ray_num_cpus=4,
                            admission=admission, ready_timeout_s=180.0)
     loop = asyncio.get_running_loop()
     cluster = await loop.run_in_executor(None, launch, config, args.model or _small_model(args.layers, args.hidden))

@@ -47,7 +47,8 @@ PREFIX_PULL_MODES = ("auto", "always", "never")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The gRPC router: where it listens, how it routes, who may call it."""
+    """The router: where it listens (gRPC, and OpenAI-compatible HTTP on the same host), how it routes,
+    who may call it."""
 
     host: str = "127.0.0.1"  # loopback unless deliberately exposed (the Helm chart sets 0.0.0.0)
     port: int = 50051  # 0: the OS picks a free port (tests)
@@ -55,6 +56,7 @@ class RouterConfig:
     auth_token_file: str | None = None  # a file holding the bearer token; None: no auth
     max_concurrent_requests: int = 1024  # streams beyond this are refused with RESOURCE_EXHAUSTED
     metrics_port: int | None = None  # Prometheus endpoint; None: off
+    http_port: int | None = 8000  # the OpenAI-compatible HTTP API; None: off, 0: the OS picks a free port
     index_poll_interval_s: float = 0.05  # how often the in-process prefix index pulls worker KV events
     prefix_pull: str = "auto"  # one of PREFIX_PULL_MODES (needs the cache_aware policy's index)
     migration_limit: int = 3  # a request moves to other workers at most this often when workers fail under it
@@ -189,6 +191,8 @@ def _check_router(router: RouterConfig) -> None:
     _check(0 <= router.port <= 65535, "router.port", "must be in [0, 65535]")
     _check(router.policy in ROUTING_POLICIES, "router.policy", f"must be one of {list(ROUTING_POLICIES)}")
     _check(router.max_concurrent_requests >= 1, "router.max_concurrent_requests", "must be >= 1")
+    _check(router.http_port is None or 0 <= router.http_port <= 65535, "router.http_port",
+           "must be null (off) or in [0, 65535]")
     _check(router.metrics_port is None or 0 <= router.metrics_port <= 65535, "router.metrics_port",
            "must be None or in [0, 65535]")
     _check(router.index_poll_interval_s > 0, "router.index_poll_interval_s", "must be > 0")

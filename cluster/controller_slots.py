@@ -20,7 +20,7 @@ from cluster.controller_state import SlotRecord
 from cluster.membership import DRAINING, SERVING, Member
 from cluster.messages import WorkerInfo
 from cluster.rendezvous_host import ensure_rendezvous, rendezvous_name
-from cluster.worker_actors import end_worker, find_actor, start_worker
+from cluster.worker_actors import end_worker, find_actor, planned_names, start_worker
 from engine.block_hash import spec_fingerprint
 
 log = logging.getLogger(__name__)
@@ -89,11 +89,14 @@ class SlotStarter:
         controller, config = self.controller, self.controller.config
         slot.epoch = controller.state.take_epoch()  # before any await: starts are numbered in start order
         host, port = await self._store_address()
-        started = start_worker(controller.state.cluster_name, config, controller.state.model_dir, slot.worker_id,
-                               slot.role, slot.epoch, host, port)
-        slot.ranks, slot.actor_names, slot.placement_group = started.ranks, started.actor_names, started.placement_group
+        name = controller.state.cluster_name
+        # Recorded before the actors exist: a controller dying in between finds them, or finds them missing.
+        slot.actor_names, slot.placement_group = planned_names(name, config, slot.worker_id, slot.role, slot.epoch)
         slot.state, slot.info = STARTING, None
-        controller.record(publish=False)  # a controller restarted from here on finds these actors
+        controller.record(publish=False)
+        started = start_worker(name, config, controller.state.model_dir, slot.worker_id, slot.role, slot.epoch,
+                               host, port)
+        slot.ranks = started.ranks
         await self._until_ready(slot, config.ready_timeout_s)
 
     async def _until_ready(self, slot: Slot, timeout_s: float) -> None:

@@ -31,22 +31,30 @@ def actor_name(cluster_name: str, worker_id: str, epoch: int, rank: int) -> str:
     return f"{cluster_name}:{worker_id}@{epoch}/rank{rank}"
 
 
+def planned_names(cluster_name: str, config: ClusterConfig, worker_id: str, role: str,
+                  epoch: int) -> tuple[tuple[str, ...], str | None]:
+    """The actor names (rank 0 first) and placement group name a start will use: recorded before the
+    actors exist, so that a controller dying in between finds (or misses) exactly these."""
+    ranks = config.decode.tp_size if role == "decode" else 1
+    names = tuple(actor_name(cluster_name, worker_id, epoch, r) for r in range(ranks))
+    return names, (f"{cluster_name}:{worker_id}@{epoch}/ranks" if ranks > 1 else None)
+
+
 def start_worker(cluster_name: str, config: ClusterConfig, model_dir: str, worker_id: str, role: str, epoch: int,
                  store_host: str, store_port: int) -> StartedActors:
     """Creates the actors of one start of a worker; returns at once (they load in the background)."""
     raw = config.to_dict()
+    names, group_name = planned_names(cluster_name, config, worker_id, role, epoch)
     if role == "prefill":
         from prefill_worker.worker import PrefillWorker
 
-        name = actor_name(cluster_name, worker_id, epoch, 0)
-        actor = ray.remote(PrefillWorker).options(name=name, **_options(config.prefill)).remote(
+        actor = ray.remote(PrefillWorker).options(name=names[0], **_options(config.prefill)).remote(
             worker_id, epoch, raw, model_dir, store_host, store_port)
-        return StartedActors((actor,), (name,), None)
+        return StartedActors((actor,), names, None)
     from decode_worker.worker import DecodeRank
 
     pool = config.decode
-    names = tuple(actor_name(cluster_name, worker_id, epoch, r) for r in range(pool.tp_size))
-    group = _rank_placement_group(pool, f"{cluster_name}:{worker_id}@{epoch}/ranks")
+    group = _rank_placement_group(pool, group_name)
     decode_cls = ray.remote(DecodeRank)
     ranks: list = []
     for rank in reversed(range(pool.tp_size)):  # followers first: rank 0 gets their handles
@@ -54,7 +62,7 @@ def start_worker(cluster_name: str, config: ClusterConfig, model_dir: str, worke
         followers = tuple(ranks) if rank == 0 else ()
         ranks.insert(0, decode_cls.options(name=names[rank], scheduling_strategy=strategy, **_options(pool)).remote(
             worker_id, epoch, rank, raw, model_dir, store_host, store_port, followers))
-    return StartedActors(tuple(ranks), names, None if group is None else f"{cluster_name}:{worker_id}@{epoch}/ranks")
+    return StartedActors(tuple(ranks), names, group_name)
 
 
 def find_actor(name: str):

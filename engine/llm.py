@@ -10,7 +10,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import load_tokenizer
@@ -37,13 +37,21 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  priorities: Seq[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in order. Prompts: a string, a token-id list, or a list of either.
-        A bad prompt or parameter raises InvalidRequestError before any of these requests runs."""
+        """One output per prompt, in order, each holding `params.n` completions. Prompts: a string, a
+        token-id list, or a list of either. A bad prompt or parameter raises InvalidRequestError before
+        any of these requests runs."""
         items = [self._encode(prompt, index) for index, prompt in enumerate(_as_prompt_list(prompts))]
         params = _broadcast(sampling_params or SamplingParams(), len(items), "sampling_params")
         prios = _broadcast(0, len(items), "priorities") if priorities is None else list(priorities)
-        ids = self._add_all(items, params, prios)
-        return self._run(ids, {rid: item for rid, item in zip(ids, items)}, use_tqdm)
+        # Every completion is a sequence of its own: (prompt index, choice index) per sequence.
+        owners = [(i, choice) for i, p in enumerate(params) for choice in range(p.n)]
+        ids = self._add_all([items[i] for i, _ in owners], [params[i].for_choice(c) for i, c in owners],
+                            [prios[i] for i, _ in owners])
+        finished = self._run(ids, use_tqdm)
+        seqs: list[list[Sequence]] = [[] for _ in items]
+        for request_id, (i, _) in zip(ids, owners):
+            seqs[i].append(finished[request_id])
+        return [self._output(item, p, s) for item, p, s in zip(items, params, seqs)]
 
     def chat(self, conversations, sampling_params=None, **kwargs) -> list[RequestOutput]:
         """Applies the checkpoint's chat template to one conversation or a list of them."""
@@ -74,29 +82,34 @@ class LLM:
             raise
         return ids
 
-    def _run(self, ids: list[str], items: dict, use_tqdm: bool) -> list[RequestOutput]:
-        outputs: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, Sequence]:
+        finished: dict[str, Sequence] = {}
         pending = set(ids)
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while pending:
                 for update in self.engine.step():
                     if update.finish_reason is not None and update.seq_id in pending:
-                        seq = self.engine.pop_finished(update.seq_id)
-                        outputs[update.seq_id] = self._output(seq, items[update.seq_id][0])
+                        finished[update.seq_id] = self.engine.pop_finished(update.seq_id)
                         pending.discard(update.seq_id)
                         bar.update()
-        return [outputs[request_id] for request_id in ids]
+        return finished
 
-    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        text = seq.stop_text if seq.stop_text is not None else self._decode(seq.output_token_ids)
-        metrics = RequestMetrics(seq.arrival_time_s, seq.first_token_time_s, tuple(seq.token_times_s))
-        return RequestOutput(seq.seq_id, prompt, tuple(seq.prompt_token_ids), tuple(seq.output_token_ids),
-                             text, seq.finish_reason.value, seq.num_cached_tokens, metrics,
-                             tuple(seq.logprobs) if seq.params.logprobs is not None else None)
+    def _output(self, item: tuple[str | None, list[int]], params: SamplingParams,
+                seqs: list[Sequence]) -> RequestOutput:
+        completions = []
+        for index, seq in enumerate(seqs):
+            text = (seq.stop_text if seq.stop_text is not None
+                    else self._decode(seq.output_token_ids, params.skip_special_tokens))
+            metrics = RequestMetrics(seq.arrival_time_s, seq.first_token_time_s, tuple(seq.token_times_s))
+            completions.append(CompletionOutput(index, text, tuple(seq.output_token_ids), seq.finish_reason.value,
+                                                metrics, tuple(seq.logprobs) if params.logprobs is not None else None))
+        first = seqs[0]
+        return RequestOutput(first.seq_id, item[0], tuple(first.prompt_token_ids), tuple(completions),
+                             first.num_cached_tokens)
 
-    def _decode(self, token_ids: list[int]) -> str:
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         try:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         except Exception:  # a checkpoint without a tokenizer still serves token ids
             return ""
 

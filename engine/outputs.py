@@ -27,16 +27,47 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One of a prompt's n completions (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    metrics: RequestMetrics
+    logprobs: tuple | None = None  # per token: engine.sampler.TokenLogprobs, when requested
+
+
+@dataclass(frozen=True)
 class RequestOutput:
+    """A prompt and its completions, `outputs[0..n)`. The flat fields (`text`, `token_ids`,
+    `finish_reason`, `logprobs`, `metrics`, `ttft_s`) are the first completion's."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str
+    outputs: tuple[CompletionOutput, ...]
     num_cached_tokens: int
-    metrics: RequestMetrics
-    logprobs: tuple | None = None  # per token: engine.sampler.TokenLogprobs, when requested
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> tuple | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.outputs[0].metrics
 
     @property
     def ttft_s(self) -> float | None:

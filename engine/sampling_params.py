@@ -2,16 +2,19 @@
 
 Defaults follow the ecosystem (vLLM / OpenAI): `temperature == 0` means greedy; `top_k=None`,
 `top_p=1.0` and `min_p=0.0` disable those filters; penalties at their neutral values disable them.
+`n` is for whoever fans a prompt out (the offline `LLM`, the OpenAI front): one engine sequence
+always generates one completion.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MAX_N = 64
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1  # sequences per prompt; the offline API and the OpenAI front run n requests (seeds seed + i)
+    skip_special_tokens: bool = True  # in the output text
+    include_stop_str_in_output: bool = False  # output text ends after the stop string instead of before it
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples so params stay hashable.
@@ -40,6 +46,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The params of completion `index` of n: one sequence, seed + index when seeded (so the
+        choices differ, and each is reproducible)."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return replace(self, n=1, seed=seed)
 
     def _validate(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
@@ -60,6 +72,9 @@ class SamplingParams:
                "seed", f"must be None or an integer in [0, {MAX_SEED}]")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), name, "must be true or false")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 

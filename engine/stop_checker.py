@@ -35,14 +35,16 @@ class StopChecker:
 
     def _hit_stop_string(self, seq: Sequence, token: int) -> bool:
         if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
             for earlier in seq.output_token_ids[:-1]:  # adopted sequences arrive with a first token
                 seq.detokenizer.append(earlier)
         delta = seq.detokenizer.append(token)
         if not delta or seq.num_output_tokens <= seq.params.min_tokens:
             return False
-        index = find_stop_string(seq.detokenizer.text, len(delta), seq.params.stop)
-        if index is None:
+        hit = find_stop_string(seq.detokenizer.text, len(delta), seq.params.stop)
+        if hit is None:
             return False
-        seq.stop_text = seq.detokenizer.text[:index]  # the stop string itself is not part of the output
+        index, stop = hit
+        # The stop string itself is not part of the output unless the request asked for it.
+        seq.stop_text = seq.detokenizer.text[:index + len(stop) * seq.params.include_stop_str_in_output]
         return True

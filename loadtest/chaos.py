@@ -31,8 +31,8 @@ from loadtest.cli import build_parser, config_from_args
 from loadtest.config import BenchConfig, read_token
 from loadtest.driver import drive
 from loadtest.records import RequestRecord, read_jsonl
+from loadtest.backends import GrpcBackend
 from loadtest.runner import BenchError, _limits, _plan
-from router.client import AsyncClient
 
 ROLES = ("prefill", "decode", "any")
 
@@ -113,9 +113,8 @@ def _lost(record: RequestRecord) -> bool:
 async def run_chaos(config: ChaosConfig, controller, echo=print) -> ChaosReport:
     """Runs the reference (unless given) and the chaos replay; `controller` is the cluster's actor."""
     bench = config.bench
-    async with AsyncClient(bench.target, token=read_token(bench.auth_token_file),
-                           timeout_s=bench.driver.request_timeout_s) as client:
-        plan = _plan(bench, await _limits(client, bench.target), None, 0)
+    async with GrpcBackend(bench.target, read_token(bench.auth_token_file), bench.driver.request_timeout_s) as client:
+        plan = _plan(bench, await _limits(client), None, 0)
         if config.reference is not None:
             reference = read_jsonl(config.reference)
         else:

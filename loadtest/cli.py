@@ -3,10 +3,11 @@ figures mean).
 
     splitserve bench --target 127.0.0.1:50051 --workload poisson --rate 2 --num-requests 100 \\
         --ttft-ms 2000 --tpot-ms 200 --out bench-out --plot bench-out/plots
+    splitserve bench --backend openai --target http://127.0.0.1:8000 --rate 2 --num-requests 100
     splitserve bench --workload shared-prefix --groups 8 --prompts-per-group 16 --prefix-len 512 --sweep 1,2,4
     splitserve bench --workload trace --trace conversation_trace.jsonl --rate 2 --duration-s 300
 
-Exit status: 0 after a run (whatever the cluster answered), 2 on a bad flag, 1 when the router cannot
+Exit status: 0 after a run (whatever the server answered), 2 on a bad flag, 1 when the server cannot
 be reached or the workload cannot be built for the served model.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import sys
 import uuid
 
-from loadtest.config import BenchConfig, check_target, parse_rates
+from loadtest.config import DEFAULT_TARGETS, BenchConfig, check_target, parse_rates
 from loadtest.driver import DriverConfig
 from loadtest.plan import RequestDefaults, Slo
 from loadtest.runner import BenchError, run_bench
@@ -53,10 +54,17 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve bench", description="Load-test a running splitserve "
-                                     "router over gRPC: open-loop arrivals, latency, SLO attainment, goodput.",
+                                     "router over gRPC, or any OpenAI-compatible server over HTTP: open-loop "
+                                     "arrivals, latency, SLO attainment, goodput.",
                                      epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT (default %(default)s)")
-    parser.add_argument("--auth-token-file", help="file holding the router's bearer token")
+    parser.add_argument("--backend", default="splitserve", choices=tuple(DEFAULT_TARGETS),
+                        help="splitserve (gRPC) or openai (HTTP /v1/completions) (default %(default)s)")
+    parser.add_argument("--target", help="splitserve: HOST:PORT or unix:PATH (default 127.0.0.1:50051); "
+                        "openai: http://HOST:PORT (default http://127.0.0.1:8000)")
+    parser.add_argument("--auth-token-file", help="file holding the server's bearer token")
+    parser.add_argument("--model", help="openai: the served model to ask for (default: the first it lists)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="openai: the model's tokenizer folder, for servers "
+                        "whose /v1/models does not state the vocabulary (splitserve's does)")
     add_workload_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--duration-s", type=float, help="stop issuing after this many seconds")
@@ -83,15 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """ValueError naming the flag on any bad or conflicting value."""
-    check_target(args.target)
+    target = args.target or DEFAULT_TARGETS[args.backend]
+    check_target(target, args.backend)
     if args.sweep is not None and args.rate is not None:
         raise ValueError("--sweep sets the rate of each run: drop --rate")
     sweep = parse_rates(args.sweep) if args.sweep is not None else ()
     driver = DriverConfig(args.max_concurrency, args.duration_s, args.grace_s, args.request_timeout_s,
                           args.temperature, f"bench-{uuid.uuid4().hex[:8]}", not args.no_progress)
     defaults = RequestDefaults(Slo(args.ttft_ms, args.tpot_ms), args.priority, args.tenant)
-    return BenchConfig(args.target, args.workload, spec_from_args(args), driver, defaults, args.seed,
-                       args.auth_token_file, args.out, args.plot, sweep, args.attainment_target, args.warmup_s)
+    return BenchConfig(target, args.workload, spec_from_args(args), driver, defaults, args.seed,
+                       args.auth_token_file, args.out, args.plot, sweep, args.attainment_target, args.warmup_s,
+                       args.backend, args.model, args.tokenizer)
 
 
 def parse_config(argv: list[str]) -> BenchConfig:

@@ -5,6 +5,7 @@ Every check names the flag it concerns; the CLI turns the ValueError into a usag
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,18 @@ from loadtest.trace import TraceSpec
 WorkloadSpec = PoissonSpec | SharedPrefixSpec | TraceSpec
 
 
-def check_target(target: str) -> str:
-    """HOST:PORT (IPv6 as [ADDR]:PORT) with a port in [1, 65535]; returns it unchanged."""
+DEFAULT_TARGETS = {"splitserve": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000"}
+
+
+def check_target(target: str, backend: str = "splitserve") -> str:
+    """splitserve: HOST:PORT (IPv6 as [ADDR]:PORT) with a port in [1, 65535], or unix:PATH; openai: an
+    http(s)://HOST[:PORT][/v1] URL. Returns it unchanged."""
+    if backend == "openai":
+        if not re.fullmatch(r"https?://[^/\s]+(/v1)?/?", target):
+            raise ValueError(f"--target must be an http(s)://HOST:PORT URL for --backend openai, got {target!r}")
+        return target
+    if target.startswith("unix:") and len(target) > 5:
+        return target
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"--target must be HOST:PORT with a port in [1, 65535], got {target!r}")
@@ -65,9 +76,18 @@ class BenchConfig:
     sweep_rates: tuple[float, ...] = ()
     attainment_target: float = 0.9
     warmup_s: float = 0.0
+    backend: str = "splitserve"  # one of loadtest.backends.BACKENDS
+    model: str | None = None  # openai: the served model to ask for (default: the first listed)
+    tokenizer: str | None = None  # openai: the model's tokenizer, for servers whose card has no vocabulary
 
     def __post_init__(self):
-        check_target(self.target)
+        if self.backend not in DEFAULT_TARGETS:
+            raise ValueError(f"--backend must be one of {sorted(DEFAULT_TARGETS)}, got {self.backend!r}")
+        check_target(self.target, self.backend)
+        if self.backend != "openai" and (self.model or self.tokenizer):
+            raise ValueError("--model and --tokenizer apply to --backend openai")
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there")
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
         read_token(self.auth_token_file)

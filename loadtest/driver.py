@@ -1,4 +1,4 @@
-"""The load driver: issues a `Plan` open-loop against a router through the SDK's `AsyncClient`.
+"""The load driver: issues a `Plan` open-loop against a server through a backend (`loadtest.backends`).
 
 1. Request i is due at start + arrival_s whatever happened to earlier ones (open loop: a slow cluster
    does not slow the offered load). At most `max_concurrency` streams are open at once; a due request
@@ -9,7 +9,7 @@
    for every request (each is bounded by `request_timeout_s` in the SDK).
 3. Every request has an id `{run_tag}-{index:06d}` (unique per run, so that the router's duplicate
    check never fires across runs), ignores EOS so that its output length is exactly max_tokens, and is
-   recorded by a `RequestRecorder`; SDK errors become (status name, reason).
+   recorded by a `RequestRecorder`; a backend's `RequestError` becomes (status name, reason).
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from loadtest.backends import RequestError, RequestOptions
 from loadtest.plan import Plan, PlannedRequest
 from loadtest.recorder import RequestRecorder
 from loadtest.records import RequestRecord
-from router.sdk_types import SplitserveError
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class RunResult:
 class _Run:
     """One execution of a plan: the clock, the slots and the recorders of issued requests."""
 
-    def __init__(self, client, plan: Plan, config: DriverConfig):
-        self.client, self.plan, self.config = client, plan, config
+    def __init__(self, backend, plan: Plan, config: DriverConfig):
+        self.backend, self.plan, self.config = backend, plan, config
         self.slots = asyncio.Semaphore(config.max_concurrency)
         self.start = time.monotonic()
         self.recorders: list[RequestRecorder] = []
@@ -97,16 +97,13 @@ class _Run:
         self.bar.update(1)
 
     async def _one(self, planned: PlannedRequest, recorder: RequestRecorder) -> None:
-        options = dict(max_tokens=planned.max_tokens, ignore_eos=True, temperature=self.config.temperature,
-                       ttft_ms=planned.slo.ttft_ms, tpot_ms=planned.slo.tpot_ms, priority=planned.priority,
-                       tenant=planned.tenant or None, request_id=recorder.request_id)
+        options = RequestOptions(recorder.request_id, self.config.temperature, self.config.request_timeout_s)
         try:
-            async for chunk in self.client.generate_stream(list(planned.prompt_token_ids),
-                                                           timeout_s=self.config.request_timeout_s, **options):
-                recorder.on_chunk(chunk, self.now_s())
+            async for event in self.backend.stream(planned, options):
+                recorder.on_event(event, self.now_s())
             recorder.on_stream_end(self.now_s())
-        except SplitserveError as err:
-            recorder.on_error(err.code.name, err.reason, self.now_s())
+        except RequestError as err:
+            recorder.on_error(err.code, err.reason, self.now_s())
         except asyncio.CancelledError:
             recorder.on_error("CANCELLED", "cancelled by the bench after --duration-s plus --grace-s", self.now_s())
             raise
@@ -126,10 +123,9 @@ class _Run:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def drive(client, plan: Plan, config: DriverConfig = DriverConfig()) -> RunResult:
-    """Runs the plan against `client` (an SDK `AsyncClient`, connected) and returns every issued
-    request's record."""
-    run = _Run(client, plan, config)
+async def drive(backend, plan: Plan, config: DriverConfig = DriverConfig()) -> RunResult:
+    """Runs the plan against `backend` (entered: `async with`) and returns every issued request's record."""
+    run = _Run(backend, plan, config)
     try:
         await run.issue_all()
         await run.finish()

@@ -13,29 +13,24 @@ import dataclasses
 import json
 from pathlib import Path
 
+from loadtest.backends import BackendError, make_backend
 from loadtest.config import BenchConfig, read_token
 from loadtest.driver import RunResult, drive
 from loadtest.plan import ModelLimits, Plan
 from loadtest.plots import plot_latency_cdfs, plot_sweep
 from loadtest.records import write_jsonl
 from loadtest.summary import Summary, format_table, summarize
-from router.client import AsyncClient
-from router.sdk_types import SplitserveError
 
 
 class BenchError(Exception):
-    """The bench cannot run: the router is unreachable or the workload does not fit the served model."""
+    """The bench cannot run: the server is unreachable or the workload does not fit the served model."""
 
 
-async def _limits(client: AsyncClient, target: str) -> ModelLimits:
+async def _limits(backend) -> ModelLimits:
     try:
-        info = await client.model_info()
-    except SplitserveError as err:
-        raise BenchError(f"cannot get the model's limits from {target}: {err}") from None
-    try:
-        return ModelLimits.from_model_info(info)
-    except ValueError as err:
-        raise BenchError(f"the router at {target} reports unusable model limits: {err}") from None
+        return await backend.model_limits()
+    except BackendError as err:
+        raise BenchError(str(err)) from None
 
 
 def _plan(config: BenchConfig, limits: ModelLimits, rate: float | None, salt: int) -> Plan:
@@ -48,7 +43,7 @@ def _plan(config: BenchConfig, limits: ModelLimits, rate: float | None, salt: in
 
 def _run_info(config: BenchConfig, limits: ModelLimits) -> dict:
     d = config.driver
-    return {"target": config.target, "workload": config.workload, "seed": config.seed,
+    return {"target": config.target, "backend": config.backend, "workload": config.workload, "seed": config.seed,
             "max_concurrency": d.max_concurrency, "duration_s": d.duration_s, "grace_s": d.grace_s,
             "warmup_s": config.warmup_s, "temperature": d.temperature, "run_tag": d.run_tag,
             "model": dataclasses.asdict(limits)}
@@ -74,15 +69,17 @@ async def run_bench(config: BenchConfig, echo=print) -> list[Summary]:
     token = read_token(config.auth_token_file)
     rates = config.sweep_rates or (None,)
     runs: list[tuple[float | None, RunResult, Summary]] = []
-    async with AsyncClient(config.target, token=token, timeout_s=config.driver.request_timeout_s) as client:
-        limits = await _limits(client, config.target)
+    backend = make_backend(config.backend, target=config.target, token=token, timeout_s=config.driver.request_timeout_s,
+                           model=config.model, tokenizer=config.tokenizer)
+    async with backend:
+        limits = await _limits(backend)
         run_info = _run_info(config, limits)
         for i, rate in enumerate(rates):
             plan = _plan(config, limits, rate, i)
             echo(f"{config.workload}: {len(plan.requests)} requests planned"
                  + (f" at {rate:g} req/s" if rate is not None else ""))
             driver = dataclasses.replace(config.driver, run_tag=f"{config.driver.run_tag}-{i}")
-            result = await drive(client, plan, driver)
+            result = await drive(backend, plan, driver)
             summary = summarize(result.records, workload=config.workload, planned=result.planned,
                                 warmup_s=config.warmup_s, rate_per_s=rate, notes=plan.notes)
             echo(format_table(summary) + "\n")

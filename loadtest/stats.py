@@ -24,7 +24,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Distribution:
-    """Count, mean, p50 / p90 / p99 and max of a sample, in the unit of its name (e.g. `ttft_ms`).
+    """Count, mean, p50 / p90 / p99 and max of a sample, in the unit of its name (e.g. `ttft_ms`), plus
+    median (= p50) and the population standard deviation, the two `vllm bench serve` adds.
     An empty sample has count 0 and None elsewhere."""
 
     count: int
@@ -33,6 +34,8 @@ class Distribution:
     p90: float | None
     p99: float | None
     max: float | None
+    median: float | None = None
+    std: float | None = None
 
     @staticmethod
     def of(values: Sequence[float], scale: float = 1.0) -> "Distribution":
@@ -40,5 +43,7 @@ class Distribution:
         if not values:
             return Distribution(0, None, None, None, None, None)
         scaled = [v * scale for v in values]
-        return Distribution(len(scaled), sum(scaled) / len(scaled), percentile(scaled, 50),
-                            percentile(scaled, 90), percentile(scaled, 99), max(scaled))
+        mean, median = sum(scaled) / len(scaled), percentile(scaled, 50)
+        std = math.sqrt(sum((v - mean) ** 2 for v in scaled) / len(scaled))
+        return Distribution(len(scaled), mean, median, percentile(scaled, 90), percentile(scaled, 99), max(scaled),
+                            median, std)

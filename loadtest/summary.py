@@ -130,10 +130,10 @@ def format_table(s: Summary) -> str:
              f"prefix hit rate {_fmt(s.prefix_hit_rate, '%')} ({s.cached_prompt_tokens}/{s.prompt_tokens} "
              f"prompt tokens)  rejection rate {_fmt(s.rejection_rate, '%')}",
              "",
-             f"{'latency (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}"]
+             f"{'latency (ms)':<14}{'mean':>10}{'std':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}"]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         d: Distribution = getattr(s, name)
-        cells = "".join(f"{_fmt(v):>10}" for v in (d.mean, d.p50, d.p90, d.p99, d.max))
+        cells = "".join(f"{_fmt(v):>10}" for v in (d.mean, d.std, d.p50, d.p90, d.p99, d.max))
         lines.append(f"{name.removesuffix('_ms').upper():<14}{cells}{d.count:>8}")
     if s.notes:  # how the plan was made: trace rows dropped and why, scaling, clipping
         lines += ["", "workload: " + ", ".join(f"{k}={v}" for k, v in s.notes.items())]

@@ -19,6 +19,9 @@ REQUEST_ID_KEY = "splitserve-request-id"
 # since then against the TTFT SLO, so a request that waited in the client or in the router's intake is
 # judged by the TTFT its client will see (like HTTP's X-Request-Start). Needs clocks in sync (NTP).
 SENT_AT_KEY = "splitserve-sent-at-us"
+# Trailing metadata of a finished Generate: milliseconds the router spent waiting on the cluster for it
+# (like Envoy's x-envoy-upstream-service-time); the client's latency minus this is the router's share.
+UPSTREAM_MS_KEY = "splitserve-upstream-ms"
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 

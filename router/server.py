@@ -7,10 +7,12 @@
 
 What it wires: the tokenizer (if the checkpoint has one), the prefix index (in-process, fed from the
 workers' KV events; Redis when `redis_url` is set), the routing policy, the worker monitor, the
-Router servicer behind the auth and error interceptors, the standard health service and reflection.
+Router servicer behind the auth and error interceptors, the standard health service and reflection,
+and the OpenAI-compatible HTTP front (`router.openai`) over the same service, token and metrics.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from router.index_feeder import IndexFeeder
 from cluster.metrics_http import start_metrics_server
 from router.interceptors import AuthInterceptor, ErrorInterceptor
 from router.metrics import RouterMetrics
+from router.openai import HttpFront
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.routing import make_policy
@@ -40,11 +43,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 class RouterServer:
     def __init__(self, server, service: RouterService, health: HealthServicer, port: int, host: str,
-                 background: list, exporter=None):
+                 background: list, exporter=None, http=None):
         self.server, self.service, self.health = server, service, health
         self.port, self.host = port, host
         self._background = background  # feeder / monitor / index: closed on stop
         self.exporter = exporter  # the Prometheus endpoint, when metrics_port is set
+        self.http = http  # the OpenAI-compatible HTTP front (router.openai.HttpFront), unless turned off
 
     @property
     def address(self) -> str:
@@ -52,8 +56,9 @@ class RouterServer:
 
     @classmethod
     async def start(cls, launched: LaunchedCluster, config: ClusterConfig,
-                    extra_addresses: tuple[str, ...] | list[str] = ()) -> "RouterServer":
-        """Serves on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock"), for
+                    extra_addresses: tuple[str, ...] | list[str] = (), http_uds: str | None = None) -> "RouterServer":
+        """Serves gRPC on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock"), and
+        the OpenAI-compatible HTTP API on router.host:router.http_port and/or the unix socket `http_uds`, for
         the cluster `launched` joined; follows its membership from then on."""
         router = config.router
         cluster = ClusterView(launched)
@@ -91,13 +96,22 @@ class RouterServer:
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("router serving %s on %s:%d (policy %s)", SERVICE_NAME, router.host, port, router.policy)
+        http = None
+        if router.http_port is not None or http_uds is not None:
+            try:
+                http = await HttpFront.start(service, host=router.host, port=router.http_port, uds=http_uds,
+                                             token=token, model_names=served_model_names(cluster.model_dir))
+            except BaseException:
+                await server.stop(0)
+                raise
+            log.info("router serving the OpenAI API on %s", http.url if router.http_port is not None else http_uds)
         return cls(server, service, health, port, router.host,
-                   [cluster, feeder, service.monitor, service, index], exporter)
+                   [cluster, feeder, service.monitor, service, index], exporter, http)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops taking calls, lets streams in flight end for `grace_s`, then cancels the rest."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        await asyncio.gather(self.server.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
         for part in self._background:
             if part is not None:
                 await part.close()
@@ -133,6 +147,12 @@ def _load_tokenizer(cluster: ClusterView):
     from engine.tokenizer import load_tokenizer
 
     return load_tokenizer(cluster.model_dir)
+
+
+def served_model_names(model_dir) -> tuple[str, ...]:
+    """The names the OpenAI API answers to: the checkpoint folder's name (the one responses carry), and
+    the path it was served from."""
+    return (Path(model_dir).name, str(model_dir))
 
 
 def read_auth_token(path: str | None) -> str | None:

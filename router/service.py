@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -63,6 +62,9 @@ class RouterOutput:
     route: RouteInfo | None = None
     usage: Usage | None = None
     migrations: int = 0  # on the last output: how many times the request moved to other workers
+    # On the last output: seconds the router spent waiting on the cluster for this request (all attempts);
+    # what the client saw minus this is what the router path added to it.
+    upstream_s: float | None = None
 
 
 class RouterService:
@@ -95,9 +97,6 @@ class RouterService:
         self._tokens_through: dict[str, int] = {}
         self._running: set[str] = set()
         self.ledger = RouteLedger()
-        # (request id, seconds spent inside the cluster API) of recent requests: benchmarks subtract it
-        # from what the client saw to get what the router path added to that very request.
-        self.cluster_call_s: deque[tuple[str, float]] = deque(maxlen=100_000)
 
     def _check_members(self, old: Membership, new: Membership) -> None:
         """Membership listener: every worker must hash blocks by this router's spec and serve its model
@@ -188,13 +187,16 @@ class RouterService:
                                                              chunk.num_cached_tokens)
                 first = False
                 delta, usage = state.add(chunk)
+                last = chunk.finish_reason is not None
                 yield RouterOutput(request.request_id, chunk.token_ids, delta, chunk.logprobs, chunk.finish_reason,
-                                   route, usage, state.migrations if chunk.finish_reason else 0)
-            self._finished(state, cluster_s[0])
+                                   route, usage, state.migrations if last else 0,
+                                   state.upstream_s + cluster_s[0] if last else None)
+            self._finished(state)
         except RequestFailed as err:
             err.migration_cause = _cause(err, prefill, decode)
             raise
         finally:
+            state.upstream_s += cluster_s[0]
             self.ledger.release(request.request_id, worker_id, decode.worker_id, uncached if first else 0)
             tokens_through = self._tokens_through.pop(request.request_id, None)
             if tokens_through is not None and state.started:
@@ -223,9 +225,8 @@ class RouterService:
         uncached = max(len(request.prompt_token_ids) - cached_tokens, 1)
         self._tokens_through[request.request_id] = load.queued_prompt_tokens + uncached
 
-    def _finished(self, state: StreamState, cluster_s: float) -> None:
+    def _finished(self, state: StreamState) -> None:
         request = state.request
-        self.cluster_call_s.append((request.request_id, cluster_s))
         metrics = self.metrics
         metrics.observe_ttft(state.ttft_s, request.priority)
         if state.tpot_s is not None:

@@ -9,6 +9,7 @@ from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.request_keys import deadline_from_remaining
 from router.service import RouterOutput, RouterService
+from router.sdk_types import UPSTREAM_MS_KEY
 from router.validation import client_wait_s, parse_request
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
@@ -23,6 +24,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         deadline_s = deadline_from_remaining(context.time_remaining())
         waited_s = client_wait_s(context.invocation_metadata())
         async for output in self.service.generate(domain, deadline_s, waited_s):
+            if output.upstream_s is not None:  # the last message: say what the cluster took (Envoy-style)
+                context.set_trailing_metadata(((UPSTREAM_MS_KEY, f"{output.upstream_s * 1e3:.3f}"),))
             yield output_to_proto(output)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:

@@ -18,9 +18,12 @@ class Usage:
 class StreamState:
     def __init__(self, request: RouterRequest, tokenizer, started_s: float):
         self.request, self.started_s = request, started_s
-        self.text = TextStream(tokenizer, request.params.stop) if request.return_text else None
+        params = request.params
+        self.text = (TextStream(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
+                     if request.return_text else None)
         self.token_ids: list[int] = []  # every token streamed so far (a migration resumes after them)
         self.migrations = 0
+        self.upstream_s = 0.0  # time spent waiting on the cluster, over the attempts that ended
         self.cached_tokens = 0
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None

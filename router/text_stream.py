@@ -3,7 +3,8 @@
 The decode worker stops a request on a stop string and the output text must end before it. Text is
 therefore held back by (longest stop string − 1) characters while streaming: a stop string can only
 complete in a later delta, and when it does, none of it has been sent yet. At the end the held-back
-text is released, cut at the stop string when that is why the request finished.
+text is released, cut at the stop string when that is why the request finished (before it, or after
+it when the request asked to include it).
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from engine.tokenizer import IncrementalDetokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stop = stop
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._stop, self._include_stop = stop, include_stop
         self._holdback_chars = max((len(s) for s in stop), default=1) - 1
         self._sent_chars = 0
 
@@ -28,15 +30,18 @@ class TextStream:
 
     def finish(self, finish_reason: str | None, token_ids: Iterable[int] = ()) -> str:
         """The rest of the text, with the last chunk's `token_ids`, ending before the stop string if one
-        ended the request. The last tokens must come here, not through `push`: the token that completes
-        a stop string may carry more characters after it, which `push` would already release."""
+        ended the request (after it with include_stop). The last tokens must come here, not through
+        `push`: the token that completes a stop string may carry more characters after it, which `push`
+        would already release."""
         for token_id in token_ids:
             self._detokenizer.append(token_id)
         text = self._final_text()
         end = len(text)
         if finish_reason == "stop" and self._stop:
-            hits = [i for i in (text.find(s, self._sent_chars) for s in self._stop) if i >= 0]
-            end = min(hits, default=end)
+            hits = [(i, len(s)) for s, i in ((s, text.find(s, self._sent_chars)) for s in self._stop) if i >= 0]
+            if hits:
+                index, length = min(hits)
+                end = index + length * self._include_stop
         return self._take(end, text)
 
     def _final_text(self) -> str:

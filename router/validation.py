@@ -1,7 +1,9 @@
-"""Proto request → domain request, validating every field once; errors name the proto field.
+"""Client request → domain `RouterRequest`, validating every field once; errors name the field.
 
-Field names in errors are the proto's paths (`sampling.temperature`, `slo.ttft_ms`, `token_ids`,
-`text`, `priority`, `tenant`, `request_id`), so a client can map them straight back to its message.
+The rules are front-independent functions that take the name the calling front gives each field:
+the gRPC front (`parse_request`, here) names the proto's paths (`sampling.temperature`,
+`slo.ttft_ms`, `token_ids`, `text`, `priority`, `tenant`, `request_id`); the OpenAI HTTP front
+(`router.openai.parse`) names its JSON fields (`temperature`, `prompt`, `max_completion_tokens`).
 Limits that depend on the model (vocabulary, context length) are checked here too, with the limit
 stated, so that a bad request never reaches a worker.
 """
@@ -52,60 +54,123 @@ class RouterRequest:
 _SAMPLING_FIELDS = tuple((f.name, f.has_presence) for f in pb.SamplingParams.DESCRIPTOR.fields)
 
 
+# ---- The rules every front applies (gRPC here, OpenAI HTTP in router.openai). Each takes the name the
+# ---- front gives the field, so that an error names the field as that front's client sent it.
+
+def check_request_id(request_id: str, field: str = "request_id") -> str:
+    if not isinstance(request_id, str) or _REQUEST_ID.fullmatch(request_id) is None:
+        _fail(field, "must be 1-128 printable ASCII characters without spaces")
+    return request_id
+
+
+def check_priority(priority, field: str = "priority") -> int:
+    if not (_is_int(priority) and -MAX_PRIORITY <= priority <= MAX_PRIORITY):
+        _fail(field, f"must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+    return priority
+
+
+def check_tenant(tenant, field: str = "tenant") -> str:
+    if not isinstance(tenant, str) or len(tenant) > MAX_TENANT_CHARS:
+        _fail(field, f"must be a string of at most {MAX_TENANT_CHARS} characters")
+    return tenant
+
+
+def check_slo_ms(value, field: str) -> float | None:
+    """An SLO in milliseconds; None or 0 means unset (the priority class's default)."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        _fail(field, "must be a finite number of milliseconds > 0")
+    return float(value)
+
+
+def sampling_params(values: dict, limits: ModelLimits, prefix: str = "", names: dict | None = None) -> SamplingParams:
+    """`SamplingParams(**values)` with the model's limits checked too; a bad value's error names the
+    field as `prefix + names.get(field, field)`."""
+    def field(name: str) -> str:
+        return prefix + (names or {}).get(name, name)
+
+    stop = values["stop"] = _as_tuple(values.get("stop", ()), field("stop"))
+    stop_token_ids = values["stop_token_ids"] = _as_tuple(values.get("stop_token_ids", ()), field("stop_token_ids"))
+    if len(stop) > MAX_STOP_STRINGS:
+        _fail(field("stop"), f"at most {MAX_STOP_STRINGS} stop strings")
+    if any(not isinstance(s, str) or len(s) > MAX_STOP_CHARS for s in stop):
+        _fail(field("stop"), f"each stop string is a string of at most {MAX_STOP_CHARS} characters")
+    if stop and not limits.has_tokenizer:
+        _fail(field("stop"), "the served model has no tokenizer")
+    if not all(_is_int(t) for t in stop_token_ids):
+        _fail(field("stop_token_ids"), "every item must be an integer token id")
+    if stop_token_ids and (min(stop_token_ids) < 0 or max(stop_token_ids) >= limits.vocab_size):
+        bad = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
+        _fail(field("stop_token_ids"), f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
+    max_tokens = values.get("max_tokens")
+    if _is_int(max_tokens) and not 1 <= max_tokens <= limits.max_model_len - 1:
+        _fail(field("max_tokens"), f"must be in [1, {limits.max_model_len - 1}] (the model's context length "
+                                   f"is {limits.max_model_len} tokens)")
+    try:
+        return SamplingParams(**values)
+    except InvalidRequestError as err:
+        raise InvalidRequestError(field(err.field), err.reason) from None
+
+
+def text_prompt(text, limits: ModelLimits, tokenize, field: str) -> tuple[int, ...]:
+    """The tokens of a text prompt (`tokenize(text) -> list[int]`), checked against the model."""
+    if not isinstance(text, str) or not text:
+        _fail(field, "must be a non-empty string")
+    if not limits.has_tokenizer:
+        _fail(field, "the served model has no tokenizer; send token ids")
+    if len(text) > 64 * limits.max_model_len:
+        _fail(field, f"is far longer than the model's limit of {limits.max_model_len} tokens")
+    tokens = tuple(tokenize(text))
+    if not tokens:
+        _fail(field, "tokenizes to no tokens")
+    return check_prompt_length(tokens, limits, field)
+
+
+def token_prompt(tokens: tuple[int, ...], limits: ModelLimits, field: str) -> tuple[int, ...]:
+    """Token ids (integers: the front checks types), each in the vocabulary."""
+    if not tokens:
+        _fail(field, "is empty; at least one token is required")
+    if min(tokens) < 0 or max(tokens) >= limits.vocab_size:  # in C; the index is looked for only on failure
+        bad = next(i for i, t in enumerate(tokens) if not 0 <= t < limits.vocab_size)
+        _fail(field, f"token {tokens[bad]} at index {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    return check_prompt_length(tokens, limits, field)
+
+
+def check_prompt_length(tokens: tuple[int, ...], limits: ModelLimits, field: str) -> tuple[int, ...]:
+    if len(tokens) >= limits.max_model_len:
+        _fail(field, f"prompt has {len(tokens)} tokens; the model's limit is {limits.max_model_len} tokens "
+                     "including at least one generated")
+    return tokens
+
+
+# ---- The gRPC front: proto message -> RouterRequest, errors naming the proto's field paths.
+
 def parse_request(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> RouterRequest:
     """Validates `msg`; `tokenize(text) -> list[int]` is called for text prompts only."""
-    request_id = msg.request_id or uuid.uuid4().hex
-    if _REQUEST_ID.fullmatch(request_id) is None:
-        _fail("request_id", "must be 1-128 printable ASCII characters without spaces")
-    if not -MAX_PRIORITY <= msg.priority <= MAX_PRIORITY:
-        _fail("priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
-    if len(msg.tenant) > MAX_TENANT_CHARS:
-        _fail("tenant", f"must be at most {MAX_TENANT_CHARS} characters")
+    request_id = check_request_id(msg.request_id or uuid.uuid4().hex)
+    check_priority(msg.priority)
+    check_tenant(msg.tenant)
     ttft_ms, tpot_ms = _slo(msg)
     params = parse_sampling(msg.sampling, limits)
     text, tokens = _prompt(msg, limits, tokenize)
     return_text = msg.return_text if msg.HasField("return_text") else text is not None
     if return_text and not limits.has_tokenizer:
         _fail("return_text", "the served model has no tokenizer")
-    if params.stop and not limits.has_tokenizer:
-        _fail("sampling.stop", "the served model has no tokenizer")
     return RouterRequest(request_id, tokens, params, msg.priority, msg.tenant, ttft_ms, tpot_ms, return_text, text)
 
 
 def parse_sampling(msg: pb.SamplingParams, limits: ModelLimits) -> SamplingParams:
     values = {name: getattr(msg, name) for name, has_presence in _SAMPLING_FIELDS
               if not has_presence or msg.HasField(name)}
-    stop = values["stop"] = tuple(values.get("stop", ()))
-    stop_token_ids = values["stop_token_ids"] = tuple(values.get("stop_token_ids", ()))
-    if len(stop) > MAX_STOP_STRINGS:
-        _fail("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
-        _fail("sampling.stop", f"each stop string is at most {MAX_STOP_CHARS} characters")
-    if stop_token_ids and (min(stop_token_ids) < 0 or max(stop_token_ids) >= limits.vocab_size):
-        bad = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
-        _fail("sampling.stop_token_ids", f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
-    if "max_tokens" in values and not 1 <= values["max_tokens"] <= limits.max_model_len - 1:
-        _fail("sampling.max_tokens", f"must be in [1, {limits.max_model_len - 1}] (the model's context length "
-                                     f"is {limits.max_model_len} tokens)")
-    try:
-        return SamplingParams(**values)
-    except InvalidRequestError as err:
-        raise InvalidRequestError(f"sampling.{err.field}", err.reason) from None
+    return sampling_params(values, limits, "sampling.")
 
 
 def _slo(msg: pb.GenerateRequest) -> tuple[float | None, float | None]:
     if not msg.HasField("slo"):
         return None, None
-    out = []
-    for name in ("ttft_ms", "tpot_ms"):
-        if msg.slo.HasField(name) and getattr(msg.slo, name) != 0:
-            value = getattr(msg.slo, name)
-            if not (math.isfinite(value) and value > 0):
-                _fail(f"slo.{name}", "must be a finite number of milliseconds > 0")
-            out.append(value)
-        else:
-            out.append(None)
-    return out[0], out[1]
+    return tuple(check_slo_ms(getattr(msg.slo, name) if msg.slo.HasField(name) else None, f"slo.{name}")
+                 for name in ("ttft_ms", "tpot_ms"))
 
 
 def _prompt(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> tuple[str | None, tuple[int, ...]]:
@@ -113,26 +178,8 @@ def _prompt(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> tuple[str
     if kind is None:
         _fail("prompt", "set either text or token_ids")
     if kind == "text":
-        if not msg.text:
-            _fail("text", "is empty")
-        if not limits.has_tokenizer:
-            _fail("text", "the served model has no tokenizer; send token_ids")
-        if len(msg.text) > 64 * limits.max_model_len:
-            _fail("text", f"is far longer than the model's limit of {limits.max_model_len} tokens")
-        text, tokens, field = msg.text, tuple(tokenize(msg.text)), "text"
-        if not tokens:
-            _fail("text", "tokenizes to no tokens")
-    else:
-        text, tokens, field = None, tuple(msg.token_ids.ids), "token_ids"
-        if not tokens:
-            _fail("token_ids", "is empty; at least one token is required")
-        if min(tokens) < 0 or max(tokens) >= limits.vocab_size:  # in C; the index is looked for only on failure
-            bad = next(i for i, t in enumerate(tokens) if not 0 <= t < limits.vocab_size)
-            _fail("token_ids", f"token {tokens[bad]} at index {bad} is outside the vocabulary [0, {limits.vocab_size})")
-    if len(tokens) >= limits.max_model_len:
-        _fail(field, f"prompt has {len(tokens)} tokens; the model's limit is {limits.max_model_len} tokens "
-                     "including at least one generated")
-    return text, tokens
+        return msg.text, text_prompt(msg.text, limits, tokenize, "text")
+    return None, token_prompt(tuple(msg.token_ids.ids), limits, "token_ids")
 
 
 def client_wait_s(metadata, now_us: int | None = None) -> float:
@@ -148,6 +195,20 @@ def client_wait_s(metadata, now_us: int | None = None) -> float:
         _fail(f"metadata {SENT_AT_KEY}", "must be the send time in whole microseconds since the Unix epoch")
     waited_s = ((time.time_ns() // 1000 if now_us is None else now_us) - int(sent_at)) / 1e6
     return waited_s if 0.0 < waited_s <= MAX_CLIENT_WAIT_S else 0.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_tuple(values, field: str) -> tuple:
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        return (values,)
+    if not isinstance(values, (list, tuple)) and not hasattr(values, "__len__"):
+        _fail(field, "must be a list")
+    return tuple(values)
 
 
 def _fail(field: str, message: str) -> NoReturn:

@@ -4,8 +4,10 @@
   cluster it joins (or starts), then serves one router (one command on a laptop).
 - `controller --ray-address ADDR [pool flags]`: starts only the controller; returns once the pools
   serve. The controller and its workers live in the Ray cluster, not in this process.
-- `router --ray-address ADDR [--port P]`: one more router against a running controller; fails within
-  seconds when there is none.
+- `router --ray-address ADDR [--port P] [--http-port P]`: one more router against a running controller;
+  fails within seconds when there is none.
+Every router serves gRPC on `--port` and the OpenAI-compatible HTTP API on `--http-port` (8000 unless
+given; `--http-port 0` turns it off), both on `--host`, plus unix sockets with `--uds` / `--http-uds`.
 Any of them joining a running cluster fails naming every pool/model key it was given that disagrees
 with the running config. A process that joined an existing Ray cluster (`--ray-address`) leaves the
 pools serving when it stops (a router pod's eviction must not take the workers); one that started
@@ -53,7 +55,10 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
     if router:
         p.add_argument("--host", help="address to bind (default 127.0.0.1)")
         p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
-        p.add_argument("--uds", help="also serve on this unix socket path (reachable from outside a network sandbox)")
+        p.add_argument("--uds", help="also serve gRPC on this unix socket path (reachable from outside a network "
+                       "sandbox)")
+        p.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (default 8000; 0 turns it off)")
+        p.add_argument("--http-uds", help="also serve the HTTP API on this unix socket path")
         p.add_argument("--policy", help="routing policy: round_robin, prefix_hash or cache_aware")
         p.add_argument("--auth-token-file", help="require this bearer token from clients")
         p.add_argument("--metrics-port", type=int, help="Prometheus metrics port")
@@ -78,11 +83,14 @@ def build_config(args: argparse.Namespace) -> tuple[ClusterConfig, dict]:
         if value is not None:
             target = raw if section is None else raw.setdefault(section, {})
             target[key] = value
+    if getattr(args, "http_port", None) is not None:  # on the command line 0 means off (in a config file: null)
+        raw.setdefault("router", {})["http_port"] = args.http_port or None
     raw.setdefault("cluster_name", DEFAULT_CLUSTER_NAME)
     return ClusterConfig.from_dict(raw), raw
 
 
-async def serve(config: ClusterConfig, given: dict, uds: str | None = None, *, join_only: bool = False) -> None:
+async def serve(config: ClusterConfig, given: dict, uds: str | None = None, *, join_only: bool = False,
+                http_uds: str | None = None) -> None:
     """Starts or joins the cluster, serves one router until SIGINT or SIGTERM, then drains streams in flight."""
     from cluster.launcher import launch
     from router.server import RouterServer
@@ -93,7 +101,8 @@ async def serve(config: ClusterConfig, given: dict, uds: str | None = None, *, j
     launched.owns_controller = config.ray_address is None  # a shared Ray cluster keeps the pools (see top)
     server = None
     try:
-        server = await RouterServer.start(launched, launched.config, extra_addresses=[f"unix:{uds}"] if uds else [])
+        server = await RouterServer.start(launched, launched.config, extra_addresses=[f"unix:{uds}"] if uds else [],
+                                          http_uds=http_uds)
         _announce(server, launched.config, uds)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -119,6 +128,10 @@ def _announce(server, config: ClusterConfig, uds: str | None) -> None:
          f"{len(membership.decode)} decode instance(s) x {config.decode.tp_size} rank(s), "
          f"policy {config.router.policy}, model {server.service.info.model_identity}")
     _say(f"try:  splitserve generate --target {target}{auth} --max-tokens 32 \"Once upon a time\"")
+    http = server.http
+    if http is not None:
+        where = " and ".join(([http.url] if http.port else []) + ([f"unix:{http.uds}"] if http.uds else []))
+        _say(f"OpenAI-compatible API on {where}")
 
 
 def main(argv: list[str]) -> None:
@@ -154,6 +167,6 @@ def _run(p: argparse.ArgumentParser, argv: list[str], *, join_only: bool) -> Non
 
     try:
         config, given = build_config(args)
-        asyncio.run(serve(config, given, args.uds, join_only=join_only))
+        asyncio.run(serve(config, given, args.uds, join_only=join_only, http_uds=args.http_uds))
     except (ConfigError, ClusterStartError, ClusterNotFound) as err:
         sys.exit(f"{p.prog}: {err}")

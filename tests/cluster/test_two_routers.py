@@ -48,7 +48,7 @@ def test_two_routers_serve_one_cluster_and_outlive_each_other(head, checkpoint, 
     model_dir = checkpoint(TinySpec())
     config_file = tmp_path / "cluster.yaml"
     config_file.write_text(yaml.safe_dump(CONFIG))
-    common = ["--ray-address", head.address, "--cluster-name", "peers", "--port", "0"]
+    common = ["--ray-address", head.address, "--cluster-name", "peers", "--port", "0", "--http-port", "0"]
     first = ServingProcess(["serve", "--config", str(config_file), "--model", str(model_dir), *common])
     second = ServingProcess(["router", *common])
     try:

@@ -75,11 +75,13 @@ def test_router_port_is_one_number_everywhere(case):
     router = pod_templates(objs)["router"]
     port = cluster_config_raw(objs)["router"]["port"]
     assert _container_port(router, "grpc") == port
+    http_port = cluster_config_raw(objs)["router"]["http_port"]
+    assert _container_port(router, "http") == http_port != port
     container = router["spec"]["containers"][0]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == port, probe
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the HTTP front's /health
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
     service = only(objs, "Service", "-router")
-    assert {"grpc"} <= {p["targetPort"] for p in service["spec"]["ports"]}
+    assert {"grpc", "http"} <= {p["targetPort"] for p in service["spec"]["ports"]}
     metrics_port = cluster_config_raw(objs)["router"].get("metrics_port")
     if metrics_port is not None:
         assert _container_port(router, "metrics") == metrics_port
@@ -97,7 +99,8 @@ def test_network_policies_open_the_router_only(case):
     outside, inside = policies["router"]["ingress"]
     exposed = {_container_port(router_templates, p["port"]) for p in outside["ports"]}
     config = cluster_config_raw(objs)["router"]
-    assert exposed == {config["port"], *([config["metrics_port"]] if "metrics_port" in config else [])}
+    assert exposed == {config["port"], config["http_port"],
+                       *([config["metrics_port"]] if "metrics_port" in config else [])}
     assert outside.get("from", []) == values.get("networkPolicy", {}).get("routerFrom", [])
     ray_components = {"ray-head", "ray-prefill", "ray-decode"}
     assert _selected(policies["ray"]["podSelector"], objs) == ray_components

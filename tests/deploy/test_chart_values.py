@@ -17,7 +17,7 @@ CHART_OWNED_TOP = {"model_dir", "ray_address", "redis_url", "prefill", "decode",
                    "ray_num_cpus",  # sizes a local Ray cluster; a release always joins KubeRay's
                    "cluster_name"}  # the release's full name: one cluster (one controller) per release
 CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource"}
-CHART_OWNED_ROUTER = {"host", "port", "policy", "auth_token_file", "metrics_port"}
+CHART_OWNED_ROUTER = {"host", "port", "http_port", "policy", "auth_token_file", "metrics_port"}
 
 BAD_VALUES = [
     ({"prefill": {"replicas": -1}}, "/prefill/replicas", "minimum"),
@@ -26,6 +26,7 @@ BAD_VALUES = [
     ({"decode": {"tpSize": 3}}, "/decode/tpSize", "1, 2, 4, 8"),
     ({"prefill": {"numCpus": "1"}}, "/prefill/numCpus", "string"),
     ({"router": {"port": 70000}}, "/router/port", "maximum"),
+    ({"router": {"httpPort": 0}}, "/router/httpPort", "minimum"),
     ({"gpu": {"enabled": "yes"}}, "/gpu/enabled", "boolean"),
     ({"replicas": 2}, "additional properties 'replicas'", "not allowed"),
     ({"config": {"model_dir": "/m"}}, "/config", "'model_dir' not allowed"),
@@ -54,6 +55,8 @@ def test_schema_rejects_bad_values_naming_the_key(values, where, what):
 @pytest.mark.parametrize("values,message", [
     ({"redis": {"external": {"url": "redis://r:6379", "existingSecret": "s"}}}, "set url or existingSecret, not both"),
     ({"metrics": {"enabled": True, "port": 50051}}, "metrics.port must differ from router.port"),
+    ({"router": {"httpPort": 50051}}, "router.httpPort must differ from router.port"),
+    ({"metrics": {"enabled": True, "port": 8000}}, "metrics.port must differ from router.httpPort"),
 ])
 def test_cross_field_rules_fail_rendering_with_a_reason(values, message):
     chart().validate_schema(values)

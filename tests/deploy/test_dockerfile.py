@@ -85,15 +85,18 @@ def test_runs_as_the_numeric_non_root_user_the_chart_expects():
     assert (int(uid), int(gid)) == (security["runAsUser"], security["runAsGroup"])
 
 
-def test_healthcheck_asks_the_grpc_health_service_on_the_served_port():
+def test_healthcheck_asks_the_grpc_health_service_on_the_served_port_and_both_ports_are_exposed():
     (check,) = [args for kind, args in instructions() if kind == "HEALTHCHECK"]
     command = json.loads(check.split(" CMD ", 1)[1])
     assert command[:3] == ["splitserve", "health", "--target"]
     host, port = command[3].rsplit(":", 1)
     assert host == "127.0.0.1"
     (exposed,) = [args for kind, args in instructions() if kind == "EXPOSE"]
+    grpc_port, http_port = exposed.split()
     served = json.loads([args for kind, args in instructions() if kind == "CMD"][-1])
-    assert port == exposed == served[served.index("--port") + 1] == str(chart_values()["router"]["port"])
+    router = chart_values()["router"]
+    assert port == grpc_port == served[served.index("--port") + 1] == str(router["port"])
+    assert http_port == served[served.index("--http-port") + 1] == str(router["httpPort"])
     assert json.loads([args for kind, args in instructions() if kind == "ENTRYPOINT"][-1]) == ["splitserve"]
 
 

@@ -35,6 +35,9 @@ def test_defaults_and_workload_flags():
     assert (c.defaults.slo.ttft_ms, c.defaults.slo.tpot_ms, c.defaults.priority, c.defaults.tenant) == \
         (500.0, 50.0, -5, "t")
     assert config("--sweep", "1,2.5", "--duration-s", "30").sweep_rates == (1.0, 2.5)
+    c = config("--backend", "openai")
+    assert (c.backend, c.target) == ("openai", "http://127.0.0.1:8000")
+    assert config("--target", "unix:/run/router.sock").target == "unix:/run/router.sock"
 
 
 def test_trace_flags(tmp_path):
@@ -50,6 +53,10 @@ def test_trace_flags(tmp_path):
     (["--target", "localhost"], "--target must be HOST:PORT"),
     (["--target", "h:70000"], "--target must be HOST:PORT"),
     (["--workload", "closed"], "invalid choice: 'closed'"),
+    (["--backend", "openai", "--target", "127.0.0.1:8000"], "--target must be an http(s)://HOST:PORT URL"),
+    (["--backend", "grpc"], "invalid choice: 'grpc'"),
+    (["--model", "m"], "--model and --tokenizer apply to --backend openai"),
+    (["--backend", "openai", "--tokenizer", "/no/such/dir"], "--tokenizer /no/such/dir: no tokenizer.json there"),
     (["--groups", "2"], "--groups applies to --workload shared-prefix, not poisson"),
     (["--trace-overflow", "clip"], "--trace-overflow applies to --workload trace, not poisson"),
     (["--prompt-len", "uniform:9,1"], "--prompt-len: uniform needs LO <= HI"),

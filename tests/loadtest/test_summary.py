@@ -59,8 +59,10 @@ def test_summary_figures_are_exact():
     assert s.goodput_per_s == pytest.approx(2 / 3.2)
     assert s.output_token_throughput_per_s == pytest.approx(8 / 3.2)
     assert s.slo_attainment == pytest.approx(2 / 6)
+    # TTFTs 50, 100, 300 ms: median = p50; std is the population's (as vllm bench serve reports it)
     assert s.ttft_ms == Distribution(3, pytest.approx(150), pytest.approx(100), pytest.approx(260),
-                                     pytest.approx(296), pytest.approx(300))
+                                     pytest.approx(296), pytest.approx(300), pytest.approx(100),
+                                     pytest.approx((35000 / 3) ** 0.5))
     assert (s.tpot_ms.count, s.tpot_ms.p50, s.tpot_ms.p90) == (2, pytest.approx(150), pytest.approx(190))
     assert (s.itl_ms.count, s.itl_ms.mean, s.itl_ms.p50, s.itl_ms.p90) == (4, pytest.approx(125), pytest.approx(125),
                                                                             pytest.approx(200))
@@ -105,7 +107,7 @@ def test_table_shows_the_headline_figures():
     assert "poisson @ 2.0 req/s" in table
     assert "attainment 33.3%  goodput 0.62 req/s" in table
     assert "prefix hit rate 34.8% (48/138 prompt tokens)" in table
-    assert "TTFT              150.00    100.00    260.00    296.00    300.00       3" in table
+    assert "TTFT              150.00    108.01    100.00    260.00    296.00    300.00       3" in table
     assert "       2  RESOURCE_EXHAUSTED: estimated TTFT N ms exceeds N ms" in table
 
 

@@ -62,7 +62,7 @@ class RouterStack:
 
 
 def router_config(**router_overrides) -> ClusterConfig:
-    overrides = {"port": 0, **router_overrides}
+    overrides = {"port": 0, "http_port": 0, **router_overrides}
     return ClusterConfig(prefill=SMALL_POOL, decode=SMALL_POOL, ready_timeout_s=90.0,
                          router=replace(RouterConfig(), **overrides))
 

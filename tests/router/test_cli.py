@@ -5,6 +5,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,15 +37,24 @@ def _wait_for(lines: queue.Queue, pattern: str, timeout_s: float, seen: list) ->
     raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s; output:\n{''.join(seen)}")
 
 
+def _unix_http_get(path, url: str) -> bytes:
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.settimeout(10)
+        conn.connect(str(path))
+        conn.sendall(f"GET {url} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+        return b"".join(iter(lambda: conn.recv(65536), b""))
+
+
 def _run(args, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
     return subprocess.run(SPLITSERVE + args, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
 
 
 def test_serve_generate_status_and_health_end_to_end(checkpoint, tmp_path):
-    socket_path = tmp_path / "router.sock"
+    socket_path, http_socket = tmp_path / "router.sock", tmp_path / "http.sock"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     serve = subprocess.Popen(SPLITSERVE + ["serve", "--model", str(checkpoint(TinySpec())), "--port", "0",
-                                           "--uds", str(socket_path), "--policy", "prefix_hash"],
+                                           "--uds", str(socket_path), "--policy", "prefix_hash",
+                                           "--http-port", "0", "--http-uds", str(http_socket)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(serve.stdout, lines), daemon=True).start()
@@ -53,6 +63,9 @@ def test_serve_generate_status_and_health_end_to_end(checkpoint, tmp_path):
         address = _wait_for(lines, r"router listening on (127\.0\.0\.1:\d+)", 120, seen).group(1)
         hint = _wait_for(lines, r"try:  (splitserve generate .*)", 10, seen).group(1)
         assert f"--target unix:{socket_path}" in hint
+        # --http-port 0: no TCP port; the HTTP API on the unix socket only
+        _wait_for(lines, rf"OpenAI-compatible API on unix:{re.escape(str(http_socket))}$", 10, seen)
+        assert _unix_http_get(http_socket, "/health").startswith(b"HTTP/1.1 200")
         generated = _run(["generate", "--target", address, "--max-tokens", "8", "--ignore-eos", "--usage", "hello"])
         assert generated.returncode == 0, generated.stderr
         assert re.search(r"\[8 tokens, 0/\d+ prompt tokens cached, prefill \w+/prefill-0", generated.stdout)

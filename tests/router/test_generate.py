@@ -41,6 +41,19 @@ def test_text_prompt_streams_the_decoded_text(router_stack, checkpoint):
     assert completion.usage.prompt_tokens == len(tokenizer.encode("The quick brown fox"))
 
 
+def test_stop_strings_cut_the_streamed_text_before_them(router_stack):
+    prompt = random_prompts(1, 10, 10, 512, seed=24)[0]
+    options = dict(temperature=0.0, max_tokens=16, ignore_eos=True, return_text=True)
+    with Client(router_stack.target) as client:
+        full = client.generate(prompt, **options).text
+        for start in range(1, len(full) - 2, 3):  # stops that begin inside a token's text, too
+            stop = full[start:start + 2]
+            chunks = list(client.generate_stream(prompt, stop=[stop], **options))
+            assert chunks[-1].finish_reason == "stop"
+            assert "".join(c.text for c in chunks) == full[:full.index(stop)], stop
+            assert "".join(c.text for c in chunks[:-1]).find(stop) == -1
+
+
 def test_64_concurrent_streams_each_equal_its_solo_output(router_stack):
     prompts = random_prompts(64, 2, 40, 512, seed=5)
     with Client(router_stack.target) as client:
@@ -163,3 +176,18 @@ def _wait_inflight_zero(client: Client, timeout_s: float = 10.0) -> None:
     while client.status().inflight_requests:
         assert time.monotonic() < deadline_s, "requests still in flight on the router"
         time.sleep(0.05)
+
+
+def test_a_finished_stream_says_how_long_the_cluster_took(router_stack):
+    """The `splitserve-upstream-ms` trailer: the router's wait on the cluster for this very request, so
+    a client can tell the router's share of its latency (positive, and less than what the client saw)."""
+    from router.sdk_types import UPSTREAM_MS_KEY
+
+    with grpc.insecure_channel(router_stack.target) as channel:
+        started_s = time.perf_counter()
+        call = pb_grpc.RouterStub(channel).Generate(build_request([5, 6, 7], max_tokens=4, ignore_eos=True),
+                                                    timeout=60)
+        assert len([message for message in call]) >= 1
+        seen_ms = (time.perf_counter() - started_s) * 1e3
+        upstream_ms = float(dict(call.trailing_metadata())[UPSTREAM_MS_KEY])
+    assert 0 < upstream_ms < seen_ms

@@ -22,6 +22,7 @@ values schema keeps the two sets apart, so no key has two sources. */}}
 {{- $router := deepCopy ($cfg.router | default dict) -}}
 {{- $_ = set $router "host" "0.0.0.0" -}}
 {{- $_ = set $router "port" $v.router.port -}}
+{{- $_ = set $router "http_port" $v.router.httpPort -}}
 {{- with $v.router.policy }}{{ $_ := set $router "policy" . }}{{ end -}}
 {{- if $v.auth.enabled }}
 {{- $_ = set $router "auth_token_file" (printf "%s/%s" (include "splitserve.authMountPath" .) $v.auth.secretKey) -}}

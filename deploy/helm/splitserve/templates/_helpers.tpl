@@ -163,5 +163,11 @@ tolerations:
 {{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.router.port)) -}}
 {{- fail "metrics.port must differ from router.port (both listen in the router pod)" -}}
 {{- end -}}
+{{- if eq (int .Values.router.httpPort) (int .Values.router.port) -}}
+{{- fail "router.httpPort must differ from router.port (both listen in the router pod)" -}}
+{{- end -}}
+{{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.router.httpPort)) -}}
+{{- fail "metrics.port must differ from router.httpPort (both listen in the router pod)" -}}
+{{- end -}}
 {{- $_ := include "splitserve.redisMode" . -}}
 {{- end -}}

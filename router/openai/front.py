@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP front: an aiohttp server on the router's event loop, beside gRPC.
+
+    front = await HttpFront.start(service, host="127.0.0.1", port=8000, uds=None, token=None,
+                                  model_names=("demo-model-v1",))
+    front.url          # http://127.0.0.1:8000
+    await front.stop(grace_s=5.0)
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (whole or streamed as server-sent events
+ending `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` (the router's Prometheus
+registry). Every request goes through the same `RouterService.generate` as gRPC: validation rules,
+admission, routing, metrics, deadlines and cancellation are the service's. The bearer token, when
+set, guards `/v1/`; `/health` and `/metrics` stay open for probes and scrapers. A client that
+disconnects cancels its handler (aiohttp's handler cancellation), which aborts the request on its
+workers. A streamed request's status is decided before the 200 is sent: the first output (or the
+failure) of its choices comes first, so admission's 429, a bad field's 400 or a deadline's 504
+arrive as statuses; a failure after that is sent as an error event, then `[DONE]`.
+aiohttp was measured against uvicorn (bare ASGI and Starlette) and grpc.aio: benchmarks/http_stacks.py.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from contextlib import aclosing
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.errors import InvalidRequestError
+from router.errors import Unauthenticated
+from router.openai.choices import run_choices
+from router.openai.errors import HttpError, http_error
+from router.openai.parse import ApiRequest, Context, parse_chat, parse_completion
+from router.openai.render import DONE_EVENT, Renderer
+from router.sdk_types import SENT_AT_KEY
+from router.service import RouterService
+from router.validation import client_wait_s
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class HttpFront:
+    def __init__(self, service: RouterService, context: Context, token: str | None):
+        self.service, self.context = service, context
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._serving = True
+        self.runner: web.AppRunner | None = None
+        self.host, self.port, self.uds = "", 0, None
+
+    @classmethod
+    async def start(cls, service: RouterService, *, host: str, port: int | None, uds: str | None = None,
+                    token: str | None = None, model_names: tuple[str, ...]) -> "HttpFront":
+        """Serves on host:port (0: the OS picks; None: no TCP) and/or the unix socket `uds`."""
+        front = cls(service, Context(service.limits, service.tokenizer, model_names), token)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", front._completions)
+        app.router.add_post("/v1/chat/completions", front._chat)
+        app.router.add_get("/v1/models", front._models)
+        app.router.add_get("/health", front._health)
+        app.router.add_get("/metrics", front._metrics)
+        front.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await front.runner.setup()
+        if port is not None:
+            await web.TCPSite(front.runner, host, port).start()
+            front.host, front.port = host, front.runner.addresses[0][1]
+        if uds is not None:
+            await web.UnixSite(front.runner, uds).start()
+            front.uds = uds
+        return front
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stops accepting, lets requests in flight finish for `grace_s`, then cancels the rest."""
+        self._serving = False
+        runner = self.runner
+        for site in list(runner.sites):
+            await site.stop()
+        if runner.server is not None:
+            runner.server.pre_shutdown()
+            await runner.server.shutdown(grace_s)
+        await runner.cleanup()
+
+    # ---- routes ----
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion, "prompt")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat, "messages")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except Unauthenticated as err:
+            return self._error_response(self._failed(err, "prompt"))
+        info, limits = self.service.info, self.context.limits
+        card = {"id": self.context.model_names[0], "object": "model", "created": 0, "owned_by": "splitserve",
+                "root": self.context.model_names[-1], "max_model_len": limits.max_model_len,
+                "splitserve": {"model_identity": info.model_identity, "vocab_size": limits.vocab_size,
+                               "block_size": info.block_size, "eos_token_ids": list(info.eos_token_ids),
+                               "has_tokenizer": limits.has_tokenizer}}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if not self._serving:
+            return web.json_response({"status": "shutting down"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.service.metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    # ---- generation ----
+
+    async def _generate(self, request: web.Request, parse, prompt_field: str) -> web.StreamResponse:
+        try:
+            self._authorize(request)
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                raise InvalidRequestError("body", "is not valid JSON") from None
+            api = parse(body, self.context, request.headers.get("X-Request-Id"))
+            deadline_s = None if api.timeout_s is None else time.monotonic() + api.timeout_s
+            waited_s = client_wait_s(((SENT_AT_KEY, request.headers.get(SENT_AT_KEY)),)
+                                     if SENT_AT_KEY in request.headers else ())
+            if api.stream:
+                return await self._stream(request, api, deadline_s, waited_s, prompt_field)
+            return await self._whole(api, deadline_s, waited_s)
+        except Exception as err:
+            return self._error_response(self._failed(err, prompt_field))
+
+    async def _whole(self, api: ApiRequest, deadline_s, waited_s) -> web.Response:
+        renderer = Renderer(api, self.context.tokenizer)
+        async with aclosing(run_choices(self.service, api, deadline_s, waited_s)) as outputs:
+            async for position, output in outputs:
+                renderer.add(position, output)
+        return web.Response(body=renderer.response(), content_type="application/json")
+
+    async def _stream(self, request: web.Request, api: ApiRequest, deadline_s, waited_s,
+                      prompt_field: str) -> web.StreamResponse:
+        renderer = Renderer(api, self.context.tokenizer)
+        async with aclosing(run_choices(self.service, api, deadline_s, waited_s)) as outputs:
+            iterator = aiter(outputs)
+            first = await anext(iterator)  # a failure here is still a status
+            response = web.StreamResponse(headers=_SSE_HEADERS)
+            await response.prepare(request)
+            try:
+                await self._events(response, renderer, first, iterator, prompt_field)
+            except ConnectionError:  # the client left between writes; closing `outputs` aborts the rest
+                pass
+        return response
+
+    async def _events(self, response: web.StreamResponse, renderer: Renderer, first, iterator,
+                      prompt_field: str) -> None:
+        try:
+            await response.write(renderer.chunk(*first))
+            async for position, output in iterator:
+                await response.write(renderer.chunk(position, output))
+            if renderer.api.include_usage:
+                await response.write(renderer.usage_event())
+        except ConnectionError:
+            raise
+        except Exception as err:  # after the 200: an error event, then the usual end
+            await response.write(self._failed(err, prompt_field).event)
+        await response.write(DONE_EVENT)
+        await response.write_eof()
+
+    # ---- errors ----
+
+    def _authorize(self, request: web.Request) -> None:
+        if self._expected is None:
+            return
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, self._expected):
+            raise Unauthenticated("missing or invalid bearer token in the Authorization header")
+
+    def _failed(self, err: Exception, prompt_field: str) -> HttpError:
+        """The one place a failed HTTP request is classified, logged and counted."""
+        error = http_error(err, prompt_field)
+        if error.status == 500:
+            log.error("unexpected error in an HTTP request", exc_info=err)
+        if error.status != 401:  # as over gRPC, where the auth interceptor answers before the error one
+            self.service.metrics.observe_request(error.outcome)
+        return error
+
+    @staticmethod
+    def _error_response(error: HttpError) -> web.Response:
+        return web.Response(status=error.status, body=error.body, headers=error.headers,
+                            content_type="application/json")

@@ -1,0 +1,232 @@
+"""OpenAI JSON body → the domain requests it asks for, with the shared rules of `router.validation`.
+
+One body becomes one `RouterRequest` per (prompt, choice): `/v1/completions` takes a prompt as a
+string, a list of strings, token ids or a list of token-id lists, each run `n` times; chat takes
+`messages`, rendered with the checkpoint's chat template (`router.openai.chat_template`). Choice i of
+a prompt runs with seed + i when seeded. Unknown fields are ignored, as OpenAI does; a known field
+with a bad value raises `InvalidRequestError` naming it as the client sent it (`max_completion_tokens`,
+`temperature`, `prompt`, `messages[2].content`). Fields the engine cannot honour (`logit_bias`,
+`suffix`, `best_of` > n, `tools`, a non-text `response_format`) are refused rather than dropped.
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import NoReturn
+
+from engine.errors import InvalidRequestError
+from router.openai.chat_template import render_chat
+from router.validation import (ModelLimits, RouterRequest, check_priority, check_request_id, check_slo_ms,
+                               check_tenant, sampling_params, text_prompt, token_prompt)
+
+MAX_CHOICES = 256  # prompts x n in one body
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+# Sampling fields read from the body as they are (OpenAI's, then vLLM's extra ones).
+_SAMPLING_KEYS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "n", "top_k",
+                  "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                  "include_stop_str_in_output")
+# Known fields the engine cannot honour → the neutral values it accepts.
+_UNSUPPORTED = {"logit_bias": lambda v: not v, "suffix": lambda v: not v, "tools": lambda v: not v,
+                "functions": lambda v: not v, "tool_choice": lambda v: v in ("none", "auto"),
+                "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int  # in the response's `choices`
+    prompt_index: int
+    request: RouterRequest
+    echo: str | None  # completions with echo: the prompt's text, sent before the completion
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    kind: str  # "completion" or "chat"
+    model: str
+    request_id: str
+    choices: tuple[Choice, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top alternatives per token to return; None: no logprobs
+    return_token_ids: bool  # vLLM's extra field: token ids beside the text
+    timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class Context:
+    """What parsing needs from the router: the model's limits, its tokenizer and its served name."""
+
+    limits: ModelLimits
+    tokenizer: object | None
+    model_names: tuple[str, ...]  # the first is the name responses carry
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+
+class ModelNotFound(LookupError):
+    def __init__(self, model: str, served: str):
+        super().__init__(f"the model {model!r} does not exist; this server serves {served!r}")
+
+
+def parse_completion(body, context: Context, request_id: str | None = None) -> ApiRequest:
+    body = _object(body)
+    model = _model(body, context)  # an unknown model is a 404 whatever else is wrong
+    prompts = _completion_prompts(body.get("prompt"), context)
+    echo = _flag(body, "echo")
+    logprobs = _optional_int(body, "logprobs")
+    if echo and logprobs is not None:
+        _fail("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
+    max_tokens = body.get("max_tokens")
+    values = _sampling_values(body, COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, logprobs)
+    echoes = [_prompt_text(text, tokens, context) if echo else None for text, tokens in prompts]
+    return _api_request("completion", model, body, context, prompts, values, {}, echoes, logprobs, request_id)
+
+
+def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequest:
+    body = _object(body)
+    model = _model(body, context)
+    add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
+    text = render_chat(body.get("messages"), context.tokenizer, add_generation_prompt)
+    tokens = text_prompt(text, context.limits, lambda t: context.tokenizer.encode(t, add_special_tokens=False),
+                         "messages")
+    names = {}
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    else:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None:  # chat's default: up to the context length
+        max_tokens = context.limits.max_model_len - len(tokens)
+    want_logprobs = _flag(body, "logprobs")
+    top = _optional_int(body, "top_logprobs")
+    if top is not None and not want_logprobs:
+        _fail("top_logprobs", "needs logprobs: true")
+    logprobs = (top or 0) if want_logprobs else None
+    if top is not None:
+        names["logprobs"] = "top_logprobs"
+    values = _sampling_values(body, max_tokens, logprobs)
+    return _api_request("chat", model, body, context, [(text, tokens)], values, names, [None], logprobs, request_id)
+
+
+def _api_request(kind: str, model: str, body: dict, context: Context, prompts, values: dict, names: dict, echoes,
+                 logprobs, request_id: str | None) -> ApiRequest:
+    params = sampling_params(values, context.limits, "", names)
+    for name, neutral in _UNSUPPORTED.items():
+        if body.get(name) is not None and not neutral(body[name]):
+            _fail(name, "is not supported by this server")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != params.n:
+        _fail("best_of", "is not supported by this server (only best_of == n)")
+    if len(prompts) * params.n > MAX_CHOICES:
+        _fail("n", f"prompts x n is {len(prompts) * params.n}; at most {MAX_CHOICES} completions per request")
+    request_id = check_request_id(request_id or uuid.uuid4().hex, "X-Request-Id")
+    extras = _extras(body)
+    choices = []
+    for prompt_index, ((text, tokens), echo) in enumerate(zip(prompts, echoes)):
+        for choice in range(params.n):
+            index = prompt_index * params.n + choice
+            request = RouterRequest(f"{request_id}-{index}", tokens, params.for_choice(choice), *extras,
+                                    return_text=context.limits.has_tokenizer, prompt_text=text)
+            choices.append(Choice(index, prompt_index, request, echo))
+    stream = _flag(body, "stream")
+    options = _object(body.get("stream_options") or {}, "stream_options")
+    include_usage = stream and _flag(options, "include_usage", field="stream_options.include_usage")
+    return ApiRequest(kind, model, request_id, tuple(choices), stream, include_usage, logprobs,
+                      _flag(body, "return_token_ids"), _timeout_s(body))
+
+
+def _completion_prompts(prompt, context: Context) -> list[tuple[str | None, tuple[int, ...]]]:
+    """[(text or None, tokens)] per prompt, from any of the four shapes OpenAI accepts."""
+    if isinstance(prompt, str):
+        return [(prompt, text_prompt(prompt, context.limits, context.tokenize, "prompt"))]
+    if not isinstance(prompt, list) or not prompt:
+        _fail("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
+    if _is_int(prompt[0]):  # one prompt of token ids
+        bad = next((i for i, t in enumerate(prompt) if not _is_int(t)), None)
+        if bad is not None:
+            _fail(f"prompt[{bad}]", "token ids must be integers")
+        return [(None, token_prompt(tuple(prompt), context.limits, "prompt"))]
+    out = []
+    for i, item in enumerate(prompt):
+        field = f"prompt[{i}]"
+        if isinstance(item, str):
+            out.append((item, text_prompt(item, context.limits, context.tokenize, field)))
+        elif isinstance(item, list) and all(_is_int(t) for t in item):
+            out.append((None, token_prompt(tuple(item), context.limits, field)))
+        else:
+            _fail(field, "must be a string or a list of integer token ids")
+    return out
+
+
+def _sampling_values(body: dict, max_tokens, logprobs: int | None) -> dict:
+    values = {key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None}
+    if values.get("top_k") in (-1, 0):  # vLLM's spelling of "no top-k"
+        del values["top_k"]
+    values["max_tokens"] = max_tokens
+    if logprobs is not None:
+        values["logprobs"] = logprobs
+    return values
+
+
+def _extras(body: dict) -> tuple:
+    """splitserve's own fields, in RouterRequest order: priority, tenant, ttft_ms, tpot_ms."""
+    priority = check_priority(body.get("priority", 0) if body.get("priority") is not None else 0)
+    tenant = check_tenant(body.get("tenant") or "")
+    return priority, tenant, check_slo_ms(body.get("ttft_ms"), "ttft_ms"), check_slo_ms(body.get("tpot_ms"), "tpot_ms")
+
+
+def _timeout_s(body: dict) -> float | None:
+    value = body.get("timeout_ms")
+    if value is None:
+        return None
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        _fail("timeout_ms", "must be a finite number of milliseconds > 0")
+    return value / 1000.0
+
+
+def _model(body: dict, context: Context) -> str:
+    model = body.get("model")
+    if model is not None and model not in context.model_names:
+        if not isinstance(model, str):
+            _fail("model", "must be a string")
+        raise ModelNotFound(model, context.model_names[0])
+    return context.model_names[0]
+
+
+def _prompt_text(text: str | None, tokens: tuple[int, ...], context: Context) -> str:
+    if text is not None:
+        return text
+    return context.tokenizer.decode(list(tokens), skip_special_tokens=True) if context.tokenizer else ""
+
+
+def _object(value, field: str = "body") -> dict:
+    if not isinstance(value, dict):
+        _fail(field, "must be a JSON object")
+    return value
+
+
+def _flag(body: dict, name: str, default: bool = False, field: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        _fail(field or name, "must be true or false")
+    return value
+
+
+def _optional_int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and not _is_int(value):
+        _fail(name, "must be an integer")
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fail(field: str, message: str) -> NoReturn:
+    raise InvalidRequestError(field, message)
+

@@ -1,0 +1,158 @@
+"""Router outputs → OpenAI's response JSON: whole responses, and the server-sent events of a stream.
+
+Streamed chunks are on every token's path, so each is one string join around the parts that change
+(the text, JSON-escaped by the C encoder); everything constant per stream is encoded once. A chunk
+goes out per router output (one decode step of one choice), even when its text is empty (text held
+back at a stop-string prefix or an incomplete character): clients and load testers then see every
+step. `return_token_ids` (vLLM's extra field) adds each chunk's token ids.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from router.openai.parse import ApiRequest, Choice
+from router.service import RouterOutput
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class ChoiceState:
+    """What one choice has produced so far (for the final response, logprobs offsets and usage)."""
+
+    def __init__(self, choice: Choice):
+        self.choice = choice
+        self.texts: list[str] = [choice.echo] if choice.echo else []  # a whole response's text parts
+        self.token_ids: list[int] = []
+        self.logprobs: list = []  # rendered entries
+        self.text_offset = len(choice.echo or "")
+        self.finish_reason: str | None = None
+        self.usage = None  # router.stream_state.Usage, from the last output
+        self.started = False
+
+
+class Renderer:
+    def __init__(self, api: ApiRequest, tokenizer, created_s: int | None = None):
+        self.api, self.tokenizer = api, tokenizer
+        self.chat = api.kind == "chat"
+        created = int(time.time()) if created_s is None else created_s
+        object_name = "chat.completion.chunk" if self.chat else "text_completion"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + api.request_id
+        self._head = (f'data: {{"id":{_dumps(self.id)},"object":"{object_name}","created":{created},'
+                      f'"model":{_dumps(api.model)},"choices":[{{"index":')
+        self._tail = ',"usage":null}\n\n' if api.include_usage else "}\n\n"
+        self._created = created
+        self._token_texts: dict[int, str] = {}
+        self.states = [ChoiceState(choice) for choice in api.choices]  # by position in api.choices
+
+    # ---- streaming ----
+
+    def chunk(self, position: int, output: RouterOutput) -> bytes:
+        """The event for one router output of the choice at `position` (and accounts it)."""
+        state = self.states[position]
+        text = self._account(state, output)
+        if not state.started and state.choice.echo:
+            text = state.choice.echo + text
+        if self.chat:
+            role = '"role":"assistant",' if not state.started else ""
+            body = f'"delta":{{{role}"content":{_dumps(text)}}}'
+        else:
+            body = f'"text":{_dumps(text)}'
+        state.started = True
+        logprobs = self._logprobs_json(state, output) if self.api.logprobs is not None else "null"
+        finish = f'"{output.finish_reason}"' if output.finish_reason else "null"
+        ids = f',"token_ids":{_dumps(list(output.token_ids))}' if self.api.return_token_ids else ""
+        return (f'{self._head}{state.choice.index},{body},"logprobs":{logprobs},"finish_reason":{finish}{ids}}}]'
+                f'{self._tail}').encode()
+
+    def usage_event(self) -> bytes:
+        """The last event with `stream_options.include_usage`: no choices, the whole request's usage."""
+        return (f'{self._head[:self._head.rindex("[")]}[],"usage":{_dumps(usage(self.states))}}}\n\n').encode()
+
+    # ---- whole responses ----
+
+    def response(self) -> bytes:
+        choices = []
+        for state in self.states:
+            text = "".join(state.texts)
+            choice = {"index": state.choice.index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = self._logprobs_object(state) if self.api.logprobs is not None else None
+            choice["finish_reason"] = state.finish_reason
+            if self.api.return_token_ids:
+                choice["token_ids"] = state.token_ids
+                choice["prompt_token_ids"] = list(state.choice.request.prompt_token_ids)
+            choices.append(choice)
+        return _dumps({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                       "created": self._created, "model": self.api.model, "choices": choices,
+                       "usage": usage(self.states)}).encode()
+
+    def add(self, position: int, output: RouterOutput) -> None:
+        """Accounts one output of a request that is answered as a whole."""
+        state = self.states[position]
+        state.texts.append(self._account(state, output))
+        if self.api.logprobs is not None:
+            self._logprob_entries(state, output)
+
+    # ---- shared ----
+
+    def _account(self, state: ChoiceState, output: RouterOutput) -> str:
+        state.token_ids.extend(output.token_ids)
+        if output.finish_reason:
+            state.finish_reason, state.usage = output.finish_reason, output.usage
+        return output.text
+
+    def _logprobs_json(self, state: ChoiceState, output: RouterOutput) -> str:
+        entries = self._logprob_entries(state, output)
+        if self.chat:
+            return _dumps({"content": entries})
+        return _dumps(_completion_logprobs(entries))
+
+    def _logprobs_object(self, state: ChoiceState):
+        return {"content": state.logprobs} if self.chat else _completion_logprobs(state.logprobs)
+
+    def _logprob_entries(self, state: ChoiceState, output: RouterOutput) -> list:
+        entries = []
+        for token_id, lp in zip(output.token_ids, output.logprobs):
+            if lp is None:
+                continue
+            token = self._token_text(token_id)
+            top = [(self._token_text(t), value) for t, value in lp.top]
+            if self.chat:
+                entries.append({"token": token, "logprob": lp.sampled_logprob, "bytes": list(token.encode()),
+                                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                                 for t, v in top]})
+            else:
+                entries.append((token, lp.sampled_logprob, dict(top), state.text_offset))
+                state.text_offset += len(token)
+        state.logprobs.extend(entries)
+        return entries
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = (self.tokenizer.decode([token_id]) if self.tokenizer else "")
+        return text
+
+
+def _completion_logprobs(entries: list) -> dict:
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+
+
+def usage(states: list[ChoiceState]) -> dict:
+    """OpenAI's usage: each prompt counted once (its first choice's figures), every choice's output."""
+    prompt_tokens = cached = completion = 0
+    seen_prompts = set()
+    for state in states:
+        completion += len(state.token_ids)
+        if state.choice.prompt_index not in seen_prompts:
+            seen_prompts.add(state.choice.prompt_index)
+            prompt_tokens += len(state.choice.request.prompt_token_ids)
+            cached += state.usage.cached_prompt_tokens if state.usage is not None else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}

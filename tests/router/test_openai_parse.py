@@ -1,0 +1,127 @@
+"""OpenAI bodies → domain requests, and exceptions → HTTP statuses, without a cluster."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from cluster.client import RequestFailed
+from engine.errors import InvalidRequestError
+from engine.tokenizer import load_tokenizer
+from router.errors import Unauthenticated
+from router.openai.errors import http_error
+from router.openai.parse import Context, ModelNotFound, parse_chat, parse_completion
+from router.routing import NoWorkersError
+from router.service import DuplicateRequest, Overloaded
+from router.validation import ModelLimits
+from tests.factories import TinySpec
+
+LIMITS = ModelLimits(vocab_size=512, max_model_len=512, has_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def context(checkpoint):
+    return Context(LIMITS, load_tokenizer(checkpoint(TinySpec())), ("tiny", "/models/tiny"))
+
+
+def test_a_completion_fans_out_prompts_times_n_with_seed_plus_i(context):
+    api = parse_completion({"model": "/models/tiny", "prompt": ["Hello", [5, 6]], "n": 2, "seed": 9,
+                            "max_tokens": 4, "priority": 3, "tenant": "acme", "ttft_ms": 250}, context, "abc")
+    assert api.model == "tiny" and api.request_id == "abc"
+    assert [(c.index, c.prompt_index) for c in api.choices] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert [c.request.request_id for c in api.choices] == ["abc-0", "abc-1", "abc-2", "abc-3"]
+    assert [c.request.params.seed for c in api.choices] == [9, 10, 9, 10]
+    assert all(c.request.params.n == 1 and c.request.params.max_tokens == 4 for c in api.choices)
+    assert api.choices[2].request.prompt_token_ids == (5, 6)
+    assert api.choices[0].request.prompt_token_ids == tuple(context.tokenize("Hello"))
+    first = api.choices[0].request
+    assert (first.priority, first.tenant, first.ttft_ms, first.tpot_ms) == (3, "acme", 250.0, None)
+
+
+def test_defaults_and_vllm_extras(context):
+    api = parse_completion({"prompt": [1, 2], "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2,
+                            "stop_token_ids": [7], "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}, context)
+    params = api.choices[0].request.params
+    assert params.max_tokens == 16 and params.top_k is None and params.min_p == 0.1
+    assert params.stop_token_ids == (7,) and params.ignore_eos and params.repetition_penalty == 1.2
+    assert api.stream and api.include_usage and api.model == "tiny"
+    chat = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                       "logprobs": True, "top_logprobs": 2}, context)
+    request = chat.choices[0].request
+    assert request.params.max_tokens == 512 - len(request.prompt_token_ids)  # chat: up to the context
+    assert request.params.logprobs == 2 and chat.logprobs == 2
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt[1]"),
+    ({"prompt": [1], "stream": "yes"}, "stream"), ({"prompt": [1], "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": [1], "stop": 5}, "stop"), ({"prompt": [1], "stop_token_ids": ["x"]}, "stop_token_ids"),
+    ({"prompt": [1], "echo": True, "logprobs": 1}, "echo"), ({"prompt": [1], "best_of": 3}, "best_of"),
+    ({"prompt": [1], "suffix": "x"}, "suffix"), ({"prompt": [1], "n": 300}, "n"),
+    ({"prompt": [[1]] * 200, "n": 2}, "n"), ({"prompt": [1], "timeout_ms": 0}, "timeout_ms"),
+    ({"prompt": [1], "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"prompt": [1], "tenant": "t" * 200}, "tenant"), ({"prompt": [1], "model": 5}, "model"),
+])
+def test_bad_completion_fields_are_named(context, body, field):
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion(body, context)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": []}, "messages"), ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_bad_chat_fields_are_named(context, body, field):
+    with pytest.raises(InvalidRequestError) as err:
+        parse_chat(body, context)
+    assert err.value.field == field
+
+
+def test_chat_without_a_template_is_a_clear_400(context):
+    tokenizer = copy.deepcopy(context.tokenizer)
+    tokenizer.chat_template = None
+    bare = Context(LIMITS, tokenizer, ("tiny",))
+    with pytest.raises(InvalidRequestError, match="no chat template") as err:
+        parse_chat({"messages": [{"role": "user", "content": "Hi"}]}, bare)
+    error = http_error(err.value, "messages")
+    assert error.status == 400 and json.loads(error.body)["error"]["param"] == "messages"
+
+
+def test_unknown_model_comes_first(context):
+    with pytest.raises(ModelNotFound):
+        parse_completion({"model": "other", "prompt": [1]}, context)
+    with pytest.raises(ModelNotFound):  # a 404, not a 400 for the bad prompt
+        parse_chat({"model": "other", "messages": []}, context)
+
+
+@pytest.mark.parametrize("error, status, code, param", [
+    (InvalidRequestError("sampling.temperature", "must be >= 0"), 400, "invalid_value", "temperature"),
+    (InvalidRequestError("token_ids", "prompt needs 99 KV blocks"), 400, "invalid_value", "messages"),
+    (Unauthenticated("no token"), 401, "invalid_api_key", None),
+    (ModelNotFound("x", "tiny"), 404, "model_not_found", "model"),
+    (DuplicateRequest("running"), 409, "request_id_in_use", "request_id"),
+    (Overloaded("ttft SLO", 0.25), 429, "overloaded", None),
+    (RequestFailed("KV pool full", out_of_capacity=True), 429, "overloaded", None),
+    (NoWorkersError("no healthy decode instance"), 503, "unavailable", None),
+    (RequestFailed("worker died", unavailable=True), 503, "unavailable", None),
+    (RequestFailed("deadline passed", timed_out=True), 504, "deadline_exceeded", None),
+    (KeyError("bug"), 500, "internal_error", None),
+])
+def test_one_mapping_from_exceptions_to_http(error, status, code, param):
+    mapped = http_error(error, "messages")
+    body = json.loads(mapped.body)["error"]
+    assert (mapped.status, body["code"], body["param"]) == (status, code, param)
+    assert body["message"] and body["type"]
+    if status == 429:
+        assert int(mapped.headers["Retry-After"]) >= 1 and "retry-after-ms" in mapped.headers
+    if status == 500:
+        assert "bug" not in body["message"]  # details go to the log, never to the client
+    if param is not None:
+        assert body["message"].startswith(f"{param}: ")
