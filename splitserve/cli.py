@@ -41,6 +41,12 @@ def _simulate(argv: list[str]) -> None:
     main(argv)
 
 
+def _plan(argv: list[str]) -> None:
+    from loadtest.plan_cli import main
+
+    main(argv)
+
+
 def _profile(argv: list[str]) -> None:
     from loadtest.profile_cli import main
 
@@ -101,6 +107,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "bench": (_bench, "load-test a running router (Poisson, shared-prefix, trace replay)"),
     "chaos": (_chaos, "SIGKILL workers while a bench workload runs; report lost, diverged, migrated requests"),
     "profile": (_profile, "measure this machine's step costs (or write a GPU roofline profile) for the simulator"),
+    "plan": (_plan, "size the prefill / decode pools (and TP) for a workload at an SLO, by simulation"),
     "simulate": (_simulate, "simulate a bench workload on a cluster of a given shape, from a profile"),
     "offline": (_offline, "generate offline with the in-process engine and print timings"),
 }

@@ -13,7 +13,8 @@ JSON layout (`format: splitserve-profile/v1`, times in ms, rates in bytes/s):
 - `overheads`: the cluster's fixed costs around the engine (router, Ray calls, streaming), measured
   against a running cluster (`splitserve profile --calibrate`) or set by hand:
   route_ms (arrival at the router -> queued on the prefill worker), first_token_ms (sampled -> client),
-  adopt_ms (KV moved -> decode instance steps it), token_ms (decode step -> client).
+  adopt_ms (KV moved -> decode instance steps it), token_ms (decode step -> client), step_ms (what a
+  cluster worker's loop adds to every engine step: the actor's loop, streaming the step's tokens).
 """
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ class Overheads:
     first_token_s: float = 0.0
     adopt_s: float = 0.0
     token_s: float = 0.0
+    step_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {"route_ms": self.route_s * 1e3, "first_token_ms": self.first_token_s * 1e3,
-                "adopt_ms": self.adopt_s * 1e3, "token_ms": self.token_s * 1e3}
+                "adopt_ms": self.adopt_s * 1e3, "token_ms": self.token_s * 1e3, "step_ms": self.step_s * 1e3}
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ class Profile:
                            {int(tp): int(v) for tp, v in raw["kv_capacity_tokens"].items()},
                            Transfer(raw["transfer"]["latency_ms"] / 1e3, float(raw["transfer"]["bytes_per_s"])),
                            Overheads(*(over.get(k, 0.0) / 1e3 for k in ("route_ms", "first_token_ms", "adopt_ms",
-                                                                         "token_ms"))),
+                                                                         "token_ms", "step_ms"))),
                            dict(raw.get("source", {})))
         except KeyError as err:
             raise ValueError(f"profile: missing key {err.args[0]!r}") from None

@@ -66,7 +66,7 @@ class Simulation:
 
     def new_worker(self, role: str, index: int) -> SimWorker:
         profile, config = self.profile, self.config
-        cost = profile.step_cost(config.tp if role != "prefill" else 1)
+        cost = profile.step_cost(config.tp if role != "prefill" else 1).plus_step_s(profile.overheads.step_s)
         if role == "decode":
             kv = BlockCounter((config.decode_kv_tokens or profile.kv_capacity_tokens[config.tp]) // self.block_tokens)
         else:

@@ -65,6 +65,11 @@ class StepCost:
         return (self.dense(tokens) + self.per_seq_s * seqs + self.prefill_pair_s * prefill_pairs
                 + self.decode_context_s * decode_context)
 
+    def plus_step_s(self, extra_s: float) -> "StepCost":
+        """The same cost with `extra_s` more on every step (a cluster worker's own per-step overhead)."""
+        return StepCost(self.knots_tokens, tuple(v + extra_s for v in self.dense_s), self.per_seq_s,
+                        self.prefill_pair_s, self.decode_context_s) if extra_s else self
+
     def to_dict(self) -> dict:
         return {"knots_tokens": list(self.knots_tokens), "dense_ms": [v * 1e3 for v in self.dense_s],
                 "per_seq_ms": self.per_seq_s * 1e3, "prefill_pair_ns": self.prefill_pair_s * 1e9,
