@@ -1,27 +1,40 @@
 # Two commands matter: `make run` (serve the embedded default) and `make test` (the whole suite).
-# Each sets up what it needs on a fresh machine: a venv with pinned packages (torch first, pinned,
-# so no CUDA build is ever pulled), and for tests a redis-server binary.
+# Each sets up what it needs on a fresh machine: a venv with the locked packages (torch first, pinned,
+# so no CUDA build is pulled by accident), and for tests a redis-server binary and two small venvs.
+#
+# Dependencies: pyproject.toml says what the code needs (runtime + extras), requirements.txt is the one
+# lock `make` installs from. TORCH_INDEX_URL picks torch's build where no local wheel is there:
+#   make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu     (CPU only)
+#   make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128   (CUDA 12.8)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 REQ_HASH := $(shell cat requirements.txt pyproject.toml | sha1sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
+EXTRAS := test,dev,plot,bench
+TORCH_PIN := $(shell grep -E '^torch==' requirements.txt)
+TORCH_INDEX_URL ?=
+TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 # A second, minimal venv with only what the client SDK needs: the SDK test runs in it.
 SDK_VENV := .venv-sdk
 SDK_PINS := $(shell grep -E '^(grpcio|protobuf)==' requirements.txt | tr '\n' ' ')
 SDK_STAMP := $(SDK_VENV)/.installed-$(REQ_HASH)
+# A third venv holding exactly the lower bounds of the runtime dependencies: tests/test_lower_bounds.py
+# serves a request from it, so the bounds in pyproject.toml are a tested claim.
+LOWER_VENV := .venv-lower
+LOWER_HASH := $(shell $(PYTHON) scripts/lower_bounds.py pyproject.toml | sha1sum | cut -c1-12)
+LOWER_STAMP := $(LOWER_VENV)/.installed-$(LOWER_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: setup sdk-venv run test test-deps bench-engine demo-model clean
+.PHONY: setup sdk-venv lower-venv lock run test test-deps bench-engine demo-model clean
 
 setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	rm -f $(VENV)/.installed-*
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q $(TORCH_INDEX) $(TORCH_PIN)
+	$(PY) -m pip install -q -c requirements.txt -e '.[$(EXTRAS)]'
 	touch $@
 
 sdk-venv: $(SDK_STAMP)
@@ -32,7 +45,30 @@ $(SDK_STAMP): requirements.txt
 	$(SDK_VENV)/bin/python -m pip install -q $(SDK_PINS)
 	touch $@
 
-test-deps: sdk-venv
+lower-venv: $(LOWER_STAMP)
+
+# Rebuilt only when the lower bounds themselves change (their hash names the stamp).
+$(LOWER_STAMP):
+	rm -rf $(LOWER_VENV)
+	$(PYTHON) -m venv $(LOWER_VENV)
+	$(LOWER_VENV)/bin/python -m pip install -q $(TORCH_INDEX) $(TORCH_PIN)
+	$(PYTHON) scripts/lower_bounds.py pyproject.toml > $(LOWER_VENV)/lower-bounds.txt
+	$(LOWER_VENV)/bin/python -m pip install -q -r $(LOWER_VENV)/lower-bounds.txt
+	touch $@
+
+# Rewrites requirements.txt from a fresh resolve of pyproject.toml under the current pins (delete a
+# package's line first to move it to the newest version its bounds allow).
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q $(TORCH_INDEX) $(TORCH_PIN)
+	.venv-lock/bin/python -m pip install -q -c requirements.txt -e '.[$(EXTRAS)]'
+	{ grep '^#' requirements.txt; echo '$(TORCH_PIN)'; \
+	  .venv-lock/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > requirements.txt.new
+	mv requirements.txt.new requirements.txt
+	rm -rf .venv-lock
+
+test-deps: sdk-venv lower-venv
 	@command -v redis-server >/dev/null 2>&1 || scripts/install_redis.sh
 
 # The router serves inside the loopback sandbox on unix sockets in .run/; a forwarder outside it makes
@@ -47,4 +83,4 @@ bench-engine: setup
 	scripts/in_sandbox.sh $(PY) -m benchmarks.bench_engine
 
 clean:
-	rm -rf $(VENV) $(SDK_VENV) build *.egg-info
+	rm -rf $(VENV) $(SDK_VENV) $(LOWER_VENV) .venv-lock build *.egg-info

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import DTYPES, EngineConfig
+from engine.kv_quant import KV_CACHE_DTYPES
+from engine.layers.quantization import QUANTIZATIONS
 from router.admission.config import AdmissionConfig
 
 
@@ -36,6 +38,9 @@ class PoolConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk_tokens: int = 512
     metrics_port: int | None = None  # each actor's Prometheus endpoint; None: off, 0: any free port
+    # Weight quantization of this pool's workers; None: the cluster's `quantization`. (Decode steps
+    # read every weight per token, prefill is compute-bound: the two may differ.)
+    quantization: str | None = None
 
 
 ROUTING_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
@@ -48,7 +53,15 @@ PREFIX_PULL_MODES = ("auto", "always", "never")
 @dataclass(frozen=True)
 class RouterConfig:
     """The router: where it listens (gRPC, and OpenAI-compatible HTTP on the same host), how it routes,
-    who may call it."""
+    who may call it.
+
+    TLS (`cluster/tls.py` reads and checks the files when the router starts; both front ends serve with
+    the same settings): `tls_cert_file` + `tls_key_file` (PEM; the chain may hold intermediates) turn
+    TLS on for every listening address, gRPC and HTTP; `tls_client_ca_file` then also requires each
+    client to present a certificate signed by that CA (mutual TLS). gRPC re-reads the files when they
+    change, so a renewed certificate (cert-manager) is served without a restart; the HTTP front reads
+    them when it starts.
+    """
 
     host: str = "127.0.0.1"  # loopback unless deliberately exposed (the Helm chart sets 0.0.0.0)
     port: int = 50051  # 0: the OS picks a free port (tests)
@@ -61,6 +74,12 @@ class RouterConfig:
     prefix_pull: str = "auto"  # one of PREFIX_PULL_MODES (needs the cache_aware policy's index)
     migration_limit: int = 3  # a request moves to other workers at most this often when workers fail under it
     worker_wait_s: float = 60.0  # a pool with no serving worker (a replacement starting) is waited for this long
+    tls_cert_file: str | None = None  # PEM certificate chain the router presents; None: plaintext
+    tls_key_file: str | None = None  # PEM private key of that certificate
+    tls_client_ca_file: str | None = None  # PEM CA bundle client certificates must chain to (mutual TLS)
+    # A plaintext port serving only the standard gRPC health service, for probes that cannot speak TLS
+    # (Kubernetes' gRPC probes); None: health is served on `port` only.
+    health_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,10 @@ class ClusterConfig:
     cluster_name: str | None = None
     model_dir: str | None = None  # None: the generated demo checkpoint
     dtype: str = "auto"
+    # How KV blocks are stored (engine/kv_quant.py): cluster-wide, because blocks cross from prefill
+    # to decode (and between prefill workers) exactly as stored.
+    kv_cache_dtype: str = "auto"
+    quantization: str = "none"  # weights (engine/layers/quantization.py); a pool may override it
     block_size: int = 16
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -104,6 +127,8 @@ class ClusterConfig:
     def __post_init__(self):
         _check(self.block_size >= 1, "block_size", "must be >= 1")
         _check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {sorted(DTYPES)}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
+        _check(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {list(QUANTIZATIONS)}")
         for name in ("prefill", "decode"):
             _check_pool(name, getattr(self, name))
         _check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
@@ -135,6 +160,10 @@ class ClusterConfig:
                 section = values[name]
                 if not isinstance(section, dict):
                     raise ConfigError(f"{name}: must be a mapping")
+                if name in ("prefill", "decode") and "kv_cache_dtype" in section:
+                    raise ConfigError(f"{name}.kv_cache_dtype: the KV cache dtype is cluster-wide (top-level "
+                                      "kv_cache_dtype): prefill and decode pools must store KV alike, since "
+                                      "blocks move between them as stored")
                 _reject_unknown(section, section_cls, f"{name}.")
                 values[name] = _build(section_cls, section, f"{name}.")
         if "admission" in values:  # its own loader: per-priority SLOs are a nested mapping
@@ -153,6 +182,7 @@ class ClusterConfig:
     def engine_config(self, role: str, model_dir: str) -> EngineConfig:
         pool = self.prefill if role == "prefill" else self.decode
         return EngineConfig(model_dir=model_dir, role=role, dtype=self.dtype, block_size=self.block_size,
+                            kv_cache_dtype=self.kv_cache_dtype, quantization=pool.quantization or self.quantization,
                             num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
                             max_num_seqs=pool.max_num_seqs, max_num_batched_tokens=pool.max_num_batched_tokens,
                             prefill_chunk_tokens=pool.prefill_chunk_tokens,
@@ -178,6 +208,8 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
     _check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
     _check(pool.metrics_port is None or 0 <= pool.metrics_port <= 65535, f"{name}.metrics_port",
            "must be None or in [0, 65535]")
+    _check(pool.quantization is None or pool.quantization in QUANTIZATIONS, f"{name}.quantization",
+           f"must be None or one of {list(QUANTIZATIONS)}")
 
 
 def _check_controller(controller: ControllerConfig) -> None:
@@ -199,6 +231,22 @@ def _check_router(router: RouterConfig) -> None:
     _check(router.prefix_pull in PREFIX_PULL_MODES, "router.prefix_pull", f"must be one of {list(PREFIX_PULL_MODES)}")
     _check(router.migration_limit >= 0, "router.migration_limit", "must be >= 0")
     _check(router.worker_wait_s >= 0, "router.worker_wait_s", "must be >= 0")
+    _check_tls(router)
+    _check(router.health_port is None or 0 <= router.health_port <= 65535, "router.health_port",
+           "must be None or in [0, 65535]")
+    for other in ("port", "metrics_port"):
+        clash = router.health_port not in (None, 0) and router.health_port == getattr(router, other)
+        _check(not clash, "router.health_port", f"must differ from router.{other}")
+
+
+def _check_tls(router: RouterConfig) -> None:
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        value = getattr(router, key)
+        _check(value is None or bool(value), f"router.{key}", "must be None or a non-empty path")
+    _check((router.tls_cert_file is None) == (router.tls_key_file is None), "router.tls_key_file",
+           "tls_cert_file and tls_key_file go together (a certificate and its private key)")
+    _check(router.tls_client_ca_file is None or router.tls_cert_file is not None, "router.tls_client_ca_file",
+           "mutual TLS needs the router's own certificate: set tls_cert_file and tls_key_file too")
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -258,6 +306,8 @@ def _check_type(value, hint: str, key: str) -> None:
             raise ConfigError(f"{key}: must not be null (expected {hint})")
         return
     for name in allowed:
+        if name == "None":  # null was handled above; a non-null value must match another type
+            continue
         types = _SCALARS.get(name)
         if types is None:  # a nested section, already built
             return

@@ -29,7 +29,7 @@ from torch.distributed import PrefixStore
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_loader import load_model_config
+from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput
 from engine.step_wire import decode_step, encode_step
 from engine.parallel import BACKENDS, CollectiveError, TensorParallelGroup, new_process_group
@@ -209,7 +209,7 @@ def build_follower_runner(config: EngineConfig, tp: TensorParallelGroup, progres
     _check_tp_size(config, tp)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    model_config = load_model_config(config.model_dir, config.dtype)
+    model_config = load_engine_model_config(config)
     return ModelRunner(config, model_config, config.max_len_for(model_config),
                        config.num_blocks_for(model_config), tp, progress)
 

@@ -112,7 +112,8 @@ class DecodeRank:
         self._leases[request_id] = deadline_s
         self.receiver.expect(request_id, block_ids, deadline_s)
         await asyncio.gather(*(f.expect.remote(request_id, block_ids, deadline_s) for f in self._followers))
-        return HandoffTarget(self.instance_id, self._rank_targets(), block_ids, deadline_s)
+        return HandoffTarget(self.instance_id, self._rank_targets(), block_ids, deadline_s,
+                             self.setup.runner.kv_cache.layout)
 
     async def adopt(self, request: GenerateRequest, first_token_id: int) -> None:
         """Continues a request whose prompt KV arrived (every rank acked the prefill worker)."""

@@ -1,8 +1,13 @@
 """Attention over the paged KV cache, in PyTorch, behind one function (`paged_attention`).
 
-Cache layout, per layer: K and V each `[num_kv_heads, num_blocks, block_size, head_dim]`. A token at
-position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
-Heads lead so that one KV head's blocks are contiguous (a decode TP rank receives whole head slices).
+Cache layout, per layer: K and V each `[num_kv_heads, num_blocks, block_size, head_dim]` (see
+engine/kv_storage.py, with scales for quantized formats). A token at position p of a sequence lives in
+slot `block_table[p // block_size] * block_size + p % block_size`.
+
+Unquantized caches take the exact paths below (HF-equal in fp32). A quantized cache (int8 / fp8) is
+read by the native decode kernel, which dequantizes in registers, or by
+`engine/quantized_attention.py`, which dequantizes a bounded chunk of blocks at a time; a prefill
+chunk with no earlier context attends to its own freshly computed keys and values, as unquantized.
 
 A step's tokens are laid out decode-first: the first `num_decode_tokens` rows are single-token decode
 queries (one per sequence), then each prefill chunk's rows. A GPU kernel can replace this module by
@@ -16,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import decode_attention_kernel
+from engine.kv_storage import LayerKV
+from engine.quantized_attention import quantized_decode_attention, quantized_prefill_attention
 
 
 @dataclass(frozen=True)
@@ -44,30 +51,25 @@ class AttentionMetadata:
         return self.num_decode_tokens > 0 and self.decode_slots is None
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values ([tokens, kv_heads, head_dim]) into their slots."""
-    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    flat_k = k_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
-    flat_v = v_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
-    flat_k.index_copy_(1, slot_mapping, k.transpose(0, 1))
-    flat_v.index_copy_(1, slot_mapping, v.transpose(0, 1))
-
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the step's new tokens.
     Writes k/v into the cache, then returns attention outputs [tokens, heads * head_dim]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    cache.write(k, v, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
     n_dec = meta.num_decode_tokens
     if n_dec:
-        decode = _decode_attention_native if meta.uses_kernel else _decode_attention
-        out[:n_dec] = decode(q[:n_dec], k_cache, v_cache, meta, scale)
+        if meta.uses_kernel:
+            out[:n_dec] = _decode_attention_native(q[:n_dec], cache, meta, scale)
+        elif cache.fmt.quantized:
+            out[:n_dec] = quantized_decode_attention(q[:n_dec], cache, meta.decode_block_tables,
+                                                     meta.decode_context_lens, scale)
+        else:
+            out[:n_dec] = _decode_attention(q[:n_dec], cache.k, cache.v, meta, scale)
     for seg in meta.prefills:
         rows = slice(seg.query_start, seg.query_start + seg.query_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], cache, seg, scale)
     return out
 
 
@@ -77,17 +79,19 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(1, slots.reshape(-1))
 
 
-def _decode_attention_native(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The C kernel (engine/kernels): reads each sequence's blocks in place, no padded copy."""
+def _decode_attention_native(q, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The C kernel (engine/kernels): reads each sequence's blocks in place, no padded copy; quantized
+    values are dequantized in registers."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    num_kv_heads, num_blocks, block_size, _ = cache.k.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    k_scale, v_scale = (0 if s is None else s.data_ptr() for s in (cache.k_scale, cache.v_scale))
     status = decode_attention_kernel()(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        batch, num_heads, num_kv_heads, head_dim, num_blocks, block_size, tables.shape[1],
-        tables.shape[1] * block_size, scale, torch.get_num_threads())
+        q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), k_scale, v_scale, out.data_ptr(),
+        tables.data_ptr(), lens.data_ptr(), cache.fmt.kernel_code, batch, num_heads, num_kv_heads, head_dim,
+        num_blocks, block_size, tables.shape[1], tables.shape[1] * block_size, scale, torch.get_num_threads())
     if status:
         raise RuntimeError(f"paged decode attention kernel failed with status {status}")
     return out.view(batch, num_heads * head_dim)
@@ -109,16 +113,18 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads * head_dim)
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, seg: PrefillSegment, scale: float) -> torch.Tensor:
+def _prefill_attention(q, k, v, cache: LayerKV, seg: PrefillSegment, scale: float) -> torch.Tensor:
     query_len, num_heads, head_dim = q.shape
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, head_dim]
+    if seg.context_slots is not None and cache.fmt.quantized:
+        return quantized_prefill_attention(q, cache, seg.context_slots, seg.context_len, scale)
     if seg.context_slots is None:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
                                              enable_gqa=True)
     else:
-        keys = _gather(k_cache, seg.context_slots).unsqueeze(0)
-        values = _gather(v_cache, seg.context_slots).unsqueeze(0)
+        keys = _gather(cache.k, seg.context_slots).unsqueeze(0)
+        values = _gather(cache.v, seg.context_slots).unsqueeze(0)
         # Query i sits at absolute position (context_len - query_len + i) and sees keys up to it.
         offset = seg.context_len - query_len
         allowed = (torch.arange(seg.context_len)[None, :]

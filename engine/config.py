@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import UnsupportedModelError
+from engine.kv_quant import KV_CACHE_DTYPES, KVFormat, kv_format
+from engine.layers.quantization import QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROLES = ("colocated", "prefill", "decode")
@@ -51,11 +53,6 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        element_bytes = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -75,6 +72,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     tp_size: int = 1
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (engine/kv_quant.py)
+    quantization: str = "none"  # weights: one of QUANTIZATIONS (engine/layers/quantization.py)
+    quantize_lm_head: bool = False  # with `quantization`, the LM head too (measured: README)
 
     def __post_init__(self):
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
@@ -89,11 +89,22 @@ class EngineConfig:
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         _require(self.tp_size >= 1, "tp_size must be >= 1")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        _require(not self.quantize_lm_head or self.quantization != "none",
+                 "quantize_lm_head needs a weight quantization")
+
+    def kv_format(self, model: ModelConfig) -> KVFormat:
+        return kv_format(self.kv_cache_dtype, model.torch_dtype)
 
     def num_blocks_for(self, model: ModelConfig) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        block_bytes = model.kv_bytes_per_token * self.block_size // self.tp_size
+        # The real bytes of the format (scales included): a quantized pool holds more blocks.
+        bytes_per_token = self.kv_format(model).bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim)
+        block_bytes = bytes_per_token * self.block_size // self.tp_size
         by_memory = max(1, self.kv_cache_memory_bytes // block_bytes)
         # More than every sequence at full length (twice over, for the prefix cache) is never used.
         blocks_per_seq = -(-self.max_len_for(model) // self.block_size)

@@ -21,7 +21,7 @@ from engine.block_hash import BlockHash, HashNamespace
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_loader import load_model_config
+from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput, build_step_input, order_chunks
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.request_checks import check_new_request, check_resumed_outputs
@@ -59,7 +59,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         keep_freed_memory()  # process-wide: an engine's process is there to run the engine
         self.config = config
-        self.model_config = load_model_config(config.model_dir, config.dtype)
+        self.model_config = load_engine_model_config(config)
         self.max_model_len = config.max_len_for(self.model_config)
         self.num_blocks = config.num_blocks_for(self.model_config)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,

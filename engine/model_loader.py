@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -69,10 +69,19 @@ def load_model_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig
     )
 
 
+def load_engine_model_config(engine_cfg: EngineConfig) -> ModelConfig:
+    """The checkpoint's config as this engine runs it. Its identity (which seeds block hashes and
+    namespaces prefix indexes) also names the KV cache format, so KV cached in one format is never
+    matched, pulled or handed off to an engine storing another."""
+    model = load_model_config(engine_cfg.model_dir, engine_cfg.dtype)
+    return replace(model, identity=f"{model.identity}/kv-{engine_cfg.kv_format(model).name}")
+
+
 def load_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, max_positions: int,
                tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False) -> DecoderForCausalLM:
     with torch.device("cpu"):
-        model = DecoderForCausalLM(model_cfg, max_positions, tp)
+        model = DecoderForCausalLM(model_cfg, max_positions, tp, engine_cfg.quantization,
+                                   engine_cfg.quantize_lm_head)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _weight_files(Path(engine_cfg.model_dir))
@@ -85,7 +94,11 @@ def load_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, max_positions: 
                     if _skipped(name, model_cfg):
                         continue
                     loaded.add(_load_tensor(params, name, handle.get_tensor(name)))
-    missing = sorted(set(params) - loaded - _tied_names(model_cfg))
+    if model_cfg.tie_word_embeddings and not model.lm_head_shares_embedding:  # a quantized copy of the embedding
+        head = model.lm_head.weight
+        head.weight_loader(head, model.model.embed_tokens.weight.to(getattr(head, "load_dtype", head.dtype)))
+    derived = {name for name, param in params.items() if hasattr(param, "filled_by")}
+    missing = sorted(set(params) - loaded - _tied_names(model_cfg) - derived)
     if missing:
         raise UnsupportedModelError(f"checkpoint {engine_cfg.model_dir} lacks tensors: {missing[:5]}")
     return model.eval()
@@ -96,7 +109,7 @@ def _load_tensor(params: dict, name: str, tensor: torch.Tensor) -> str:
         if f".{fragment}." in name:
             target = name.replace(f".{fragment}.", f".{fused}.")
             param = _param(params, target, name)
-            param.weight_loader(param, tensor.to(param.dtype), shard_id)
+            param.weight_loader(param, tensor.to(_load_dtype(param)), shard_id)
             return target
     param = _param(params, name, name)
     loader = getattr(param, "weight_loader", None)
@@ -106,8 +119,13 @@ def _load_tensor(params: dict, name: str, tensor: torch.Tensor) -> str:
                                         f"expected {tuple(param.shape)}")
         param.data.copy_(tensor.to(param.dtype))
     else:
-        loader(param, tensor.to(param.dtype))
+        loader(param, tensor.to(_load_dtype(param)))
     return name
+
+
+def _load_dtype(param) -> torch.dtype:
+    """What a loader receives: the parameter's dtype, or full precision where it quantizes."""
+    return getattr(param, "load_dtype", param.dtype)
 
 
 def _skipped(name: str, cfg: ModelConfig) -> bool:

@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillSegment
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels import decode_attention_kernel
+from engine.kv_storage import KVCacheStorage
 from engine.model_loader import load_model
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.scheduler import ScheduledChunk
@@ -100,16 +101,17 @@ def attention_metadata(step: StepInput, block_size: int, native_decode: bool = F
 
 
 class ModelRunner:
-    """Owns the model weights and this rank's KV cache tensor."""
+    """Owns the model weights and this rank's KV cache storage."""
 
     def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
                  num_blocks: int, tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False):
         self.block_size = engine_cfg.block_size
         self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress)
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
-        shape = (model_cfg.num_layers, 2, kv_heads, num_blocks, self.block_size, model_cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=model_cfg.torch_dtype)
-        # The native decode kernel is fp32-only; other dtypes take the PyTorch path.
+        self.kv_cache = KVCacheStorage(engine_cfg.kv_format(model_cfg), model_cfg.num_layers, kv_heads, num_blocks,
+                                       self.block_size, model_cfg.head_dim)
+        # The native decode kernel computes in fp32 (over fp32, int8 or fp8 values); other model
+        # dtypes take the PyTorch path.
         self.native_decode = model_cfg.torch_dtype == torch.float32 and decode_attention_kernel() is not None
 
     @torch.inference_mode()

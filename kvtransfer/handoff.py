@@ -5,15 +5,20 @@ Lifecycle of one hand-off (every step bounded by the lease deadline):
 1. Reservation: the decode instance allocates `block_ids` for the sequence (on every TP rank the same
    ids) and registers an `ExpectedTransfer` naming the prefill peer, before the prefill starts.
 2. The prefill worker computes the prompt, samples the first token, pins the blocks, and for each
-   decode rank sends: a header (request id, token and block counts), then one message per layer with
-   that rank's KV heads of the sequence's blocks, `[2 (K/V), kv_heads_of_rank, num_blocks, block, dim]`.
-   Per-layer messages let the receiver copy layer i into its cache while layer i+1 is on the wire.
+   decode rank sends: a header (request id, token and block counts, the sender's KV layout), then one
+   message per layer with that rank's KV heads of the sequence's blocks as the engine stores them
+   (`engine.kv_storage.KVCacheStorage.export_layer`: values, and per-token scales for a quantized
+   cache; never dequantized on the way). Per-layer messages let the receiver copy layer i into its
+   cache while layer i+1 is on the wire. A pair whose KV layouts differ (another kv_cache_dtype)
+   never gets here: the session compares the sender's layout with `HandoffTarget.kv_layout` right
+   after reserving, and a receiver refuses a header naming a layout other than its own.
 3. Each decode rank receives into staging buffers, copies into its reserved blocks, and sends an ack.
 4. The prefill side releases its pins after every rank's ack (or when the lease ends, whatever
    happened). A decode rank that loses its peer frees nothing itself: it reports the failure, and the
    instance frees the reservation and fails the request with the reason.
 
-Cache layout on both sides: `[num_layers, 2, kv_heads, num_blocks, block_size, head_dim]` (the engine's).
+Both sides read and write their caches only through `KVCacheStorage` (its transfer methods and
+`layout`), never its tensors.
 """
 from __future__ import annotations
 
@@ -23,9 +28,11 @@ from typing import Sequence
 
 import torch
 
+from engine.kv_storage import KVCacheStorage
 from kvtransfer.transport import KVTransport, PeerId, TransferError
 
 REQUEST_ID_BYTES = 128  # request ids are utf-8, at most this long on the wire
+KV_LAYOUT_BYTES = 192  # KVCacheStorage.layout, utf-8
 ACK_OK = 1
 CONVERSATION_GRACE_S = 2.0  # a started hand-off's calls may outlive its lease by this much
 
@@ -47,6 +54,7 @@ class HandoffTarget:
     ranks: tuple[RankTarget, ...]
     block_ids: tuple[int, ...]
     lease_deadline_s: float  # time.time() by which the whole hand-off must be done, on both sides
+    kv_layout: str = ""  # the receiving side's KVCacheStorage.layout ("": not stated, checked on arrival)
 
 
 @dataclass(frozen=True)
@@ -54,24 +62,41 @@ class HandoffHeader:
     request_id: str
     num_tokens: int  # tokens of KV carried (the prompt)
     num_blocks: int
+    kv_layout: str  # the sender's KVCacheStorage.layout: the receiver stores nothing unless it is its own
 
     def encode(self) -> list[torch.Tensor]:
-        raw = self.request_id.encode()
-        if len(raw) > REQUEST_ID_BYTES:
-            raise ValueError(f"request id longer than {REQUEST_ID_BYTES} bytes cannot be handed off")
-        name = torch.zeros(REQUEST_ID_BYTES, dtype=torch.uint8)
-        name[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        return [torch.tensor([len(raw), self.num_tokens, self.num_blocks], dtype=torch.int64), name]
+        name, layout = _text(self.request_id, REQUEST_ID_BYTES, "request id"), _text(self.kv_layout, KV_LAYOUT_BYTES,
+                                                                                      "KV layout")
+        lengths = [len(self.request_id.encode()), len(self.kv_layout.encode())]
+        return [torch.tensor([*lengths, self.num_tokens, self.num_blocks], dtype=torch.int64), name, layout]
 
     @staticmethod
     def buffers() -> list[torch.Tensor]:
-        return [torch.zeros(3, dtype=torch.int64), torch.zeros(REQUEST_ID_BYTES, dtype=torch.uint8)]
+        return [torch.zeros(4, dtype=torch.int64), torch.zeros(REQUEST_ID_BYTES, dtype=torch.uint8),
+                torch.zeros(KV_LAYOUT_BYTES, dtype=torch.uint8)]
 
     @classmethod
     def decode(cls, buffers: list[torch.Tensor]) -> "HandoffHeader":
-        length, num_tokens, num_blocks = (int(v) for v in buffers[0])
-        request_id = bytes(buffers[1][:length].tolist()).decode()
-        return cls(request_id, num_tokens, num_blocks)
+        id_length, layout_length, num_tokens, num_blocks = (int(v) for v in buffers[0])
+        request_id = bytes(buffers[1][:id_length].tolist()).decode()
+        return cls(request_id, num_tokens, num_blocks, bytes(buffers[2][:layout_length].tolist()).decode())
+
+
+def _text(text: str, size: int, what: str) -> torch.Tensor:
+    raw = text.encode()
+    if len(raw) > size:
+        raise ValueError(f"{what} longer than {size} bytes cannot be handed off")
+    out = torch.zeros(size, dtype=torch.uint8)
+    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def layout_mismatch(sender: str, receiver: str, sender_layout: str, receiver_layout: str) -> str | None:
+    """Why two KV layouts cannot exchange blocks (naming both sides), or None when they can."""
+    if sender_layout == receiver_layout:
+        return None
+    return (f"KV layout mismatch: {sender} stores [{sender_layout}], {receiver} stores [{receiver_layout}]; "
+            "blocks move as stored, so both sides need the same kv_cache_dtype")
 
 
 def remaining_s(deadline_s: float) -> float:
@@ -93,19 +118,18 @@ def call_timeout_s(deadline_s: float) -> float:
     return max(deadline_s - time.time(), CONVERSATION_GRACE_S)
 
 
-def send_sequence_kv(transport: KVTransport, kv_cache: torch.Tensor, block_ids: Sequence[int],
+def send_sequence_kv(transport: KVTransport, kv: KVCacheStorage, block_ids: Sequence[int],
                      num_tokens: int, request_id: str, target: HandoffTarget) -> int:
     """Prefill side: send one sequence's KV to every rank of the target and collect their acks.
     Returns the payload bytes sent; raises TransferError (caller releases its pins either way)."""
-    header = HandoffHeader(request_id, num_tokens, len(block_ids))
+    header = HandoffHeader(request_id, num_tokens, len(block_ids), kv.layout)
     index = torch.tensor(list(block_ids), dtype=torch.int64)
     sent_bytes = 0
     for rank in target.ranks:
         transport.send(rank.peer_id, header.encode(), call_timeout_s(target.lease_deadline_s))
-        for layer in range(kv_cache.shape[0]):
-            heads = kv_cache[layer, :, rank.kv_head_start:rank.kv_head_end]
-            payload = heads.index_select(2, index)  # [2, heads, blocks, block_size, head_dim]
-            sent_bytes += transport.send(rank.peer_id, [payload], call_timeout_s(target.lease_deadline_s)).num_bytes
+        for layer in range(kv.num_layers):
+            payload = kv.export_layer(layer, rank.kv_head_start, rank.kv_head_end, index)
+            sent_bytes += transport.send(rank.peer_id, payload, call_timeout_s(target.lease_deadline_s)).num_bytes
     # Acks after all sends, so ranks copy in parallel with later sends. Every rank's ack is read even
     # after one failed: an unread ack would be taken by the next hand-off to that rank for its own.
     failure: TransferError | None = None
@@ -129,17 +153,16 @@ def recv_header(transport: KVTransport, peer: PeerId, deadline_s: float) -> Hand
     return HandoffHeader.decode(buffers)
 
 
-def recv_sequence_kv(transport: KVTransport, kv_cache: torch.Tensor, peer: PeerId, header: HandoffHeader,
+def recv_sequence_kv(transport: KVTransport, kv: KVCacheStorage, peer: PeerId, header: HandoffHeader,
                      block_ids: Sequence[int], deadline_s: float) -> None:
-    """Decode rank side, after `recv_header`: receive every layer into the reserved blocks, then ack.
-    `kv_cache` is this rank's cache (its own KV heads)."""
+    """Decode rank side, after `recv_header` (and the layout check): receive every layer into the
+    reserved blocks, then ack. `kv` is this rank's cache (its own KV heads)."""
     if header.num_blocks != len(block_ids):
         raise TransferError(peer, f"{header.request_id!r}: sender has {header.num_blocks} blocks, "
                                   f"the reservation {len(block_ids)}")
-    num_layers, _, heads, _, block_size, head_dim = kv_cache.shape
     index = torch.tensor(list(block_ids), dtype=torch.int64)
-    staging = torch.empty(2, heads, len(block_ids), block_size, head_dim, dtype=kv_cache.dtype)
-    for layer in range(num_layers):
-        transport.recv(peer, [staging], call_timeout_s(deadline_s))
-        kv_cache[layer].index_copy_(2, index, staging)
+    staging = kv.staging(len(block_ids))
+    for layer in range(kv.num_layers):
+        transport.recv(peer, staging, call_timeout_s(deadline_s))
+        kv.import_layer(layer, index, staging)
     transport.send(peer, [torch.tensor([ACK_OK], dtype=torch.int64)], call_timeout_s(deadline_s))

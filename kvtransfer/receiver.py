@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.handoff import HandoffHeader, call_timeout_s, recv_header, recv_sequence_kv
+from engine.kv_storage import KVCacheStorage
+from kvtransfer.handoff import HandoffHeader, call_timeout_s, layout_mismatch, recv_header, recv_sequence_kv
 from kvtransfer.transport import KVTransport, PeerId, TransferError
 
 
@@ -46,9 +47,11 @@ class Expected:
 
 
 class KVReceiver:
-    def __init__(self, transport: KVTransport, kv_cache: torch.Tensor):
+    """`kv` is this worker's (rank's) cache; transfers are written through its transfer methods only."""
+
+    def __init__(self, transport: KVTransport, kv: KVCacheStorage):
         self.transport = transport
-        self.kv_cache = kv_cache
+        self.kv = kv
         self._expected: dict[str, Expected] = {}
         self._lock = threading.Lock()
         self._peer_locks: dict[PeerId, threading.Lock] = {}
@@ -84,11 +87,15 @@ class KVReceiver:
             time.sleep(self.delay_s)
         try:
             header = recv_header(self.transport, peer, deadline_s)
+            mismatch = layout_mismatch(f"sender {peer!r}", "this worker", header.kv_layout, self.kv.layout)
+            if mismatch is not None:
+                self._refuse_layout(peer, header, deadline_s)
+                raise TransferError(peer, mismatch)
             block_ids, problem = self._fit(entry if accepted else None, request_id, header)
             if problem is not None:
                 self._drain(peer, header, deadline_s)
                 raise TransferError(peer, problem)
-            recv_sequence_kv(self.transport, self.kv_cache, peer, header, block_ids, deadline_s)
+            recv_sequence_kv(self.transport, self.kv, peer, header, block_ids, deadline_s)
             entry.num_blocks_received = len(block_ids)
             self._finish(request_id, TransferState.DONE, None)
         except TransferError as err:
@@ -160,8 +167,20 @@ class KVReceiver:
                 entry.finished.set()
 
     def _drain(self, peer: PeerId, header: HandoffHeader, deadline_s: float) -> None:
-        _, _, heads, _, block_size, head_dim = self.kv_cache.shape
-        scratch = torch.empty(2, heads, header.num_blocks, block_size, head_dim, dtype=self.kv_cache.dtype)
-        for _ in range(self.kv_cache.shape[0]):
-            self.transport.recv(peer, [scratch], call_timeout_s(deadline_s))
+        scratch = self.kv.staging(header.num_blocks)
+        for _ in range(self.kv.num_layers):
+            self.transport.recv(peer, scratch, call_timeout_s(deadline_s))
+        self.transport.send(peer, [torch.tensor([0], dtype=torch.int64)], call_timeout_s(deadline_s))
+
+    def _refuse_layout(self, peer: PeerId, header: HandoffHeader, deadline_s: float) -> None:
+        """The sender's layer messages do not fit our staging tensors, so they cannot be drained: posting
+        one receive makes the transport compare layouts and fail the channel on both sides (contract
+        point 1), so the sender stops at once instead of at its timeout."""
+        try:
+            self.transport.recv(peer, self.kv.staging(header.num_blocks), call_timeout_s(deadline_s))
+        except TransferError:
+            return
+        # Same tensors under another name (a layout this check does not know): take the rest, refuse.
+        for _ in range(self.kv.num_layers - 1):
+            self.transport.recv(peer, self.kv.staging(header.num_blocks), call_timeout_s(deadline_s))
         self.transport.send(peer, [torch.tensor([0], dtype=torch.int64)], call_timeout_s(deadline_s))

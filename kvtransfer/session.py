@@ -3,7 +3,8 @@
 A `HandoffSession` starts once the prefill worker sampled the sequence's first token (its KV blocks
 pinned) and runs (DESIGN.md lifecycle step 5):
 
-1. **reserve** — ask the decode instance for blocks. The reservation (and its lease) starts here, not
+1. **reserve** — ask the decode instance for blocks (its reply names how it stores KV: a pair whose
+   layouts differ — another kv_cache_dtype — stops here, naming both, and drops the reservation). The reservation (and its lease) starts here, not
    when the request arrived, so a request still queued for prefill never holds decode memory. A full
    decode pool is not a failure: the session retries with backoff until the request's own deadline;
    meanwhile the prefill side keeps its pins, which back-pressures prefill instead of failing anyone.
@@ -28,7 +29,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s
+from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s, layout_mismatch
 
 
 class DecodeFull(Exception):
@@ -104,13 +105,16 @@ class KVSender:
 class HandoffSession:
     """Runs one hand-off (module docstring). `send(target)` moves the KV (blocking, run on the
     `sender`'s thread) and returns the bytes sent; `release()` drops the prefill pins (thread-safe).
-    `deadline_s` (time.time()) is the request's: no step outlives it."""
+    `deadline_s` (time.time()) is the request's: no step outlives it. `kv_layout` (the sender's
+    `KVCacheStorage.layout`, and who it is) is compared with the reservation's before anything moves."""
 
     def __init__(self, request_id: str, num_tokens: int, endpoint: DecodeEndpoint,
                  send: Callable[[HandoffTarget], int], release: Callable[[], None], sender: KVSender,
-                 deadline_s: float, timeouts: HandoffTimeouts = HandoffTimeouts()):
+                 deadline_s: float, timeouts: HandoffTimeouts = HandoffTimeouts(),
+                 kv_layout: tuple[str, str] | None = None):
         self.request_id, self.num_tokens, self.endpoint = request_id, num_tokens, endpoint
         self._send, self._release, self._sender = send, release, sender
+        self._kv_layout = kv_layout
         self.deadline_s, self.timeouts = deadline_s, timeouts
         self._cancelled = asyncio.Event()
         self._reserved = False
@@ -122,6 +126,7 @@ class HandoffSession:
     async def run(self) -> HandoffStats:
         try:
             target = await self._reserve()
+            self._check_layout(target)
             started_s = time.perf_counter()
             num_bytes = await self._transfer(target)
         except BaseException:
@@ -153,6 +158,14 @@ class HandoffSession:
                                                    "deadline") from None
                 await self._sleep_unless_cancelled(min(wait_s, left_s))
                 wait_s = min(wait_s * 2, self.timeouts.full_backoff_max_s)
+
+    def _check_layout(self, target: HandoffTarget) -> None:
+        if self._kv_layout is None or not target.kv_layout:
+            return
+        sender, layout = self._kv_layout
+        problem = layout_mismatch(sender, f"decode instance {target.instance_id!r}", layout, target.kv_layout)
+        if problem is not None:
+            raise HandoffFailed("reserve", problem)
 
     async def _transfer(self, target: HandoffTarget) -> int:
         """In the sender's turn: announce to every rank, send on the sender thread, wait for every copy."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loadtest.plan import ModelLimits, PlannedRequest
+from router.channel import ClientTls
 from router.sdk_types import SplitserveError
 
 
@@ -53,11 +54,11 @@ class RequestOptions:
 class GrpcBackend:
     """The splitserve router through the SDK (`router.client.AsyncClient`)."""
 
-    def __init__(self, target: str, token: str | None, timeout_s: float, **_):
+    def __init__(self, target: str, token: str | None, timeout_s: float, tls: ClientTls = ClientTls(), **_):
         from router.client import AsyncClient
 
         self.target = target
-        self.client = AsyncClient(target, token=token, timeout_s=timeout_s)
+        self.client = AsyncClient(target, token=token, tls=tls, timeout_s=timeout_s)
 
     async def __aenter__(self) -> "GrpcBackend":
         await self.client.__aenter__()
@@ -102,7 +103,7 @@ BACKENDS = {"splitserve": GrpcBackend, "openai": _openai}
 
 
 def make_backend(name: str, **kwargs):
-    """kwargs: target, token, timeout_s, and for openai model / tokenizer."""
+    """kwargs: target, token, timeout_s, tls (router.channel.ClientTls), and for openai model / tokenizer."""
     if name not in BACKENDS:
         raise ValueError(f"--backend must be one of {sorted(BACKENDS)}, got {name!r}")
     return BACKENDS[name](**kwargs)

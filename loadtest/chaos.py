@@ -113,7 +113,8 @@ def _lost(record: RequestRecord) -> bool:
 async def run_chaos(config: ChaosConfig, controller, echo=print) -> ChaosReport:
     """Runs the reference (unless given) and the chaos replay; `controller` is the cluster's actor."""
     bench = config.bench
-    async with GrpcBackend(bench.target, read_token(bench.auth_token_file), bench.driver.request_timeout_s) as client:
+    async with GrpcBackend(bench.target, read_token(bench.auth_token_file), bench.driver.request_timeout_s,
+                           tls=bench.tls) as client:
         plan = _plan(bench, await _limits(client), None, 0)
         if config.reference is not None:
             reference = read_jsonl(config.reference)

@@ -24,6 +24,8 @@ from loadtest.runner import BenchError, run_bench
 from loadtest.trace import OVERFLOW_POLICIES
 from loadtest.trace_rows import FORMATS
 from loadtest.workloads import DEFAULTS, WORKLOADS, spec_from_args
+from router.channel import ClientTls
+from router.cli_args import add_connection_flags
 
 
 def add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="splitserve", choices=tuple(DEFAULT_TARGETS),
                         help="splitserve (gRPC) or openai (HTTP /v1/completions) (default %(default)s)")
-    parser.add_argument("--target", help="splitserve: HOST:PORT or unix:PATH (default 127.0.0.1:50051); "
-                        "openai: http://HOST:PORT (default http://127.0.0.1:8000)")
-    parser.add_argument("--auth-token-file", help="file holding the server's bearer token")
+    add_connection_flags(parser)  # --target, --auth-token-file, --tls-*: as every client command
+    parser.set_defaults(target=None)  # the default depends on --backend
+    next(a for a in parser._actions if a.dest == "target").help = (
+        "splitserve: HOST:PORT, [V6]:PORT, unix:PATH or a gRPC URI (default 127.0.0.1:50051); "
+        "openai: http(s)://HOST:PORT (default http://127.0.0.1:8000)")
     parser.add_argument("--model", help="openai: the served model to ask for (default: the first it lists)")
     parser.add_argument("--tokenizer", metavar="DIR", help="openai: the model's tokenizer folder, for servers "
                         "whose /v1/models does not state the vocabulary (splitserve's does)")
@@ -99,9 +103,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     driver = DriverConfig(args.max_concurrency, args.duration_s, args.grace_s, args.request_timeout_s,
                           args.temperature, f"bench-{uuid.uuid4().hex[:8]}", not args.no_progress)
     defaults = RequestDefaults(Slo(args.ttft_ms, args.tpot_ms), args.priority, args.tenant)
+    tls = ClientTls.from_files(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name,
+                               enabled=args.tls)
     return BenchConfig(target, args.workload, spec_from_args(args), driver, defaults, args.seed,
                        args.auth_token_file, args.out, args.plot, sweep, args.attainment_target, args.warmup_s,
-                       args.backend, args.model, args.tokenizer)
+                       args.backend, args.model, args.tokenizer, tls)
 
 
 def parse_config(argv: list[str]) -> BenchConfig:

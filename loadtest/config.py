@@ -4,6 +4,7 @@ Every check names the flag it concerns; the CLI turns the ValueError into a usag
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ from loadtest.plan import RequestDefaults
 from loadtest.poisson import PoissonSpec
 from loadtest.shared_prefix import SharedPrefixSpec
 from loadtest.trace import TraceSpec
+from router import channel
+from router.channel import ClientTls
+from router.cli_args import read_token
 
 WorkloadSpec = PoissonSpec | SharedPrefixSpec | TraceSpec
 
@@ -22,18 +26,26 @@ DEFAULT_TARGETS = {"splitserve": "127.0.0.1:50051", "openai": "http://127.0.0.1:
 
 
 def check_target(target: str, backend: str = "splitserve") -> str:
-    """splitserve: HOST:PORT (IPv6 as [ADDR]:PORT) with a port in [1, 65535], or unix:PATH; openai: an
-    http(s)://HOST[:PORT][/v1] URL. Returns it unchanged."""
+    """splitserve: one of the SDK's target forms (`router/channel.py`: HOST:PORT, [IPV6]:PORT, unix:PATH,
+    a gRPC URI); openai: an http(s)://HOST[:PORT][/v1] URL. Returns it unchanged, else ValueError naming
+    --target."""
     if backend == "openai":
         if not re.fullmatch(r"https?://[^/\s]+(/v1)?/?", target):
             raise ValueError(f"--target must be an http(s)://HOST:PORT URL for --backend openai, got {target!r}")
         return target
-    if target.startswith("unix:") and len(target) > 5:
-        return target
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"--target must be HOST:PORT with a port in [1, 65535], got {target!r}")
-    return target
+    try:
+        return channel.check_target(target)
+    except ValueError as err:
+        raise ValueError(f"--target: {err}") from None
+
+
+def _check_http_tls(target: str, tls: ClientTls) -> None:
+    """The HTTP backend verifies https:// servers against --tls-ca-file (else the system's roots);
+    client certificates and --tls-server-name are gRPC-only here."""
+    if tls.certificate_chain is not None or tls.server_name is not None:
+        raise ValueError("--tls-cert-file, --tls-key-file and --tls-server-name apply to --backend splitserve")
+    if tls.on and not target.startswith("https://"):
+        raise ValueError(f"TLS flags need an https:// --target with --backend openai, got {target!r}")
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -47,19 +59,6 @@ def parse_rates(text: str) -> tuple[float, ...]:
     if len(set(rates)) != len(rates):
         raise ValueError(f"--sweep rates must be distinct, got {text!r}")
     return rates
-
-
-def read_token(path: str | None) -> str | None:
-    """The bearer token in `path` (surrounding whitespace stripped); None without a file."""
-    if path is None:
-        return None
-    try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as err:
-        raise ValueError(f"--auth-token-file {path}: {err.strerror or err}") from None
-    if not token:
-        raise ValueError(f"--auth-token-file {path} is empty")
-    return token
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,7 @@ class BenchConfig:
     backend: str = "splitserve"  # one of loadtest.backends.BACKENDS
     model: str | None = None  # openai: the served model to ask for (default: the first listed)
     tokenizer: str | None = None  # openai: the model's tokenizer, for servers whose card has no vocabulary
+    tls: ClientTls = ClientTls()  # plaintext unless a TLS flag was given
 
     def __post_init__(self):
         if self.backend not in DEFAULT_TARGETS:
@@ -86,11 +86,16 @@ class BenchConfig:
         check_target(self.target, self.backend)
         if self.backend != "openai" and (self.model or self.tokenizer):
             raise ValueError("--model and --tokenizer apply to --backend openai")
+        if self.backend == "openai":
+            _check_http_tls(self.target, self.tls)
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there")
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
         read_token(self.auth_token_file)
+        if self.plot_dir is not None and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib, which the runtime install leaves out: "
+                             "pip install 'splitserve[plot]'")
         for flag, folder in (("--out", self.out_dir), ("--plot", self.plot_dir)):
             if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
                 raise ValueError(f"{flag} {folder} exists and is not a directory")

@@ -16,12 +16,14 @@ vocabulary), or from `--tokenizer DIR` for a server whose card does not state it
 from __future__ import annotations
 
 import json
+import ssl
 import time
 
 import aiohttp
 
 from loadtest.backends import BackendError, RequestError, RequestOptions, StreamEvent
 from loadtest.plan import ModelLimits, PlannedRequest
+from router.channel import ClientTls
 from router.sdk_types import SENT_AT_KEY
 
 # HTTP status → the gRPC status name summaries group by (the same table as the router's HTTP front).
@@ -41,8 +43,11 @@ def status_name(status: int) -> str:
 
 class OpenAIBackend:
     def __init__(self, target: str, token: str | None, timeout_s: float, model: str | None = None,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, tls: ClientTls = ClientTls()):
         self.base = target.rstrip("/").removesuffix("/v1")
+        # https:// targets are verified against --tls-ca-file when given, else the system's roots.
+        self.ssl = ssl.create_default_context(cadata=tls.root_certificates.decode()) \
+            if tls.root_certificates is not None else None
         self.model, self.tokenizer_dir = model, tokenizer
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -50,7 +55,7 @@ class OpenAIBackend:
 
     async def __aenter__(self) -> "OpenAIBackend":
         # No connection limit: the driver's --max-concurrency is the only cap on open streams.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self.headers)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True), headers=self.headers)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -70,7 +70,7 @@ async def run_bench(config: BenchConfig, echo=print) -> list[Summary]:
     rates = config.sweep_rates or (None,)
     runs: list[tuple[float | None, RunResult, Summary]] = []
     backend = make_backend(config.backend, target=config.target, token=token, timeout_s=config.driver.request_timeout_s,
-                           model=config.model, tokenizer=config.tokenizer)
+                           model=config.model, tokenizer=config.tokenizer, tls=config.tls)
     async with backend:
         limits = await _limits(backend)
         run_info = _run_info(config, limits)

@@ -122,8 +122,7 @@ class PrefixPuller:
         self.receive_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pull-recv")
         self._call_engine = call_engine
         self.block_size = engine.config.block_size
-        kv = engine.runner.kv_cache  # [layers, 2, kv_heads, blocks, block_size, head_dim]
-        self.bytes_per_block = kv[:, :, :, 0].numel() * kv.element_size()
+        self.bytes_per_block = engine.runner.kv_cache.bytes_per_block  # as stored and sent (scales included)
         self._find_worker = find_worker
 
     async def pull(self, request: GenerateRequest) -> PullOutcome:

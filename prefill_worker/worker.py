@@ -64,11 +64,10 @@ class PrefillWorker:
 
     async def ready(self) -> WorkerInfo:
         cfg = self.engine.model_config
-        kv = self.engine.runner.kv_cache  # [layers, 2, kv_heads, blocks, block_size, head_dim]
         return WorkerInfo(self.worker_id, "prefill", (self.peer_id,), self.engine.num_blocks,
                           self.engine.config.block_size, cfg.num_kv_heads, spec_fingerprint(), cfg.identity,
                           self.engine.max_model_len, cfg.vocab_size, cfg.eos_token_ids,
-                          kv[:, :, :, 0, 0].numel() * kv.element_size(), self.epoch)
+                          self.engine.runner.kv_cache.bytes_per_token, self.epoch)
 
     async def ping(self) -> Liveness:
         error = self.loop.error
@@ -131,7 +130,8 @@ class PrefillWorker:
         session = HandoffSession(rid, handoff.num_computed_tokens,
                                  RayDecodeEndpoint(decode, request, result.token_id, owner, self.peer_id),
                                  lambda target: self._send_kv(handoff, target),
-                                 lambda: self.loop.call(lambda engine: engine.release(rid)), self.kv_sender, deadline_s)
+                                 lambda: self.loop.call(lambda engine: engine.release(rid)), self.kv_sender, deadline_s,
+                                 kv_layout=(f"prefill worker {self.worker_id!r}", self.engine.runner.kv_cache.layout))
         if rid not in self._sessions:  # aborted between the first token and now
             session.cancel()
         self._sessions[rid] = session
@@ -253,9 +253,9 @@ class PrefillWorker:
         try:
             remaining_s(deadline_s)  # past it the requester gave up: announce nothing
             announced = requester.receive_prefix.remote(self.peer_id, request_id)
-            peer, kv_cache = pull_peer_id(requester_peer), self.engine.runner.kv_cache
-            target = HandoffTarget(peer, (RankTarget(peer, 0, kv_cache.shape[2]),), (), deadline_s)
-            num_bytes = send_sequence_kv(self.transport, kv_cache, block_ids,
+            peer, kv = pull_peer_id(requester_peer), self.engine.runner.kv_cache
+            target = HandoffTarget(peer, (RankTarget(peer, 0, kv.num_kv_heads),), (), deadline_s)
+            num_bytes = send_sequence_kv(self.transport, kv, block_ids,
                                          len(block_ids) * self.engine.config.block_size, request_id, target)
             announced.future().result(timeout=call_timeout_s(deadline_s))
             self.telemetry.metrics.observe_transfer("pull_out", num_bytes, time.perf_counter() - started_s)

@@ -7,24 +7,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
-DEFAULT_TARGET = "127.0.0.1:50051"
 
 
-def _common(prog: str, description: str) -> argparse.ArgumentParser:
+def _common(prog: str, description: str, timeout_s: float = 600.0) -> argparse.ArgumentParser:
+    from router.cli_args import add_connection_flags
+
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"router address (default {DEFAULT_TARGET})")
-    p.add_argument("--auth-token-file", type=Path, help="file holding the router's bearer token")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    add_connection_flags(p)
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="give up after this long (default %(default)s)")
     return p
 
 
-def _client(args):
+def _parse(p: argparse.ArgumentParser, argv: list[str]):
+    """(args, Connection); a bad connection flag exits with the usage line, naming it."""
+    from router.cli_args import connection_from_args
+
+    args = p.parse_args(argv)
+    try:
+        return args, connection_from_args(args)
+    except ValueError as err:
+        p.error(str(err))
+
+
+def _client(connection, timeout_s: float):
     from router.client import Client
 
-    token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
-    return Client(args.target, token=token, timeout_s=args.timeout_s)
+    return Client(connection.target, timeout_s=timeout_s, **connection.client_kwargs())
 
 
 def generate_main(argv: list[str]) -> None:
@@ -39,10 +47,10 @@ def generate_main(argv: list[str]) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--tenant")
     p.add_argument("--usage", action="store_true", help="print token counts and the route at the end")
-    args = p.parse_args(argv)
+    args, connection = _parse(p, argv)
     from router.sdk_types import SplitserveError
 
-    with _client(args) as client:
+    with _client(connection, args.timeout_s) as client:
         try:
             route = usage = None
             for chunk in client.generate_stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -59,10 +67,11 @@ def generate_main(argv: list[str]) -> None:
 
 
 def status_main(argv: list[str]) -> None:
-    args = _common("splitserve status", "Show the cluster's workers, load and cache figures.").parse_args(argv)
+    args, connection = _parse(_common("splitserve status", "Show the cluster's workers, load and cache figures."),
+                              argv)
     from router.sdk_types import SplitserveError
 
-    with _client(args) as client:
+    with _client(connection, args.timeout_s) as client:
         try:
             info, status = client.model_info(), client.status()
         except SplitserveError as err:
@@ -81,20 +90,20 @@ def status_main(argv: list[str]) -> None:
 
 
 def health_main(argv: list[str]) -> None:
-    """Exit 0 iff the router's standard gRPC health service says SERVING (Docker HEALTHCHECK)."""
-    p = argparse.ArgumentParser(prog="splitserve health", description=health_main.__doc__)
-    p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--timeout-s", type=float, default=3.0)
-    args = p.parse_args(argv)
+    """Exit 0 iff the router's standard gRPC health service says SERVING (Docker HEALTHCHECK, helm test)."""
+    args, connection = _parse(_common("splitserve health", health_main.__doc__, timeout_s=3.0), argv)
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.target) as channel:
+    from router.channel import connection_hint, open_channel
+
+    with open_channel(connection.target, connection.tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                               timeout=args.timeout_s)
         except grpc.RpcError as err:
-            sys.exit(f"splitserve health: {args.target}: {err.code().name}")
+            hint = connection_hint(err.details() or "", connection.tls)
+            sys.exit(f"splitserve health: {connection.target}: {err.code().name}" + (f" ({hint})" if hint else ""))
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     sys.exit(0 if serving else 1)

@@ -8,6 +8,14 @@ nothing is retried once a token was delivered, and no other status is retried.
         print(client.generate("Hello", max_tokens=16, temperature=0).text)
         for chunk in client.generate_stream([1, 2, 3], max_tokens=8):
             print(chunk.token_ids, chunk.text)
+
+Targets: HOST:PORT, [IPV6]:PORT, unix:PATH or a gRPC URI (`router/channel.py`). TLS: pass
+`root_certificates=` (PEM bytes of the CA; `tls=True` alone trusts the system's roots), for mutual TLS
+also `certificate_chain=` and `private_key=`, and `tls_server_name=` to check the certificate
+against another name than the target's host:
+
+    ca = open("ca.pem", "rb").read()
+    with Client("router.example.com:443", root_certificates=ca, token=token) as client: ...
 """
 from __future__ import annotations
 
@@ -15,10 +23,12 @@ import asyncio
 import random
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from router.channel import ClientTls, check_target, connection_hint, open_channel
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.sdk_types import (SENT_AT_KEY, Completion, GenerateChunk, SplitserveError, Unavailable,
@@ -52,10 +62,25 @@ def build_request(prompt: str | Sequence[int], **options) -> pb.GenerateRequest:
 
 class _Base:
     def __init__(self, target: str, *, token: str | None = None, timeout_s: float | None = 600.0,
-                 max_retries: int = 3, backoff_s: float = 0.1):
-        self.target, self.timeout_s = target, timeout_s
+                 max_retries: int = 3, backoff_s: float = 0.1, root_certificates: bytes | None = None,
+                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
+                 tls_server_name: str | None = None, tls: bool | ClientTls = False):
+        self.target, self.timeout_s = check_target(target), timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.tls = _client_tls(tls, root_certificates, certificate_chain, private_key, tls_server_name)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if token and not self.tls.on and not _local(target):
+            warnings.warn(f"sending the bearer token to {target} without TLS: anyone on the path can read it",
+                          stacklevel=3)
+
+    def _channel(self, aio: bool):
+        return open_channel(self.target, self.tls, aio=aio)
+
+    def _error(self, err: grpc.RpcError) -> SplitserveError:
+        """The typed error, with a hint where gRPC's words do not say what to do (TLS mismatches)."""
+        error = error_from_rpc(err)
+        hint = connection_hint(error.reason, self.tls) if isinstance(error, Unavailable) else ""
+        return type(error)(error.code, f"{error.reason} ({hint})", error.field, error.retry_after_s) if hint else error
 
     def _generate_metadata(self) -> tuple:
         # Stamped once per request, not per attempt: the caller's TTFT started with the first attempt.
@@ -70,8 +95,8 @@ class Client(_Base):
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
-        self._channel = grpc.insecure_channel(target)
-        self._stub = pb_grpc.RouterStub(self._channel)
+        self._grpc_channel = self._channel(aio=False)
+        self._stub = pb_grpc.RouterStub(self._grpc_channel)
 
     def generate_stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
                         **options) -> Iterator[GenerateChunk]:
@@ -87,7 +112,7 @@ class Client(_Base):
                     yield chunk_from_proto(message)
                 return
             except grpc.RpcError as err:
-                error = error_from_rpc(err)
+                error = self._error(err)
                 if delivered or not _retryable(error, attempt, self.max_retries):
                     raise error from None
             finally:
@@ -108,13 +133,13 @@ class Client(_Base):
             try:
                 return method(request, timeout=timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
-                error = error_from_rpc(err)
+                error = self._error(err)
                 if not _retryable(error, attempt, self.max_retries):
                     raise error from None
             time.sleep(self._delay_s(attempt))
 
     def close(self) -> None:
-        self._channel.close()
+        self._grpc_channel.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -128,8 +153,8 @@ class AsyncClient(_Base):
 
     def __init__(self, target: str, **kwargs):
         super().__init__(target, **kwargs)
-        self._channel = grpc.aio.insecure_channel(target)
-        self._stub = pb_grpc.RouterStub(self._channel)
+        self._grpc_channel = self._channel(aio=True)
+        self._stub = pb_grpc.RouterStub(self._grpc_channel)
 
     async def generate_stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
                               **options) -> AsyncIterator[GenerateChunk]:
@@ -145,7 +170,7 @@ class AsyncClient(_Base):
                     yield chunk_from_proto(message)
                 return
             except grpc.RpcError as err:
-                error = error_from_rpc(err)
+                error = self._error(err)
                 if delivered or not _retryable(error, attempt, self.max_retries):
                     raise error from None
             finally:
@@ -167,13 +192,13 @@ class AsyncClient(_Base):
             try:
                 return await method(request, timeout=timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
-                error = error_from_rpc(err)
+                error = self._error(err)
                 if not _retryable(error, attempt, self.max_retries):
                     raise error from None
             await asyncio.sleep(self._delay_s(attempt))
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._grpc_channel.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -184,3 +209,17 @@ class AsyncClient(_Base):
 
 def _retryable(error: SplitserveError, attempt: int, max_retries: int) -> bool:
     return isinstance(error, Unavailable) and attempt < max_retries
+
+
+def _client_tls(tls: bool | ClientTls, root_certificates, certificate_chain, private_key, server_name) -> ClientTls:
+    if isinstance(tls, ClientTls):
+        if any(v is not None for v in (root_certificates, certificate_chain, private_key, server_name)):
+            raise TypeError("pass the TLS settings either as tls=ClientTls(...) or as keywords, not both")
+        return tls
+    return ClientTls(root_certificates, certificate_chain, private_key, server_name, enabled=bool(tls))
+
+
+def _local(target: str) -> bool:
+    """A unix socket or a loopback address: a token sent there never crosses a network."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    return target.startswith(("unix:", "unix-abstract:")) or host in ("localhost", "::1") or host.startswith("127.")

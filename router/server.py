@@ -24,7 +24,9 @@ from grpc_reflection.v1alpha import reflection
 from cluster.cluster_view import ClusterView
 from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import LaunchedCluster
+from cluster.tls import load_server_tls, server_ssl_context
 from router.admission_gate import AdmissionGate
+from router.health_listener import HealthListener
 from router.index_feeder import IndexFeeder
 from cluster.metrics_http import start_metrics_server
 from router.interceptors import AuthInterceptor, ErrorInterceptor
@@ -35,6 +37,7 @@ from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.routing import make_policy
 from router.service import RouterService
 from router.servicer import RouterServicer
+from router.tls_credentials import bind
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
@@ -54,6 +57,11 @@ class RouterServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def health_port(self) -> int | None:
+        """The plaintext health-only port (`router.health_port`), when configured."""
+        return next((part.port for part in self._background if isinstance(part, HealthListener)), None)
+
     @classmethod
     async def start(cls, launched: LaunchedCluster, config: ClusterConfig,
                     extra_addresses: tuple[str, ...] | list[str] = (), http_uds: str | None = None) -> "RouterServer":
@@ -61,6 +69,7 @@ class RouterServer:
         the OpenAI-compatible HTTP API on router.host:router.http_port and/or the unix socket `http_uds`, for
         the cluster `launched` joined; follows its membership from then on."""
         router = config.router
+        load_server_tls(router)  # unusable TLS files fail here, before anything starts
         cluster = ClusterView(launched)
         index, feeder = await _make_index(cluster, config)
         metrics = RouterMetrics()
@@ -87,26 +96,28 @@ class RouterServer:
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(f"{router.host}:{router.port}")
-        if port == 0:
-            raise OSError(f"cannot listen on {router.host}:{router.port}")
-        for address in extra_addresses:
-            server.add_insecure_port(address)
+        port = bind(server, router, extra_addresses)  # TLS on every address when configured
         await server.start()
+        probes = None if router.health_port is None else await HealthListener.start(health, router.host,
+                                                                                    router.health_port)
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("router serving %s on %s:%d (policy %s)", SERVICE_NAME, router.host, port, router.policy)
+        log.info("router serving %s on %s:%d (policy %s%s)", SERVICE_NAME, router.host, port, router.policy,
+                 ", TLS" if router.tls_cert_file else "")
         http = None
         if router.http_port is not None or http_uds is not None:
             try:
                 http = await HttpFront.start(service, host=router.host, port=router.http_port, uds=http_uds,
-                                             token=token, model_names=served_model_names(cluster.model_dir))
+                                             token=token, model_names=served_model_names(cluster.model_dir),
+                                             ssl_context=server_ssl_context(router))
             except BaseException:
                 await server.stop(0)
+                if probes is not None:
+                    await probes.close()
                 raise
             log.info("router serving the OpenAI API on %s", http.url if router.http_port is not None else http_uds)
         return cls(server, service, health, port, router.host,
-                   [cluster, feeder, service.monitor, service, index], exporter, http)
+                   [probes, cluster, feeder, service.monitor, service, index], exporter, http)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops taking calls, lets streams in flight end for `grace_s`, then cancels the rest."""

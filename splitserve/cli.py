@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import Callable
 
+from splitserve import __version__
+
 
 def _demo_model(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="splitserve demo-model",
@@ -18,6 +20,11 @@ def _demo_model(argv: list[str]) -> None:
 
 
 def _bench_engine(argv: list[str]) -> None:
+    if "--accuracy" in argv:  # quantized configurations against the unquantized engine
+        from benchmarks.bench_quant_accuracy import main as accuracy_main
+
+        accuracy_main([arg for arg in argv if arg != "--accuracy"])
+        return
     from benchmarks.bench_engine import main
 
     main(argv)
@@ -103,7 +110,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "status": (_status, "show a router's workers, load and cache figures"),
     "health": (_health, "exit 0 iff a router's gRPC health service is SERVING"),
     "demo-model": (_demo_model, "write the demo checkpoint to a directory"),
-    "bench-engine": (_bench_engine, "offline throughput of the engine vs transformers.generate"),
+    "bench-engine": (_bench_engine, "offline throughput of the engine vs transformers.generate; --accuracy: quantized vs unquantized"),
     "bench": (_bench, "load-test a running router (Poisson, shared-prefix, trace replay)"),
     "chaos": (_chaos, "SIGKILL workers while a bench workload runs; report lost, diverged, migrated requests"),
     "profile": (_profile, "measure this machine's step costs (or write a GPU roofline profile) for the simulator"),
@@ -113,10 +120,28 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
 }
 
 
+def version_line() -> str:
+    """splitserve's version and those of the packages a bug report needs, read from their metadata
+    (nothing heavy is imported)."""
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{d} {version(d)}" for d in ("torch", "ray", "transformers", "grpcio", "protobuf"))
+    return f"splitserve {__version__} (Python {sys.version.split()[0]}; {deps})"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-V", "--version"):
+        print(version_line())
+        return
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: splitserve COMMAND [ARGS]\n\ncommands:")
+        print("usage: splitserve [--version] COMMAND [ARGS]\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:<14} {help_text}")
         return

@@ -31,9 +31,12 @@ DEFAULT_CLUSTER_NAME = "default"
 # flag → (section, key) in the config mapping; None section = top level
 _POOL_FLAGS = {"model": (None, "model_dir"), "block_size": (None, "block_size"), "redis_url": (None, "redis_url"),
                "rendezvous_host": (None, "rendezvous_host"), "prefill": ("prefill", "replicas"),
-               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size")}
+               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size"),
+               "kv_cache_dtype": (None, "kv_cache_dtype"), "quantization": (None, "quantization")}
 _ROUTER_FLAGS = {"host": ("router", "host"), "port": ("router", "port"), "policy": ("router", "policy"),
-                 "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port")}
+                 "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port"),
+                 "tls_cert_file": ("router", "tls_cert_file"), "tls_key_file": ("router", "tls_key_file"),
+                 "tls_client_ca_file": ("router", "tls_client_ca_file"), "health_port": ("router", "health_port")}
 _COMMON_FLAGS = {"ray_address": (None, "ray_address"), "cluster_name": (None, "cluster_name")}
 
 
@@ -49,6 +52,8 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         p.add_argument("--decode", type=int, help="decode instances")
         p.add_argument("--tp", type=int, help="tensor-parallel ranks per decode instance")
         p.add_argument("--block-size", type=int, help="tokens per KV block")
+        p.add_argument("--kv-cache-dtype", help="KV cache storage: auto (the model dtype), int8 or fp8")
+        p.add_argument("--quantization", help="weight quantization: none or int8 (weight-only, per output channel)")
         p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
         p.add_argument("--rendezvous-host", help="address workers use to reach the rendezvous store "
                        "(default: its node's IP)")
@@ -62,6 +67,10 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         p.add_argument("--policy", help="routing policy: round_robin, prefix_hash or cache_aware")
         p.add_argument("--auth-token-file", help="require this bearer token from clients")
         p.add_argument("--metrics-port", type=int, help="Prometheus metrics port")
+        p.add_argument("--tls-cert-file", help="serve TLS with this PEM certificate chain (needs --tls-key-file)")
+        p.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+        p.add_argument("--tls-client-ca-file", help="require client certificates signed by this PEM CA (mutual TLS)")
+        p.add_argument("--health-port", type=int, help="plaintext port serving only gRPC health (probes without TLS)")
     return p
 
 
@@ -122,6 +131,7 @@ def _say(message: str) -> None:
 def _announce(server, config: ClusterConfig, uds: str | None) -> None:
     target = f"unix:{uds}" if uds else server.address
     auth = f" --auth-token-file {config.router.auth_token_file}" if config.router.auth_token_file else ""
+    auth += " --tls-ca-file CA.pem" if config.router.tls_cert_file else ""
     membership = server.service.cluster.membership
     _say(f"router listening on {server.address}" + (f" and unix:{uds}" if uds else ""))
     _say(f"cluster {config.cluster_name!r} ({membership.cluster_id}): {len(membership.prefill)} prefill worker(s), "

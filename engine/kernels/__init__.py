@@ -3,7 +3,9 @@
 No build step at install and no torch headers: the C source is small and compiles in about a second
 into a cache directory keyed by its content hash (`$SPLITSERVE_KERNEL_DIR`, default
 ~/.cache/splitserve/kernels). Where no compiler works, `decode_attention_kernel()` returns None and
-the engine uses its PyTorch path; `SPLITSERVE_ATTENTION=torch` forces that path.
+the engine uses its PyTorch path; `SPLITSERVE_ATTENTION=torch` forces that path for attention.
+Kernels: `paged_decode_attention.c` (decode attention over fp32 / int8 / fp8 caches) and
+`int8_linear.c` (weight-only int8 matmul); `widen.h` is their shared int8 / fp8 → fp32 widening.
 """
 from __future__ import annotations
 
@@ -17,49 +19,64 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("paged_decode_attention.c")
+KERNEL_DIR = Path(__file__).parent
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# name → (C signature): each kernel is `int name(...)` in `name.c`, returning 0 on success.
+SIGNATURES = {
+    "paged_decode_attention": [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float, _I64],
+    "int8_linear": [_PTR] * 4 + [_I64] * 4,
+}
 _lock = threading.Lock()
-_kernel: list = []  # memo: [function or None]
+_kernels: dict[str, object] = {}  # memo: name → function or None
 log = logging.getLogger(__name__)
 
 
 def decode_attention_kernel():
     """The compiled `paged_decode_attention` C function, or None where it cannot be built."""
+    if os.environ.get("SPLITSERVE_ATTENTION") == "torch":
+        return None
+    return kernel("paged_decode_attention")
+
+
+def kernel(name: str):
+    """The compiled C function `name` (a key of SIGNATURES), or None where it cannot be built."""
     with _lock:
-        if not _kernel:
-            _kernel.append(None if os.environ.get("SPLITSERVE_ATTENTION") == "torch" else _load())
-        return _kernel[0]
+        if name not in _kernels:
+            _kernels[name] = _load(name)
+        return _kernels[name]
 
 
-def _load():
+def _load(name: str):
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found; decode attention uses the PyTorch path")
+        log.warning("no C compiler found; %s falls back to PyTorch", name)
         return None
-    source = SOURCE.read_bytes()
-    digest = hashlib.blake2b(source + " ".join(CFLAGS).encode(), digest_size=8).hexdigest()
+    source = KERNEL_DIR / f"{name}.c"
+    # The digest covers the shared headers too: editing one rebuilds every kernel.
+    parts = [source.read_bytes(), *(h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h"))), " ".join(CFLAGS).encode()]
+    digest = hashlib.blake2b(b"\0".join(parts), digest_size=8).hexdigest()
     cache = Path(os.environ.get("SPLITSERVE_KERNEL_DIR", Path.home() / ".cache" / "splitserve" / "kernels"))
-    library = cache / f"paged_decode_attention-{digest}.so"
+    library = cache / f"{name}-{digest}.so"
     try:
         if not library.exists():
-            _compile(compiler, library)
-        function = ctypes.CDLL(str(library)).paged_decode_attention
+            _compile(compiler, source, library)
+        function = getattr(ctypes.CDLL(str(library)), name)
     except (OSError, subprocess.CalledProcessError) as err:
-        log.warning("could not build the decode attention kernel (%s); using the PyTorch path", err)
+        log.warning("could not build the %s kernel (%s); falling back to PyTorch", name, err)
         return None
     function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64]
+    function.argtypes = SIGNATURES[name]
     return function
 
 
-def _compile(compiler: str, library: Path) -> None:
+def _compile(compiler: str, source: Path, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     # Build under a temporary name, then rename: concurrent processes never load a half-written file.
     with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as handle:
         partial = Path(handle.name)
     try:
-        subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(partial), "-lm"], check=True,
+        subprocess.run([compiler, *CFLAGS, f"-I{KERNEL_DIR}", str(source), "-o", str(partial), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(partial, library)
     finally:

@@ -3,6 +3,10 @@
  *
  * Layout (the engine's): q [batch, heads, head_dim]; k/v cache [kv_heads, num_blocks, block_size,
  * head_dim]; block_tables [batch, max_blocks] int64; context_lens [batch] int64; out like q.
+ * The cache holds fp32 (kind 0), int8 (kind 1) or float8 e4m3fn (kind 2) values; the quantized kinds
+ * carry fp32 scales [kv_heads, num_blocks, block_size], one per token and KV head, and are
+ * dequantized in registers: a key's scale multiplies its dot product, a value's scale its softmax
+ * weight, so no dequantized copy of the cache is ever written.
  * Work items are (sequence, kv head) pairs; each computes softmax(q·Kᵀ·scale)·V for the `group` query
  * heads that share the KV head, with an exact two-pass softmax in fp32. Items are spread over
  * `num_threads` POSIX threads, interleaved so long and short sequences mix. head_dim 64 with at most
@@ -14,17 +18,37 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "widen.h"
+
 #define MAX_GROUP 64
+enum { KIND_F32 = 0, KIND_I8 = 1, KIND_F8 = 2 };
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const char *k, *v;          /* values, `kind` elements */
+    const float *k_scale, *v_scale; /* NULL for KIND_F32 */
     float *out;
     const int64_t *block_tables, *context_lens;
-    int64_t batch, heads, kv_heads, head_dim, num_blocks, block_size, max_blocks, max_context;
+    int64_t kind, batch, heads, kv_heads, head_dim, num_blocks, block_size, max_blocks, max_context;
     float scale;
     int64_t thread_index, num_threads;
     int status;
 } Job;
+
+static inline int64_t element_bytes(int64_t kind) { return kind == KIND_F32 ? 4 : 1; }
+
+/* Element d of a head vector that starts at `base` (inlined with a constant `kind`: no branch left). */
+static inline __attribute__((always_inline)) float load1(const char *base, int64_t d, int64_t kind) {
+    if (kind == KIND_I8) return (float)((const int8_t *)base)[d];
+    if (kind == KIND_F8) return f8_to_f32(((const uint8_t *)base)[d]);
+    return ((const float *)base)[d];
+}
+
+static inline __attribute__((always_inline)) v16 load16(const char *base, int64_t d, int64_t kind) {
+    if (kind == KIND_I8) return widen_i8((const int8_t *)base + d);
+    if (kind == KIND_F8) return widen_f8((const uint8_t *)base + d);
+    return *(const v16 *)((const float *)base + d);
+}
 
 /* Exponentiates each query head's scores in place (max-subtracted) and returns 1 / their sum. */
 static void softmax_rows(float *restrict scores, int64_t n, int64_t group, float *restrict inv_sum) {
@@ -41,127 +65,169 @@ static void softmax_rows(float *restrict scores, int64_t n, int64_t group, float
     }
 }
 
-static void attend(const Job *job, int64_t item, float *restrict scores) {
-    const int64_t b = item / job->kv_heads, h = item % job->kv_heads;
-    const int64_t group = job->heads / job->kv_heads, dim = job->head_dim, bs = job->block_size;
-    const int64_t n = job->context_lens[b], num_blocks = (n + bs - 1) / bs;
-    const int64_t *table = job->block_tables + b * job->max_blocks;
-    const float *restrict q = job->q + (b * job->heads + h * group) * dim;
-    float *restrict out = job->out + (b * job->heads + h * group) * dim;
-    const float *k_head = job->k + h * job->num_blocks * bs * dim;
-    const float *v_head = job->v + h * job->num_blocks * bs * dim;
+/* Where one (sequence, kv head) item reads: the first key/value/scale of the head's block 0. */
+typedef struct {
+    int64_t b, h, group, n, num_blocks;
+    const int64_t *table;
+    const float *q;
+    float *out;
+    const char *k_head, *v_head;
+    const float *ks_head, *vs_head;
+} Item;
+
+static inline Item item_of(const Job *job, int64_t item) {
+    Item it;
+    it.b = item / job->kv_heads;
+    it.h = item % job->kv_heads;
+    it.group = job->heads / job->kv_heads;
+    it.n = job->context_lens[it.b];
+    it.num_blocks = (it.n + job->block_size - 1) / job->block_size;
+    it.table = job->block_tables + it.b * job->max_blocks;
+    it.q = job->q + (it.b * job->heads + it.h * it.group) * job->head_dim;
+    it.out = job->out + (it.b * job->heads + it.h * it.group) * job->head_dim;
+    const int64_t tokens = it.h * job->num_blocks * job->block_size;
+    const int64_t bytes = tokens * job->head_dim * element_bytes(job->kind);
+    it.k_head = job->k + bytes;
+    it.v_head = job->v + bytes;
+    it.ks_head = job->k_scale ? job->k_scale + tokens : NULL;
+    it.vs_head = job->v_scale ? job->v_scale + tokens : NULL;
+    return it;
+}
+
+/* The scale of token `o` of block `block` (1 for fp32 values). */
+static inline float token_scale(const float *head_scales, int64_t block, int64_t bs, int64_t o) {
+    return head_scales ? head_scales[block * bs + o] : 1.0f;
+}
+
+static inline __attribute__((always_inline)) void attend_any(const Job *job, int64_t item,
+                                                             float *restrict scores, int64_t kind) {
+    const Item it = item_of(job, item);
+    const int64_t dim = job->head_dim, bs = job->block_size, n = it.n, group = it.group;
+    const int64_t row_bytes = dim * element_bytes(kind);
     /* Pass 1: scores, walking the sequence block by block (no per-token division). */
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
-        const float *restrict keys = k_head + table[blk] * bs * dim;
-        const int64_t first = blk * bs, count = n - first < bs ? n - first : bs;
+    for (int64_t blk = 0; blk < it.num_blocks; blk++) {
+        const int64_t block = it.table[blk], first = blk * bs, count = n - first < bs ? n - first : bs;
         for (int64_t o = 0; o < count; o++) {
-            const float *restrict key = keys + o * dim;
+            const char *key = it.k_head + (block * bs + o) * row_bytes;
+            const float ks = token_scale(it.ks_head, block, bs, o) * job->scale;
             for (int64_t g = 0; g < group; g++) {
-                const float *restrict qg = q + g * dim;
+                const float *restrict qg = it.q + g * dim;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) dot += qg[d] * key[d];
-                scores[g * n + first + o] = dot * job->scale;
+                for (int64_t d = 0; d < dim; d++) dot += qg[d] * load1(key, d, kind);
+                scores[g * n + first + o] = dot * ks;
             }
         }
     }
     float inv_sum[MAX_GROUP];
     softmax_rows(scores, n, group, inv_sum);
-    memset(out, 0, sizeof(float) * group * dim);
+    memset(it.out, 0, sizeof(float) * group * dim);
     /* Pass 2: weighted sum of values, one query head at a time over each block. */
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
-        const float *restrict values = v_head + table[blk] * bs * dim;
-        const int64_t first = blk * bs, count = n - first < bs ? n - first : bs;
+    for (int64_t blk = 0; blk < it.num_blocks; blk++) {
+        const int64_t block = it.table[blk], first = blk * bs, count = n - first < bs ? n - first : bs;
         for (int64_t g = 0; g < group; g++) {
             const float *restrict w = scores + g * n + first;
-            float *restrict og = out + g * dim;
+            float *restrict og = it.out + g * dim;
             for (int64_t o = 0; o < count; o++) {
-                const float *restrict value = values + o * dim;
-                const float wo = w[o];
+                const char *value = it.v_head + (block * bs + o) * row_bytes;
+                const float wo = w[o] * token_scale(it.vs_head, block, bs, o);
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) og[d] += wo * value[d];
+                for (int64_t d = 0; d < dim; d++) og[d] += wo * load1(value, d, kind);
             }
         }
     }
     for (int64_t g = 0; g < group; g++) {
 #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) out[g * dim + d] *= inv_sum[g];
+        for (int64_t d = 0; d < dim; d++) it.out[g * dim + d] *= inv_sum[g];
     }
 }
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-/* dim == 64 and group <= 4: keys and values are loaded once for all query heads, and the output
- * accumulates in registers, instead of re-reading each key per head and storing `og` per key. */
-static void attend64(const Job *job, int64_t item, float *restrict scores) {
-    const int64_t b = item / job->kv_heads, h = item % job->kv_heads;
-    const int64_t group = job->heads / job->kv_heads, bs = job->block_size;
-    const int64_t n = job->context_lens[b], num_blocks = (n + bs - 1) / bs;
-    const int64_t *table = job->block_tables + b * job->max_blocks;
-    const float *q = job->q + (b * job->heads + h * group) * 64;
-    float *out = job->out + (b * job->heads + h * group) * 64;
-    const float *k_head = job->k + h * job->num_blocks * bs * 64;
-    const float *v_head = job->v + h * job->num_blocks * bs * 64;
+/* dim == 64 and group <= 4: keys and values are loaded (and dequantized) once for all query heads,
+ * and the output accumulates in registers, instead of re-reading each key per head and storing `og`
+ * per key. */
+static inline __attribute__((always_inline)) void attend64_any(const Job *job, int64_t item,
+                                                               float *restrict scores, int64_t kind) {
+    const Item it = item_of(job, item);
+    const int64_t bs = job->block_size, n = it.n, group = it.group, row_bytes = 64 * element_bytes(kind);
     v16 qv[4][4];
     for (int64_t g = 0; g < group; g++)
-        for (int i = 0; i < 4; i++) qv[g][i] = *(const v16 *)(q + g * 64 + i * 16);
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
-        const float *keys = k_head + table[blk] * bs * 64;
-        const int64_t first = blk * bs, count = n - first < bs ? n - first : bs;
+        for (int i = 0; i < 4; i++) qv[g][i] = *(const v16 *)(it.q + g * 64 + i * 16);
+    for (int64_t blk = 0; blk < it.num_blocks; blk++) {
+        const int64_t block = it.table[blk], first = blk * bs, count = n - first < bs ? n - first : bs;
         for (int64_t o = 0; o < count; o++) {
-            const v16 k0 = *(const v16 *)(keys + o * 64), k1 = *(const v16 *)(keys + o * 64 + 16);
-            const v16 k2 = *(const v16 *)(keys + o * 64 + 32), k3 = *(const v16 *)(keys + o * 64 + 48);
+            const char *key = it.k_head + (block * bs + o) * row_bytes;
+            const float ks = token_scale(it.ks_head, block, bs, o) * job->scale;
+            const v16 k0 = load16(key, 0, kind), k1 = load16(key, 16, kind);
+            const v16 k2 = load16(key, 32, kind), k3 = load16(key, 48, kind);
             for (int64_t g = 0; g < group; g++) {
                 v16 acc = qv[g][0] * k0 + qv[g][1] * k1 + qv[g][2] * k2 + qv[g][3] * k3;
                 float dot = 0.0f;
                 for (int i = 0; i < 16; i++) dot += acc[i];
-                scores[g * n + first + o] = dot * job->scale;
+                scores[g * n + first + o] = dot * ks;
             }
         }
     }
     float inv_sum[4];
     softmax_rows(scores, n, group, inv_sum);
     v16 acc[4][4] = {{{0}}};
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
-        const float *values = v_head + table[blk] * bs * 64;
-        const int64_t first = blk * bs, count = n - first < bs ? n - first : bs;
+    for (int64_t blk = 0; blk < it.num_blocks; blk++) {
+        const int64_t block = it.table[blk], first = blk * bs, count = n - first < bs ? n - first : bs;
         for (int64_t o = 0; o < count; o++) {
-            const v16 x0 = *(const v16 *)(values + o * 64), x1 = *(const v16 *)(values + o * 64 + 16);
-            const v16 x2 = *(const v16 *)(values + o * 64 + 32), x3 = *(const v16 *)(values + o * 64 + 48);
+            const char *value = it.v_head + (block * bs + o) * row_bytes;
+            const float vs = token_scale(it.vs_head, block, bs, o);
+            const v16 x0 = load16(value, 0, kind), x1 = load16(value, 16, kind);
+            const v16 x2 = load16(value, 32, kind), x3 = load16(value, 48, kind);
             for (int64_t g = 0; g < group; g++) {
-                const float w = scores[g * n + first + o];
+                const float w = scores[g * n + first + o] * vs;
                 acc[g][0] += w * x0; acc[g][1] += w * x1; acc[g][2] += w * x2; acc[g][3] += w * x3;
             }
         }
     }
     for (int64_t g = 0; g < group; g++)
-        for (int i = 0; i < 4; i++) *(v16 *)(out + g * 64 + i * 16) = acc[g][i] * inv_sum[g];
+        for (int i = 0; i < 4; i++) *(v16 *)(it.out + g * 64 + i * 16) = acc[g][i] * inv_sum[g];
 }
+
+/* One specialization per (shape, kind): the kind is a constant inside each, so loads are straight. */
+static void attend_f32(const Job *j, int64_t i, float *s) { attend_any(j, i, s, KIND_F32); }
+static void attend_i8(const Job *j, int64_t i, float *s) { attend_any(j, i, s, KIND_I8); }
+static void attend_f8(const Job *j, int64_t i, float *s) { attend_any(j, i, s, KIND_F8); }
+static void attend64_f32(const Job *j, int64_t i, float *s) { attend64_any(j, i, s, KIND_F32); }
+static void attend64_i8(const Job *j, int64_t i, float *s) { attend64_any(j, i, s, KIND_I8); }
+static void attend64_f8(const Job *j, int64_t i, float *s) { attend64_any(j, i, s, KIND_F8); }
+
+typedef void (*AttendFn)(const Job *, int64_t, float *);
+static const AttendFn ATTEND[3] = {attend_f32, attend_i8, attend_f8};
+static const AttendFn ATTEND64[3] = {attend64_f32, attend64_i8, attend64_f8};
 
 static void *run_job(void *arg) {
     Job *job = (Job *)arg;
     const int64_t group = job->heads / job->kv_heads;
     float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (job->max_context > 0 ? job->max_context : 1)));
     if (!scores) { job->status = 1; return NULL; }
+    const AttendFn attend = (job->head_dim == 64 && group <= 4 ? ATTEND64 : ATTEND)[job->kind];
     for (int64_t item = job->thread_index; item < job->batch * job->kv_heads; item += job->num_threads)
-        (job->head_dim == 64 && job->heads / job->kv_heads <= 4 ? attend64 : attend)(job, item, scores);
+        attend(job, item, scores);
     free(scores);
     return NULL;
 }
 
 /* Returns 0 on success, non-zero on a bad argument or allocation failure. */
-int paged_decode_attention(const float *q, const float *k, const float *v, float *out,
-                           const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
-                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
-                           int64_t block_size, int64_t max_blocks, int64_t max_context, float scale,
-                           int64_t num_threads) {
+int paged_decode_attention(const float *q, const void *k, const void *v, const float *k_scale,
+                           const float *v_scale, float *out, const int64_t *block_tables,
+                           const int64_t *context_lens, int64_t kind, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                           int64_t max_blocks, int64_t max_context, float scale, int64_t num_threads) {
     if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || num_threads <= 0) return 2;
+    if (kind < KIND_F32 || kind > KIND_F8 || (kind != KIND_F32 && (!k_scale || !v_scale))) return 3;
     if (num_threads > 64) num_threads = 64;
     Job jobs[64];
     pthread_t threads[64];
     int started[64] = {0};
     for (int64_t i = 0; i < num_threads; i++) {
-        jobs[i] = (Job){q, k, v, out, block_tables, context_lens, batch, heads, kv_heads, head_dim, num_blocks,
-                        block_size, max_blocks, max_context, scale, i, num_threads, 0};
+        jobs[i] = (Job){q, (const char *)k, (const char *)v, kind == KIND_F32 ? NULL : k_scale,
+                        kind == KIND_F32 ? NULL : v_scale, out, block_tables, context_lens, kind, batch, heads,
+                        kv_heads, head_dim, num_blocks, block_size, max_blocks, max_context, scale, i,
+                        num_threads, 0};
     }
     for (int64_t i = 1; i < num_threads; i++)
         started[i] = pthread_create(&threads[i], NULL, run_job, &jobs[i]) == 0;

@@ -1,8 +1,8 @@
 """Online cost models: how long prefill, decode steps and KV transfers take, fitted from step stats.
 
-Four models, one fitter (`linear_fit.WindowedLinearFit`: the last `window_steps` samples, least
-squares, coefficients non-negative, unidentifiable terms held at their prior; refitted lazily on the
-first read after new samples, ≈0.2 ms for 256 samples):
+Four models, one fitter (`linear_fit.WindowedLinearFit`: the last `window_steps` samples, exact
+non-negative least squares, unidentifiable terms held at their prior; refitted lazily on the first
+read after new samples, ≈0.3 ms for 256 samples):
 
 * prefill step: time_s = intercept_s + per_token_s · tokens + per_token_sq_s · tokens²
   The square term is attention's cost growing with the tokens each new token attends to; it is

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import ssl
 import time
 from contextlib import aclosing
 
@@ -48,12 +49,14 @@ class HttpFront:
         self._expected = f"Bearer {token}".encode() if token else None
         self._serving = True
         self.runner: web.AppRunner | None = None
-        self.host, self.port, self.uds = "", 0, None
+        self.host, self.port, self.uds, self.scheme = "", 0, None, "http"
 
     @classmethod
     async def start(cls, service: RouterService, *, host: str, port: int | None, uds: str | None = None,
-                    token: str | None = None, model_names: tuple[str, ...]) -> "HttpFront":
-        """Serves on host:port (0: the OS picks; None: no TCP) and/or the unix socket `uds`."""
+                    token: str | None = None, model_names: tuple[str, ...],
+                    ssl_context: ssl.SSLContext | None = None) -> "HttpFront":
+        """Serves on host:port (0: the OS picks; None: no TCP) and/or the unix socket `uds`; HTTPS on both
+        when `ssl_context` is given (the router's TLS keys, as for gRPC)."""
         front = cls(service, Context(service.limits, service.tokenizer, model_names), token)
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", front._completions)
@@ -64,17 +67,18 @@ class HttpFront:
         front.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await front.runner.setup()
         if port is not None:
-            await web.TCPSite(front.runner, host, port).start()
+            await web.TCPSite(front.runner, host, port, ssl_context=ssl_context).start()
             front.host, front.port = host, front.runner.addresses[0][1]
         if uds is not None:
-            await web.UnixSite(front.runner, uds).start()
+            await web.UnixSite(front.runner, uds, ssl_context=ssl_context).start()
             front.uds = uds
+        front.scheme = "http" if ssl_context is None else "https"
         return front
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops accepting, lets requests in flight finish for `grace_s`, then cancels the rest."""

@@ -31,8 +31,34 @@ def test_from_dict_round_trips_and_builds_engine_configs():
     ({"handoff_lease_s": 0}, "handoff_lease_s"),
     ({"decode": {"replicas": True}}, "decode.replicas"),
     ({"prefill": "big"}, "prefill"),
+    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
+    ({"quantization": "fp8"}, "quantization"),
+    ({"decode": {"quantization": "int4"}}, "decode.quantization"),
 ])
 def test_bad_values_name_the_key(raw, key):
     with pytest.raises(ConfigError) as err:
         ClusterConfig.from_dict(raw)
     assert key in str(err.value)
+
+
+def test_kv_cache_dtype_is_cluster_wide_and_weights_may_differ_per_pool():
+    config = ClusterConfig.from_dict({"kv_cache_dtype": "fp8", "quantization": "int8",
+                                      "prefill": {"quantization": "none"}})
+    prefill, decode = config.engine_config("prefill", "/m"), config.engine_config("decode", "/m")
+    assert (prefill.kv_cache_dtype, decode.kv_cache_dtype) == ("fp8", "fp8")
+    assert (prefill.quantization, decode.quantization) == ("none", "int8")
+    assert ClusterConfig.from_dict(config.to_dict()) == config
+    # A pool cannot store KV differently from the other: blocks move between them as stored.
+    for pool in ("prefill", "decode"):
+        with pytest.raises(ConfigError, match=f"{pool}.kv_cache_dtype: .*cluster-wide.*must store KV alike"):
+            ClusterConfig.from_dict({"kv_cache_dtype": "int8", pool: {"kv_cache_dtype": "fp8"}})
+
+
+def test_serve_flags_set_the_kv_cache_dtype_and_weight_quantization():
+    from splitserve.serve import build_config, parser
+
+    config, _ = build_config(parser("splitserve serve").parse_args(["--kv-cache-dtype", "int8", "--quantization",
+                                                                   "int8"]))
+    assert (config.kv_cache_dtype, config.quantization) == ("int8", "int8")
+    with pytest.raises(ConfigError, match="kv_cache_dtype: must be one of"):
+        build_config(parser("splitserve serve").parse_args(["--kv-cache-dtype", "int4"]))

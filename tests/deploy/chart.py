@@ -36,9 +36,11 @@ MATRIX: dict[str, dict] = {
     "everything": {
         "model": {"dir": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}},
         "config": {"dtype": "bfloat16", "block_size": 32, "prefill": {"max_num_batched_tokens": 4096, "threads": 4},
-                   "decode": {"num_kv_blocks": 8192}, "router": {"max_concurrent_requests": 256}},
+                   "decode": {"num_kv_blocks": 8192, "quantization": "none"},
+                   "router": {"max_concurrent_requests": 256}},
         "router": {"policy": "prefix_hash", "service": {"type": "LoadBalancer", "port": 443}, "port": 8443},
         "gpu": {"enabled": True}, "decode": {"tpSize": 2},
+        "quantization": {"kvCacheDtype": "int8", "weights": "int8"},
         "auth": {"enabled": True, "token": "t"},
         "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
         "redis": {"external": {"url": "redis://redis.shared:6379/3"}},
@@ -48,8 +50,21 @@ MATRIX: dict[str, dict] = {
         "podSecurity": {"runAsUser": 1000680000, "runAsGroup": 1000680000, "fsGroup": 1000680000},
     },
     "minimal-objects": {"networkPolicy": {"enabled": False}, "serviceAccount": {"create": False},
-                        "router": {"podDisruptionBudget": {"enabled": False}}},
+                        "router": {"podDisruptionBudget": {"enabled": False}}, "test": {"enabled": False}},
+    "tls-existing-secret": {"tls": {"enabled": True, "existingSecret": "router-tls", "caKey": ""},
+                            "router": {"replicas": 3}},
+    "tls-cert-manager-mutual": {
+        "tls": {"enabled": True, "healthPort": 8081, "clientCA": {"existingSecret": "client-ca"},
+                "certManager": {"enabled": True, "issuerRef": {"name": "ca", "kind": "ClusterIssuer",
+                                                               "group": "cert-manager.io"},
+                                "extraDnsNames": ["llm.example.com"]}},
+        "auth": {"enabled": True, "existingSecret": "splitserve-token"},
+        "router": {"replicas": 1, "podDisruptionBudget": {"enabled": True, "maxUnavailable": 0}}},
 }
+# TLS on top of everything else at once: an existing certificate, mutual TLS, the test's own client cert.
+MATRIX["everything"] = {**MATRIX["everything"], "tls": {
+    "enabled": True, "existingSecret": "router-tls", "clientCA": {"existingSecret": "clients", "key": "bundle.pem"},
+    "testClientSecret": "test-client-tls"}}
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,8 +110,10 @@ def cluster_config_raw(objs: list[dict]) -> dict:
 
 
 def pod_templates(objs: list[dict]) -> dict[str, dict]:
-    """Every pod template of the release by component label: workloads and RayCluster groups."""
+    """Every pod (template) of the release by component label: workloads, RayCluster groups and the
+    helm test pod."""
     templates = [o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+    templates.extend({"metadata": o["metadata"], "spec": o["spec"]} for o in objs if o["kind"] == "Pod")
     for ray in of_kind(objs, "RayCluster"):
         templates.append(ray["spec"]["headGroupSpec"]["template"])
         templates.extend(group["template"] for group in ray["spec"]["workerGroupSpecs"])

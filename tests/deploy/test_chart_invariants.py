@@ -11,8 +11,17 @@ import shlex
 
 import pytest
 
-from tests.deploy.chart import (CONFIG_PATH, MATRIX, NAMESPACE, RELEASE, cluster_config_raw, objects, of_kind, only,
-                                pod_templates)
+from tests.deploy.chart import (
+    CONFIG_PATH,
+    MATRIX,
+    NAMESPACE,
+    RELEASE,
+    cluster_config_raw,
+    objects,
+    of_kind,
+    only,
+    pod_templates,
+)
 
 matrix = pytest.mark.parametrize("case", sorted(MATRIX))
 # What a worker needs to land on its own worker group and join the right cluster: always rendered,
@@ -73,13 +82,22 @@ def test_service_target_ports_are_container_ports(case):
 def test_router_port_is_one_number_everywhere(case):
     objs = objects(MATRIX[case])
     router = pod_templates(objs)["router"]
-    port = cluster_config_raw(objs)["router"]["port"]
+    config = cluster_config_raw(objs)["router"]
+    port = config["port"]
     assert _container_port(router, "grpc") == port
-    http_port = cluster_config_raw(objs)["router"]["http_port"]
+    http_port = config["http_port"]
     assert _container_port(router, "http") == http_port != port
+    # Without TLS the probes GET /health on the HTTP front; with TLS, Kubernetes' gRPC probes (plaintext)
+    # ask the health-only port.
+    assert ("health_port" in config) == ("tls_cert_file" in config)
     container = router["spec"]["containers"][0]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the HTTP front's /health
-        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if "health_port" in config:
+            assert container[probe]["grpc"] == {"port": config["health_port"]}, probe
+        else:
+            assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    if "health_port" in config:
+        assert _container_port(router, "health") == config["health_port"] not in (port, http_port)
     service = only(objs, "Service", "-router")
     assert {"grpc", "http"} <= {p["targetPort"] for p in service["spec"]["ports"]}
     metrics_port = cluster_config_raw(objs)["router"].get("metrics_port")
@@ -120,7 +138,8 @@ def test_config_addresses_point_at_rendered_objects(case):
     head_client = _container_port(ray["spec"]["headGroupSpec"]["template"], "client")
     # KubeRay names the head Service "<RayCluster name>-head-svc".
     expected = f"ray://{ray['metadata']['name']}-head-svc.{NAMESPACE}.svc:{head_client}"
-    assert config["ray_address"] == expected
+    args = pod_templates(objs)["router"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["--ray-address", expected] and "ray_address" not in config
     assert len(f"{ray['metadata']['name']}-head-svc") <= 50, "KubeRay would shorten the name"
     redis = [s for s in of_kind(objs, "Service") if s["metadata"]["name"].endswith("-redis")]
     external = MATRIX[case].get("redis", {}).get("external", {})
@@ -137,7 +156,7 @@ def test_redis_url_from_a_secret_reaches_the_router_as_a_flag_only():
     objs = objects(MATRIX["external-redis-secret"])
     assert "redis_url" not in cluster_config_raw(objs)
     container = pod_templates(objs)["router"]["spec"]["containers"][0]
-    assert container["args"] == ["--redis-url", "$(SPLITSERVE_REDIS_URL)"]
+    assert container["args"][2:] == ["--redis-url", "$(SPLITSERVE_REDIS_URL)"]
     env = {e["name"]: e for e in container["env"]}
     assert env["SPLITSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-conn", "key": "redis-url"}
 
@@ -147,7 +166,6 @@ def test_worker_groups_advertise_what_the_pools_ask_for(case):
     objs = objects(MATRIX[case])
     config = cluster_config_raw(objs)
     groups = {g["groupName"]: g for g in only(objs, "RayCluster")["spec"]["workerGroupSpecs"]}
-    assert config["ray_address"]
     for name in ("prefill", "decode"):
         pool, group = config[name], groups[name]
         assert PLACEMENT_KEYS <= pool.keys(), name
@@ -176,7 +194,7 @@ def test_config_and_model_are_mounted_in_router_and_ray_pods(case):
     config_dir, config_file = CONFIG_PATH.rsplit("/", 1)
     model = values.get("model", {})
     for component, template in pod_templates(objs).items():
-        if component == "redis":
+        if component in ("redis", "test"):
             continue
         mounts = {m["mountPath"]: m["name"] for m in template["spec"]["containers"][0]["volumeMounts"]}
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
@@ -226,6 +244,32 @@ def test_every_pod_runs_non_root_and_locked_down(case):
             assert context["capabilities"]["drop"] == ["ALL"], component
             assert context["readOnlyRootFilesystem"] is True, component
         assert {"/tmp", "/data"} & {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]}, component
+
+
+@matrix
+def test_routers_are_peers_that_join_the_ray_cluster(case):
+    values, objs = MATRIX[case], objects(MATRIX[case])
+    router = only(objs, "Deployment", "-router")
+    replicas = values.get("router", {}).get("replicas", 2)
+    assert router["spec"]["replicas"] == replicas and router["spec"]["strategy"]["type"] == "RollingUpdate"
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    # The command line the controller design fixes: serve joins (or first starts) the cluster's controller.
+    assert container["command"] + container["args"][:2] == ["splitserve", "serve", "--config", CONFIG_PATH,
+                                                             "--ray-address", cluster_ray_address(objs)]
+    assert "POD_IP" not in {e["name"] for e in container["env"]}, "no worker dials a router pod any more"
+    pdbs = of_kind(objs, "PodDisruptionBudget")
+    budget = values.get("router", {}).get("podDisruptionBudget", {})
+    assert len(pdbs) == (1 if budget.get("enabled", True) else 0)
+    for pdb in pdbs:
+        assert pdb["spec"]["maxUnavailable"] == budget.get("maxUnavailable", 1) and "minAvailable" not in pdb["spec"]
+    affinity = router["spec"]["template"]["spec"]["affinity"]
+    (term,) = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert _selects(term["podAffinityTerm"]["labelSelector"], router["spec"]["template"]["metadata"]["labels"])
+
+
+def cluster_ray_address(objs: list[dict]) -> str:
+    ray = only(objs, "RayCluster")
+    return f"ray://{ray['metadata']['name']}-head-svc.{NAMESPACE}.svc:10001"
 
 
 def test_one_cluster_per_release_and_no_rendezvous_in_the_router_pod():

@@ -1,8 +1,9 @@
 """The chart renders, lints strictly clean, and every object it renders is valid for its API.
 
 Core objects are checked against Kubernetes' own schemas (kubernetes-validate, strict: unknown fields
-fail); the RayCluster against the hand-kept KubeRay field list, with its pod templates checked as core
-PodTemplateSpecs; the ServiceMonitor against the few Prometheus-operator fields it uses.
+fail); the RayCluster and the ServiceMonitor against their upstream CRDs (KubeRay's and the Prometheus
+operator's, vendored in tests/deploy/crds/), the RayCluster's pod templates also as core
+PodTemplateSpecs; the cert-manager Certificate against the fields of cert-manager's v1 API it uses.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig
-from tests.deploy.chart import CHART_DIR, KUBE_VERSION, MATRIX, NAMESPACE, of_kind, objects, only
-from tests.deploy.raycluster_schema import ray_pod_templates, validate_raycluster
+from tests.deploy.certificate_schema import validate_certificate
+from tests.deploy.chart import CHART_DIR, KUBE_VERSION, MATRIX, NAMESPACE, objects, of_kind, only, pod_templates
+from tests.deploy.crd_schema import ray_pod_templates, validate_custom_resource
 
-CUSTOM_KINDS = {"RayCluster", "ServiceMonitor"}
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "Certificate"}
 HELM_WARNING = 2  # lint severities: 1 info, 2 warning, 3 error
 
 matrix = pytest.mark.parametrize("case", sorted(MATRIX))
@@ -41,9 +43,9 @@ def test_core_objects_validate_against_kubernetes_schemas(case):
 
 
 @matrix
-def test_raycluster_uses_known_fields_and_valid_pod_templates(case):
+def test_raycluster_validates_against_the_kuberay_crd_and_its_pods_as_core_pods(case):
     ray = only(objects(MATRIX[case]), "RayCluster")
-    validate_raycluster(ray)
+    validate_custom_resource(ray)
     templates = ray_pod_templates(ray)
     assert set(templates) == {"head", "prefill", "decode"}
     for group, template in templates.items():
@@ -56,59 +58,63 @@ def test_raycluster_uses_known_fields_and_valid_pod_templates(case):
 
 @matrix
 def test_rendered_cluster_config_loads(case):
-    raw = only(objects(MATRIX[case]), "ConfigMap", "-config")["data"]["cluster.yaml"]
-    config = ClusterConfig.from_dict(yaml.safe_load(raw))
+    objs = objects(MATRIX[case])
+    config = ClusterConfig.from_dict(yaml.safe_load(only(objs, "ConfigMap", "-config")["data"]["cluster.yaml"]))
     assert config.router.host == "0.0.0.0"
-    assert config.ray_address.startswith("ray://")
+    assert config.ray_address is None, "the Ray address has one source: the router's --ray-address flag"
+    args = pod_templates(objs)["router"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--ray-address") + 1].startswith("ray://")
+    quantization = {"kvCacheDtype": "auto", "weights": "none", **MATRIX[case].get("quantization", {})}
+    assert (config.kv_cache_dtype, config.quantization) == (quantization["kvCacheDtype"], quantization["weights"])
 
 
 @matrix
-def test_service_monitor_only_when_asked_and_well_formed(case):
+def test_service_monitor_only_when_asked_and_valid_for_the_operator(case):
     values = MATRIX[case]
     monitors = of_kind(objects(values), "ServiceMonitor")
     wanted = values.get("metrics", {}).get("serviceMonitor", {}).get("enabled", False)
     assert len(monitors) == (1 if wanted else 0)
     for monitor in monitors:
-        jsonschema.validate(monitor, SERVICE_MONITOR_SCHEMA)
+        validate_custom_resource(monitor)
 
 
-SERVICE_MONITOR_SCHEMA = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {"type": "object"},
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": {"type": "object", "required": ["matchLabels"]},
-                "namespaceSelector": {"type": "object", "properties": {"matchNames": {"type": "array"}}},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["port"],
-                    "properties": {"port": {"type": "string"}, "path": {"type": "string"},
-                                   "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
-            },
-        },
-    },
-}
+@matrix
+def test_certificates_only_with_cert_manager_and_well_formed(case):
+    tls = MATRIX[case].get("tls", {})
+    certificates = of_kind(objects(MATRIX[case]), "Certificate")
+    wanted = tls.get("enabled") and tls.get("certManager", {}).get("enabled")
+    mutual_test_cert = wanted and tls.get("clientCA", {}).get("existingSecret") and not tls.get("testClientSecret")
+    assert len(certificates) == (0 if not wanted else 2 if mutual_test_cert else 1)
+    for certificate in certificates:
+        validate_certificate(certificate)
 
 
 def test_the_validators_have_teeth():
     """A misspelt field fails each validator: passing above means something."""
-    objs = objects({})
+    objs = objects(MATRIX["everything"] | {"metrics": {"enabled": True, "serviceMonitor": {"enabled": True}}})
     deployment = copy.deepcopy(only(objs, "Deployment"))
-    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcc"] = {"port": 1}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
-    ray = copy.deepcopy(only(objs, "RayCluster"))
-    ray["spec"]["workerGroupSpecs"][0]["replica"] = 1
-    with pytest.raises(jsonschema.ValidationError, match="replica"):
-        validate_raycluster(ray)
-    ray = copy.deepcopy(only(objs, "RayCluster"))
-    ray["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-cpus"] = 1
-    with pytest.raises(jsonschema.ValidationError):
-        validate_raycluster(ray)
+    for path, wrong in ((["spec", "workerGroupSpecs", 0, "replica"], 1),  # misspelt replicas
+                        (["spec", "workerGroupSpecs", 0, "rayStartParams", "num-cpus"], 1),  # a number, not a string
+                        (["spec", "headGroupSpec", "template", "spec", "containers", 0, "imagePullPolcy"], "x"),
+                        (["spec", "enableInTreeAutoscaling"], "no")):
+        ray = copy.deepcopy(only(objs, "RayCluster"))
+        _set(ray, path, wrong)
+        with pytest.raises(jsonschema.ValidationError):
+            validate_custom_resource(ray)
+    monitor = copy.deepcopy(only(objs, "ServiceMonitor"))
+    monitor["spec"]["endpoints"][0]["intervall"] = "30s"
+    with pytest.raises(jsonschema.ValidationError, match="intervall"):
+        validate_custom_resource(monitor)
+    certificate = copy.deepcopy(of_kind(objects(MATRIX["tls-cert-manager-mutual"]), "Certificate")[0])
+    certificate["spec"]["dnsName"] = ["x"]
+    with pytest.raises(jsonschema.ValidationError, match="dnsName"):
+        validate_certificate(certificate)
+
+
+def _set(obj, path: list, value) -> None:
+    for key in path[:-1]:
+        obj = obj[key]
+    obj[path[-1]] = value

@@ -10,14 +10,19 @@ import pytest
 
 from cluster.config import ROUTING_POLICIES, ClusterConfig, ConfigError, PoolConfig, RouterConfig
 from engine.config import DTYPES
+from engine.kv_quant import KV_CACHE_DTYPES
+from engine.layers.quantization import QUANTIZATIONS
 from tests.deploy.chart import CHART_DIR, MATRIX, chart, cluster_config_raw, objects
 
 # Config keys the chart sets from its own values (or from the release: addresses, mounts).
-CHART_OWNED_TOP = {"model_dir", "ray_address", "redis_url", "prefill", "decode", "router",
+CHART_OWNED_TOP = {"model_dir", "redis_url", "prefill", "decode", "router",
+                   "ray_address",  # the RayCluster's head, passed as --ray-address
                    "ray_num_cpus",  # sizes a local Ray cluster; a release always joins KubeRay's
-                   "cluster_name"}  # the release's full name: one cluster (one controller) per release
+                   "cluster_name",  # the release's full name: one cluster (one controller) per release
+                   "kv_cache_dtype", "quantization"}  # values.yaml `quantization:`
 CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource"}
-CHART_OWNED_ROUTER = {"host", "port", "http_port", "policy", "auth_token_file", "metrics_port"}
+CHART_OWNED_ROUTER = {"host", "port", "http_port", "policy", "auth_token_file", "metrics_port",
+                      "tls_cert_file", "tls_key_file", "tls_client_ca_file", "health_port"}  # from tls.*
 
 BAD_VALUES = [
     ({"prefill": {"replicas": -1}}, "/prefill/replicas", "minimum"),
@@ -40,6 +45,16 @@ BAD_VALUES = [
     ({"prefill": {"rayResource": "bad-name"}}, "/prefill/rayResource", "pattern"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", "IfNotPresent"),
     ({"podSecurity": {"runAsUser": 0}}, "/podSecurity/runAsUser", "minimum"),
+    ({"router": {"replicas": 0}}, "/router/replicas", "minimum"),
+    ({"router": {"podDisruptionBudget": {"minAvailable": 1}}}, "/router/podDisruptionBudget", "'minAvailable'"),
+    ({"tls": {"healthPort": 0}}, "/tls/healthPort", "minimum"),
+    ({"tls": {"certManager": {"issuerRef": {"kind": "Cluster"}}}}, "/tls/certManager/issuerRef/kind", "Issuer"),
+    ({"tls": {"certManager": {"duration": "90d"}}}, "/tls/certManager/duration", "pattern"),
+    ({"tls": {"enable": True}}, "/tls", "'enable' not allowed"),
+    ({"test": {"maxTokens": 0}}, "/test/maxTokens", "minimum"),
+    ({"quantization": {"kvCacheDtype": "int4"}}, "/quantization/kvCacheDtype", "fp8"),
+    ({"quantization": {"weights": "fp8"}}, "/quantization/weights", "int8"),
+    ({"config": {"decode": {"kv_cache_dtype": "int8"}}}, "/config/decode", "'kv_cache_dtype' not allowed"),
 ]
 
 
@@ -57,6 +72,14 @@ def test_schema_rejects_bad_values_naming_the_key(values, where, what):
     ({"metrics": {"enabled": True, "port": 50051}}, "metrics.port must differ from router.port"),
     ({"router": {"httpPort": 50051}}, "router.httpPort must differ from router.port"),
     ({"metrics": {"enabled": True, "port": 8000}}, "metrics.port must differ from router.httpPort"),
+    ({"tls": {"enabled": True}}, "set tls.existingSecret .* or tls.certManager.enabled"),
+    ({"tls": {"enabled": True, "existingSecret": "s", "certManager": {"enabled": True, "issuerRef": {"name": "i"}}}},
+     "not both"),
+    ({"tls": {"enabled": True, "certManager": {"enabled": True}}}, "tls.certManager.issuerRef.name"),
+    ({"tls": {"enabled": True, "existingSecret": "s", "healthPort": 50051}}, "tls.healthPort must differ from router.port"),
+    ({"tls": {"enabled": True, "existingSecret": "s", "healthPort": 8000}}, "tls.healthPort must differ from router.httpPort"),
+    ({"tls": {"enabled": True, "existingSecret": "s", "clientCA": {"existingSecret": "ca"}}},
+     "the helm test pod needs a client certificate"),
 ])
 def test_cross_field_rules_fail_rendering_with_a_reason(values, message):
     chart().validate_schema(values)
@@ -90,6 +113,10 @@ def test_chart_values_cover_each_config_key_exactly_once():
 
 def test_schema_enums_match_the_config_loader():
     props = _schema()["properties"]
+    assert props["quantization"]["properties"]["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)
+    assert props["quantization"]["properties"]["weights"]["enum"] == list(QUANTIZATIONS)
+    pool = _schema()["definitions"]["poolEngine"]["properties"]
+    assert pool["quantization"]["enum"] == [None, *QUANTIZATIONS]
     assert props["router"]["properties"]["policy"]["enum"] == list(ROUTING_POLICIES)
     assert set(props["config"]["properties"]["dtype"]["enum"]) == {"auto", *DTYPES}
     for tp_size in props["decode"]["properties"]["tpSize"]["enum"]:

@@ -71,10 +71,22 @@ def test_torch_is_pinned_as_in_requirements_and_installed_first():
     assert arg_defaults()["TORCH_VERSION"] == requirement_pin("torch")
     torch = _index_of("RUN", '"torch==${TORCH_VERSION}"')
     assert '--index-url "$TORCH_INDEX_URL"' in instructions()[torch][1]
-    requirements = _index_of("RUN", "pip install -r /tmp/requirements.txt")
+    requirements = _index_of("RUN", "pip install -c /tmp/deps/requirements.txt -r /tmp/deps/runtime.txt")
     project = _index_of("RUN", "pip install --no-deps /tmp/src")
     assert torch < requirements < project
     assert not any("pip install" in args for _, args in instructions()[:torch]), "something installed before torch"
+
+
+def test_the_image_installs_the_runtime_set_only_under_the_lock():
+    """No test, dev or plot extra reaches the serving image: the packages installed are exactly
+    pyproject's [project] dependencies, at the lock's versions."""
+    step = instructions()[_index_of("RUN", "/tmp/deps/runtime.txt")][1]
+    assert "['project']['dependencies']" in step and "optional-dependencies" not in step
+    assert "pip check" in step
+    copied = [args for kind, args in instructions() if kind == "COPY" and "/tmp/deps/" in args]
+    assert copied == ["pyproject.toml requirements.txt /tmp/deps/"]
+    installs = [args for kind, args in instructions() if kind == "RUN" and "pip install" in args]
+    assert not any("[" in args.split("pip install", 1)[1].split("&&")[0] for args in installs), "an extra is installed"
 
 
 def test_runs_as_the_numeric_non_root_user_the_chart_expects():

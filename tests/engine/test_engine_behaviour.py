@@ -3,7 +3,6 @@ abort, priorities, and the prefill/decode roles that disaggregation builds on.""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import SamplingParams
 from engine.errors import InvalidRequestError, UnsupportedModelError
@@ -214,8 +213,7 @@ def test_prefill_role_hands_blocks_to_a_decode_role_engine(checkpoint, make_llm)
         handoff = prefill.handoff_blocks(seq_id)
         assert handoff.num_computed_tokens == len(handoff.token_ids) - 1
         target = decode.reserve(seq_id, handoff.num_computed_tokens)
-        source = torch.tensor(handoff.block_ids)
-        decode.runner.kv_cache[:, :, :, list(target)] = prefill.runner.kv_cache[:, :, :, source]
+        decode.runner.kv_cache.copy_blocks_from(prefill.runner.kv_cache, handoff.block_ids, target)
         prefill.release(seq_id)
         decode.adopt(seq_id, handoff.token_ids, len(handoff.token_ids) - 1, greedy)
     while decode.has_unfinished():

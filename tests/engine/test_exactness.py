@@ -109,7 +109,7 @@ def test_half_precision_checkpoints_serve_and_upcast_exactly(dtype, checkpoint, 
     prompts = random_prompts(3, 5, 30, 512, seed=7)
     native = make_llm(model_dir)
     assert native.engine.model_config.dtype == dtype
-    assert native.engine.runner.kv_cache.dtype == native.engine.model_config.torch_dtype
+    assert native.engine.runner.kv_cache.values.dtype == native.engine.model_config.torch_dtype
     outs = native.generate(prompts, GREEDY, use_tqdm=False)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     # Loaded as fp32, the half-precision weights are the same numbers HF upcasts: exact again.

@@ -19,15 +19,15 @@ FAST = HandoffTimeouts(call_s=1.0, full_backoff_min_s=0.01, full_backoff_max_s=0
 
 
 class ScriptedDecode(DecodeEndpoint):
-    def __init__(self, log: list, full_times: int = 0, adopt_error: Exception | None = None):
-        self.log, self.full_times, self.adopt_error = log, full_times, adopt_error
+    def __init__(self, log: list, full_times: int = 0, adopt_error: Exception | None = None, kv_layout: str = ""):
+        self.log, self.full_times, self.adopt_error, self.kv_layout = log, full_times, adopt_error, kv_layout
 
     async def reserve(self, num_tokens: int) -> HandoffTarget:
         self.log.append(("reserve", num_tokens))
         if self.full_times:
             self.full_times -= 1
             raise DecodeFull("no room")
-        return HandoffTarget("d", RANKS, (3, 4), time.time() + 5)
+        return HandoffTarget("d", RANKS, (3, 4), time.time() + 5, self.kv_layout)
 
     def announce(self, rank: RankTarget):
         self.log.append(("announce", rank.peer_id))
@@ -46,7 +46,7 @@ class ScriptedDecode(DecodeEndpoint):
         self.log.append(("cancel",))
 
 
-def _session(log, endpoint, sender, *, send_error=None, deadline_s=5.0, rid="r"):
+def _session(log, endpoint, sender, *, send_error=None, deadline_s=5.0, rid="r", kv_layout=None):
     def send(target: HandoffTarget) -> int:
         log.append(("send", rid))
         time.sleep(0.02)
@@ -55,7 +55,7 @@ def _session(log, endpoint, sender, *, send_error=None, deadline_s=5.0, rid="r")
         return 1000
 
     return HandoffSession(rid, 40, endpoint, send, lambda: log.append(("release", rid)), sender,
-                          time.time() + deadline_s, FAST)
+                          time.time() + deadline_s, FAST, kv_layout=kv_layout)
 
 
 def _run(coro):
@@ -159,3 +159,23 @@ def test_one_senders_hand_offs_are_announced_one_at_a_time(sender):
     steps = [e for e in log if e[0] in ("announce", "stored")]
     # Each hand-off's two announces and two stores complete before the next one's first announce.
     assert [e[0] for e in steps] == ["announce", "announce", "stored", "stored"] * 3
+
+
+def test_a_pair_storing_kv_differently_refuses_before_anything_moves_naming_both(sender):
+    log = []
+    endpoint = ScriptedDecode(log, kv_layout="kv fp8 (fp32 scale per token and KV head), block_size 16")
+
+    async def go():
+        layout = ("prefill worker 'p'", "kv int8 (fp32 scale per token and KV head), block_size 16")
+        await _session(log, endpoint, KVSender(sender), kv_layout=layout).run()
+
+    with pytest.raises(HandoffFailed) as caught:
+        _run(go())
+    assert caught.value.step == "reserve" and not caught.value.decode_lost
+    assert ("KV layout mismatch: prefill worker 'p' stores [kv int8 (fp32 scale per token and KV head), block_size "
+            "16], decode instance 'd' stores [kv fp8") in str(caught.value)
+    assert [e[0] for e in log] == ["reserve", "release", "cancel"]  # nothing announced or sent
+    log.clear()
+    endpoint.kv_layout = "kv int8 (fp32 scale per token and KV head), block_size 16"
+    _run(go())  # the same layout hands off
+    assert "send" in [e[0] for e in log]

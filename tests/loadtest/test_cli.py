@@ -50,8 +50,11 @@ def test_trace_flags(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--target", "localhost"], "--target must be HOST:PORT"),
-    (["--target", "h:70000"], "--target must be HOST:PORT"),
+    (["--target", "localhost"], "--target: target must be HOST:PORT"),
+    (["--target", "h:70000"], "--target: target must be HOST:PORT"),
+    (["--target", "unix:"], "--target: target 'unix:' names no address"),
+    (["--tls-ca-file", "/no/such/ca.pem"], "--tls-ca-file /no/such/ca.pem"),
+    (["--tls-cert-file", "c.pem"], "--tls-cert-file and --tls-key-file go together"),
     (["--workload", "closed"], "invalid choice: 'closed'"),
     (["--backend", "openai", "--target", "127.0.0.1:8000"], "--target must be an http(s)://HOST:PORT URL"),
     (["--backend", "grpc"], "invalid choice: 'grpc'"),

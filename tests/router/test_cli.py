@@ -78,6 +78,9 @@ def test_serve_generate_status_and_health_end_to_end(checkpoint, tmp_path):
                 or "/decode-" in line}
         assert [row[1:5] for row in rows.values()] == [["prefill", "serving", "1", "0"], ["decode", "serving", "2", "0"]]  # epochs: start order
         assert _run(["health", "--target", address]).stdout.strip() == "SERVING"
+        # The unix socket `make run` prints is a target every client command takes.
+        assert "policy prefix_hash" in _run(["status", "--target", f"unix:{socket_path}"]).stdout
+        assert _run(["health", "--target", f"unix:{socket_path}"]).stdout.strip() == "SERVING"
         bad = _run(["generate", "--target", address, "--temperature", "-1", "hi"])
         assert bad.returncode != 0 and "sampling.temperature" in bad.stderr
     finally:

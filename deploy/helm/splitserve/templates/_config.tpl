@@ -1,6 +1,7 @@
 {{/* The cluster config (cluster/config.py ClusterConfig.from_dict) the release runs with.
 Chart-owned keys come from the chart's own values, everything else from `config` verbatim; the
-values schema keeps the two sets apart, so no key has two sources. */}}
+values schema keeps the two sets apart, so no key has two sources. The Ray address is not in it: the
+router's command line names it (`--ray-address`). */}}
 
 {{- define "splitserve.poolConfig" -}}
 {{- $pool := .pool -}}
@@ -12,11 +13,12 @@ values schema keeps the two sets apart, so no key has two sources. */}}
 {{- define "splitserve.clusterConfig" -}}
 {{- $v := .Values -}}
 {{- $cfg := deepCopy $v.config -}}
-{{- $_ := set $cfg "ray_address" (include "splitserve.rayAddress" .) -}}
-{{- $_ = set $cfg "cluster_name" (include "splitserve.fullname" .) -}}
+{{- $_ := set $cfg "cluster_name" (include "splitserve.fullname" .) -}}
 {{- with $v.model.dir }}{{ $_ := set $cfg "model_dir" . }}{{ end -}}
+{{- $_ = set $cfg "kv_cache_dtype" $v.quantization.kvCacheDtype -}}
+{{- $_ = set $cfg "quantization" $v.quantization.weights -}}
 {{- $prefill := dict "pool" $v.prefill "tpSize" 1 "gpu" $v.gpu.enabled "extra" $cfg.prefill -}}
-{{- $_ = set $cfg "prefill" (include "splitserve.poolConfig" $prefill | fromYaml) -}}
+{{- $_ := set $cfg "prefill" (include "splitserve.poolConfig" $prefill | fromYaml) -}}
 {{- $decode := dict "pool" $v.decode "tpSize" $v.decode.tpSize "gpu" $v.gpu.enabled "extra" $cfg.decode -}}
 {{- $_ = set $cfg "decode" (include "splitserve.poolConfig" $decode | fromYaml) -}}
 {{- $router := deepCopy ($cfg.router | default dict) -}}
@@ -29,6 +31,15 @@ values schema keeps the two sets apart, so no key has two sources. */}}
 {{- end }}
 {{- if $v.metrics.enabled }}
 {{- $_ = set $router "metrics_port" $v.metrics.port -}}
+{{- end }}
+{{- if $v.tls.enabled }}
+{{- $dir := include "splitserve.tlsMountPath" . -}}
+{{- $_ = set $router "tls_cert_file" (printf "%s/tls.crt" $dir) -}}
+{{- $_ = set $router "tls_key_file" (printf "%s/tls.key" $dir) -}}
+{{- $_ = set $router "health_port" $v.tls.healthPort -}}
+{{- if include "splitserve.mutualTls" . }}
+{{- $_ = set $router "tls_client_ca_file" (printf "%s/%s" (include "splitserve.clientCaMountPath" .) $v.tls.clientCA.key) -}}
+{{- end }}
 {{- end }}
 {{- $_ = set $cfg "router" $router -}}
 {{- $mode := include "splitserve.redisMode" . -}}

@@ -88,6 +88,51 @@ app.kubernetes.io/part-of: splitserve
 
 {{- define "splitserve.configPath" -}}/etc/splitserve/cluster.yaml{{- end -}}
 
+{{/* TLS: the router's certificate Secret (existing, or the one cert-manager writes) and where the
+router reads it. Sibling directories of the auth mount, so no read-only volume nests in another. */}}
+{{- define "splitserve.tlsSecretName" -}}
+{{- default (printf "%s-router-tls" (include "splitserve.fullname" .)) .Values.tls.existingSecret -}}
+{{- end -}}
+{{- define "splitserve.tlsMountPath" -}}/var/run/secrets/splitserve-tls{{- end -}}
+{{- define "splitserve.clientCaMountPath" -}}/var/run/secrets/splitserve-client-ca{{- end -}}
+{{- define "splitserve.testClientMountPath" -}}/var/run/secrets/splitserve-test-client{{- end -}}
+{{- define "splitserve.mutualTls" -}}{{ if and .Values.tls.enabled .Values.tls.clientCA.existingSecret }}true{{ end }}{{- end -}}
+{{- define "splitserve.testClientSecretName" -}}
+{{- default (printf "%s-test-client-tls" (include "splitserve.fullname" .)) .Values.tls.testClientSecret -}}
+{{- end -}}
+
+{{/* The DNS names the router's certificate must carry: its Service, short and qualified. */}}
+{{- define "splitserve.routerDnsNames" -}}
+{{- $svc := printf "%s-router" (include "splitserve.fullname" .) -}}
+{{- $ns := .Release.Namespace -}}
+{{- toYaml (concat (list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns)) .Values.tls.certManager.extraDnsNames) -}}
+{{- end -}}
+
+{{/* Where Kubernetes' gRPC probes ask: the router port, or with TLS the plaintext health-only port. */}}
+{{- define "splitserve.probePort" -}}
+{{- if .Values.tls.enabled }}{{ .Values.tls.healthPort }}{{ else }}{{ .Values.router.port }}{{ end -}}
+{{- end -}}
+
+{{/* The flags every client command (the helm test pod's) needs to reach the router of this release. */}}
+{{- define "splitserve.clientFlags" -}}
+{{- $flags := list "--target" (printf "%s-router.%s.svc:%d" (include "splitserve.fullname" .) .Release.Namespace (int .Values.router.service.port)) -}}
+{{- if .Values.tls.enabled -}}
+{{- if .Values.tls.caKey -}}
+{{- $flags = concat $flags (list "--tls-ca-file" (printf "%s/%s" (include "splitserve.tlsMountPath" .) .Values.tls.caKey)) -}}
+{{- else -}}
+{{- $flags = append $flags "--tls" -}}
+{{- end -}}
+{{- if include "splitserve.mutualTls" . -}}
+{{- $dir := include "splitserve.testClientMountPath" . -}}
+{{- $flags = concat $flags (list "--tls-cert-file" (printf "%s/tls.crt" $dir) "--tls-key-file" (printf "%s/tls.key" $dir)) -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.auth.enabled -}}
+{{- $flags = concat $flags (list "--auth-token-file" (printf "%s/%s" (include "splitserve.authMountPath" .) .Values.auth.secretKey)) -}}
+{{- end -}}
+{{- toJson $flags -}}
+{{- end -}}
+
 {{/* The pod-level security context every pod of the release runs with. */}}
 {{- define "splitserve.podSecurityContext" -}}
 runAsNonRoot: true
@@ -169,5 +214,137 @@ tolerations:
 {{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.router.httpPort)) -}}
 {{- fail "metrics.port must differ from router.httpPort (both listen in the router pod)" -}}
 {{- end -}}
+{{- $tls := .Values.tls -}}
+{{- if $tls.enabled -}}
+{{- if eq (int $tls.healthPort) (int .Values.router.port) -}}
+{{- fail "tls.healthPort must differ from router.port (both listen in the router pod)" -}}
+{{- end -}}
+{{- if eq (int $tls.healthPort) (int .Values.router.httpPort) -}}
+{{- fail "tls.healthPort must differ from router.httpPort (both listen in the router pod)" -}}
+{{- end -}}
+{{- if and .Values.metrics.enabled (eq (int $tls.healthPort) (int .Values.metrics.port)) -}}
+{{- fail "tls.healthPort must differ from metrics.port (both listen in the router pod)" -}}
+{{- end -}}
+{{- if eq (not $tls.existingSecret) (not $tls.certManager.enabled) -}}
+{{- fail "tls.enabled: set tls.existingSecret (a kubernetes.io/tls Secret) or tls.certManager.enabled, not both" -}}
+{{- end -}}
+{{- if and $tls.certManager.enabled (not $tls.certManager.issuerRef.name) -}}
+{{- fail "tls.certManager.issuerRef.name: name the cert-manager Issuer or ClusterIssuer that signs the router's certificate" -}}
+{{- end -}}
+{{- if and (include "splitserve.mutualTls" .) .Values.test.enabled (not $tls.testClientSecret) (not $tls.certManager.enabled) -}}
+{{- fail "tls.clientCA: the helm test pod needs a client certificate: set tls.testClientSecret (or test.enabled=false)" -}}
+{{- end -}}
+{{- end -}}
 {{- $_ := include "splitserve.redisMode" . -}}
+{{- end -}}
+
+{{/* The router's anti-affinity: unless the release sets its own affinity, routers prefer different
+nodes, so that one node's loss leaves a router serving. */}}
+{{- define "splitserve.routerAffinity" -}}
+{{- if .Values.router.affinity -}}
+{{- toYaml .Values.router.affinity -}}
+{{- else -}}
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+    - weight: 100
+      podAffinityTerm:
+        topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "splitserve.selectorLabels" (dict "ctx" . "component" "router") | nindent 12 }}
+{{- end -}}
+{{- end -}}
+
+{{/* Secrets the router reads: the bearer token, its TLS certificate, the client CA (mutual TLS).
+Whole-Secret volumes (no subPath), so a renewed certificate reaches the running pod. */}}
+{{- define "splitserve.routerSecretMounts" -}}
+{{- if .Values.auth.enabled }}
+- name: auth
+  mountPath: {{ include "splitserve.authMountPath" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "splitserve.tlsMountPath" . }}
+  readOnly: true
+{{- end }}
+{{- if include "splitserve.mutualTls" . }}
+- name: client-ca
+  mountPath: {{ include "splitserve.clientCaMountPath" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "splitserve.routerSecretVolumes" -}}
+{{- if .Values.auth.enabled }}
+- name: auth
+  secret:
+    secretName: {{ include "splitserve.authSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.auth.secretKey }}
+        path: {{ .Values.auth.secretKey }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "splitserve.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- if include "splitserve.mutualTls" . }}
+- name: client-ca
+  secret:
+    secretName: {{ .Values.tls.clientCA.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.tls.clientCA.key }}
+        path: {{ .Values.tls.clientCA.key }}
+{{- end }}
+{{- end -}}
+
+{{/* What the helm test pod's containers share: environment, limits, lock-down, the secrets a client
+of the release needs (token, the CA it trusts, its certificate under mutual TLS). */}}
+{{- define "splitserve.testContainer" -}}
+env:
+  - name: HOME
+    value: /tmp
+resources:
+  {{- toYaml .Values.test.resources | nindent 2 }}
+securityContext:
+  {{- include "splitserve.containerSecurityContext" . | nindent 2 }}
+volumeMounts:
+  - name: tmp
+    mountPath: /tmp
+  {{- if .Values.auth.enabled }}
+  - name: auth
+    mountPath: {{ include "splitserve.authMountPath" . }}
+    readOnly: true
+  {{- end }}
+  {{- if and .Values.tls.enabled .Values.tls.caKey }}
+  - name: tls-ca
+    mountPath: {{ include "splitserve.tlsMountPath" . }}
+    readOnly: true
+  {{- end }}
+  {{- if include "splitserve.mutualTls" . }}
+  - name: test-client
+    mountPath: {{ include "splitserve.testClientMountPath" . }}
+    readOnly: true
+  {{- end }}
+{{- end -}}
+
+{{/* The router's startup, readiness and liveness probes, all asking `probe` (a Probe's handler). */}}
+{{- define "splitserve.routerProbes" -}}
+startupProbe:
+  {{- toYaml .probe | nindent 2 }}
+  periodSeconds: 10
+  failureThreshold: {{ max 1 (div .router.startupSeconds 10) }}
+readinessProbe:
+  {{- toYaml .probe | nindent 2 }}
+  periodSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  {{- toYaml .probe | nindent 2 }}
+  periodSeconds: 15
+  timeoutSeconds: 5
+  failureThreshold: 4
 {{- end -}}

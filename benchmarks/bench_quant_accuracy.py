@@ -1,0 +1,130 @@
+"""Accuracy of quantized engines against the unquantized one, same prompts, same run.
+
+`splitserve bench-engine --accuracy [--model DIR] [--prompts N] [--max-tokens T] [--configs ...]`
+(or `python -m benchmarks.bench_quant_accuracy`). The reference is the engine in the checkpoint's
+dtype with `kv_cache_dtype=auto` and no weight quantization. It generates greedy continuations; then
+every configuration is teacher-forced along them (engine/teacher_forcing.py: each continuation token
+goes through a decode step over the paged cache, as in generation) and compared per step:
+
+- mean / max absolute logit error;
+- top-1 agreement: the configuration's argmax equals the reference's;
+- KL(reference || configuration) of the next-token distributions, mean and max;
+- greedy-sequence agreement: the configuration generating on its own, the length of its common
+  prefix with the reference continuation (mean over prompts, and how many match in full).
+
+`bf16-weights` (the checkpoint run in bfloat16) is printed as a yardstick: what the precision every
+serving engine uses by default costs on the same checkpoint. Targets are printed beside the figures;
+nothing is clipped or hidden.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+import torch
+
+from engine.config import EngineConfig
+from engine.demo_model import ensure_demo_model
+from engine.llm_engine import LLMEngine
+from engine.model_loader import load_model_config
+from engine.sampling_params import SamplingParams
+from engine.teacher_forcing import teacher_forced_logits
+
+CONFIGS = {
+    "int8-kv": {"kv_cache_dtype": "int8"},
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "int8-weights": {"quantization": "int8"},
+    "int8-weights+lm-head": {"quantization": "int8", "quantize_lm_head": True},
+    "int8-weights+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "bf16-weights": {"dtype": "bfloat16"},
+}
+TOP1_TARGET = 0.99
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"g{index}", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return [list(engine.pop_finished(f"g{index}").output_token_ids) for index in range(len(prompts))]
+
+
+def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict:
+    """Per-step figures of one configuration's teacher-forced logits against the reference's."""
+    error = (logits - reference).abs()
+    log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return {"mean_abs_logit_error": error.mean().item(), "max_abs_logit_error": error.max().item(),
+            "top1_agreement": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+            "kl_mean": kl.mean().item(), "kl_max": kl.max().item()}
+
+
+def agreement_lengths(reference: list[list[int]], generated: list[list[int]]) -> list[int]:
+    lengths = []
+    for ours, theirs in zip(generated, reference):
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        lengths.append(same)
+    return lengths
+
+
+def evaluate(model_dir: str, config_names: list[str], prompts: list[list[int]], max_tokens: int) -> dict:
+    engine_args = dict(model_dir=model_dir, num_kv_blocks=2048, max_num_seqs=len(prompts))
+    reference = LLMEngine(EngineConfig(**engine_args))
+    continuations = greedy(reference, prompts, max_tokens)
+    expected = torch.cat(teacher_forced_logits(reference, prompts, continuations))
+    del reference
+    report = {}
+    for name in config_names:
+        engine = LLMEngine(EngineConfig(**engine_args, **CONFIGS[name]))
+        row = compare(expected, torch.cat(teacher_forced_logits(engine, prompts, continuations)).float())
+        lengths = agreement_lengths(continuations, greedy(engine, prompts, max_tokens))
+        row.update(greedy_agreement_mean=sum(lengths) / len(lengths),
+                   greedy_full_matches=sum(n == max_tokens for n in lengths))
+        report[name] = row
+        del engine
+    return report
+
+
+def print_report(report: dict, num_prompts: int, max_tokens: int) -> None:
+    print(f"\n{num_prompts} prompts x {max_tokens} teacher-forced steps; reference: fp32 weights, kv auto")
+    print(f"{'config':<24}{'mean|dlogit|':>13}{'max|dlogit|':>12}{'top-1':>9}{'KL mean':>10}{'KL max':>9}"
+          f"{'greedy agree':>14}{'full':>6}  top-1 target")
+    for name, row in report.items():
+        verdict = "yardstick" if name == "bf16-weights" else (
+            "meets" if row["top1_agreement"] >= TOP1_TARGET else "MISSES")
+        print(f"{name:<24}{row['mean_abs_logit_error']:>13.5f}{row['max_abs_logit_error']:>12.4f}"
+              f"{row['top1_agreement']:>9.4f}{row['kl_mean']:>10.2e}{row['kl_max']:>9.2e}"
+              f"{row['greedy_agreement_mean']:>10.1f}/{max_tokens:<3}{row['greedy_full_matches']:>6}"
+              f"  {verdict} >= {TOP1_TARGET}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="splitserve bench-engine --accuracy", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.configs.split(",")) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or str(ensure_demo_model())
+    model = load_model_config(model_dir)
+    special = {*model.eos_token_ids, model.bos_token_id}
+    vocab = [t for t in range(model.vocab_size) if t not in special]  # no id with a meaning (EOS, BOS)
+    rng = random.Random(args.seed)
+    prompts = [rng.choices(vocab, k=rng.randint(args.min_prompt, args.max_prompt)) for _ in range(args.prompts)]
+    report = evaluate(model_dir, args.configs.split(","), prompts, args.max_tokens)
+    print_report(report, args.prompts, args.max_tokens)
+    return report
+
+
+if __name__ == "__main__":
+    main()

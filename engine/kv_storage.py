@@ -1,0 +1,111 @@
+"""The paged KV cache's storage on one rank: values and (for quantized formats) scales, in one object.
+
+Layout: values `[num_layers, 2 (K/V), kv_heads, num_blocks, block_size, head_dim]` in the format's
+storage dtype; scales `[num_layers, 2, kv_heads, num_blocks, block_size]` fp32 (one per token and KV
+head), or None. Heads lead so one KV head's blocks are contiguous: a decode TP rank receives whole
+head slices. Attention reads it through `layer(i)`; everything that moves KV between processes
+(kvtransfer, prefill and decode workers) uses only the transfer methods below, never the tensors, so
+the blocks and their scales travel as stored: no dequantize, no requantize.
+
+Per-layer transfer message: `[values [2, heads, blocks, block_size, head_dim]]`, plus
+`scales [2, heads, blocks, block_size]` for quantized formats. `layout` names the format and shape, so
+two sides can compare before any byte moves.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from engine.kv_quant import KVFormat
+
+
+class LayerKV(NamedTuple):
+    """One layer's cache: K and V values `[kv_heads, num_blocks, block_size, head_dim]` and their
+    scales `[kv_heads, num_blocks, block_size]` (None when the format has none)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    fmt: KVFormat
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new keys/values `[tokens, kv_heads, head_dim]` (quantized as the format says)."""
+        for cache, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            values, scale = self.fmt.quantize(new)
+            heads, blocks, block_size, dim = cache.shape
+            # fp8 has no index_copy kernel on CPU: move its bytes through a uint8 view.
+            flat = _bytes(cache).view(heads, blocks * block_size, dim)
+            flat.index_copy_(1, slot_mapping, _bytes(values).transpose(0, 1))
+            if scales is not None:
+                scales.view(heads, blocks * block_size).index_copy_(1, slot_mapping, scale.transpose(0, 1))
+
+
+class KVCacheStorage:
+    def __init__(self, fmt: KVFormat, num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
+                 head_dim: int, device: torch.device | str = "cpu"):
+        self.fmt = fmt
+        self.num_layers, self.num_kv_heads, self.num_blocks = num_layers, num_kv_heads, num_blocks
+        self.block_size, self.head_dim = block_size, head_dim
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size)
+        self.values = torch.zeros(*shape, head_dim, dtype=fmt.storage_dtype, device=device)
+        self.scales = torch.zeros(shape, dtype=torch.float32, device=device) if fmt.quantized else None
+
+    def layer(self, index: int) -> LayerKV:
+        scales = self.scales
+        return LayerKV(self.values[index, 0], self.values[index, 1],
+                       None if scales is None else scales[index, 0], None if scales is None else scales[index, 1],
+                       self.fmt)
+
+    # ---- sizes and identity ---------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> int:
+        """This rank's KV bytes for one token (all layers, K and V, scales included)."""
+        return self.fmt.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def layout(self) -> str:
+        """What both ends of a KV transfer must agree on, in words: format, block size, head_dim,
+        layers. (KV heads are not in it: a decode TP rank holds a slice of the sender's heads.)"""
+        return (f"kv {self.fmt.describe()}, block_size {self.block_size}, head_dim {self.head_dim}, "
+                f"layers {self.num_layers}")
+
+    # ---- transfer -------------------------------------------------------------------------------
+    def export_layer(self, layer: int, head_start: int, head_end: int,
+                     block_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Layer `layer`'s KV heads [head_start, head_end) of `block_ids` (int64), as sent."""
+        heads = slice(head_start, head_end)
+        out = [_bytes(self.values[layer, :, heads]).index_select(2, block_ids).view(self.fmt.storage_dtype)]
+        if self.scales is not None:
+            out.append(self.scales[layer, :, heads].index_select(2, block_ids))
+        return out
+
+    def staging(self, num_blocks: int) -> list[torch.Tensor]:
+        """Empty tensors one received layer message fills (this rank's heads)."""
+        shape = (2, self.num_kv_heads, num_blocks, self.block_size)
+        out = [torch.empty(*shape, self.head_dim, dtype=self.fmt.storage_dtype, device=self.values.device)]
+        if self.scales is not None:
+            out.append(torch.empty(shape, dtype=torch.float32, device=self.values.device))
+        return out
+
+    def import_layer(self, layer: int, block_ids: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+        """Writes a received layer message (`staging` shapes) into `block_ids` of layer `layer`."""
+        _bytes(self.values[layer]).index_copy_(2, block_ids, _bytes(tensors[0]))
+        if self.scales is not None:
+            self.scales[layer].index_copy_(2, block_ids, tensors[1])
+
+    def copy_blocks_from(self, other: "KVCacheStorage", source: Sequence[int], target: Sequence[int]) -> None:
+        """Every layer's KV of `other`'s blocks `source` into our blocks `target` (same layout and heads)."""
+        src, dst = (torch.tensor(list(ids), dtype=torch.int64) for ids in (source, target))
+        for layer in range(self.num_layers):
+            self.import_layer(layer, dst, other.export_layer(layer, 0, other.num_kv_heads, src))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of an fp8 tensor (which has no index_copy on CPU); other tensors as they are."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor

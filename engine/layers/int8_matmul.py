@@ -1,0 +1,69 @@
+"""`x @ (int8 weight * per-channel scale)ᵀ`: the fastest kernel each case has, behind one function.
+
+Backends, first match wins (measured in benchmarks/int8_matmul.py, README):
+- `native`: fp32 activations on CPU with at most NATIVE_MAX_ROWS rows (decode steps): the C kernel
+  engine/kernels/int8_linear.c widens int8 weights to fp32 in registers, reading a quarter of the fp32
+  bytes. torch's own CPU op for this, `aten._weight_int8pack_mm`, is many times slower than fp32
+  `F.linear` with fp32 activations (it is vectorized for bf16 only), and `torch._int_mm` needs int8
+  activations (W8A8, not weight-only).
+- `int8pack`: bf16 / fp16 activations on CPU: `aten._weight_int8pack_mm`, vectorized there.
+- `dequantize`: everything else (large prefill batches, where the matmul's compute hides the
+  widening of one layer's weights, and devices without a kernel here: a GPU kernel slots in above it).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import kernel
+
+NATIVE_MAX_ROWS = 64  # above this, widening the weights once and using the BLAS matmul is faster
+
+
+class Backend(NamedTuple):
+    name: str
+    applies: Callable[[torch.Tensor], bool]
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _native_applies(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= NATIVE_MAX_ROWS
+            and kernel("int8_linear") is not None)
+
+
+def _native(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    status = kernel("int8_linear")(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                                   x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"int8 linear kernel failed with status {status}")
+    return out
+
+
+def _int8pack(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, weight, scale.to(x.dtype))
+
+
+def _dequantize(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+
+
+BACKENDS = (
+    Backend("native", _native_applies, _native),
+    Backend("int8pack", lambda x: x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16), _int8pack),
+    Backend("dequantize", lambda x: True, _dequantize),
+)
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., in] (model dtype), weight int8 [out, in], scale fp32 [out] → [..., out] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    backend = select_backend(rows)
+    return backend.run(rows, weight, scale).view(*x.shape[:-1], weight.shape[0])
+
+
+def select_backend(rows: torch.Tensor) -> Backend:
+    return next(backend for backend in BACKENDS if backend.applies(rows))
