@@ -64,7 +64,8 @@ def measure_profile(model_dir: str, *, threads: int = 1, dtype: str = "auto", gr
     capacity = cluster_engine.num_blocks_for(model) * cluster_engine.block_size
     params = sum(p.numel() for p in engine.runner.model.parameters())
     hardware = f"{platform.processor() or platform.machine()}, {threads} torch thread(s) per worker"
-    facts = ModelFacts(model.architecture, int(params), model.kv_bytes_per_token, engine.max_model_len,
+    kv_bytes = cluster_engine.kv_format(model).bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim)
+    facts = ModelFacts(model.architecture, int(params), kv_bytes, engine.max_model_len,
                        model.vocab_size, engine.config.block_size, tuple(model.eos_token_ids))
     return Profile("measured", label or f"measured on this machine: {model.architecture} {model.dtype}, {hardware}",
                    hardware, facts, {1: cost}, {1: capacity}, transfer, Overheads(),
