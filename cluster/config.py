@@ -13,6 +13,7 @@ from typing import Any
 from engine.config import DTYPES, EngineConfig
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
+from cluster.planner_config import PlannerConfig
 from router.admission.config import AdmissionConfig
 
 
@@ -123,6 +124,7 @@ class ClusterConfig:
     prefix_pull_timeout_s: float = 5.0  # a prefix pull not done by then is abandoned (the prompt is computed)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # router admission control
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # the controller's online planner
 
     def __post_init__(self):
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -254,7 +256,8 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-_SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "controller": ControllerConfig}
+_SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "controller": ControllerConfig,
+             "planner": PlannerConfig}
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # What a cluster's controller owns: a command joining a running cluster may not ask for other values.
 # The rest (router, admission, where Ray is) belongs to each process.
@@ -289,9 +292,7 @@ def _build(cls, values: dict, prefix: str):
         _check_type(value, str(hints[key]), f"{prefix}{key}")
     try:
         return cls(**values)
-    except ConfigError as err:
-        raise ConfigError(f"{prefix}{err}") from None
-    except TypeError as err:
+    except (ValueError, TypeError) as err:  # ConfigError, or a section's own ValueError naming its key
         raise ConfigError(f"{prefix}{err}") from None
 
 

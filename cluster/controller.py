@@ -13,6 +13,9 @@ ping at once; `health_failures` pings in a row unanswered within `health_timeout
 killed); an engine loop that died means broken. Any of these removes the worker from membership at
 once (and its prefix-index entries, with Redis), ends all its ranks, and starts a replacement.
 
+With `planner.enabled` it also runs the online planner (cluster/planner_loop.py: why here, and how):
+routers report their traffic through `report_traffic`, and the planner calls this controller's `scale`.
+
 The controller is not a single point of failure: Ray restarts it (`max_restarts`), and the restarted
 process re-adopts the workers still alive from the record it keeps in Ray's GCS
 (`cluster/controller_state.py`), publishing the same membership and version; no worker restarts.
@@ -33,6 +36,8 @@ from cluster.controller_slots import Slot, SlotStarter
 from cluster.controller_state import ControllerState
 from cluster.membership import DRAINING, ROLES, SERVING, Member, Membership
 from cluster.messages import Liveness
+from cluster.planner_loop import PlannerLoop
+from cluster.traffic import TrafficCounts
 
 log = logging.getLogger(__name__)
 CONTROLLER_PREFIX = "splitserve-controller:"
@@ -58,6 +63,9 @@ class ClusterController:
         self._changed = asyncio.get_running_loop().create_future()
         self._ready = asyncio.Event()  # set once re-adoption (or the first reconcile) is done
         self._stopping = False
+        self.planner: PlannerLoop | None = None
+        self.planner_error: str | None = None
+        self._planner_task: asyncio.Task | None = None
         self._task = asyncio.get_running_loop().create_task(self._supervise())
 
     # ---- API ---------------------------------------------------------------------------------------
@@ -115,6 +123,20 @@ class ClusterController:
         self.state.save()
         await self._reconcile()
 
+    async def report_traffic(self, router_id: str, counts: TrafficCounts) -> bool:
+        """A router's cumulative traffic counters (cluster/traffic.py). False: no planner runs here."""
+        if self.planner is None:
+            return False
+        self.planner.report(router_id, counts)
+        return True
+
+    async def planner_status(self) -> dict | None:
+        """The planner's pools and recent rounds (observation, decision); {"error": ...} when it could not
+        start; None when it is off."""
+        if self.planner is None:
+            return {"error": self.planner_error} if self.planner_error else None
+        return self.planner.status()
+
     async def kill_worker(self, worker_id: str, rank: int = 0) -> bool:
         """Chaos: SIGKILL the process of one rank of a worker (no polite stop). False: no such worker."""
         slot = self.slots.get(worker_id)
@@ -127,6 +149,8 @@ class ClusterController:
         """Ends every worker and forgets the cluster (the caller then kills this actor)."""
         self._stopping = True
         self._task.cancel()
+        if self._planner_task is not None:
+            self._planner_task.cancel()
         for slot in list(self.slots.values()):
             self.starter.end(slot)
         await self.starter.close()
@@ -150,6 +174,7 @@ class ClusterController:
             await self._reconcile()
         finally:
             self._ready.set()
+        self._start_planner()
         while not self._stopping:
             await asyncio.sleep(self.config.controller.health_interval_s)
             try:
@@ -158,6 +183,24 @@ class ClusterController:
                 await self.starter.progress_drains()
             except Exception:  # never let one bad round end supervision
                 log.exception("controller supervision round failed")
+
+    def _start_planner(self) -> None:
+        planner = self.config.planner
+        if not planner.enabled:
+            return
+        try:  # an unreadable profile or no service-account token: the pools keep serving as they are
+            actuator = None
+            if planner.raycluster_name is not None:
+                from cluster.k8s_actuator import in_cluster
+
+                actuator = in_cluster(planner.raycluster_name, planner.raycluster_namespace,
+                                      self.config.decode.tp_size)
+            self.planner = PlannerLoop(self, actuator)
+        except Exception as err:
+            self.planner_error = f"{type(err).__name__}: {err}"
+            log.exception("the planner could not start")
+            return
+        self._planner_task = asyncio.get_running_loop().create_task(self.planner.run())
 
     async def _check_health(self) -> None:
         watched = [s for s in self.slots.values() if s.ranks is not None and s.state in (SERVING, DRAINING)]

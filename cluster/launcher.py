@@ -30,6 +30,7 @@ from cluster.membership import Member, Membership
 RAY_NAMESPACE = "splitserve"
 JOIN_TIMEOUT_S = 10.0  # a controller that does not answer this fast is not there (or broken)
 PROGRESS_EVERY_S = 3.0
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
 class ClusterNotFound(RuntimeError):
@@ -143,9 +144,12 @@ def _start_or_join(name: str, config: ClusterConfig, model_dir: str | None, give
         return controller, False
     say(f"starting the controller of cluster {name!r}")
     model_dir = str(model_dir or config.model_dir or _demo_model_dir())
+    # A planner that patches the RayCluster needs the service-account token, which the chart mounts on
+    # the Ray head only: the controller is pinned there (a sliver of the head's own resource).
+    head = {HEAD_RESOURCE: 0.001} if config.planner.enabled and config.planner.raycluster_name else {}
     options = ray.remote(ClusterController).options(
         name=controller_name(name), namespace=RAY_NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=1000,
+        num_cpus=0, resources=head, max_restarts=-1, max_task_retries=-1, max_concurrency=1000,
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}})
     return options.remote(name, config.to_dict(), model_dir), True
 

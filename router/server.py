@@ -83,6 +83,7 @@ class RouterServer:
             log.info("router metrics on http://%s:%d/metrics", exporter.host, exporter.port)
         cluster.start()
         service.monitor.start()
+        service.traffic.start()
         if feeder is not None:
             feeder.start()
         interceptors = [ErrorInterceptor(metrics)]
@@ -117,7 +118,7 @@ class RouterServer:
                 raise
             log.info("router serving the OpenAI API on %s", http.url if router.http_port is not None else http_uds)
         return cls(server, service, health, port, router.host,
-                   [probes, cluster, feeder, service.monitor, service, index], exporter, http)
+                   [probes, cluster, feeder, service.monitor, service.traffic, service, index], exporter, http)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops taking calls, lets streams in flight end for `grace_s`, then cancels the rest."""

@@ -25,9 +25,9 @@ from router.ledger import RouteLedger
 from router.prefix_pull_planner import PullPlanner
 from router.request_keys import route_query, timed
 from router.stream_state import StreamState, Usage
+from router.traffic_reporter import TrafficReporter
 from router.validation import ModelLimits, RouterRequest
 from router.worker_monitor import WorkerMonitor
-
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class RouterService:
         self._tokens_through: dict[str, int] = {}
         self._running: set[str] = set()
         self.ledger = RouteLedger()
+        self.traffic = TrafficReporter(cluster.controller, cluster.config.planner)  # the planner's input
 
     def _check_members(self, old: Membership, new: Membership) -> None:
         """Membership listener: every worker must hash blocks by this router's spec and serve its model
@@ -122,6 +123,7 @@ class RouterService:
         far as the router can tell). Raises the exceptions named above. TTFT counts from the client's send."""
         started_s = time.perf_counter() - waited_s
         self._admit(request)
+        self.traffic.arrived(len(request.prompt_token_ids))
         self._running.add(request.request_id)
         try:
             async for output in self._run(request, deadline_s, StreamState(request, self.tokenizer, started_s),
@@ -234,6 +236,7 @@ class RouterService:
         met = slo_met(state.ttft_s, state.tpot_s, request.ttft_ms, request.tpot_ms)
         metrics.observe_request("ok", met_slo=met, duration_s=state.duration_s, priority=request.priority)
         metrics.prompt_tokens(len(request.prompt_token_ids), state.cached_tokens)
+        self.traffic.finished(state.num_tokens, state.ttft_s, state.tpot_s)
 
     def _admit(self, request: RouterRequest) -> None:
         if request.request_id in self._running or self.client.is_active(request.request_id):

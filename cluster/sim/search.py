@@ -96,13 +96,15 @@ def search(profile: Profile, requests: Sequence[SimRequest], base: SimConfig, ma
 
 
 def least_cost(profile: Profile, requests: Sequence[SimRequest], base: SimConfig, max_workers: int,
-               target: float, floor: tuple[int, int] = (1, 1)) -> SimConfig | None:
-    """The smallest (prefill, decode) cluster, each pool at least its floor, meeting `target` at the
-    requests' own rate; among equal sizes, the one with the best attainment. None: none within
-    `max_workers`."""
-    for total in range(sum(floor), max_workers + 1):
+               target: float, floor: tuple[int, int] = (1, 1),
+               ceiling: tuple[int, int] | None = None) -> SimConfig | None:
+    """The smallest (prefill, decode) cluster, each pool at least its floor (and at most its ceiling),
+    meeting `target` at the requests' own rate; among equal sizes, the one with the best attainment.
+    None: none within `max_workers` (and the ceiling)."""
+    top = ceiling or (max_workers, max_workers)
+    for total in range(sum(floor), min(max_workers, sum(top)) + 1):
         best = None
-        for prefill in range(floor[0], total - floor[1] + 1):
+        for prefill in range(max(floor[0], total - top[1]), min(top[0], total - floor[1]) + 1):
             config = dataclasses.replace(base, prefill=prefill, decode=total - prefill, colocated=0)
             met = attainment(config, profile, requests)
             if met >= target and (best is None or met > best[0]):
