@@ -124,23 +124,54 @@ def decode_figures(engine: LLMEngine, batches, context: int, bandwidth: float) -
 
 
 def attention_figures(engine: LLMEngine, batch: int, context: int, bandwidth: float) -> list[dict]:
-    """One layer's decode attention: the Triton kernel vs the PyTorch gather path (padded slots)."""
+    """One layer's decode attention alone (no cache write): the Triton kernel vs the PyTorch gather
+    path, 20 back-to-back calls per timing so launch gaps hide behind the work."""
+    from engine.attention import _decode_attention
+    from engine.kernels.triton_decode import paged_decode_attention
+
     runner = engine.runner
     layer = runner.kv_cache.layer(0)
     step = decode_step(batch, context, runner.block_size).to(runner.device)
-    heads = runner.model.config.num_heads
-    q = torch.randn(batch, heads, layer.k.shape[-1], device="cuda", dtype=layer.k.dtype)
+    q = torch.randn(batch, runner.model.config.num_heads, layer.k.shape[-1], device="cuda", dtype=layer.k.dtype)
     kv_bytes = batch * context * 2 * layer.k.shape[0] * layer.k.shape[-1] * layer.k.element_size()
+    padded = attention_metadata(step, runner.block_size, native_decode=False)
+    kernels = {
+        "triton": lambda: paged_decode_attention(q, layer.k, layer.v, None, None, step.decode_block_tables,
+                                                 step.decode_context_lens, 0.125),
+        "torch-gather": lambda: _decode_attention(q, layer.k, layer.v, padded, 0.125),
+    }
     rows = []
-    for name, native in (("triton", True), ("torch-gather", False)):
-        meta = attention_metadata(step, runner.block_size, native)
-        k_new = torch.randn(batch, layer.k.shape[0], layer.k.shape[-1], device="cuda", dtype=layer.k.dtype)
-        ms = timed_ms(lambda: paged_attention(q, k_new, k_new, layer, meta, 0.125), repeats=50)
+    for name, kernel in kernels.items():
+        ms = timed_ms(lambda: [kernel() for _ in range(20)], repeats=10) / 20
         rows.append({"kernel": name, "batch": batch, "context": context, "ms": ms,
                      "kv_bytes_per_s": kv_bytes / (ms / 1e3), "fraction_of_hbm": kv_bytes / (ms / 1e3) / bandwidth})
         print(f"attention {name}: {ms * 1e3:.1f} us, {kv_bytes / (ms / 1e3) / 1e9:.0f} GB/s "
               f"({kv_bytes / (ms / 1e3) / bandwidth:.0%} of HBM)", flush=True)
     return rows
+
+
+def kernel_breakdown(engine: LLMEngine, batch: int, context: int) -> dict:
+    """GPU time of one eager decode step by kernel (profiler): where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.runner
+    step = decode_step(batch, context, runner.block_size)
+    graphs, runner.graphs = runner.graphs, None
+    runner.execute(step)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.execute(step)
+        torch.cuda.synchronize()
+    runner.graphs = graphs
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in events)
+    count = sum(e.count for e in events)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+    print(f"kernels of one batch-{batch} step: {count} launches, {total_us / 1e3:.3f} ms of GPU time", flush=True)
+    for e in top:
+        print(f"  {e.self_device_time_total:9.1f} us x{e.count:4d}  {e.key[:90]}", flush=True)
+    return {"batch": batch, "launches": count, "gpu_ms": total_us / 1e3,
+            "top": [{"name": e.key[:120], "us": e.self_device_time_total, "count": e.count} for e in top]}
 
 
 def prefill_figures(engine: LLMEngine, num_seqs: int, length: int, peak: float) -> dict:
@@ -180,6 +211,7 @@ def main() -> None:
                                         max_num_batched_tokens=16384, prefill_chunk_tokens=2048))
         result["decode"] = decode_figures(engine, batches, args.context, result["hbm_bytes_per_s"])
         result["attention"] = attention_figures(engine, max(batches), args.context, result["hbm_bytes_per_s"])
+        result["breakdown"] = [kernel_breakdown(engine, b, args.context) for b in (1, max(batches))]
         result["prefill"] = prefill_figures(engine, 8, 2048, result["bf16_flops_per_s"])
     result["elapsed_s"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -2,7 +2,8 @@
 
 Two spawned processes share cuda:0, each with a `KVCacheStorage` of the 1B Llama shape (16 layers,
 8 KV heads, head_dim 64, bf16, block 16). The sender exports one sequence's blocks layer by layer
-(`export_layer`) and sends each layer as one message; the receiver receives into staging tensors and
+(`export_layer`) and sends each layer as one message (as the hand-off does; also all layers as one message, to show the
+per-message cost); the receiver receives into staging tensors and
 writes them into its own blocks (`import_layer`), as the hand-off does. Two ways, in the same run:
 - `cuda_ipc`: `TorchDistTransport(backend="auto")`, which agrees on cuda_ipc for two processes on
   one GPU (IPC handles over gloo, a device-to-device copy by the receiver);
@@ -37,7 +38,8 @@ def _storage(num_blocks: int):
     return storage
 
 
-def _worker(role: str, mode: str, port: int, tokens_list: list[int], repeats: int, results) -> None:
+def _worker(role: str, mode: str, per_layer: bool, port: int, tokens_list: list[int], repeats: int,
+            results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from kvtransfer.torch_dist import TorchDistTransport
 
@@ -53,15 +55,17 @@ def _worker(role: str, mode: str, port: int, tokens_list: list[int], repeats: in
         for _ in range(repeats + 1):  # the first opens the channel: not timed
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for layer in range(LAYERS):
+            for layers in ([[layer] for layer in range(LAYERS)] if per_layer else [list(range(LAYERS))]):
                 if role == "sender":
-                    message = storage.export_layer(layer, 0, KV_HEADS, blocks)
+                    message = [t for layer in layers for t in storage.export_layer(layer, 0, KV_HEADS, blocks)]
                     transport.send(peer, [t.cpu() for t in message] if mode == "host-staged" else message, 30.0)
                 else:
-                    staging = storage.staging(len(blocks))
-                    landing = [t.cpu() for t in staging] if mode == "host-staged" else staging
+                    staging = [storage.staging(len(blocks)) for _ in layers]
+                    flat = [t for message in staging for t in message]
+                    landing = [t.cpu() for t in flat] if mode == "host-staged" else flat
                     transport.recv(peer, landing, 30.0)
-                    storage.import_layer(layer, target, [t.to("cuda") for t in landing])
+                    for layer, received in zip(layers, landing):
+                        storage.import_layer(layer, target, [received.to("cuda")])
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         num_bytes = tokens * storage.bytes_per_token
@@ -71,12 +75,12 @@ def _worker(role: str, mode: str, port: int, tokens_list: list[int], repeats: in
     results.put((role, figures))
 
 
-def run_mode(mode: str, tokens_list: list[int], repeats: int) -> dict:
+def run_mode(mode: str, per_layer: bool, tokens_list: list[int], repeats: int) -> dict:
     from kvtransfer.store import create_rendezvous_store
 
     store = create_rendezvous_store()
     results = _SPAWN.Queue()
-    procs = [_SPAWN.Process(target=_worker, args=(role, mode, store.port, tokens_list, repeats, results))
+    procs = [_SPAWN.Process(target=_worker, args=(role, mode, per_layer, store.port, tokens_list, repeats, results))
              for role in ("sender", "receiver")]
     for proc in procs:
         proc.start()
@@ -94,10 +98,11 @@ def main() -> None:
     args = parser.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
     result = {"device": torch.cuda.get_device_name()}
-    for mode in ("cuda_ipc", "host-staged"):
-        result[mode] = run_mode(mode, tokens_list, args.repeats)
-        for tokens, row in result[mode].items():
-            print(f"handoff {mode:11s} {tokens:5d} tokens ({row['bytes'] / 2**20:.0f} MiB): "
+    for mode, per_layer in (("cuda_ipc", True), ("cuda_ipc", False), ("host-staged", True)):
+        name = f"{mode}/{'per-layer' if per_layer else 'one-message'}"
+        result[name] = run_mode(mode, per_layer, tokens_list, args.repeats)
+        for tokens, row in result[name].items():
+            print(f"handoff {name:23s} {tokens:5d} tokens ({row['bytes'] / 2**20:.0f} MiB): "
                   f"{row['median_s'] * 1e3:.2f} ms, {row['gb_per_s']:.1f} GB/s", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

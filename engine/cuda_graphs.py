@@ -90,8 +90,9 @@ class DecodeGraphs:
         self.block_size, self.scratch_block = block_size, scratch_block
         self._graphs: dict[int, _Graph] = {}
 
-    def can_run(self, num_decode_rows: int, is_decode_only: bool, table_width: int) -> bool:
-        return is_decode_only and 0 < num_decode_rows <= self.sizes[-1] and table_width <= self.width
+    def can_run(self, num_decode_rows: int, table_width: int) -> bool:
+        """For a decode-only step of `num_decode_rows` rows whose block tables are `table_width` wide."""
+        return 0 < num_decode_rows <= self.sizes[-1] and table_width <= self.width
 
     def padded_size(self, rows: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, rows)]

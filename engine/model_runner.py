@@ -151,10 +151,12 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor:
         """Runs one step; returns fp32 logits `[len(step.logits_indices), vocab]` on the device."""
         graphs = self.graphs
-        if graphs is not None and graphs.can_run(step.num_decode_tokens, step.is_decode_only,
-                                                 step.decode_block_tables.shape[1]):
+        if graphs is not None and step.is_decode_only and graphs.can_run(step.num_decode_tokens,
+                                                                         step.decode_block_tables.shape[1]):
             logits = graphs.run(step.input_ids, step.positions, step.slot_mapping, step.decode_context_lens,
                                 step.decode_block_tables)
+            if torch.equal(step.logits_indices, torch.arange(logits.shape[0])):
+                return logits  # every row samples (the usual decode step): no gather
             return logits[step.logits_indices.to(self.device)]
         return self.model.compute_logits(self.forward(step)[step.logits_indices.to(self.device)])
 

@@ -45,17 +45,19 @@ def copy_from_handles(records: torch.Tensor, out: Sequence[torch.Tensor]) -> Non
     """Copies the sender's tensors named by `records` into the contiguous CUDA tensors `out` (empty ones
     skipped) and waits until the copies are done."""
     targets = [t for t in out if t.numel()]
-    device = targets[0].device if targets else None
+    # Every mapping stays open until all copies are done: tensors of one message usually share an
+    # allocation, and PyTorch maps an allocation once while a reference to it is alive.
+    sources = []
     for index, target in enumerate(targets):
         raw = bytes(records[index * RECORD_BYTES:(index + 1) * RECORD_BYTES].numpy()).rstrip(b"\0")
-        source = _open(json.loads(raw), target.device)
-        if source.numel() != target.numel() * target.element_size():
-            raise ValueError(f"CUDA IPC record {index} holds {source.numel()} bytes, expected "
+        sources.append(_open(json.loads(raw), target.device))
+        if sources[-1].numel() != target.numel() * target.element_size():
+            raise ValueError(f"CUDA IPC record {index} holds {sources[-1].numel()} bytes, expected "
                              f"{target.numel() * target.element_size()}")
-        target.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
-        del source  # drops the mapping's reference once the copy is queued
-    if device is not None:
-        torch.cuda.current_stream(device).synchronize()
+        target.view(-1).view(torch.uint8).copy_(sources[-1], non_blocking=True)
+    if targets:
+        torch.cuda.current_stream(targets[0].device).synchronize()
+    sources.clear()  # unmaps: the sender may reuse the memory after our ack
 
 
 def _record(tensor: torch.Tensor) -> dict:

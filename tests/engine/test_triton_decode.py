@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.kernels.triton_decode import TARGET_PROGRAMS, TILE_TOKENS, SplitPlan, split_plan
-from tests.engine.triton_decode_checks import check_exact, check_quantized
+from tests.engine.triton_decode_checks import check_exact, check_fused, check_quantized
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,3 +51,9 @@ def test_cuda_kernel_equals_pytorch_quantized_path():
     from engine.kernels import triton_decode
 
     check_quantized(triton_decode, "cuda", ["int8", "fp8"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 6e-2)])
+def test_cuda_fused_elementwise_kernels_equal_pytorch(dtype, tolerance):
+    check_fused("cuda", dtype, tolerance)

@@ -77,9 +77,37 @@ def check_quantized(module, device, formats):
 
 
 
+def check_fused(device: str, dtype: torch.dtype, tolerance: float) -> None:
+    """The fused elementwise kernels against the PyTorch code they replace, on strided inputs."""
+    from engine.kernels import triton_fused
+    from engine.layers.norm import RMSNorm
+    from engine.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(7, 3 * 4 * 24, generator=gen).to(device=device, dtype=dtype)
+    q = qkv[:, :4 * 24].view(7, 4, 24)  # a strided view, as the attention layer has it
+    norm = RMSNorm(24, 1e-6, dtype).to(device)
+    norm.weight.data.normal_(1.0, 0.2, generator=torch.Generator(device=device).manual_seed(1))
+    cpu_norm = RMSNorm(24, 1e-6, dtype)
+    cpu_norm.weight.data.copy_(norm.weight.data.cpu())
+    _close(triton_fused.rms_norm(q, norm.weight, 1e-6), cpu_norm(q.cpu()), tolerance)
+    angles = torch.rand(7, 1, 12, generator=gen) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(device=device, dtype=dtype) for f in (torch.cos, torch.sin))
+    _close(triton_fused.rope(q, cos, sin), RotaryEmbedding.apply(q.cpu(), cos.cpu(), sin.cpu()), tolerance)
+    gate_up = qkv[:, :2 * 96].contiguous()
+    gate, up = gate_up.cpu().chunk(2, dim=-1)
+    _close(triton_fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, tolerance)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
+    error = (got.cpu().float() - want.float()).abs().max().item()
+    assert got.shape == want.shape and error <= tolerance, (got.shape, want.shape, error)
+
+
 def main() -> None:
     from engine.kernels import triton_decode
 
+    check_fused("cpu", torch.float32, 1e-5)
     check_exact(triton_decode, "cpu", torch.float32, 1e-5)
     check_quantized(triton_decode, "cpu", ["int8"])  # numpy has no fp8: fp8 runs on the GPU only
     print("interpreted kernel checks passed")
