@@ -67,36 +67,36 @@ def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, acc_ptr,
         running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         running_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        num_tiles = tl.cdiv(context_len - first, TILE)
-        # A loop over every tile of the split with a guard, not a loop to `num_tiles`: the guard skips the
-        # same work, and Triton's CPU interpreter (the CPU tests) cannot bound a loop by a run-time value.
+        # Every tile of the split, the ones past the context fully masked (no memory traffic, weights
+        # exp(-inf) = 0; the first tile always holds a token, so the running max is finite). No
+        # run-time bound or guard: the loop stays software-pipelined, and Triton's CPU interpreter
+        # (the CPU tests) cannot bound a loop by a loaded value.
         for t in range(0, TILES_PER_SPLIT):
-            if t < num_tiles:
-                tokens = first + t * TILE + tl.arange(0, TILE)
-                valid = tokens < context_len
-                page = tl.load(tables_ptr + seq * table_width + tokens // BLOCK_SIZE, mask=valid, other=0)
-                slot = page * BLOCK_SIZE + tokens % BLOCK_SIZE
-                kv_offsets = kv_head * stride_kh + slot[:, None] * HEAD_DIM + dims[None, :]
-                kv_mask = valid[:, None] & dim_ok[None, :]
-                k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-                if QUANTIZED:
-                    k = k.to(tl.float32) * tl.load(ks_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
-                    v = v.to(tl.float32) * tl.load(vs_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
-                if IEEE:
-                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    scores = tl.dot(q, tl.trans(k))
-                scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-                new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-                weights = tl.exp(scores - new_max[:, None])
-                correction = tl.exp(running_max - new_max)
-                running_sum = running_sum * correction + tl.sum(weights, axis=1)
-                if IEEE:
-                    acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
-                running_max = new_max
+            tokens = first + t * TILE + tl.arange(0, TILE)
+            valid = tokens < context_len
+            page = tl.load(tables_ptr + seq * table_width + tokens // BLOCK_SIZE, mask=valid, other=0)
+            slot = page * BLOCK_SIZE + tokens % BLOCK_SIZE
+            kv_offsets = kv_head * stride_kh + slot[:, None] * HEAD_DIM + dims[None, :]
+            kv_mask = valid[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            if QUANTIZED:
+                k = k.to(tl.float32) * tl.load(ks_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
+                v = v.to(tl.float32) * tl.load(vs_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            weights = tl.exp(scores - new_max[:, None])
+            correction = tl.exp(running_max - new_max)
+            running_sum = running_sum * correction + tl.sum(weights, axis=1)
+            if IEEE:
+                acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
+            running_max = new_max
         part = (seq * num_heads + head) * num_splits + split  # [GROUP_PAD]
         tl.store(max_ptr + part, running_max, mask=row_ok)
         tl.store(sum_ptr + part, running_sum, mask=row_ok)
