@@ -96,8 +96,7 @@ class RouterService:
         # admitted request → uncached tokens queued on its prefill worker at admission, its own included
         self._tokens_through: dict[str, int] = {}
         self._running: set[str] = set()
-        self.ledger = RouteLedger()
-        self.traffic = TrafficReporter(cluster.controller, cluster.config.planner)  # the planner's input
+        self.ledger, self.traffic = RouteLedger(), TrafficReporter(cluster.controller, cluster.config.planner)
 
     def _check_members(self, old: Membership, new: Membership) -> None:
         """Membership listener: every worker must hash blocks by this router's spec and serve its model
@@ -228,8 +227,7 @@ class RouterService:
         self._tokens_through[request.request_id] = load.queued_prompt_tokens + uncached
 
     def _finished(self, state: StreamState) -> None:
-        request = state.request
-        metrics = self.metrics
+        request, metrics = state.request, self.metrics
         metrics.observe_ttft(state.ttft_s, request.priority)
         if state.tpot_s is not None:
             metrics.observe_tpot(state.tpot_s, request.priority)
