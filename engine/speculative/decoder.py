@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Callable, NamedTuple, Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -27,19 +27,9 @@ from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
 from engine.speculative.adaptive import AdaptiveSwitch
 from engine.speculative.config import SpeculativeConfig
+from engine.speculative.counters import SpecCounters
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.rejection import Drafts, verify
-
-
-class SpecCounters(NamedTuple):
-    """Cumulative, per engine: verify steps per sequence, drafts proposed and accepted, and engine
-    steps that ran with speculation switched on / off by the adaptive rule."""
-
-    sequence_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    steps_on: int = 0
-    steps_off: int = 0
 
 
 class SpeculativeDecoder:
