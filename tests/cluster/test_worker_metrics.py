@@ -165,7 +165,7 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve)
         if "bytes" in name:
             assert name.endswith("_bytes"), name
         for sample in family.samples:
-            assert {"worker", "role"} <= set(sample.labels) <= {"worker", "role", "phase", "direction", "result",
+            assert {"worker", "role"} <= set(sample.labels) <= {"worker", "role", "phase", "direction", "result", "switch",
                                                                 "le"}, sample
             if family.type == "counter" and not sample.name.endswith("_created"):
                 assert sample.name.endswith("_total"), sample.name
