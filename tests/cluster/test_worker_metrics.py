@@ -165,8 +165,8 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve)
         if "bytes" in name:
             assert name.endswith("_bytes"), name
         for sample in family.samples:
-            assert {"worker", "role"} <= set(sample.labels) <= {"worker", "role", "phase", "direction", "result", "switch",
-                                                                "le"}, sample
+            assert {"worker", "role"} <= set(sample.labels) <= {"worker", "role", "phase", "direction", "result",
+                                                                "switch", "le"}, sample
             if family.type == "counter" and not sample.name.endswith("_created"):
                 assert sample.name.endswith("_total"), sample.name
 
@@ -202,8 +202,10 @@ def test_exporter_refuses_a_taken_port_or_a_bad_one():
 def test_speculation_counters_catch_up_with_the_engine(serve):
     metrics = WorkerMetrics("decode-2", "decode")
     read = serve(metrics)
-    metrics.set_speculation(SpecCounters(sequence_steps=4, draft_tokens=12, accepted_tokens=9, steps_on=3, steps_off=1))
-    metrics.set_speculation(SpecCounters(sequence_steps=6, draft_tokens=16, accepted_tokens=10, steps_on=4, steps_off=5))
+    metrics.set_speculation(SpecCounters(sequence_steps=4, draft_tokens=12, accepted_tokens=9, steps_on=3,
+                                         steps_off=1))
+    metrics.set_speculation(SpecCounters(sequence_steps=6, draft_tokens=16, accepted_tokens=10, steps_on=4,
+                                         steps_off=5))
     s, labels = read(), {"worker": "decode-2", "role": "decode"}
     assert value(s, P + "spec_draft_tokens_total", **labels) == 16
     assert value(s, P + "spec_accepted_tokens_total", **labels) == 10
