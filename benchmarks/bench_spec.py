@@ -112,7 +112,8 @@ def run(args) -> dict:
     model_dir = Path(plain.config.model_dir)
     draft_dir = truncated_copy(model_dir, args.draft_layers, Path(tempfile.mkdtemp(prefix="spec-draft-")))
     k = args.k
-    ngram, draft = {"method": "ngram", "num_speculative_tokens": k}, {"model": str(draft_dir), "num_speculative_tokens": k}
+    ngram = {"method": "ngram", "num_speculative_tokens": k}
+    draft = {"model": str(draft_dir), "num_speculative_tokens": k}
     arms = {"plain": plain,
             "ngram": LLM(model_dir, **common, speculative_config=ngram),
             "ngram-forced": LLM(model_dir, **common, speculative_config={**ngram, "adaptive": False}),
