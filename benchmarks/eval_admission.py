@@ -66,6 +66,12 @@ async def _drain(service, timeout_s: float = 60.0) -> None:
     await service.monitor.probe_all()  # the cost models see the steps of the run just ended
 
 
+def _failed(summary: dict) -> int:
+    """Requests that ended neither completed nor rejected by admission (overload must not cause any)."""
+    rejected = round((summary["rejection_rate"] or 0.0) * summary["requests_measured"])
+    return summary["requests_failed"] - rejected
+
+
 class Evaluation:
     def __init__(self, service, target: str, args):
         self.service, self.target, self.args = service, target, args
@@ -83,9 +89,9 @@ class Evaluation:
         await _drain(self.service)
         point = Point(policy, rate, rate / self.saturation_per_s, s["goodput_per_s"] or 0.0,
                       s["slo_attainment"] or 0.0, s["rejection_rate"] or 0.0, s["request_throughput_per_s"] or 0.0,
-                      s["ttft_ms"]["p99"])
+                      s["ttft_ms"]["p99"], _failed(s))
         print(f"  {policy:>10} {rate:6.2f} req/s: goodput {point.goodput_per_s:.2f}/s, attainment "
-              f"{point.attainment:.0%}, rejected {point.rejection_rate:.0%}", flush=True)
+              f"{point.attainment:.0%}, rejected {point.rejection_rate:.0%}, failed {point.failed}", flush=True)
         return point
 
     async def find_saturation(self) -> tuple[float, list[tuple[float, float]]]:

@@ -28,6 +28,7 @@ class Point:
     rejection_rate: float
     throughput_per_s: float  # completed requests per second, met or not
     ttft_p99_ms: float | None
+    failed: int = 0  # measured requests that ended neither completed nor rejected by admission
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,12 +61,12 @@ def targets(points: Sequence[Point]) -> dict:
 def format_table(points: Sequence[Point]) -> str:
     """One row per (load, policy), loads ascending, `always` first."""
     header = (f"{'load':>5} {'rate/s':>7} {'policy':>10} {'goodput/s':>9} {'attain':>7} {'reject':>7} "
-              f"{'done/s':>7} {'TTFT p99 ms':>11}")
+              f"{'done/s':>7} {'TTFT p99 ms':>11} {'failed':>6}")
     rows = [header]
     for p in sorted(points, key=lambda p: (p.load, p.policy != "always")):
         ttft = "-" if p.ttft_p99_ms is None else f"{p.ttft_p99_ms:.0f}"
         rows.append(f"{p.load:5.2f} {p.rate_per_s:7.2f} {p.policy:>10} {p.goodput_per_s:9.2f} "
-                    f"{p.attainment:7.0%} {p.rejection_rate:7.0%} {p.throughput_per_s:7.2f} {ttft:>11}")
+                    f"{p.attainment:7.0%} {p.rejection_rate:7.0%} {p.throughput_per_s:7.2f} {ttft:>11} {p.failed:6d}")
     return "\n".join(rows)
 
 

@@ -87,12 +87,15 @@ def test_router_port_is_one_number_everywhere(case):
     assert _container_port(router, "grpc") == port
     http_port = config["http_port"]
     assert _container_port(router, "http") == http_port != port
-    # Kubernetes' gRPC probes speak plaintext: with TLS on they ask the health-only port.
-    probe_port = config.get("health_port", port)
+    # Without TLS the probes GET /health on the HTTP front; with TLS, Kubernetes' gRPC probes (plaintext)
+    # ask the health-only port.
     assert ("health_port" in config) == ("tls_cert_file" in config)
     container = router["spec"]["containers"][0]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == probe_port, probe
+        if "health_port" in config:
+            assert container[probe]["grpc"] == {"port": config["health_port"]}, probe
+        else:
+            assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
     if "health_port" in config:
         assert _container_port(router, "health") == config["health_port"] not in (port, http_port)
     service = only(objs, "Service", "-router")

@@ -6,15 +6,20 @@ One Ray cluster (1 prefill + 1 decode) for the module; each test starts the rout
 """
 from __future__ import annotations
 
+import http.client
 import os
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Self
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -135,6 +140,32 @@ def test_plaintext_and_untrusted_clients_fail_fast_saying_why(cluster, pki, tmp_
             assert time.monotonic() - started < 15, command  # includes starting Python
         bench = _cli("bench", "--target", router.target, "--num-requests", "1", "--no-progress")
         assert bench.returncode == 1 and "--tls-ca-file" in bench.stderr, bench.stderr
+
+
+def test_the_openai_http_front_serves_https_with_the_same_keys(cluster, pki, tmp_path):
+    ca = pki["ca"].ca_file
+    with Router(cluster, tmp_path, **_tls(pki["server"]), http_port=0) as router:
+        url = router.server.http.url
+        assert url.startswith("https://127.0.0.1:")
+        verified = ssl.create_default_context(cafile=str(ca))
+        http_client = openai.DefaultHttpxClient(verify=verified)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60,
+                           http_client=http_client) as sdk:
+            done = sdk.completions.create(model=sdk.models.list().data[0].id, prompt=PROMPT, max_tokens=4,
+                                          temperature=0.0, extra_body={"ignore_eos": True})
+            assert done.usage.completion_tokens == 4
+        with Client(router.target, root_certificates=ca.read_bytes()) as client:  # gRPC beside it, same keys
+            assert len(client.generate(PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids) == 4
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # untrusted: refused
+            urllib.request.urlopen(f"{url}/health", timeout=FAIL_FAST_S)
+        plain = "http://" + url.removeprefix("https://")
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(f"{plain}/health", timeout=FAIL_FAST_S)  # plaintext against TLS: refused
+        bench = _cli("bench", "--backend", "openai", "--target", url, "--tls-ca-file", str(ca), "--num-requests",
+                     "2", "--rate", "inf", "--prompt-len", "fixed:8", "--output-len", "fixed:2", "--no-progress",
+                     "--out", str(tmp_path / "bench"))
+        assert bench.returncode == 0, bench.stderr
+        assert '"requests_completed": 2' in (tmp_path / "bench" / "summary.json").read_text()
 
 
 def test_mutual_tls_requires_a_client_certificate_from_the_ca(cluster, pki, tmp_path):

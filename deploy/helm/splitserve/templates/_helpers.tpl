@@ -331,3 +331,20 @@ volumeMounts:
     readOnly: true
   {{- end }}
 {{- end -}}
+
+{{/* The router's startup, readiness and liveness probes, all asking `probe` (a Probe's handler). */}}
+{{- define "splitserve.routerProbes" -}}
+startupProbe:
+  {{- toYaml .probe | nindent 2 }}
+  periodSeconds: 10
+  failureThreshold: {{ max 1 (div .router.startupSeconds 10) }}
+readinessProbe:
+  {{- toYaml .probe | nindent 2 }}
+  periodSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  {{- toYaml .probe | nindent 2 }}
+  periodSeconds: 15
+  timeoutSeconds: 5
+  failureThreshold: 4
+{{- end -}}
