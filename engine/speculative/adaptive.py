@@ -7,15 +7,18 @@ accepted draft is nearly free; once the batch is large enough to be compute-boun
 it costs more per token than plain decoding and must stop.
 
 The rule, decided before each step from measured costs:
-- Costs are kept per batch-size bucket (decoding sequences: 1, 2-3, 4-7, 8-15, ...), as an exponential
-  moving average (weight `EWMA_WEIGHT` for the newest) of *seconds per output token* of pure decode steps
-  (no prompt chunk in them, which would swamp the figure): the step's wall time divided by the tokens
-  its decoding sequences emitted. Speculative and plain steps have one average each.
-- A bucket that has never measured speculation speculates; one that has never measured plain decoding
-  then runs plain. After that it speculates iff its speculative cost per token is below its plain cost.
-- The losing mode is re-measured once every `probe_interval` steps of the bucket (acceptance and batch
-  shape drift). Each probe that confirms the decision doubles the interval (up to `MAX_PROBE_INTERVAL`),
-  a flip resets it, so a settled bucket spends under 1/128 of its steps on the slower mode.
+- A cost sample is one pure decode step (no prompt chunk in it, which would swamp the figure): its wall
+  time divided by the tokens its decoding sequences emitted. A speculative step in which no sequence got
+  a draft is a plain sample (that is what it cost).
+- Samples are kept per batch-size bucket (decoding sequences: 1, 2-3, 4-7, 8-15, ...), the last
+  `WINDOW` of each mode; a mode's cost is the median of its window (one step stalled by a busy host
+  must not decide anything).
+- A bucket first runs `PROBE_STEPS` speculative steps, then `PROBE_STEPS` plain ones. From then on it
+  speculates iff its speculative cost per token is below its plain cost.
+- The losing mode is re-measured for `PROBE_STEPS` steps once every `probe_interval` steps of the
+  bucket (acceptance and batch shape drift). A probe that confirms the decision doubles the interval
+  (up to `MAX_PROBE_INTERVAL`), a flip resets it: a settled bucket spends about 3/256 of its steps on
+  the slower mode.
 
 Acceptance enters through the measured cost (fewer accepted tokens, more seconds per token). Nothing
 here reads a clock: the engine reports each step's duration (`observe`), so the rule is tested with
@@ -23,20 +26,30 @@ exact figures.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
-EWMA_WEIGHT = 0.3
-FIRST_PROBE_INTERVAL = 8
-MAX_PROBE_INTERVAL = 128
+WINDOW = 8
+PROBE_STEPS = 3
+FIRST_PROBE_INTERVAL = 16
+MAX_PROBE_INTERVAL = 256
 
 
 @dataclass
 class _Bucket:
-    spec_s_per_token: float | None = None
-    plain_s_per_token: float | None = None
+    spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per token, speculative
+    plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     steps_since_probe: int = 0
     probe_interval: int = FIRST_PROBE_INTERVAL
-    probing: bool = False
+    probe_left: int = 0  # steps of the current probe still to run
+    decided_before_probe: bool | None = None
+
+    def better(self) -> bool | None:
+        """Whether speculation is measured cheaper; None until both modes have samples."""
+        if not self.spec_s or not self.plain_s:
+            return None
+        return statistics.median(self.spec_s) < statistics.median(self.plain_s)
 
 
 class AdaptiveSwitch:
@@ -52,43 +65,42 @@ class AdaptiveSwitch:
         """Whether the next step with `num_decoding` decoding sequences speculates."""
         if not self.enabled:
             return True
-        bucket = self._buckets.setdefault(self.bucket_of(num_decoding), _Bucket())
-        bucket.probing = False
-        if bucket.spec_s_per_token is None:
+        bucket = self._bucket(num_decoding)
+        if len(bucket.spec_s) < PROBE_STEPS:
             return True
-        if bucket.plain_s_per_token is None:
+        if len(bucket.plain_s) < PROBE_STEPS:
             return False
-        better = bucket.spec_s_per_token < bucket.plain_s_per_token
+        if bucket.probe_left:
+            bucket.probe_left -= 1
+            return not bucket.decided_before_probe
+        if bucket.decided_before_probe is not None:  # a probe's steps have all been measured: judge it
+            self._end_probe(bucket)
+        better = bucket.better()
         bucket.steps_since_probe += 1
         if bucket.steps_since_probe >= bucket.probe_interval:
-            bucket.steps_since_probe, bucket.probing = 0, True
+            bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better
             return not better
         return better
 
     def observe(self, speculated: bool, num_decoding: int, duration_s: float, num_output_tokens: int) -> None:
-        """A pure decode step ran: `speculated` or not, its wall time and the tokens it emitted."""
-        if not self.enabled or num_output_tokens <= 0:
-            return
-        bucket = self._buckets.setdefault(self.bucket_of(num_decoding), _Bucket())
-        before = self._better(bucket)
-        cost = duration_s / num_output_tokens
-        name = "spec_s_per_token" if speculated else "plain_s_per_token"
-        old = getattr(bucket, name)
-        setattr(bucket, name, cost if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * cost)
-        if bucket.probing:
-            after = self._better(bucket)
-            flipped = before is not None and after is not None and before != after
-            bucket.probe_interval = (FIRST_PROBE_INTERVAL if flipped
-                                     else min(bucket.probe_interval * 2, MAX_PROBE_INTERVAL))
-            bucket.probing = False
+        """A pure decode step ran: `speculated` (some sequence had drafts) or not, its wall time and the
+        tokens it emitted."""
+        if self.enabled and num_output_tokens > 0:
+            bucket = self._bucket(num_decoding)
+            (bucket.spec_s if speculated else bucket.plain_s).append(duration_s / num_output_tokens)
 
     def costs(self, num_decoding: int) -> tuple[float | None, float | None]:
-        """(speculative, plain) seconds per output token measured for this batch size's bucket."""
-        bucket = self._buckets.get(self.bucket_of(num_decoding), _Bucket())
-        return bucket.spec_s_per_token, bucket.plain_s_per_token
+        """(speculative, plain) median seconds per output token of this batch size's bucket."""
+        bucket = self._bucket(num_decoding)
+        return (statistics.median(bucket.spec_s) if bucket.spec_s else None,
+                statistics.median(bucket.plain_s) if bucket.plain_s else None)
+
+    def _bucket(self, num_decoding: int) -> _Bucket:
+        return self._buckets.setdefault(self.bucket_of(num_decoding), _Bucket())
 
     @staticmethod
-    def _better(bucket: _Bucket) -> bool | None:
-        if bucket.spec_s_per_token is None or bucket.plain_s_per_token is None:
-            return None
-        return bucket.spec_s_per_token < bucket.plain_s_per_token
+    def _end_probe(bucket: _Bucket) -> None:
+        flipped = bucket.better() != bucket.decided_before_probe
+        bucket.probe_interval = (FIRST_PROBE_INTERVAL if flipped
+                                 else min(bucket.probe_interval * 2, MAX_PROBE_INTERVAL))
+        bucket.decided_before_probe = None

@@ -120,7 +120,8 @@ class SpeculativeDecoder:
         """The step ended; only pure decode steps (no prompt chunk) are cost samples."""
         speculating, decoding, started_s = self._step
         if decoding and all(c.num_new_tokens - len(c.draft_token_ids) == 1 for c in chunks):
-            self.switch.observe(speculating, decoding, time.perf_counter() - started_s, num_output_tokens)
+            drafted = speculating and any(c.draft_token_ids for c in chunks)  # else it cost a plain step
+            self.switch.observe(drafted, decoding, time.perf_counter() - started_s, num_output_tokens)
 
 
 def build_speculative_decoder(config, model_config, draft_model_config, max_model_len: int, num_blocks: int,

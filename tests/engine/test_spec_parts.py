@@ -6,7 +6,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.kv_cache_manager import KVCacheManager
-from engine.speculative.adaptive import FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, AdaptiveSwitch
+from engine.speculative.adaptive import FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_STEPS, AdaptiveSwitch
 from engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from engine.speculative.ngram import NgramProposer
 from tests.factories import TinySpec, random_prompts
@@ -48,18 +48,31 @@ def _switch_after(spec_cost_s: float, plain_cost_s: float, batch: int, steps: in
 
 def test_switch_turns_off_when_speculation_costs_more_per_token():
     # A large batch (compute-bound) or low acceptance: a speculative step costs more per token.
-    decisions = _switch_after(spec_cost_s=0.012, plain_cost_s=0.010, batch=64)
-    assert decisions[:2] == [True, False]  # each mode measured once
-    settled = decisions[50:]
-    assert settled.count(True) <= len(settled) // MAX_PROBE_INTERVAL + 2  # only the probes
+    decisions = _switch_after(spec_cost_s=0.012, plain_cost_s=0.010, batch=64, steps=600)
+    assert decisions[:2 * PROBE_STEPS] == [True] * PROBE_STEPS + [False] * PROBE_STEPS  # both modes measured
+    settled = decisions[200:]
+    assert settled.count(True) <= PROBE_STEPS * (len(settled) // MAX_PROBE_INTERVAL + 1)  # only the probes
+
+
+def test_one_stalled_step_does_not_flip_the_decision():
+    switch, batch = AdaptiveSwitch(), 1
+    decisions = []
+    for step in range(100):
+        on = switch.decide(batch)
+        decisions.append(on)
+        stalled = step == 40  # the host stalled the process for one step
+        switch.observe(on, batch, 1.0 if stalled else (0.004 if on else 0.010), batch)
+    assert all(decisions[41:52])  # the stalled step's sample is outvoted by the window's median
+    assert decisions[2 * PROBE_STEPS:].count(False) <= 2 * PROBE_STEPS  # the two probes only
 
 
 def test_switch_stays_on_when_speculation_is_cheaper_and_buckets_are_separate():
-    assert _switch_after(spec_cost_s=0.004, plain_cost_s=0.010, batch=1)[50:].count(False) <= 2
+    assert _switch_after(spec_cost_s=0.004, plain_cost_s=0.010, batch=1)[50:].count(False) <= 2 * PROBE_STEPS
     switch = AdaptiveSwitch()
-    for _ in range(3):  # batch 64 learns that speculation loses; batch 1 has not measured anything
+    for _ in range(2 * PROBE_STEPS):  # batch 64 learns that speculation loses; batch 1 has measured nothing
         on = switch.decide(64)
         switch.observe(on, 64, 2.0 if on else 1.0, 64)
+    assert switch.decide(64) is False
     assert switch.decide(1) is True and switch.costs(64) == (2.0 / 64, 1.0 / 64)
 
 
@@ -70,11 +83,11 @@ def test_switch_follows_a_drop_in_acceptance():
         switch.observe(on, batch, 0.01, batch * (3 if on else 1))
     assert switch.decide(batch) is True
     decisions = []
-    for _ in range(6 * FIRST_PROBE_INTERVAL * 8):  # acceptance falls to zero: one token per sequence
+    for _ in range(8 * FIRST_PROBE_INTERVAL):  # acceptance falls to zero: one token per sequence
         on = switch.decide(batch)
         decisions.append(on)
         switch.observe(on, batch, 0.02 if on else 0.01, batch)
-    assert decisions[-100:].count(True) <= 100 // FIRST_PROBE_INTERVAL
+    assert decisions[-64:].count(True) <= PROBE_STEPS
 
 
 def test_disabled_switch_always_speculates():
