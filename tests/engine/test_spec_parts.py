@@ -118,3 +118,12 @@ def test_engine_switches_off_a_draft_that_is_never_accepted(checkpoint, make_llm
     counters = llm.engine.spec.counters
     assert counters.accepted_tokens < counters.draft_tokens / 3  # the draft is a poor one
     assert counters.steps_off > 3 * counters.steps_on
+
+
+def test_engine_config_takes_the_dict_and_refuses_the_prefill_role():
+    from engine.config import EngineConfig
+
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(role="prefill", speculative_config={"method": "ngram"})
