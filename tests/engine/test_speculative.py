@@ -138,3 +138,18 @@ def test_a_draft_with_another_vocabulary_is_refused_by_name(checkpoint, make_llm
     other = checkpoint(TinySpec(vocab_size=640))
     with pytest.raises(UnsupportedModelError, match="speculative_config.model: the draft's vocab_size 640"):
         make_llm(model_dir, speculative_config={"model": str(other)})
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_speculates_like_it_decodes(kv_cache_dtype, checkpoint, make_llm):
+    """The draft's cache and the rollback use the engine's KV storage format; greedy output equals the
+    same quantized engine without speculation."""
+    model_dir = checkpoint(TinySpec())
+    prompts = _repeating_prompts(3, seed=16)
+    common = dict(block_size=4, num_kv_blocks=BLOCKS, kv_cache_dtype=kv_cache_dtype)
+    plain = _tokens(make_llm(model_dir, **common), prompts)
+    llm = make_llm(model_dir, **common, speculative_config={"model": str(model_dir), "num_speculative_tokens": 3,
+                                                            "adaptive": False})
+    assert _tokens(llm, prompts) == plain
+    assert llm.engine.spec.draft.runner.kv_cache.fmt.quantized
+    assert llm.engine.spec.counters.accepted_tokens > 0.9 * llm.engine.spec.counters.draft_tokens
