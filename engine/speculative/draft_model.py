@@ -9,9 +9,11 @@ its own, the scheduler's lookahead slots cover its drafts too, and rolling back 
 `Sequence.num_draft_computed_tokens` counts the tokens whose draft KV is valid. Each proposal first
 catches the draft up from there to the sequence's end in one chunk (after admission, a prefix-cache hit,
 a preemption or an adopted hand-off that is the whole prompt; after a step, the tokens the target
-accepted beyond the draft's own), then runs k - 1 single-token steps. All sequences of a step share each
-forward (variable catch-up lengths, no padding). Prefix-cached blocks are not trusted for draft KV: a
-sequence starts its count at 0 and rewrites those slots with the same values.
+accepted beyond the draft's own), then runs k - 1 single-token steps. A sequence lagging by more than
+`prefill_chunk_tokens` catches up by that many tokens per step instead, proposing nothing
+meanwhile. All sequences of a step share each forward (variable catch-up lengths, no padding). Prefix-cached
+blocks are not trusted for draft KV: a sequence starts its count at 0 and rewrites those slots with
+the same values.
 
 The draft runs unsharded on the engine's own process: in a tensor-parallel decode instance only rank 0
 (which schedules and samples) runs it; the other ranks never see it.
@@ -84,12 +86,14 @@ class DraftModelProposer:
         self.runner = ModelRunner(draft_engine_config(config), draft_model, max_model_len, num_blocks,
                                   SINGLE_RANK, progress)
         self.block_size = config.block_size
+        self.max_catch_up_tokens = config.prefill_chunk_tokens
         self.sampler = sampler
 
     def propose(self, jobs: Seq[tuple[Sequence, int]], block_table: Callable[[str], Seq[int]],
                 sampling_row: Callable[[Sequence, Seq[int]], SamplingRow]) -> dict[str, Drafts]:
         """Up to k drafts for each (sequence, k); `sampling_row(seq, drafts)` is the row sampling the
         token after `drafts`. The draft's KV slots must already be allocated (lookahead slots)."""
+        jobs = self._catch_up_lagging(jobs, block_table)
         tokens: dict[str, list[int]] = {seq.seq_id: [] for seq, _ in jobs}
         probs: dict[str, list[torch.Tensor | None]] = {seq.seq_id: [] for seq, _ in jobs}
         for step in range(max((k for _, k in jobs), default=0)):
@@ -102,6 +106,22 @@ class DraftModelProposer:
                 probs[chunk.seq.seq_id].append(q)
                 chunk.seq.num_draft_computed_tokens = chunk.start + chunk.num_new_tokens
         return {seq_id: Drafts(tuple(ids), _stack(probs[seq_id])) for seq_id, ids in tokens.items()}
+
+    def _catch_up_lagging(self, jobs, block_table) -> list[tuple[Sequence, int]]:
+        """Sequences whose draft KV lags by more than `max_catch_up_tokens` (a long prompt just handed
+        off or re-admitted) catch up by that much this step and propose nothing: the draft's share of
+        a step stays bounded like a prefill chunk, instead of stalling the whole decode batch once."""
+        cap = self.max_catch_up_tokens
+        lagging = [seq for seq, _ in jobs if seq.num_tokens - seq.num_draft_computed_tokens > cap]
+        if not lagging:
+            return list(jobs)
+        chunks = [DraftChunk(seq, seq.num_draft_computed_tokens,
+                             seq.token_ids[seq.num_draft_computed_tokens:][:cap], 0)
+                  for seq in lagging]
+        self.runner.forward(build_step_input(order_chunks(chunks), block_table, self.block_size))
+        for chunk in chunks:
+            chunk.seq.num_draft_computed_tokens += chunk.num_new_tokens
+        return [(seq, k) for seq, k in jobs if seq not in lagging]
 
     @staticmethod
     def _chunk(seq: Sequence, drafted: list[int]) -> DraftChunk:

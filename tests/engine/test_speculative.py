@@ -43,7 +43,9 @@ def test_greedy_equals_hf_and_plain_engine_with_tiny_blocks(method, layout, chec
     prompts = _repeating_prompts(5, seed=3)
     expected = hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
     plain = _tokens(make_llm(model_dir, block_size=2, num_kv_blocks=BLOCKS), prompts)
-    llm = make_llm(model_dir, block_size=2, num_kv_blocks=BLOCKS, speculative_config=_spec(method, checkpoint))
+    # Chunks of 8: prompts are prefilled, and the draft catches up, over several steps.
+    llm = make_llm(model_dir, block_size=2, num_kv_blocks=BLOCKS, prefill_chunk_tokens=8,
+                   speculative_config=_spec(method, checkpoint))
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [list(o.token_ids) for o in outs] == expected == plain
     counters = llm.engine.spec.counters
