@@ -11,9 +11,9 @@ catches the draft up from there to the sequence's end in one chunk (after admiss
 a preemption or an adopted hand-off that is the whole prompt; after a step, the tokens the target
 accepted beyond the draft's own), then runs k - 1 single-token steps. A sequence lagging by more than
 `prefill_chunk_tokens` catches up by that many tokens per step instead, proposing nothing
-meanwhile. All sequences of a step share each forward (variable catch-up lengths, no padding). Prefix-cached
-blocks are not trusted for draft KV: a sequence starts its count at 0 and rewrites those slots with
-the same values.
+meanwhile. All sequences of a step share each forward (variable catch-up lengths, no padding).
+Prefix-cached blocks are not trusted for draft KV: a sequence starts its count at 0 and rewrites
+those slots with the same values.
 
 The draft runs unsharded on the engine's own process: in a tensor-parallel decode instance only rank 0
 (which schedules and samples) runs it; the other ranks never see it.
