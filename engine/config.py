@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from engine.speculative.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROLES = ("colocated", "prefill", "decode")
+_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (engine/kv_quant.py)
     quantization: str = "none"  # weights: one of QUANTIZATIONS (engine/layers/quantization.py)
     quantize_lm_head: bool = False  # with `quantization`, the LM head too (measured: README)
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where weights, KV cache and steps live
+    cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps (engine/cuda_graphs.py)
     # Speculative decoding (engine/speculative): a SpeculativeConfig, or its plain-data form (vLLM's keys).
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -98,6 +102,8 @@ class EngineConfig:
                  f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         _require(not self.quantize_lm_head or self.quantization != "none",
                  "quantize_lm_head needs a weight quantization")
+        _require(_DEVICE_PATTERN.fullmatch(self.device) is not None,
+                 f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
             _require(self.role != "prefill", "speculative_config: the prefill role samples one token and "
