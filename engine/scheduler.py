@@ -120,10 +120,12 @@ class Scheduler:
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
     def _lookahead_room(self, seq: Sequence, wanted: int) -> int:
-        # Speculation only for a decoding sequence, and never at the price of a preemption.
+        """Speculation only for a decoding sequence, and never at the price of a preemption: the
+        lookahead blocks must leave one free block per running sequence (each may need one to grow)."""
         if wanted <= 0 or seq.num_uncomputed_tokens != 1:
             return 0
-        return wanted if self.kv.can_allocate(seq.seq_id, seq.num_tokens + wanted) else 0
+        extra_blocks = -(-(seq.num_tokens + wanted) // self.kv.block_size) - len(self.kv.block_table(seq.seq_id))
+        return wanted if self.kv.num_free_blocks - max(extra_blocks, 0) >= len(self.running) else 0
 
     def _make_room(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
         while not self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
