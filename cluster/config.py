@@ -14,6 +14,7 @@ from engine.config import DTYPES, EngineConfig
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
 from cluster.planner_config import PlannerConfig
+from engine.speculative.config import SpeculativeConfig
 from router.admission.config import AdmissionConfig
 
 
@@ -42,6 +43,8 @@ class PoolConfig:
     # Weight quantization of this pool's workers; None: the cluster's `quantization`. (Decode steps
     # read every weight per token, prefill is compute-bound: the two may differ.)
     quantization: str | None = None
+    # Decode pool only: speculative decoding (engine/speculative/config.py, vLLM's keys); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
 
 ROUTING_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
@@ -134,6 +137,8 @@ class ClusterConfig:
         for name in ("prefill", "decode"):
             _check_pool(name, getattr(self, name))
         _check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
+        _check(self.prefill.speculative_config is None, "prefill.speculative_config",
+               "speculative decoding runs on the decode pool (prefill samples one token and hands off)")
         _check(self.decode.tp_size in (1, 2, 4, 8), "decode.tp_size", "must be 1, 2, 4 or 8")
         _check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
         _check(self.handoff_lease_s > 0, "handoff_lease_s", "must be > 0")
@@ -167,7 +172,7 @@ class ClusterConfig:
                                       "kv_cache_dtype): prefill and decode pools must store KV alike, since "
                                       "blocks move between them as stored")
                 _reject_unknown(section, section_cls, f"{name}.")
-                values[name] = _build(section_cls, section, f"{name}.")
+                values[name] = _build(section_cls, _with_speculative(name, section), f"{name}.")
         if "admission" in values:  # its own loader: per-priority SLOs are a nested mapping
             try:
                 values["admission"] = AdmissionConfig.from_dict(values["admission"])
@@ -189,7 +194,8 @@ class ClusterConfig:
                             max_num_seqs=pool.max_num_seqs, max_num_batched_tokens=pool.max_num_batched_tokens,
                             prefill_chunk_tokens=pool.prefill_chunk_tokens,
                             enable_prefix_caching=self.enable_prefix_caching and role == "prefill",
-                            seed=self.seed, num_threads=pool.threads, tp_size=pool.tp_size)
+                            seed=self.seed, num_threads=pool.threads, tp_size=pool.tp_size,
+                            speculative_config=pool.speculative_config if role == "decode" else None)
 
     @property
     def num_cpus_needed(self) -> float:
@@ -212,6 +218,17 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
            "must be None or in [0, 65535]")
     _check(pool.quantization is None or pool.quantization in QUANTIZATIONS, f"{name}.quantization",
            f"must be None or one of {list(QUANTIZATIONS)}")
+
+
+def _with_speculative(pool_name: str, section: dict) -> dict:
+    """A pool section with its `speculative_config` mapping parsed (errors name the full key)."""
+    raw = section.get("speculative_config")
+    if raw is None or isinstance(raw, SpeculativeConfig):
+        return section
+    try:
+        return {**section, "speculative_config": SpeculativeConfig.from_dict(raw)}
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{pool_name}.{err}") from None
 
 
 def _check_controller(controller: ControllerConfig) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
+from engine.speculative.counters import SpecCounters
 from engine.step_log import StepRecord
 from kvtransfer.session import HandoffStats  # noqa: F401  (re-exported: the router's cost models read it)
 
@@ -100,6 +101,7 @@ class WorkerStats:
     steps: tuple[StepRecord, ...]  # the newest engine steps, oldest first
     in_flight: int = 0  # prefill: hand-offs in progress; decode: reservations whose KV has not arrived
     metrics_port: int | None = None  # the worker's Prometheus endpoint, when it has one
+    spec: SpecCounters | None = None  # decode with speculative decoding: its cumulative counters
 
     @property
     def kv_usage(self) -> float:

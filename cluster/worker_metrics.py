@@ -16,10 +16,17 @@ worker can share one dashboard without relabelling; other labels are small fixed
 | splitserve_worker_kv_transfer_bytes_total | counter | direction (send, recv) |
 | splitserve_worker_kv_transfer_duration_seconds | histogram | direction |
 | splitserve_worker_handoffs_total | counter | result (ok, failed) |
+| splitserve_worker_spec_draft_tokens_total | counter | |
+| splitserve_worker_spec_accepted_tokens_total | counter | |
+| splitserve_worker_spec_verify_steps_total | counter | |
+| splitserve_worker_spec_engine_steps_total | counter | switch (on, off) |
 
 Derived figures: KV usage = kv_used_blocks / kv_capacity_blocks; prefix hit rate =
 rate(prefix_cache_hit_tokens_total) / rate(prompt_tokens_total); throughput =
-rate(step_tokens_total); transfer bandwidth = rate(kv_transfer_bytes_total).
+rate(step_tokens_total); transfer bandwidth = rate(kv_transfer_bytes_total); speculative acceptance rate =
+rate(spec_accepted_tokens_total) / rate(spec_draft_tokens_total); mean accepted length (tokens per
+verify step) = 1 + rate(spec_accepted_tokens_total) / rate(spec_verify_steps_total); the adaptive
+switch's share of speculating steps = rate(spec_engine_steps_total{switch="on"}) / rate(...all).
 Label values that come from code (phase, direction) are checked: a typo raises ValueError rather
 than silently starting a new series.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cluster.metrics_http import histogram_totals, plain, sample_values
+from engine.speculative.counters import SpecCounters
 
 NAMESPACE, SUBSYSTEM = "splitserve", "worker"
 ROLES = ("prefill", "decode")
@@ -35,6 +43,7 @@ PHASES = ("prefill", "decode")
 DIRECTIONS = ("send", "recv", "pull_out", "pull_in")  # pull_*: prefix blocks between prefill workers
 PULL_RESULTS = ("pulled", "skipped", "failed")
 HANDOFF_RESULTS = ("ok", "failed")
+SPEC_SWITCH = ("on", "off")
 # An engine step: ~1 ms (a small decode batch on a GPU) to seconds (a long chunked prefill on a CPU).
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # One sequence's KV: sub-millisecond over NVLink, seconds over gloo/TCP for long prompts.
@@ -79,6 +88,15 @@ class WorkerMetrics:
         self._pulled_blocks = self._counter("prefix_pull_blocks_total", "KV blocks received by prefix pulls.")
         for result in PULL_RESULTS:
             self._pulls.labels(worker_id, role, result)
+        self._spec_drafts = self._counter("spec_draft_tokens_total", "Speculative draft tokens proposed.")
+        self._spec_accepted = self._counter("spec_accepted_tokens_total", "Of those, drafts the target accepted.")
+        self._spec_verify = self._counter("spec_verify_steps_total", "Verify steps, summed over sequences "
+                                          "(one per sequence per step it had drafts).")
+        self._spec_steps = self._counter("spec_engine_steps_total", "Engine steps with decoding sequences, by "
+                                         "whether the adaptive switch had speculation on.", ("switch",))
+        for switch in SPEC_SWITCH:
+            self._spec_steps.labels(worker_id, role, switch)
+        self._spec_seen = SpecCounters()
 
     def set_load(self, waiting: int, running: int, kv_used_blocks: int, kv_capacity_blocks: int) -> None:
         """The scheduler's queue lengths and the block pool's occupancy, read on the engine thread."""
@@ -112,6 +130,16 @@ class WorkerMetrics:
         self._pulls.labels(self.worker_id, self.role, _check(result, PULL_RESULTS, "pull result")).inc()
         self._pulled_blocks.labels(self.worker_id, self.role).inc(num_blocks)
 
+    def set_speculation(self, counters: SpecCounters) -> None:
+        """The engine's cumulative speculative-decoding counters; the Prometheus counters catch up."""
+        seen, ident = self._spec_seen, (self.worker_id, self.role)
+        self._spec_drafts.labels(*ident).inc(max(counters.draft_tokens - seen.draft_tokens, 0))
+        self._spec_accepted.labels(*ident).inc(max(counters.accepted_tokens - seen.accepted_tokens, 0))
+        self._spec_verify.labels(*ident).inc(max(counters.sequence_steps - seen.sequence_steps, 0))
+        self._spec_steps.labels(*ident, "on").inc(max(counters.steps_on - seen.steps_on, 0))
+        self._spec_steps.labels(*ident, "off").inc(max(counters.steps_off - seen.steps_off, 0))
+        self._spec_seen = counters
+
     def handoff_finished(self, ok: bool) -> None:
         """A hand-off ended: every rank acked (ok), or it failed / its lease ran out."""
         self._handoffs.labels(self.worker_id, self.role, "ok" if ok else "failed").inc()
@@ -137,6 +165,10 @@ class WorkerMetrics:
             "handoffs_total": value(self._handoffs, "_total"),
             "prefix_pulls_total": value(self._pulls, "_total"),
             "prefix_pull_blocks_total": value(self._pulled_blocks, "_total"),
+            "spec_draft_tokens_total": value(self._spec_drafts, "_total"),
+            "spec_accepted_tokens_total": value(self._spec_accepted, "_total"),
+            "spec_verify_steps_total": value(self._spec_verify, "_total"),
+            "spec_engine_steps_total": value(self._spec_steps, "_total"),
         }
 
     # ---- construction -----------------------------------------------------------------------------

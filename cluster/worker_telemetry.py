@@ -30,9 +30,11 @@ class WorkerTelemetry:
         plus the recent steps."""
         load = loop.load
         self.metrics.set_load(load.waiting, load.running, load.num_blocks - load.num_free_blocks, load.num_blocks)
+        if load.spec is not None:
+            self.metrics.set_speculation(load.spec)
         return WorkerStats(load.waiting, load.running, load.num_free_blocks, load.num_blocks,
                            loop.step_log.recent(RECENT_STEPS), in_flight,
-                           self.exporter.port if self.exporter is not None else None)
+                           self.exporter.port if self.exporter is not None else None, load.spec)
 
     def close(self) -> None:
         if self.exporter is not None:

@@ -74,7 +74,7 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
         stop.set()
         transport.close()
 
-    return RankSetup(transport, runner, model_cfg, engine_cfg.num_blocks_for(model_cfg),
+    return RankSetup(transport, runner, model_cfg, runner.kv_cache.num_blocks,
                      engine_cfg.max_len_for(model_cfg), None, close, thread.is_alive)
 
 

@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput
+from engine.speculative.draft_model import speculative_draft_config
 from engine.step_wire import decode_step, encode_step
 from engine.parallel import BACKENDS, CollectiveError, TensorParallelGroup, new_process_group
 from kvtransfer.store import connect_store
@@ -210,8 +211,9 @@ def build_follower_runner(config: EngineConfig, tp: TensorParallelGroup, progres
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_config = load_engine_model_config(config)
-    return ModelRunner(config, model_config, config.max_len_for(model_config),
-                       config.num_blocks_for(model_config), tp, progress)
+    # A draft model (speculative decoding) runs on rank 0 only, but its KV shares rank 0's block budget.
+    num_blocks = config.num_blocks_for(model_config, speculative_draft_config(config, model_config))
+    return ModelRunner(config, model_config, config.max_len_for(model_config), num_blocks, tp, progress)
 
 
 class FollowerStats(NamedTuple):

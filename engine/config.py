@@ -12,6 +12,7 @@ import torch
 from engine.errors import UnsupportedModelError
 from engine.kv_quant import KV_CACHE_DTYPES, KVFormat, kv_format
 from engine.layers.quantization import QUANTIZATIONS
+from engine.speculative.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROLES = ("colocated", "prefill", "decode")
@@ -79,6 +80,8 @@ class EngineConfig:
     quantize_lm_head: bool = False  # with `quantization`, the LM head too (measured: README)
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where weights, KV cache and steps live
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps (engine/cuda_graphs.py)
+    # Speculative decoding (engine/speculative): a SpeculativeConfig, or its plain-data form (vLLM's keys).
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
@@ -101,16 +104,25 @@ class EngineConfig:
                  "quantize_lm_head needs a weight quantization")
         _require(_DEVICE_PATTERN.fullmatch(self.device) is not None,
                  f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+            _require(self.role != "prefill", "speculative_config: the prefill role samples one token and "
+                                             "hands off; speculation belongs to decode and colocated engines")
 
     def kv_format(self, model: ModelConfig) -> KVFormat:
         return kv_format(self.kv_cache_dtype, model.torch_dtype)
 
-    def num_blocks_for(self, model: ModelConfig) -> int:
+    def num_blocks_for(self, model: ModelConfig, draft: ModelConfig | None = None) -> int:
+        """`draft`: a draft model's config; its KV cache has as many blocks as the target's (same block
+        tables) and lives unsharded on rank 0, so it shares this budget."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         # The real bytes of the format (scales included): a quantized pool holds more blocks.
         bytes_per_token = self.kv_format(model).bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim)
         block_bytes = bytes_per_token * self.block_size // self.tp_size
+        if draft is not None:
+            block_bytes += self.block_size * self.kv_format(draft).bytes_per_token(
+                draft.num_layers, draft.num_kv_heads, draft.head_dim)
         by_memory = max(1, self.kv_cache_memory_bytes // block_bytes)
         # More than every sequence at full length (twice over, for the prefix cache) is never used.
         blocks_per_seq = -(-self.max_len_for(model) // self.block_size)

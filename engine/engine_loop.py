@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import Callable, NamedTuple, TypeVar
 
 from engine.llm_engine import LLMEngine, SequenceUpdate
+from engine.speculative.counters import SpecCounters
 from engine.step_log import StepLog, StepRecord
 
 T = TypeVar("T")
@@ -31,6 +32,7 @@ class EngineLoad(NamedTuple):
     running: int
     num_free_blocks: int
     num_blocks: int
+    spec: SpecCounters | None = None  # speculative decoding's counters; None when it is off
 
 
 class EngineLoop:
@@ -102,7 +104,8 @@ class EngineLoop:
     def _measure_load(self) -> EngineLoad:
         engine = self.engine
         return EngineLoad(len(engine.scheduler.waiting), len(engine.scheduler.running),
-                          engine.kv.num_free_blocks, engine.num_blocks)
+                          engine.kv.num_free_blocks, engine.num_blocks,
+                          engine.spec.counters if engine.spec is not None else None)
 
     def _run_commands(self, block_s: float) -> None:
         try:

@@ -129,6 +129,18 @@ class KVCacheManager:
                                    parent_hash=parent)
         self._num_registered[seq_id] = max(self._num_registered[seq_id], num_ready)
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Shrink the table to the blocks covering `num_tokens` tokens (speculative decoding's rollback
+        of rejected drafts' slots); the blocks past them go back to the pool, tail first. Registered
+        (hashed) blocks hold computed tokens and are never cut."""
+        table = self._tables[seq_id]
+        keep = self._num_blocks_for(num_tokens)
+        if keep < self._num_registered[seq_id]:
+            raise ValueError(f"sequence {seq_id!r}: truncating to {num_tokens} tokens would cut registered blocks")
+        if keep < len(table):
+            self._pool.release(reversed(table[keep:]))
+            del table[keep:]
+
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks tail first, so its last blocks are evicted first."""
         table = self._tables.pop(seq_id, None)

@@ -17,7 +17,9 @@ from engine.tokenizer import load_tokenizer
 
 
 class LLM:
-    """A colocated engine in this process. `model=None` serves the generated demo checkpoint."""
+    """A colocated engine in this process. `model=None` serves the generated demo checkpoint.
+    `engine_args` are EngineConfig's fields, e.g. `speculative_config={"method": "ngram",
+    "num_speculative_tokens": 4}` or `{"model": DRAFT_DIR, "num_speculative_tokens": 4}`."""
 
     def __init__(self, model: str | Path | None = None, *, progress: bool = True, **engine_args):
         if model is None:
@@ -100,7 +102,8 @@ class LLM:
         for index, seq in enumerate(seqs):
             text = (seq.stop_text if seq.stop_text is not None
                     else self._decode(seq.output_token_ids, params.skip_special_tokens))
-            metrics = RequestMetrics(seq.arrival_time_s, seq.first_token_time_s, tuple(seq.token_times_s))
+            metrics = RequestMetrics(seq.arrival_time_s, seq.first_token_time_s, tuple(seq.token_times_s),
+                                     seq.num_spec_steps, seq.num_draft_tokens, seq.num_accepted_tokens)
             completions.append(CompletionOutput(index, text, tuple(seq.output_token_ids), seq.finish_reason.value,
                                                 metrics, tuple(seq.logprobs) if params.logprobs is not None else None))
         first = seqs[0]

@@ -29,6 +29,8 @@ from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.speculative.decoder import build_speculative_decoder
+from engine.speculative.draft_model import speculative_draft_config
 from engine.stop_checker import StopChecker
 
 
@@ -61,7 +63,8 @@ class LLMEngine:
         self.config = config
         self.model_config = load_engine_model_config(config)
         self.max_model_len = config.max_len_for(self.model_config)
-        self.num_blocks = config.num_blocks_for(self.model_config)
+        draft_model_config = speculative_draft_config(config, self.model_config)
+        self.num_blocks = config.num_blocks_for(self.model_config, draft_model_config)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                  on_event=on_kv_event)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -69,6 +72,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.num_blocks, tp,
                                   progress)
         self.sampler = Sampler(config.seed)
+        self.spec = build_speculative_decoder(config, self.model_config, draft_model_config, self.max_model_len,
+                                              self.num_blocks, self.sampler, progress)
         self.stops = StopChecker(config.model_dir, self.model_config.eos_token_ids, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -114,39 +119,59 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[SequenceUpdate]:
         self.last_step_shape = (0, 0, 0)
-        scheduled = self.scheduler.schedule()
+        lookahead = self.spec.lookahead(self.scheduler.running) if self.spec is not None else 0
+        scheduled = self.scheduler.schedule(lookahead)
         if not scheduled.chunks:
             return self._fail_unschedulable()
-        chunks = order_chunks(scheduled.chunks)
+        chunks, drafts = list(scheduled.chunks), {}
+        if lookahead:
+            chunks, drafts = self.spec.propose(chunks, self.kv.block_table, self._sampling_row)
+        chunks = order_chunks(chunks)
         # (tokens computed, sequences, KV tokens attended) of this step: the step log records it
         self.last_step_shape = (sum(c.num_new_tokens for c in chunks), len(chunks),
                                 sum(c.start + c.num_new_tokens for c in chunks))
         step_input = build_step_input(chunks, self.kv.block_table, self.config.block_size)
         logits = self.execute(step_input)
-        return self._postprocess(chunks, logits)
+        updates = self._postprocess(chunks, logits, drafts)
+        if self.spec is not None:
+            self.spec.observe(chunks, sum(len(u.new_token_ids) for u in updates))
+        return updates
 
     def execute(self, step_input: StepInput) -> torch.Tensor:
         """Runs the model; a tensor-parallel driver overrides this to fan the step out to its ranks."""
         return self.runner.execute(step_input)
 
-    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[SequenceUpdate]:
+    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor, drafts: dict) -> list[SequenceUpdate]:
         now = time.perf_counter()
         sampling = [chunk for chunk in chunks if chunk.samples]
         for chunk in chunks:
-            self._mark_computed(chunk)
-        rows = [self._sampling_row(chunk.seq) for chunk in sampling]
-        result = self.sampler(logits, rows) if rows else None
+            if not chunk.samples:
+                self._mark_computed(chunk.seq, chunk.start + chunk.num_new_tokens)
         updates = []
-        for index, chunk in enumerate(sampling):
-            seq, token = chunk.seq, result.token_ids[index]
-            self._append_token(seq, token, result.logprobs[index], now)
-            reason = self.stops.check(seq, token)
+        for chunk, (tokens, logprobs) in zip(sampling, self._sample(sampling, logits, drafts)):
+            seq, reason, emitted = chunk.seq, None, []
+            for token, logprob in zip(tokens, logprobs):  # never past a stop: the rest is dropped
+                self._append_token(seq, token, logprob, now)
+                emitted.append(token)
+                reason = self.stops.check(seq, token)
+                if reason is not None:
+                    break
+            self._mark_computed(seq, seq.num_tokens - 1)  # the emitted tokens' inputs: accepted ones only
             if reason is None and self.config.role == "prefill":
                 reason = FinishReason.HANDOFF
             if reason is not None:
                 self._finish(seq, reason)
-            updates.append(SequenceUpdate(seq.seq_id, (token,), reason))
+            elif chunk.num_lookahead_slots:
+                self.spec.rollback(seq, self.kv.truncate)
+            updates.append(SequenceUpdate(seq.seq_id, tuple(emitted), reason))
         return updates
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, drafts: dict):
+        rows = [self._sampling_row(c.seq, c.draft_token_ids[:j]) for c in chunks for j in range(c.num_logits_rows)]
+        if self.spec is not None:
+            return self.spec.sample(chunks, logits, rows, drafts)
+        result = self.sampler(logits, rows) if rows else None
+        return [([token], [logprob]) for token, logprob in zip(result.token_ids, result.logprobs)] if rows else []
 
     def _fail_unschedulable(self) -> list[SequenceUpdate]:
         # Nothing runs and the head of the queue still does not fit: it grew (prompt + output, after a
@@ -159,16 +184,16 @@ class LLMEngine:
         self._finish(seq, FinishReason.LENGTH)
         return [SequenceUpdate(seq.seq_id, (), FinishReason.LENGTH)]
 
-    def _mark_computed(self, chunk: ScheduledChunk) -> None:
-        seq = chunk.seq
-        seq.num_computed_tokens = chunk.start + chunk.num_new_tokens
+    def _mark_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        seq.num_computed_tokens = num_computed_tokens
         if self.kv.enable_prefix_caching:
             self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.refresh_block_hashes(),
                                  seq.num_computed_tokens)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, drafts: Seq[int] = ()) -> SamplingRow:
+        """The row sampling `seq`'s next token, or the token after `drafts` (speculative decoding)."""
         stop_ids = self.model_config.eos_token_ids + seq.params.stop_token_ids
-        return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, stop_ids)
+        return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + list(drafts), stop_ids)
 
     @staticmethod
     def _append_token(seq: Sequence, token: int, logprobs, now: float) -> None:

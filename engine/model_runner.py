@@ -57,18 +57,19 @@ def order_chunks(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
 
 def build_step_input(chunks: Sequence[ScheduledChunk], block_table: Callable[[str], Sequence[int]],
                      block_size: int) -> StepInput:
-    """`chunks` must already be in `order_chunks` order."""
+    """`chunks` must already be in `order_chunks` order. A chunk is anything with `seq`, `start`,
+    `num_new_tokens`, `input_token_ids` and `num_logits_rows` (its last rows whose logits are
+    returned, in order): a `ScheduledChunk`, or a draft model's chunk (engine/speculative)."""
     ids, positions, slots, logits_rows = [], [], [], []
     decode_tables, decode_lens = [], []
     prefill_q, prefill_ctx, prefill_tables = [], [], []
     for chunk in chunks:
         table = block_table(chunk.seq.seq_id)
         end = chunk.start + chunk.num_new_tokens
-        ids.extend(chunk.seq.token_ids[chunk.start:end])
+        ids.extend(chunk.input_token_ids)
         positions.extend(range(chunk.start, end))
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end))
-        if chunk.samples:
-            logits_rows.append(len(ids) - 1)
+        logits_rows.extend(range(len(ids) - chunk.num_logits_rows, len(ids)))
         num_blocks = (end + block_size - 1) // block_size
         if chunk.num_new_tokens == 1:
             decode_tables.append(table[:num_blocks])

@@ -9,6 +9,21 @@ class RequestMetrics:
     arrival_time_s: float
     first_token_time_s: float | None
     token_times_s: tuple[float, ...]  # perf_counter time each output token was produced
+    # Speculative decoding: verify steps this sequence took part in with drafts, drafts proposed, and
+    # drafts accepted (0 without speculation).
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed drafts; None when nothing was proposed."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted drafts + the target's token); None without one."""
+        return 1 + self.spec_accepted_tokens / self.spec_steps if self.spec_steps else None
 
     @property
     def ttft_s(self) -> float | None:

@@ -32,7 +32,7 @@ import torch
 from engine.logits_processing import SamplingRow, check_batch_shape, processed_logits
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "processed_logits",
-           "row_generator_seed"]
+           "row_generator_seed", "token_logprobs"]
 
 _MASK_64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / golden ratio, made odd
@@ -83,7 +83,7 @@ class Sampler:
         if all(_is_plain_greedy(row) for row in rows):
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
         token_ids = self._choose(processed_logits(logits, rows), rows)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(logits, rows, token_ids))
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=token_logprobs(logits, rows, token_ids))
 
     def _choose(self, processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         token_ids = torch.empty(len(rows), dtype=torch.long, device=processed.device)
@@ -95,25 +95,39 @@ class Sampler:
         if random:
             index = _index(random, processed)
             probs = processed[index].softmax(dim=-1)
-            noise = self._exponential_noise([rows[i] for i in random], processed)
+            noise = self.exponential_noise([rows[i] for i in random], processed)
             token_ids[index] = (probs / noise).argmax(dim=-1)
         return token_ids
 
-    def _exponential_noise(self, rows: Sequence[SamplingRow], like: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise, one [vocab] row per entry of `rows`, each from the source step 4 assigns it."""
+    def exponential_noise(self, rows: Sequence[SamplingRow], like: torch.Tensor, stream: int = 0) -> torch.Tensor:
+        """Exp(1) noise, one [vocab] row per entry of `rows`, each from the source step 4 assigns it.
+        `stream` != 0 names another seeded stream (speculative decoding's draws), independent of the
+        sampler's own: a seeded row's draw is then keyed by (seed, stream, position)."""
         noise = torch.empty(len(rows), like.shape[1], dtype=torch.float32, device=like.device)
         unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
         if unseeded:
             drawn = torch.empty(len(unseeded), like.shape[1], dtype=torch.float32, device=like.device)
             drawn.exponential_(generator=self._unseeded_generator(like.device))
             noise[_index(unseeded, like)] = drawn
-        scratch = self._scratch_generator(like.device)
-        for j, row in enumerate(rows):
-            if row.params.seed is not None:
-                scratch.manual_seed(row_generator_seed(row.params.seed, row.position))
-                noise[j].exponential_(generator=scratch)
+        for j, generator in self._seeded_generators(rows, like.device, stream):
+            noise[j].exponential_(generator=generator)
         # Exp(1) can round to exactly 0; p / 0 is inf (or NaN for a filtered p == 0), which would win.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def uniforms(self, rows: Sequence[SamplingRow], device: torch.device, stream: int) -> torch.Tensor:
+        """One U[0, 1) draw per row, from the same sources as `exponential_noise` (keyed by `stream`)."""
+        out = torch.rand(len(rows), generator=self._unseeded_generator(device), device=device)
+        for j, generator in self._seeded_generators(rows, device, stream):
+            out[j] = torch.rand(1, generator=generator, device=device)[0]
+        return out
+
+    def _seeded_generators(self, rows: Sequence[SamplingRow], device: torch.device, stream: int):
+        """(row index, the scratch generator re-seeded for that row) for every seeded row, in order."""
+        scratch = self._scratch_generator(device)
+        for j, row in enumerate(rows):
+            if row.params.seed is not None:
+                scratch.manual_seed(row_generator_seed(row.params.seed ^ stream, row.position))
+                yield j, scratch
 
     def _unseeded_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._unseeded:
@@ -131,8 +145,9 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
             and row.params.logprobs is None)
 
 
-def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
-              token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
+def token_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                   token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Step 5's logprobs of `token_ids` (one per row) under the raw `logits`; None where not asked."""
     result: list[TokenLogprobs | None] = [None] * len(rows)
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:

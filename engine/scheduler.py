@@ -31,16 +31,35 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_new_tokens` tokens of `seq` starting at `start` are computed this step."""
+    """`num_new_tokens` tokens of `seq` starting at `start` are computed this step.
+
+    Speculative decoding: a decoding sequence may get `num_lookahead_slots` more KV slots than its one
+    new token; the proposer then fills some of them with `draft_token_ids`, which follow the sequence's
+    tokens as input (`num_new_tokens` counts them) and are verified from this step's logits.
+    """
 
     seq: Sequence
     start: int
     num_new_tokens: int
+    num_lookahead_slots: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so its last logits sample a token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens == self.seq.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        end = self.start + self.num_new_tokens
+        if not self.draft_token_ids:
+            return self.seq.token_ids[self.start:end]
+        return (self.seq.token_ids + list(self.draft_token_ids))[self.start:end]
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows whose logits the step returns: the last, plus one per draft (each is verified)."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
 @dataclass(frozen=True)
@@ -79,7 +98,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
+        """`num_lookahead_tokens`: KV slots (and budget) to reserve for speculative drafts beyond each
+        decoding sequence's one token, where they fit without preempting anyone."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
@@ -90,12 +111,21 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, self.config.prefill_chunk_tokens, budget)
             if self._make_room(seq, num_new, preempted):
-                self.kv.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
-                budget -= num_new
+                extra = self._lookahead_room(seq, min(num_lookahead_tokens, budget - num_new))
+                self.kv.allocate(seq.seq_id, seq.num_computed_tokens + num_new + extra)
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new, extra))
+                budget -= num_new + extra
         if not preempted:
             chunks.extend(self._admit_waiting(budget))
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _lookahead_room(self, seq: Sequence, wanted: int) -> int:
+        """Speculation only for a decoding sequence, and never at the price of a preemption: the
+        lookahead blocks must leave one free block per running sequence (each may need one to grow)."""
+        if wanted <= 0 or seq.num_uncomputed_tokens != 1:
+            return 0
+        extra_blocks = -(-(seq.num_tokens + wanted) // self.kv.block_size) - len(self.kv.block_table(seq.seq_id))
+        return wanted if self.kv.num_free_blocks - max(extra_blocks, 0) >= len(self.running) else 0
 
     def _make_room(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
         while not self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):

@@ -45,6 +45,12 @@ class Sequence:
     first_token_time_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    # Speculative decoding: tokens whose KV the draft model holds (its own cache, same block table),
+    # and what verification did for this sequence (RequestOutput metrics).
+    num_draft_computed_tokens: int = 0
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     stop_text: str | None = None  # output text when a stop string ended the sequence (cut before it)
     detokenizer: object | None = field(default=None, repr=False)  # only for stop strings
 
@@ -89,5 +95,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: drop all computed KV; the tokens themselves are kept."""
         self.num_computed_tokens = 0
+        self.num_draft_computed_tokens = 0
         self.num_preemptions += 1
         self.status = SequenceStatus.WAITING

@@ -52,7 +52,16 @@ def _worker(member, monitor, loads) -> pb.WorkerStatus:
                            inflight_requests=loads.get(worker_id, 0), waiting=stats.waiting if stats else 0,
                            running=stats.running if stats else 0, num_kv_blocks=member.info.num_blocks,
                            kv_usage=stats.kv_usage if stats else 0.0, tp_size=member.tp_size, epoch=member.epoch,
-                           restarts=member.restarts, state=member.state)
+                           restarts=member.restarts, state=member.state, **_speculation(stats))
+
+
+def _speculation(stats) -> dict:
+    spec = stats.spec if stats is not None else None
+    if spec is None:
+        return {}
+    return dict(spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
+                spec_verify_steps=spec.sequence_steps, spec_acceptance_rate=spec.acceptance_rate,
+                spec_mean_accepted_length=spec.mean_accepted_length)
 
 
 def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:

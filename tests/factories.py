@@ -74,6 +74,8 @@ class TinySpec:
     # of quantization use HF's default initializer range (0.02), whose softer attention is closer to
     # how trained models respond to small perturbations (see tests/engine/test_quantized_accuracy.py).
     weight_std: float = _WEIGHT_STD
+    # False: no tokenizer is saved, so the vocabulary may be tiny (distribution tests over a few tokens).
+    with_tokenizer: bool = True
 
     def __post_init__(self) -> None:
         if self.arch not in _CONFIG_CLASSES:
@@ -84,7 +86,7 @@ class TinySpec:
             raise ValueError(
                 f"num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.vocab_size < _TOKENIZER_MIN_VOCAB:
+        if self.with_tokenizer and self.vocab_size < _TOKENIZER_MIN_VOCAB:
             # A byte-level tokenizer needs all 256 bytes plus the special tokens.
             raise ValueError(
                 f"vocab_size={self.vocab_size} < {_TOKENIZER_MIN_VOCAB} (byte-level minimum)"
@@ -149,8 +151,9 @@ def make_tiny_checkpoint(out_dir: Path, spec: TinySpec = TinySpec()) -> Path:
     model.generation_config = GenerationConfig(**SPECIAL_TOKEN_IDS)
     sharding = {"max_shard_size": _SHARD_SIZE_BYTES} if spec.sharded else {}
     model.save_pretrained(out_dir, safe_serialization=True, **sharding)
-    tokenizer = _tokenizer(spec.vocab_size, spec.max_position_embeddings)
-    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    if spec.with_tokenizer:
+        tokenizer = _tokenizer(spec.vocab_size, spec.max_position_embeddings)
+        tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     return out_dir
 
 

@@ -173,7 +173,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "healthy", "inflight_requests", "waiting", "running", "num_kv_blocks", "kv_usage", "tp_size", "epoch", "restarts", "state")
+    __slots__ = ("worker_id", "role", "healthy", "inflight_requests", "waiting", "running", "num_kv_blocks", "kv_usage", "tp_size", "epoch", "restarts", "state", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps", "spec_acceptance_rate", "spec_mean_accepted_length")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,11 @@ class WorkerStatus(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     healthy: bool
@@ -198,7 +203,12 @@ class WorkerStatus(_message.Message):
     epoch: int
     restarts: int
     state: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_verify_steps: int
+    spec_acceptance_rate: float
+    spec_mean_accepted_length: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "inflight_requests", "requests_total", "routing_policy", "prompt_tokens_total", "cached_prompt_tokens_total", "index_entries", "migrations_total")

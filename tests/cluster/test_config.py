@@ -19,6 +19,15 @@ def test_from_dict_round_trips_and_builds_engine_configs():
     assert config.num_cpus_needed == 1 + 2 * 2
 
 
+def test_the_decode_pool_speculates_from_yaml_shaped_data():
+    raw = {"decode": {"speculative_config": {"model": "/drafts/small", "num_speculative_tokens": 3}}}
+    config = ClusterConfig.from_dict(raw)
+    assert ClusterConfig.from_dict(config.to_dict()) == config
+    decode, prefill = config.engine_config("decode", "/m"), config.engine_config("prefill", "/m")
+    assert (decode.speculative_config.method, decode.speculative_config.model) == ("draft_model", "/drafts/small")
+    assert prefill.speculative_config is None
+
+
 @pytest.mark.parametrize("raw, key", [
     ({"blocksize": 16}, "blocksize"),
     ({"decode": {"tp": 2}}, "decode.tp"),
@@ -34,6 +43,11 @@ def test_from_dict_round_trips_and_builds_engine_configs():
     ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
     ({"quantization": "fp8"}, "quantization"),
     ({"decode": {"quantization": "int4"}}, "decode.quantization"),
+    ({"decode": {"speculative_config": {"num_speculative_tokens": 99}}},
+     "decode.speculative_config.num_speculative_tokens"),
+    ({"decode": {"speculative_config": {"method": "ngram", "typo": 1}}}, "decode.speculative_config"),
+    ({"decode": {"speculative_config": "ngram"}}, "decode.speculative_config"),
+    ({"prefill": {"speculative_config": {"method": "ngram"}}}, "prefill.speculative_config"),
 ])
 def test_bad_values_name_the_key(raw, key):
     with pytest.raises(ConfigError) as err:

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics_http import scrape, start_metrics_server
 from cluster.worker_metrics import WorkerMetrics
+from engine.speculative.counters import SpecCounters
 
 P = "splitserve_worker_"
 PREFILL = {"worker": "prefill-0", "role": "prefill"}
@@ -133,7 +134,9 @@ def test_snapshot_shows_the_scraped_figures(serve):
         "kv_transfer_bytes_total": {"recv": 2048},
         "kv_transfer_duration_seconds": {"recv": {"count": 1, "sum": 0.25}},
         "handoffs_total": {"ok": 1, "failed": 0},
-        "prefix_pulls_total": {"pulled": 0, "skipped": 0, "failed": 0}, "prefix_pull_blocks_total": 0}
+        "prefix_pulls_total": {"pulled": 0, "skipped": 0, "failed": 0}, "prefix_pull_blocks_total": 0,
+        "spec_draft_tokens_total": 0, "spec_accepted_tokens_total": 0, "spec_verify_steps_total": 0,
+        "spec_engine_steps_total": {"on": 0, "off": 0}}
     assert snap["kv_transfer_bytes_total"]["recv"] == value(s, P + "kv_transfer_bytes_total", direction="recv",
                                                             **DECODE)
 
@@ -153,7 +156,8 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve)
         P + "steps": "counter", P + "step_tokens": "counter", P + "step_duration_seconds": "histogram",
         P + "kv_transfer_bytes": "counter", P + "kv_transfer_duration_seconds": "histogram",
         P + "handoffs": "counter", P + "prefix_pulls": "counter",
-        P + "prefix_pull_blocks": "counter"}  # counters: the family name drops _total
+        P + "prefix_pull_blocks": "counter", P + "spec_draft_tokens": "counter", P + "spec_accepted_tokens": "counter",
+        P + "spec_verify_steps": "counter", P + "spec_engine_steps": "counter"}  # counters: the name drops _total
     for name, family in families.items():
         assert family.documentation, name
         if "duration" in name:
@@ -162,7 +166,7 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve)
             assert name.endswith("_bytes"), name
         for sample in family.samples:
             assert {"worker", "role"} <= set(sample.labels) <= {"worker", "role", "phase", "direction", "result",
-                                                                "le"}, sample
+                                                                "switch", "le"}, sample
             if family.type == "counter" and not sample.name.endswith("_created"):
                 assert sample.name.endswith("_total"), sample.name
 
@@ -193,3 +197,18 @@ def test_exporter_refuses_a_taken_port_or_a_bad_one():
             start_metrics_server(registry, port=first.port)
     with pytest.raises(ValueError, match="65536"):
         start_metrics_server(registry, port=65536)
+
+
+def test_speculation_counters_catch_up_with_the_engine(serve):
+    metrics = WorkerMetrics("decode-2", "decode")
+    read = serve(metrics)
+    metrics.set_speculation(SpecCounters(sequence_steps=4, draft_tokens=12, accepted_tokens=9, steps_on=3,
+                                         steps_off=1))
+    metrics.set_speculation(SpecCounters(sequence_steps=6, draft_tokens=16, accepted_tokens=10, steps_on=4,
+                                         steps_off=5))
+    s, labels = read(), {"worker": "decode-2", "role": "decode"}
+    assert value(s, P + "spec_draft_tokens_total", **labels) == 16
+    assert value(s, P + "spec_accepted_tokens_total", **labels) == 10
+    assert value(s, P + "spec_verify_steps_total", **labels) == 6
+    assert value(s, P + "spec_engine_steps_total", switch="off", **labels) == 5
+    assert metrics.snapshot()["spec_engine_steps_total"] == {"on": 4, "off": 5}

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig
+from engine.speculative.config import SpeculativeConfig
 from tests.deploy.certificate_schema import validate_certificate
 from tests.deploy.chart import CHART_DIR, KUBE_VERSION, MATRIX, NAMESPACE, objects, of_kind, only, pod_templates
 from tests.deploy.crd_schema import ray_pod_templates, validate_custom_resource
@@ -66,6 +67,9 @@ def test_rendered_cluster_config_loads(case):
     assert args[args.index("--ray-address") + 1].startswith("ray://")
     quantization = {"kvCacheDtype": "auto", "weights": "none", **MATRIX[case].get("quantization", {})}
     assert (config.kv_cache_dtype, config.quantization) == (quantization["kvCacheDtype"], quantization["weights"])
+    spec = MATRIX[case].get("decode", {}).get("speculativeConfig")
+    assert config.decode.speculative_config == (None if spec is None else SpeculativeConfig.from_dict(spec))
+    assert config.prefill.speculative_config is None
 
 
 @matrix

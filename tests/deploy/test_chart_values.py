@@ -23,7 +23,8 @@ CHART_OWNED_TOP = {"model_dir", "redis_url", "prefill", "decode", "router",
                    "kv_cache_dtype", "quantization"}  # values.yaml `quantization:`
 # values.yaml `planner:` (enabled, the profile rendered into the ConfigMap) and the release's RayCluster
 CHART_OWNED_PLANNER = {"enabled", "profile_path", "raycluster_name", "raycluster_namespace"}
-CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource"}
+CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource",
+                    "speculative_config"}  # decode.speculativeConfig (decode only)
 CHART_OWNED_ROUTER = {"host", "port", "http_port", "policy", "auth_token_file", "metrics_port",
                       "tls_cert_file", "tls_key_file", "tls_client_ca_file", "health_port"}  # from tls.*
 
@@ -58,6 +59,9 @@ BAD_VALUES = [
     ({"quantization": {"kvCacheDtype": "int4"}}, "/quantization/kvCacheDtype", "fp8"),
     ({"quantization": {"weights": "fp8"}}, "/quantization/weights", "int8"),
     ({"config": {"decode": {"kv_cache_dtype": "int8"}}}, "/config/decode", "'kv_cache_dtype' not allowed"),
+    ({"decode": {"speculativeConfig": {"method": "medusa"}}}, "/decode/speculativeConfig/method", "ngram"),
+    ({"decode": {"speculativeConfig": {"num_speculative_tokens": 0}}},
+     "/decode/speculativeConfig/num_speculative_tokens", "minimum"),
 ]
 
 

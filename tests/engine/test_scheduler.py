@@ -107,3 +107,18 @@ def test_admission_starts_after_the_cached_prefix():
     plan = _run(sched.schedule())
     assert ("twin", 8, 2) in plan  # two full blocks of 4 cached; the last two tokens computed
     assert twin.num_cached_tokens == 8
+
+
+def test_lookahead_slots_for_decoding_sequences_only_and_never_at_the_price_of_a_preemption():
+    sched = _scheduler(num_blocks=7, budget=32, chunk=16)
+    a, b = _seq("a", 3, 0), _seq("b", 9, 1)
+    for seq in (a, b):
+        sched.add(seq)
+    first = sched.schedule(num_lookahead_tokens=4)
+    assert [c.num_lookahead_slots for c in first.chunks] == [0, 0]  # both still prefilling
+    _run(first)
+    second = sched.schedule(num_lookahead_tokens=4)  # a: 4 tokens in 1 block, b: 10 in 3, 3 blocks free
+    assert [(c.seq.seq_id, c.num_new_tokens, c.num_lookahead_slots) for c in second.chunks] == [
+        ("a", 1, 4), ("b", 1, 0)]  # a's slots take 1 block (2 left for 2 sequences); b's would leave 1
+    assert len(sched.kv.block_table("a")) == 2 and not second.preempted
+    sched.kv.check_integrity()

@@ -7,6 +7,7 @@ router's command line names it (`--ray-address`). */}}
 {{- $pool := .pool -}}
 {{- $owned := dict "replicas" $pool.replicas "tp_size" .tpSize "num_cpus" $pool.numCpus "ray_resource" $pool.rayResource -}}
 {{- $_ := set $owned "num_gpus" (ternary 1 0 .gpu) -}}
+{{- with .spec }}{{ $_ := set $owned "speculative_config" . }}{{ end -}}
 {{- toYaml (merge $owned (deepCopy (.extra | default dict))) -}}
 {{- end -}}
 
@@ -22,7 +23,7 @@ router's command line names it (`--ray-address`). */}}
 {{- $_ = set $cfg "quantization" $v.quantization.weights -}}
 {{- $prefill := dict "pool" $v.prefill "tpSize" 1 "gpu" $v.gpu.enabled "extra" $cfg.prefill -}}
 {{- $_ := set $cfg "prefill" (include "splitserve.poolConfig" $prefill | fromYaml) -}}
-{{- $decode := dict "pool" $v.decode "tpSize" $v.decode.tpSize "gpu" $v.gpu.enabled "extra" $cfg.decode -}}
+{{- $decode := dict "pool" $v.decode "tpSize" $v.decode.tpSize "gpu" $v.gpu.enabled "extra" $cfg.decode "spec" $v.decode.speculativeConfig -}}
 {{- $_ = set $cfg "decode" (include "splitserve.poolConfig" $decode | fromYaml) -}}
 {{- $router := deepCopy ($cfg.router | default dict) -}}
 {{- $_ = set $router "host" "0.0.0.0" -}}

@@ -1,0 +1,176 @@
+"""Speculative decoding vs plain decoding: TPOT and output tokens/s at several batch sizes, same run.
+
+`python -m benchmarks.bench_spec [--model DIR] [--batches 1,8,64] [--max-tokens 48] [--k 4]`
+(default model: the demo checkpoint). Arms, each its own colocated engine, all on the same prompts:
+
+- plain: no speculation (the baseline every ratio is against);
+- ngram: prompt lookup, adaptive off-switch on (the shipped default), and `ngram-forced` (adaptive off:
+  speculates on every step, to show what the switch saves);
+- draft: a layer-truncated copy of the target (its first `--draft-layers` layers, same embeddings, norm
+  and head), adaptive on, and `draft-forced`.
+
+Workload, "the output repeats the prompt" (code edit / summary shaped): each prompt is a random text
+X, the model's own greedy continuation G of X (computed here without speculation), and X again, so the
+continuation after the second X tends to repeat G, which prompt lookup can find.
+
+TPOT: each request's mean time per output token after the first (RequestMetrics.tpot_s), averaged over
+the batch; tokens/s: output tokens of the batch / wall time of its `generate`. Acceptance: drafts
+accepted / proposed during that arm. `--handoff-prompt N` also times the draft's catch-up over an
+N-token prompt (what a decode instance computes after a hand-off) against the target's prefill of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.model_runner import build_step_input
+from engine.speculative.draft_model import DraftChunk
+
+
+def truncated_copy(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
+    """The target's first `num_layers` decoder layers with its embeddings, final norm and LM head."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            tensors[name] = tensor
+    save_file(tensors, out_dir / "model.safetensors")
+    for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (model_dir / extra).exists():
+            shutil.copy(model_dir / extra, out_dir / extra)
+    return out_dir
+
+
+def repeat_workload(llm: LLM, count: int, text_tokens: int, seed: int) -> list[list[int]]:
+    vocab = llm.engine.model_config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    texts = [torch.randint(10, vocab, (text_tokens,), generator=generator).tolist() for _ in range(count)]
+    params = SamplingParams(temperature=0.0, max_tokens=text_tokens, ignore_eos=True)
+    continuations = [list(o.token_ids) for o in llm.generate(texts, params, use_tqdm=False)]
+    return [x + g + x for x, g in zip(texts, continuations)]
+
+
+def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    before = llm.engine.spec.counters if llm.engine.spec is not None else None
+    started_s = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall_s = time.perf_counter() - started_s
+    row = {"tpot_ms": statistics.mean(o.metrics.tpot_s for o in outs) * 1e3,
+           "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall_s}
+    if before is not None:
+        after = llm.engine.spec.counters
+        drafts, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
+        on, off = after.steps_on - before.steps_on, after.steps_off - before.steps_off
+        row.update(acceptance=accepted / drafts if drafts else 0.0, spec_step_share=on / max(on + off, 1))
+    return row, [list(o.token_ids) for o in outs]
+
+
+def handoff_catch_up(llm: LLM, prompt_tokens: int, repeats: int = 3) -> dict:
+    """After a hand-off the decode side holds the target's prompt KV; the draft's must be computed there
+    (one draft forward over the prompt) or sent along. Times that forward against the target's prefill
+    of the same prompt, and reports the draft KV's bytes (what sending would move)."""
+    engine, prompt = llm.engine, list(range(10, 10 + prompt_tokens))
+    engine.kv.allocate("handoff-probe", prompt_tokens)
+    try:
+        chunk = DraftChunk(SimpleNamespace(seq_id="handoff-probe"), 0, prompt)
+        step = build_step_input([chunk], engine.kv.block_table, engine.config.block_size)
+        timed = {}
+        for name, runner in (("target_prefill_ms", engine.runner), ("draft_catch_up_ms", engine.spec.draft.runner)):
+            runner.execute(step)
+            started_s = time.perf_counter()
+            for _ in range(repeats):
+                runner.execute(step)
+            timed[name] = (time.perf_counter() - started_s) / repeats * 1e3
+    finally:
+        engine.kv.free("handoff-probe")
+    return {"prompt_tokens": prompt_tokens, **timed,
+            "draft_kv_bytes": engine.spec.draft.runner.kv_cache.bytes_per_token * prompt_tokens}
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else None
+    common = dict(progress=False, num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(args.batches))
+    plain = LLM(model_dir, **common)
+    model_dir = Path(plain.config.model_dir)
+    draft_dir = truncated_copy(model_dir, args.draft_layers, Path(tempfile.mkdtemp(prefix="spec-draft-")))
+    k = args.k
+    ngram = {"method": "ngram", "num_speculative_tokens": k}
+    draft = {"model": str(draft_dir), "num_speculative_tokens": k}
+    arms = {"plain": plain,
+            "ngram": LLM(model_dir, **common, speculative_config=ngram),
+            "ngram-forced": LLM(model_dir, **common, speculative_config={**ngram, "adaptive": False}),
+            "draft": LLM(model_dir, **common, speculative_config=draft),
+            "draft-forced": LLM(model_dir, **common, speculative_config={**draft, "adaptive": False})}
+    prompts = repeat_workload(plain, max(args.batches), args.text_tokens, args.seed)
+    for llm in arms.values():  # warm-up: first-call costs, and the adaptive switch's first measurements
+        measure(llm, prompts[:1], 8)
+    results = {"model": str(model_dir), "k": k, "draft_layers": args.draft_layers, "batches": {}}
+    for batch in args.batches:
+        rows, reference = {}, None
+        for name, llm in arms.items():
+            rows[name], tokens = measure(llm, prompts[:batch], args.max_tokens)
+            reference = tokens if reference is None else reference
+            rows[name]["exact"] = tokens == reference
+        for name, row in rows.items():
+            row["tpot_ratio"] = rows["plain"]["tpot_ms"] / row["tpot_ms"]  # > 1: lower TPOT than plain
+            row["throughput_ratio"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
+        results["batches"][batch] = rows
+        _print(batch, rows)
+    if args.handoff_prompt:
+        results["handoff"] = handoff_catch_up(arms["draft-forced"], args.handoff_prompt)
+        print(json.dumps(results["handoff"]))
+    shutil.rmtree(draft_dir, ignore_errors=True)
+    return results
+
+
+def _print(batch: int, rows: dict) -> None:
+    print(f"batch {batch}")
+    print(f"  {'arm':14s} {'TPOT ms':>9s} {'x plain':>8s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} "
+          f"{'spec steps':>10s} exact")
+    for name, r in rows.items():
+        print(f"  {name:14s} {r['tpot_ms']:9.2f} {r['tpot_ratio']:8.2f} {r['tokens_per_s']:8.1f} "
+              f"{r['throughput_ratio']:8.2f} {r.get('acceptance', float('nan')):7.2f} "
+              f"{r.get('spec_step_share', float('nan')):10.2f} {r['exact']}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--text-tokens", type=int, default=48, help="tokens of X (and of G) per prompt")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--num-kv-blocks", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (2 oversubscribes a shared 2-core box)")
+    parser.add_argument("--handoff-prompt", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    results = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

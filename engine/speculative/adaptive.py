@@ -1,0 +1,106 @@
+"""The adaptive off-switch: speculate on a step only while it is measured to be cheaper per token.
+
+Speculation trades compute for tokens: a speculative step costs the proposal plus a verify forward over
+1 + k tokens per sequence and yields 1 + (accepted drafts) tokens per sequence. While decoding is
+memory-bound (small batches) the verify forward costs about what a one-token step costs, so every
+accepted draft is nearly free; once the batch is large enough to be compute-bound, or acceptance is low,
+it costs more per token than plain decoding and must stop.
+
+The rule, decided before each step from measured costs:
+- A cost sample is one pure decode step (no prompt chunk in it, which would swamp the figure): its wall
+  time divided by the tokens its decoding sequences emitted. A speculative step in which no sequence got
+  a draft is a plain sample (that is what it cost).
+- Samples are kept per batch-size bucket (decoding sequences: 1, 2-3, 4-7, 8-15, ...), the last
+  `WINDOW` of each mode; a mode's cost is the median of its window (one step stalled by a busy host
+  must not decide anything).
+- A bucket first runs `PROBE_STEPS` speculative steps, then `PROBE_STEPS` plain ones. From then on it
+  speculates iff its speculative cost per token is below its plain cost.
+- The losing mode is re-measured for `PROBE_STEPS` steps once every `probe_interval` steps of the
+  bucket (acceptance and batch shape drift). A probe that confirms the decision doubles the interval
+  (up to `MAX_PROBE_INTERVAL`), a flip resets it: a settled bucket spends about 3/256 of its steps on
+  the slower mode.
+
+Acceptance enters through the measured cost (fewer accepted tokens, more seconds per token). Nothing
+here reads a clock: the engine reports each step's duration (`observe`), so the rule is tested with
+exact figures.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+WINDOW = 8
+PROBE_STEPS = 3
+FIRST_PROBE_INTERVAL = 16
+MAX_PROBE_INTERVAL = 256
+
+
+@dataclass
+class _Bucket:
+    spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per token, speculative
+    plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    steps_since_probe: int = 0
+    probe_interval: int = FIRST_PROBE_INTERVAL
+    probe_left: int = 0  # steps of the current probe still to run
+    decided_before_probe: bool | None = None
+
+    def better(self) -> bool | None:
+        """Whether speculation is measured cheaper; None until both modes have samples."""
+        if not self.spec_s or not self.plain_s:
+            return None
+        return statistics.median(self.spec_s) < statistics.median(self.plain_s)
+
+
+class AdaptiveSwitch:
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket_of(num_decoding: int) -> int:
+        return max(num_decoding, 1).bit_length()
+
+    def decide(self, num_decoding: int) -> bool:
+        """Whether the next step with `num_decoding` decoding sequences speculates."""
+        if not self.enabled:
+            return True
+        bucket = self._bucket(num_decoding)
+        if len(bucket.spec_s) < PROBE_STEPS:
+            return True
+        if len(bucket.plain_s) < PROBE_STEPS:
+            return False
+        if bucket.probe_left:
+            bucket.probe_left -= 1
+            return not bucket.decided_before_probe
+        if bucket.decided_before_probe is not None:  # a probe's steps have all been measured: judge it
+            self._end_probe(bucket)
+        better = bucket.better()
+        bucket.steps_since_probe += 1
+        if bucket.steps_since_probe >= bucket.probe_interval:
+            bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better
+            return not better
+        return better
+
+    def observe(self, speculated: bool, num_decoding: int, duration_s: float, num_output_tokens: int) -> None:
+        """A pure decode step ran: `speculated` (some sequence had drafts) or not, its wall time and the
+        tokens it emitted."""
+        if self.enabled and num_output_tokens > 0:
+            bucket = self._bucket(num_decoding)
+            (bucket.spec_s if speculated else bucket.plain_s).append(duration_s / num_output_tokens)
+
+    def costs(self, num_decoding: int) -> tuple[float | None, float | None]:
+        """(speculative, plain) median seconds per output token of this batch size's bucket."""
+        bucket = self._bucket(num_decoding)
+        return (statistics.median(bucket.spec_s) if bucket.spec_s else None,
+                statistics.median(bucket.plain_s) if bucket.plain_s else None)
+
+    def _bucket(self, num_decoding: int) -> _Bucket:
+        return self._buckets.setdefault(self.bucket_of(num_decoding), _Bucket())
+
+    @staticmethod
+    def _end_probe(bucket: _Bucket) -> None:
+        flipped = bucket.better() != bucket.decided_before_probe
+        bucket.probe_interval = (FIRST_PROBE_INTERVAL if flipped
+                                 else min(bucket.probe_interval * 2, MAX_PROBE_INTERVAL))
+        bucket.decided_before_probe = None

@@ -1,0 +1,138 @@
+"""What one engine step does differently when it speculates: the engine's hooks, in step order.
+
+1. `lookahead(running)`: the adaptive switch decides whether this step speculates; if so, the scheduler
+   reserves up to k lookahead KV slots (and budget) per decoding sequence where they fit.
+2. `propose(chunks, ...)`: the proposer fills each such chunk's slots with drafts, capped so that the
+   sequence can never pass max_tokens or the model's length (accepted drafts + one token must fit).
+   The chunk's input becomes its last token followed by the drafts: one target forward verifies every
+   sequence's drafts (variable lengths, no padding: each verify chunk is its own segment).
+3. `sample(...)`: every sampling chunk's tokens: one sampled token for plain chunks, accepted drafts
+   plus one target token for verified ones (engine/speculative/rejection.py), with target logprobs.
+4. `rollback(seq)`: after the engine appended the tokens (stopping at a stop condition) and marked the
+   computed tokens (only accepted tokens, so only they are ever hashed into the prefix cache), the
+   rejected drafts' KV slots are released: the block table shrinks to the computed tokens, freeing the
+   blocks that held only rejected drafts. The draft model's count shrinks with it.
+5. `observe(...)`: the step's measured cost feeds the switch; counters feed metrics.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from engine.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
+from engine.scheduler import ScheduledChunk
+from engine.sequence import Sequence
+from engine.speculative.adaptive import AdaptiveSwitch
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.counters import SpecCounters
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.rejection import Drafts, verify
+
+
+class SpeculativeDecoder:
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_model_len: int, draft_proposer=None):
+        self.config = config
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.switch = AdaptiveSwitch(config.adaptive)
+        self.draft = draft_proposer  # DraftModelProposer for method draft_model
+        self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.method == "ngram" else None)
+        self.counters = SpecCounters()
+        self._step = (False, 0, 0.0)  # (speculating, decoding sequences, start time) of the current step
+
+    # ---- 1. decide --------------------------------------------------------------------------------
+    def lookahead(self, running: Seq[Sequence]) -> int:
+        decoding = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
+        speculating = decoding > 0 and self.switch.decide(decoding)
+        self._step = (speculating, decoding, time.perf_counter())
+        if decoding:
+            self.counters = self.counters._replace(steps_on=self.counters.steps_on + speculating,
+                                                   steps_off=self.counters.steps_off + (not speculating))
+        return self.config.num_speculative_tokens if speculating else 0
+
+    # ---- 2. propose -------------------------------------------------------------------------------
+    def propose(self, chunks: Seq[ScheduledChunk], block_table: Callable[[str], Seq[int]],
+                sampling_row: Callable[[Sequence, Seq[int]], SamplingRow]) -> tuple[list[ScheduledChunk], dict]:
+        """Chunks with drafts filled in, and each drafted sequence's `Drafts` by id."""
+        jobs = [(c.seq, min(c.num_lookahead_slots, self._room(c.seq))) for c in chunks if c.num_lookahead_slots]
+        jobs = [(seq, k) for seq, k in jobs if k > 0]
+        if self.ngram is not None:
+            drafts = {seq.seq_id: Drafts(self.ngram.propose(seq.token_ids, k)) for seq, k in jobs}
+        else:
+            drafts = self.draft.propose(jobs, block_table, sampling_row) if jobs else {}
+        out = []
+        for chunk in chunks:
+            tokens = drafts[chunk.seq.seq_id].token_ids if chunk.seq.seq_id in drafts else ()
+            out.append(replace(chunk, num_new_tokens=chunk.num_new_tokens + len(tokens), draft_token_ids=tokens)
+                       if tokens else chunk)
+        return out, {seq_id: d for seq_id, d in drafts.items() if d.token_ids}
+
+    def _room(self, seq: Sequence) -> int:
+        """Most drafts that keep accepted drafts + the target's token within max_tokens and the model."""
+        return min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+
+    # ---- 3. sample / verify -----------------------------------------------------------------------
+    def sample(self, chunks: Seq[ScheduledChunk], logits: torch.Tensor, rows: Seq[SamplingRow],
+               drafts: dict) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """(tokens, their target logprobs) per sampling chunk; `rows`/`logits` hold each chunk's
+        `num_logits_rows` rows in order."""
+        offsets = [0]
+        for chunk in chunks:
+            offsets.append(offsets[-1] + chunk.num_logits_rows)
+        out = []
+        plain = [i for i, chunk in enumerate(chunks) if not chunk.draft_token_ids]
+        plain_rows = [offsets[i] for i in plain]
+        sampled = self.sampler(logits[plain_rows], [rows[r] for r in plain_rows]) if plain else None
+        plain_tokens = dict(zip(plain, zip(sampled.token_ids, sampled.logprobs))) if plain else {}
+        for index, chunk in enumerate(chunks):
+            start, count = offsets[index], chunk.num_logits_rows
+            if index in plain_tokens:
+                token, logprob = plain_tokens[index]
+                out.append(([token], [logprob]))
+            else:
+                chunk_rows, chunk_logits = rows[start:start + count], logits[start:start + count]
+                tokens = verify(self.sampler, chunk_logits, chunk_rows, drafts[chunk.seq.seq_id])
+                ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+                out.append((tokens, token_logprobs(chunk_logits[:len(tokens)], chunk_rows[:len(tokens)], ids)))
+                self._count(chunk.seq, len(chunk.draft_token_ids), len(tokens) - 1)
+        return out
+
+    def _count(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        seq.num_spec_steps += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += num_accepted
+        c = self.counters
+        self.counters = c._replace(sequence_steps=c.sequence_steps + 1, draft_tokens=c.draft_tokens + num_drafts,
+                                   accepted_tokens=c.accepted_tokens + num_accepted)
+
+    # ---- 4. roll back -----------------------------------------------------------------------------
+    @staticmethod
+    def rollback(seq: Sequence, truncate: Callable[[str, int], None]) -> None:
+        truncate(seq.seq_id, seq.num_computed_tokens)
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+
+    # ---- 5. measure -------------------------------------------------------------------------------
+    def observe(self, chunks: Seq[ScheduledChunk], num_output_tokens: int) -> None:
+        """The step ended; only pure decode steps (no prompt chunk) are cost samples."""
+        speculating, decoding, started_s = self._step
+        if decoding and all(c.num_new_tokens - len(c.draft_token_ids) == 1 for c in chunks):
+            drafted = speculating and any(c.draft_token_ids for c in chunks)  # else it cost a plain step
+            self.switch.observe(drafted, decoding, time.perf_counter() - started_s, num_output_tokens)
+
+
+def build_speculative_decoder(config, model_config, draft_model_config, max_model_len: int, num_blocks: int,
+                              sampler: Sampler, progress: bool = False) -> SpeculativeDecoder | None:
+    """The engine's decoder for `config.speculative_config` (None when speculation is off)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    draft = None
+    if spec.method == "draft_model":
+        from engine.speculative.draft_model import DraftModelProposer
+
+        draft = DraftModelProposer(config, draft_model_config, max_model_len, num_blocks, sampler, progress)
+    return SpeculativeDecoder(spec, sampler, max_model_len, draft)

@@ -1,0 +1,129 @@
+"""The parts of speculative decoding, exactly: config validation, prompt lookup, the adaptive switch's
+rule (fed exact costs), the KV table rollback; and the switch turning itself off in a real engine."""
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from engine.kv_cache_manager import KVCacheManager
+from engine.speculative.adaptive import FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_STEPS, AdaptiveSwitch
+from engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
+from engine.speculative.ngram import NgramProposer
+from tests.factories import TinySpec, random_prompts
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"method": "medusa"}, "speculative_config.method"),
+    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
+    ({"method": "draft_model"}, "speculative_config.model"),
+    ({"method": "ngram", "model": "x"}, "speculative_config.model"),
+    ({"k": 3}, "unknown key"),
+])
+def test_bad_config_names_the_key(raw, key):
+    with pytest.raises(SpeculativeConfigError, match=key):
+        SpeculativeConfig.from_dict(raw)
+
+
+def test_a_model_implies_the_draft_model_method():
+    assert SpeculativeConfig.from_dict({"model": "d", "num_speculative_tokens": 2}).method == "draft_model"
+
+
+def test_prompt_lookup_takes_the_longest_latest_match():
+    proposer = NgramProposer(1, 3)
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 3) == (7, 8, 5)  # "2 3" latest at 5
+    assert proposer.propose([1, 2, 3, 4, 5], 3) == ()  # 5 never occurred before
+    assert proposer.propose([4, 1, 2, 4], 2) == (1, 2)
+    assert proposer.propose([4, 1, 2, 4], 0) == ()
+
+
+def _switch_after(spec_cost_s: float, plain_cost_s: float, batch: int, steps: int = 200) -> list[bool]:
+    switch, decisions = AdaptiveSwitch(), []
+    for _ in range(steps):
+        on = switch.decide(batch)
+        decisions.append(on)
+        switch.observe(on, batch, (spec_cost_s if on else plain_cost_s) * batch, batch)
+    return decisions
+
+
+def test_switch_turns_off_when_speculation_costs_more_per_token():
+    # A large batch (compute-bound) or low acceptance: a speculative step costs more per token.
+    decisions = _switch_after(spec_cost_s=0.012, plain_cost_s=0.010, batch=64, steps=600)
+    assert decisions[:2 * PROBE_STEPS] == [True] * PROBE_STEPS + [False] * PROBE_STEPS  # both modes measured
+    settled = decisions[200:]
+    assert settled.count(True) <= PROBE_STEPS * (len(settled) // MAX_PROBE_INTERVAL + 1)  # only the probes
+
+
+def test_one_stalled_step_does_not_flip_the_decision():
+    switch, batch = AdaptiveSwitch(), 1
+    decisions = []
+    for step in range(100):
+        on = switch.decide(batch)
+        decisions.append(on)
+        stalled = step == 40  # the host stalled the process for one step
+        switch.observe(on, batch, 1.0 if stalled else (0.004 if on else 0.010), batch)
+    assert all(decisions[41:52])  # the stalled step's sample is outvoted by the window's median
+    assert decisions[2 * PROBE_STEPS:].count(False) <= 2 * PROBE_STEPS  # the two probes only
+
+
+def test_switch_stays_on_when_speculation_is_cheaper_and_buckets_are_separate():
+    assert _switch_after(spec_cost_s=0.004, plain_cost_s=0.010, batch=1)[50:].count(False) <= 2 * PROBE_STEPS
+    switch = AdaptiveSwitch()
+    for _ in range(2 * PROBE_STEPS):  # batch 64 learns that speculation loses; batch 1 has measured nothing
+        on = switch.decide(64)
+        switch.observe(on, 64, 2.0 if on else 1.0, 64)
+    assert switch.decide(64) is False
+    assert switch.decide(1) is True and switch.costs(64) == (2.0 / 64, 1.0 / 64)
+
+
+def test_switch_follows_a_drop_in_acceptance():
+    switch, batch = AdaptiveSwitch(), 4
+    for _ in range(40):  # high acceptance: speculation wins
+        on = switch.decide(batch)
+        switch.observe(on, batch, 0.01, batch * (3 if on else 1))
+    assert switch.decide(batch) is True
+    decisions = []
+    for _ in range(8 * FIRST_PROBE_INTERVAL):  # acceptance falls to zero: one token per sequence
+        on = switch.decide(batch)
+        decisions.append(on)
+        switch.observe(on, batch, 0.02 if on else 0.01, batch)
+    assert decisions[-64:].count(True) <= PROBE_STEPS
+
+
+def test_disabled_switch_always_speculates():
+    switch = AdaptiveSwitch(enabled=False)
+    switch.observe(True, 1, 100.0, 1)
+    assert switch.decide(1) is True
+
+
+def test_truncate_frees_emptied_blocks_and_keeps_registered_ones():
+    kv = KVCacheManager(8, block_size=2)
+    kv.allocate("s", 7)  # 4 blocks
+    kv.truncate("s", 3)  # 2 blocks cover 3 tokens
+    assert len(kv.block_table("s")) == 2 and kv.num_free_blocks == 6
+    kv.check_integrity()
+    kv.free("s")
+    assert kv.num_free_blocks == 8
+
+
+def test_engine_switches_off_a_draft_that_is_never_accepted(checkpoint, make_llm):
+    """A draft model that disagrees with the target: every speculative step costs k + 1 forwards
+    for about one token, so the measured rule turns speculation off after its first measurements."""
+    model_dir = checkpoint(TinySpec())
+    draft = checkpoint(TinySpec(num_layers=1, seed=77))
+    llm = make_llm(model_dir, num_kv_blocks=256, speculative_config={"model": str(draft),
+                                                                     "num_speculative_tokens": 6})
+    prompts = random_prompts(1, 8, 8, 512, seed=3)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True), use_tqdm=False)
+    counters = llm.engine.spec.counters
+    assert counters.accepted_tokens < counters.draft_tokens / 3  # the draft is a poor one
+    assert counters.steps_off > 3 * counters.steps_on
+
+
+def test_engine_config_takes_the_dict_and_refuses_the_prefill_role():
+    from engine.config import EngineConfig
+
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(role="prefill", speculative_config={"method": "ngram"})
