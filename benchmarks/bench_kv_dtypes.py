@@ -20,8 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.bench_prefix_routing import (DEFAULT_TRACE, load_requests, oracle_cached_tokens, parse_args,
-                                             replay)
+from benchmarks.bench_prefix_routing import DEFAULT_TRACE, load_requests, oracle_cached_tokens, parse_args, replay
 from engine.config import EngineConfig, ModelConfig, RopeConfig
 from engine.kv_quant import kv_format
 

@@ -58,7 +58,7 @@ async def _measure(targets: dict, args, scratch: Path) -> dict:
         "stream": ["--rate", str(args.stream_rate), "--num-requests", str(args.streams), "--prompt-len", "fixed:8",
                    "--output-len", f"fixed:{args.stream_tokens}", "--max-concurrency", "256"]}
     records = {(w, b): [] for w in workloads for b in targets}
-    cpu_s = {key: 0.0 for key in records}
+    cpu_s = dict.fromkeys(records, 0.0)
     for name, flags in workloads.items():  # warm-up, not measured
         for backend, target in targets.items():
             await _bench(backend, target, [*flags[:2], "--num-requests", "20", *flags[4:]], scratch / f"warm-{name}", 0)

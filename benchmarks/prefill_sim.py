@@ -34,11 +34,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from benchmarks.prefill_sim_worker import SimWorker
 from cluster.kv_events import KVEventBuffer
+from cluster.messages import PullOutcome
 from cluster.prefix_index.memory import InProcessPrefixIndex
 from engine.block_hash import BlockHash
-from cluster.messages import PullOutcome
-from benchmarks.prefill_sim_worker import SimWorker
 from router.admission import PrefillStep
 from router.index_feeder import IndexFeeder
 from router.prefix_pull_planner import PullPlanner

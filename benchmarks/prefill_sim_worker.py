@@ -34,7 +34,7 @@ class SimWorker:
         self.waiting.append((request, estimate_tokens, pull_s))
         self.queued_prompt_tokens += estimate_tokens
 
-    def pull_from(self, holder: "SimWorker", request: SimRequest, num_blocks: int) -> int:
+    def pull_from(self, holder: SimWorker, request: SimRequest, num_blocks: int) -> int:
         """A prefix pull (prefill_worker/prefix_pull.py) at arrival: copies the leading blocks the holder
         still holds beyond the local ones into this pool, cached and pinned until the request starts.
         Returns the blocks pulled (0: nothing to pull or no room)."""

@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import queue
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from cluster.client import ClusterClient, TokenChunk
 from cluster.config import ClusterConfig
@@ -71,7 +71,7 @@ class Cluster:
         self._thread.join(10)
         self.launched.shutdown()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,8 +18,8 @@ import itertools
 import secrets
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -132,7 +132,7 @@ class ClusterClient:
             left_s = deadline_s - time.monotonic()
             try:
                 update: TokenUpdate | RequestFailed = await asyncio.wait_for(queue.get(), max(left_s, 0.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RequestFailed("the request's deadline passed while decoding", timed_out=True) from None
             if isinstance(update, RequestFailed):  # its decode instance failed (see _fail_instance)
                 raise update
@@ -196,7 +196,7 @@ async def _next(stream, deadline_s: float, what: str, prefill: Member):
         return await ref
     except StopAsyncIteration:
         raise RequestFailed(f"{what} ended the stream early", unavailable=True) from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise RequestFailed(f"{what} did not answer before the request deadline", timed_out=True) from None
     except RayActorError as err:
         raise RequestFailed(f"{what} died: {err.__class__.__name__}", unavailable=True,

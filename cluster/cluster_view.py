@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 
@@ -73,7 +73,7 @@ class ClusterView:
         self._waiters.add(waiter)
         try:
             await asyncio.wait_for(waiter, max(timeout_s, 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             self._waiters.discard(waiter)

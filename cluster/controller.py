@@ -72,7 +72,7 @@ class ClusterController:
         if self._membership.version == known_version:
             try:
                 await asyncio.wait_for(asyncio.shield(self._changed), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self._membership
 
@@ -176,7 +176,7 @@ class ClusterController:
             if isinstance(err, ActorDiedError) or "died" in str(err).lower():
                 return f"dead ({type(err).__name__})"
             slot.strikes += 1
-        except asyncio.TimeoutError:
+        except TimeoutError:
             slot.strikes += 1
         else:
             broken = [a.error for a in answers if isinstance(a, Liveness) and not a.engine_ok]

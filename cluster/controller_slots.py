@@ -102,7 +102,7 @@ class SlotStarter:
     async def _until_ready(self, slot: Slot, timeout_s: float) -> None:
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ClusterStartError(f"{slot.worker_id} was not ready within {timeout_s:.0f} s; "
                                     + self._capacity_hint()) from None
         if infos[0].hash_spec != spec_fingerprint():

@@ -16,15 +16,16 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from cluster.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
 from cluster.controller import ClusterController, controller_name
-from cluster.controller_slots import ClusterStartError  # noqa: F401  (re-exported: callers catch it here)
+from cluster.controller_slots import ClusterStartError  # re-exported: callers catch it here
 from cluster.membership import Member, Membership
 
 RAY_NAMESPACE = "splitserve"

@@ -46,7 +46,7 @@ class MetricsServer:
             self._thread.join(timeout_s)
         self._httpd.server_close()
 
-    def __enter__(self) -> "MetricsServer":
+    def __enter__(self) -> MetricsServer:
         return self
 
     def __exit__(self, *exc) -> None:

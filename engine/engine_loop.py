@@ -14,8 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 from engine.llm_engine import LLMEngine, SequenceUpdate
 from engine.step_log import StepLog, StepRecord
@@ -55,7 +56,7 @@ class EngineLoop:
         """The loop thread is alive and has not failed."""
         return self.error is None and self._thread.is_alive() and not self._stopping.is_set()
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 

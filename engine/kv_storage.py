@@ -13,7 +13,8 @@ two sides can compare before any byte moves.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -99,7 +100,7 @@ class KVCacheStorage:
         if self.scales is not None:
             self.scales[layer].index_copy_(2, block_ids, tensors[1])
 
-    def copy_blocks_from(self, other: "KVCacheStorage", source: Sequence[int], target: Sequence[int]) -> None:
+    def copy_blocks_from(self, other: KVCacheStorage, source: Sequence[int], target: Sequence[int]) -> None:
         """Every layer's KV of `other`'s blocks `source` into our blocks `target` (same layout and heads)."""
         src, dst = (torch.tensor(list(ids), dtype=torch.int64) for ids in (source, target))
         for layer in range(self.num_layers):

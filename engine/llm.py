@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Sequence as Seq
 
 from tqdm import tqdm
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import torch
 

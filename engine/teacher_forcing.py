@@ -8,7 +8,7 @@ Used by the quantization accuracy report (benchmarks/quant_accuracy.py) and its 
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 

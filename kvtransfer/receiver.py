@@ -22,7 +22,6 @@ from engine.kv_storage import KVCacheStorage
 from kvtransfer.handoff import HandoffHeader, call_timeout_s, layout_mismatch, recv_header, recv_sequence_kv
 from kvtransfer.transport import KVTransport, PeerId, TransferError
 
-
 REFUSED_DEADLINE_S = 10.0  # how long a refused transfer may take to drain
 PEER_WAIT_S = 120.0  # bound on waiting for the previous conversation with the same peer
 

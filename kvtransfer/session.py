@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s, layout_mismatch
 
@@ -184,7 +184,7 @@ class HandoffSession:
             wait_s = call_timeout_s(target.lease_deadline_s)
             try:
                 await asyncio.wait_for(asyncio.gather(*confirmations), wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise HandoffFailed("ack", f"decode ranks did not confirm within {wait_s:.1f} s") from None
             except Exception as err:
                 raise HandoffFailed("ack", f"{type(err).__name__}: {err}", decode_lost=True) from err
@@ -199,7 +199,7 @@ class HandoffSession:
             return await asyncio.wait_for(call, timeout_s)
         except (DecodeFull, HandoffFailed):
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise HandoffFailed(step, f"the decode instance did not answer within {timeout_s:.1f} s",
                                 decode_lost=True) from None
         except Exception as err:
@@ -218,5 +218,5 @@ class HandoffSession:
     async def _sleep_unless_cancelled(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self._cancelled.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass

@@ -60,7 +60,7 @@ class GrpcBackend:
         self.target = target
         self.client = AsyncClient(target, token=token, tls=tls, timeout_s=timeout_s)
 
-    async def __aenter__(self) -> "GrpcBackend":
+    async def __aenter__(self) -> GrpcBackend:
         await self.client.__aenter__()
         return self
 

@@ -26,12 +26,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from loadtest.backends import GrpcBackend
 from loadtest.chaos_killer import Killer
 from loadtest.cli import build_parser, config_from_args
 from loadtest.config import BenchConfig, read_token
 from loadtest.driver import drive
 from loadtest.records import RequestRecord, read_jsonl
-from loadtest.backends import GrpcBackend
 from loadtest.runner import BenchError, _limits, _plan
 
 ROLES = ("prefill", "decode", "any")

@@ -89,7 +89,7 @@ class _Run:
         try:
             await asyncio.wait_for(self.slots.acquire(), budget_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def _released(self, _task: asyncio.Task) -> None:

@@ -53,7 +53,7 @@ class OpenAIBackend:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "OpenAIBackend":
+    async def __aenter__(self) -> OpenAIBackend:
         # No connection limit: the driver's --max-concurrency is the only cap on open streams.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True), headers=self.headers)
         return self

@@ -54,7 +54,7 @@ class SharedPrefixSpec:
     def prompt_len(self) -> int:
         return self.prefix_len + self.suffix_len
 
-    def with_rate(self, rate_per_s: float) -> "SharedPrefixSpec":
+    def with_rate(self, rate_per_s: float) -> SharedPrefixSpec:
         return dataclasses.replace(self, rate_per_s=rate_per_s)
 
     def build(self, limits: ModelLimits, defaults: RequestDefaults, seed: int, salt: int = 0) -> Plan:

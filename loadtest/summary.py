@@ -19,8 +19,9 @@ Definitions (all recomputable from records.jsonl; see `records` for TTFT / TPOT 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from loadtest.records import RequestRecord
 from loadtest.stats import Distribution

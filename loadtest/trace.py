@@ -63,7 +63,7 @@ class TraceSpec:
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
 
-    def with_rate(self, rate_per_s: float) -> "TraceSpec":
+    def with_rate(self, rate_per_s: float) -> TraceSpec:
         return dataclasses.replace(self, rate_per_s=rate_per_s)
 
     def build(self, limits: ModelLimits, defaults: RequestDefaults, seed: int, salt: int = 0) -> Plan:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator
 
 MOONCAKE_BLOCK_TOKENS = 512
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from cluster.messages import GenerateRequest, PullOutcome
 from engine.block_hash import HashNamespace, hash_blocks

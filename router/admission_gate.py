@@ -15,10 +15,23 @@ The decision is made after routing and before any worker is touched; a rejection
 """
 from __future__ import annotations
 
-from router.admission import (AdmissionConfig, AdmissionDecision, AdmissionRequest, ClusterView,
-                              DecodeCostModel, DecodeInstanceView, DecodeStep, ObservedTtftModel, PrefillCostModel,
-                              PrefillStep, RunningRequest, TransferCostModel, TransferStep, TtftSample,
-                              policy_from_config)
+from router.admission import (
+    AdmissionConfig,
+    AdmissionDecision,
+    AdmissionRequest,
+    ClusterView,
+    DecodeCostModel,
+    DecodeInstanceView,
+    DecodeStep,
+    ObservedTtftModel,
+    PrefillCostModel,
+    PrefillStep,
+    RunningRequest,
+    TransferCostModel,
+    TransferStep,
+    TtftSample,
+    policy_from_config,
+)
 from router.admission.step_stats import unseen_steps
 from router.routing import WorkerLoad
 

@@ -82,7 +82,7 @@ def status_main(argv: list[str]) -> None:
           f"{'waiting':>8} {'running':>8} {'kv use':>7}")
     for w in status.workers:
         print(f"{w['worker_id']:<28} {w['role']:<8} {w['state']:<9} {w['epoch']:>5} {w['restarts']:>8} "
-              f"{str(w['healthy']):<8} {w['inflight_requests']:>8} {w['waiting']:>8} {w['running']:>8} "
+              f"{w['healthy']!s:<8} {w['inflight_requests']:>8} {w['waiting']:>8} {w['running']:>8} "
               f"{w['kv_usage']:>6.1%}")
     hit = status.cached_prompt_tokens_total / max(status.prompt_tokens_total, 1)
     print(f"prefix hit rate {hit:.1%} ({status.cached_prompt_tokens_total}/{status.prompt_tokens_total} prompt "

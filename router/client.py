@@ -31,8 +31,17 @@ import grpc
 from router.channel import ClientTls, check_target, connection_hint, open_channel
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
-from router.sdk_types import (SENT_AT_KEY, Completion, GenerateChunk, SplitserveError, Unavailable,
-                              chunk_from_proto, error_from_rpc, model_info_from_proto, status_from_proto)
+from router.sdk_types import (
+    SENT_AT_KEY,
+    Completion,
+    GenerateChunk,
+    SplitserveError,
+    Unavailable,
+    chunk_from_proto,
+    error_from_rpc,
+    model_info_from_proto,
+    status_from_proto,
+)
 
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 _SLO_FIELDS = {"ttft_ms", "tpot_ms"}
@@ -141,7 +150,7 @@ class Client(_Base):
     def close(self) -> None:
         self._grpc_channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -200,7 +209,7 @@ class AsyncClient(_Base):
     async def close(self) -> None:
         await self._grpc_channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+
 import grpc
 
 from router.errors import Status, Unauthenticated, status_for

@@ -126,7 +126,7 @@ class Completion:
     migrations: int = 0  # times the router moved the request to other workers (an unbroken stream)
 
     @staticmethod
-    def from_chunks(chunks: list[GenerateChunk], attempts: int = 1) -> "Completion":
+    def from_chunks(chunks: list[GenerateChunk], attempts: int = 1) -> Completion:
         first, last = chunks[0], chunks[-1]
         return Completion(first.request_id, tuple(t for c in chunks for t in c.token_ids),
                           "".join(c.text for c in chunks), last.finish_reason or "",

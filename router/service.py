@@ -18,16 +18,15 @@ from cluster.membership import Member, Membership
 from cluster.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
-from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.admission_gate import AdmissionGate
-from router.metrics import RouterMetrics, slo_met
 from router.ledger import RouteLedger
+from router.metrics import RouterMetrics, slo_met
 from router.prefix_pull_planner import PullPlanner
 from router.request_keys import route_query, timed
+from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.stream_state import StreamState, Usage
 from router.validation import ModelLimits, RouterRequest
 from router.worker_monitor import WorkerMonitor
-
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.kv_events import KVEventBatch
-from cluster.prefix_index.base import (PrefixIndex, PrefixMatch, check_batch, check_hashes, check_worker,
-                                       sort_matches)
+from cluster.prefix_index.base import PrefixIndex, PrefixMatch, check_batch, check_hashes, check_worker, sort_matches
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockStored, IntegrityError
 

@@ -53,7 +53,7 @@ class RedisIndexPublisher:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def start(self) -> "RedisIndexPublisher":
+    def start(self) -> RedisIndexPublisher:
         self._thread.start()
         return self
 
@@ -83,7 +83,7 @@ class RedisIndexPublisher:
             while not self._stopping.is_set():
                 try:
                     await self._sync(index)
-                except Exception as err:  # noqa: BLE001 - any failure: keep the thread alive, retry
+                except Exception as err:  # any failure: keep the thread alive, retry
                     if outage_since is None:
                         outage_since = time.monotonic()
                         self.outages += 1
@@ -125,7 +125,7 @@ class RedisIndexPublisher:
     async def _sleep(self, delay_s: float) -> None:
         try:
             await asyncio.wait_for(self._wake.wait(), delay_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

@@ -17,8 +17,8 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_storage import KVCacheStorage, LayerKV
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from engine.layers.quantization import linear_method
 from engine.layers.norm import RMSNorm
+from engine.layers.quantization import linear_method
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause, admit, ms, reject
 from router.admission.decode_projection import time_until_step_within_s
-from router.admission.predictor import (TpotPrediction, TtftPrediction, best_decode, best_prefill, combine,
-                                        decode_candidates, ttft_alone_s)
+from router.admission.predictor import (
+    TpotPrediction,
+    TtftPrediction,
+    best_decode,
+    best_prefill,
+    combine,
+    decode_candidates,
+    ttft_alone_s,
+)
 from router.admission.view import AdmissionRequest, ClusterView
 
 

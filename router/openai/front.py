@@ -54,7 +54,7 @@ class HttpFront:
     @classmethod
     async def start(cls, service: RouterService, *, host: str, port: int | None, uds: str | None = None,
                     token: str | None = None, model_names: tuple[str, ...],
-                    ssl_context: ssl.SSLContext | None = None) -> "HttpFront":
+                    ssl_context: ssl.SSLContext | None = None) -> HttpFront:
         """Serves on host:port (0: the OS picks; None: no TCP) and/or the unix socket `uds`; HTTPS on both
         when `ssl_context` is given (the router's TLS keys, as for gRPC)."""
         front = cls(service, Context(service.limits, service.tokenizer, model_names), token)

@@ -17,8 +17,17 @@ from typing import NoReturn
 
 from engine.errors import InvalidRequestError
 from router.openai.chat_template import render_chat
-from router.validation import (ModelLimits, RouterRequest, check_priority, check_request_id, check_slo_ms,
-                               check_tenant, sampling_params, text_prompt, token_prompt)
+from router.validation import (
+    ModelLimits,
+    RouterRequest,
+    check_priority,
+    check_request_id,
+    check_slo_ms,
+    check_tenant,
+    sampling_params,
+    text_prompt,
+    token_prompt,
+)
 
 MAX_CHOICES = 256  # prompts x n in one body
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
