@@ -32,8 +32,8 @@ def _cache(kv_cache_dtype: str, num_blocks: int) -> KVCacheStorage:
                            HEAD_DIM)
     slots = torch.arange(num_blocks * BLOCK_SIZE)
     for layer in range(LAYERS):
-        cache.layer(layer).write(torch.randn(len(slots), KV_HEADS, HEAD_DIM), torch.randn(len(slots), KV_HEADS, HEAD_DIM),
-                                 slots)
+        cache.layer(layer).write(torch.randn(len(slots), KV_HEADS, HEAD_DIM),
+                                 torch.randn(len(slots), KV_HEADS, HEAD_DIM), slots)
     return cache
 
 

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
         times = {name: (None if rows > SLOW_ABOVE_ROWS.get(name, rows) else _time_us(fn, layers, rows, args.repeats))
                  for name, fn in CANDIDATES.items()}
         results[rows] = times
-        cells = [f"{'skipped':>22}" if t is None else f"{t:>11.0f} ({times['fp32'] / t:4.2f}x)  " for t in times.values()]
+        cells = [f"{'skipped':>22}" if t is None else f"{t:>11.0f} ({times['fp32'] / t:4.2f}x)  "
+                 for t in times.values()]
         print(f"{rows:>5}" + "".join(cells))
     return results
 

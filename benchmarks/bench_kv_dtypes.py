@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
         if requests is None:  # the same requests (and speed-up) for every dtype
             requests, notes = load_requests(route_args)
             print(f"\nreplay: {len(requests)} requests, {notes['prompt_tokens']} prompt tokens, speed-up "
-                  f"{notes['speedup']:.2f}; oracle hit rate {oracle_cached_tokens(requests, 16) / notes['prompt_tokens']:.3f}")
+                  f"{notes['speedup']:.2f}; oracle hit rate "
+                  f"{oracle_cached_tokens(requests, 16) / notes['prompt_tokens']:.3f}")
             print(f"{'kv dtype':>9}{'policy':>14}{'blocks/worker':>15}{'hit rate':>10}{'x auto':>8}{'pulled':>8}"
                   f"{'queue delay s':>15}{'wall s':>8}")
         for policy in args.policies.split(","):

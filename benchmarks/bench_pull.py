@@ -76,7 +76,8 @@ def _print(rows: list[dict]) -> None:
           "prior estimate ms")
     print("---: | ---: | ---: | ---: | ---: | ---: | ---: | ---:")
     for r in rows:
-        print(f"{r['length']} | {r['num_bytes'] / 1e6:.1f} | {1000 * r['pulled_s']:.1f} | {1000 * r['computed_s']:.1f} | "
+        print(f"{r['length']} | {r['num_bytes'] / 1e6:.1f} | {1000 * r['pulled_s']:.1f} | "
+              f"{1000 * r['computed_s']:.1f} | "
               f"{r['pulled_s'] / r['computed_s']:.2f} | {1000 * r['pull_s']:.1f} | "
               f"{r['num_bytes'] / r['pull_s'] / 1e9:.2f} | {1000 * PULL_PRIOR.time_s(r['num_bytes']):.1f}")
 

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ensure_demo_model())
     names = args.configs.split(",")
-    engines = {name: LLMEngine(EngineConfig(model_dir=model_dir, max_num_seqs=max(map(int, args.batch_sizes.split(","))),
+    max_num_seqs = max(map(int, args.batch_sizes.split(",")))
+    engines = {name: LLMEngine(EngineConfig(model_dir=model_dir, max_num_seqs=max_num_seqs,
                                             num_kv_blocks=4096, **CONFIGS[name])) for name in names}
     for engine in engines.values():
         _run(engine, [[5, 6, 7, 8]], 2)  # warm-up (kernels compiled, buffers sized), outside the timing
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
             order = names if round_index % 2 == 0 else names[::-1]
             for name in order:
                 runs[name].append(_run(engines[name], prompts, args.output))
-        results[batch] = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+        results[batch] = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+                          for name, rs in runs.items()}
         _print(batch, results[batch], args)
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
     return results

@@ -46,7 +46,7 @@ class Cluster:
                 async for chunk in self.client.generate(request):
                     chunks.put(chunk)
                 chunks.put(_END)
-            except BaseException as err:  # delivered to the caller's thread below
+            except BaseException as err:  # noqa: BLE001 - delivered to the caller's thread below
                 chunks.put(err)
 
         future = asyncio.run_coroutine_threadsafe(pump(), self._loop)

@@ -13,6 +13,7 @@ error) aborts the request on both workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import secrets
@@ -149,10 +150,8 @@ class ClusterClient:
         if prefill is not None:  # first: its hand-off session then stops before reserving anything
             calls.insert(0, prefill.actor.abort.remote(request_id))
         for call in calls:
-            try:
+            with contextlib.suppress(Exception):  # a dead worker has nothing left to free
                 await asyncio.wait_for(call, self.cluster.config.handoff_lease_s + 5.0)
-            except Exception:  # a dead worker has nothing left to free
-                pass
 
     def _ensure_poller(self, decode: Member) -> None:
         key = (decode.worker_id, decode.epoch)

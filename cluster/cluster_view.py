@@ -87,7 +87,7 @@ class ClusterView:
                 failing = False
             except asyncio.CancelledError:
                 raise
-            except Exception as err:  # controller restarting or gone: keep the last membership, retry
+            except Exception as err:  # noqa: BLE001 - controller restarting or gone: keep the last membership, retry
                 if not failing:
                     log.warning("cannot watch the cluster controller: %s", type(err).__name__)
                 failing = True

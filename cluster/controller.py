@@ -20,6 +20,7 @@ process re-adopts the workers still alive from the record it keeps in Ray's GCS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -70,10 +71,8 @@ class ClusterController:
         `timeout_s` (long-poll: routers call it in a loop)."""
         await asyncio.wait_for(self._ready.wait(), timeout_s)
         if self._membership.version == known_version:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._changed), timeout_s)
-            except TimeoutError:
-                pass
         return self._membership
 
     async def wait_ready(self, timeout_s: float) -> Membership:

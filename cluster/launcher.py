@@ -12,6 +12,7 @@ launch (or the last `refresh`); routers follow membership live (`cluster/cluster
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
@@ -81,14 +82,10 @@ class LaunchedCluster:
 
     def shutdown(self) -> None:
         if self.owns_controller:
-            try:
+            with contextlib.suppress(Exception):  # already gone: nothing left to stop
                 ray.get(self.controller.shutdown.remote(), timeout=30)
-            except Exception:  # already gone: nothing left to stop
-                pass
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(self.controller, no_restart=True)
-            except Exception:
-                pass
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -167,10 +164,8 @@ def _wait_ready(controller, timeout_s: float, say) -> Membership:
                 raise cause from None
         except GetTimeoutError:
             raise ClusterStartError(f"the cluster controller did not answer within {timeout_s:.0f} s") from None
-        try:
+        with contextlib.suppress(GetTimeoutError):
             say(ray.get(controller.progress.remote(), timeout=JOIN_TIMEOUT_S))
-        except GetTimeoutError:
-            pass
 
 
 def _non_null(raw: dict) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import signal
 import sys
@@ -99,10 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await serve(routes, ready)
-        except asyncio.CancelledError:
-            pass
     try:
         asyncio.run(run())
     except OSError as err:

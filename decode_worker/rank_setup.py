@@ -81,5 +81,5 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
 def _follow(follower, runner, stop: threading.Event, name: str) -> None:
     try:
         follower.run(runner, stop)
-    except Exception as err:  # the instance is lost without its rank 0; say so in the worker's log
+    except Exception as err:  # noqa: BLE001 - the instance is lost without its rank 0; say so in the worker's log
         logging.getLogger(__name__).error("%s stopped following rank 0: %s", name, err)

@@ -115,7 +115,7 @@ class EngineLoop:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(self.engine))
-                except Exception as err:  # the caller gets its own error; the loop goes on
+                except Exception as err:  # noqa: BLE001 - the caller gets its own error; the loop goes on
                     future.set_exception(err)
             try:
                 item = self._commands.get_nowait()

@@ -110,7 +110,7 @@ class LLM:
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         try:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        except Exception:  # a checkpoint without a tokenizer still serves token ids
+        except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer still serves token ids
             return ""
 
 

@@ -4,7 +4,8 @@ Two users. A decode rank: rank 0 reserves blocks for a request and registers the
 rank (`expect`); the prefill worker, right before it sends, asks each rank to `receive` (so no rank
 ever blocks on an idle channel). A prefill worker pulling a cached prefix from a peer: it reserves
 blocks for the prefix and expects them with `allow_fewer_blocks` (the holder may have lost some of
-the tail since the router looked; the header says how many come). A transfer is accepted only while its expectation is pending and its lease has time left;
+the tail since the router looked; the header says how many come). A transfer is accepted only while
+its expectation is pending and its lease has time left;
 one that arrives for a cancelled or unknown request is drained into scratch space and refused, so
 blocks that may already belong to another sequence are never written. `cancel` waits for a receive
 in progress to end, which is what lets rank 0 free a reservation safely.

@@ -4,8 +4,9 @@ A `HandoffSession` starts once the prefill worker sampled the sequence's first t
 pinned) and runs (DESIGN.md lifecycle step 5):
 
 1. **reserve** — ask the decode instance for blocks (its reply names how it stores KV: a pair whose
-   layouts differ — another kv_cache_dtype — stops here, naming both, and drops the reservation). The reservation (and its lease) starts here, not
-   when the request arrived, so a request still queued for prefill never holds decode memory. A full
+   layouts differ — another kv_cache_dtype — stops here, naming both, and drops the reservation).
+   The reservation (and its lease) starts here,
+   not when the request arrived, so a request still queued for prefill never holds decode memory. A full
    decode pool is not a failure: the session retries with backoff until the request's own deadline;
    meanwhile the prefill side keeps its pins, which back-pressures prefill instead of failing anyone.
 2. **announce** — every decode rank posts a receive for this sender (so no rank ever waits on an idle
@@ -23,6 +24,7 @@ Workers are thin adapters around it: the decode instance is reached through a `D
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
@@ -206,17 +208,13 @@ class HandoffSession:
             raise HandoffFailed(step, f"{type(err).__name__}: {err}", decode_lost=True) from err
 
     async def _cancel_reservation(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # dead or slow: its lease frees the blocks; nothing more to do here
             await asyncio.wait_for(self.endpoint.cancel(), self.timeouts.call_s)
-        except Exception:  # dead or slow: its lease frees the blocks; nothing more to do here
-            pass
 
     def _check_cancelled(self, step: str) -> None:
         if self._cancelled.is_set():
             raise HandoffFailed(step, f"{self.request_id!r} was aborted")
 
     async def _sleep_unless_cancelled(self, seconds: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._cancelled.wait(), seconds)
-        except TimeoutError:
-            pass

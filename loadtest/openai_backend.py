@@ -55,7 +55,8 @@ class OpenAIBackend:
 
     async def __aenter__(self) -> OpenAIBackend:
         # No connection limit: the driver's --max-concurrency is the only cap on open streams.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True), headers=self.headers)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True),
+                                             headers=self.headers)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -105,7 +106,8 @@ class OpenAIBackend:
         headers = {"X-Request-Id": options.request_id, SENT_AT_KEY: str(time.time_ns() // 1000)}
         try:
             async with self.session.post(f"{self.base}/v1/completions", json=self._body(planned, options),
-                                         headers=headers, timeout=aiohttp.ClientTimeout(total=options.timeout_s)) as reply:
+                                         headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=options.timeout_s)) as reply:
                 if reply.status != 200:
                     raise RequestError(status_name(reply.status), _error_message(await reply.text()))
                 async for line in reply.content:

@@ -140,7 +140,7 @@ class PrefixPuller:
             received = await self._transfer(request, reservation, deadline_s)
             local = reservation.num_local_blocks
             await self._engine(lambda e: commit_pull(e, rid, tokens, request.tenant, local + received))
-        except Exception as err:  # any failure: give the blocks back and compute the prompt instead
+        except Exception as err:  # noqa: BLE001 - any failure: give the blocks back and compute the prompt instead
             await self._abandon(rid, deadline_s)
             self.metrics.prefix_pull_finished("failed", 0)
             return PullOutcome(0, 0, time.perf_counter() - started_s, f"{type(err).__name__}: {err}")

@@ -66,7 +66,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def call(request, context):
             try:
                 return await method(request, context)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - every error becomes a status here (_abort classifies and logs)
                 await self._abort(context, err)
         return call
 
@@ -75,7 +75,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async for response in method(request, context):
                     yield response
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - every error becomes a status here (_abort classifies and logs)
                 await self._abort(context, err)
         return call
 

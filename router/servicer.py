@@ -39,7 +39,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         monitor, loads, figures = service.monitor, service.worker_loads(), service.metrics.snapshot()
         workers = [_worker(member, monitor, loads) for member in service.cluster.members]
         return pb.ClusterStatus(workers=workers, inflight_requests=service.inflight_requests,
-                                requests_total=service.metrics.requests_by_outcome(), routing_policy=service.policy.name,
+                                requests_total=service.metrics.requests_by_outcome(),
+                                routing_policy=service.policy.name,
                                 prompt_tokens_total=int(figures["prompt_tokens_total"]),
                                 cached_prompt_tokens_total=int(figures["cached_prompt_tokens_total"]),
                                 index_entries=await service.index_entries(),

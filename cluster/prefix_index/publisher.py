@@ -14,6 +14,7 @@ logs one warning per outage and one line when it is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -60,10 +61,8 @@ class RedisIndexPublisher:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop and join for at most `timeout_s` (a call in flight ends within its own timeout)."""
         self._stopping.set()
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop already finished and closed
             self._loop.call_soon_threadsafe(self._wake.set)
-        except RuntimeError:
-            pass  # the loop already finished and closed
         if self._thread.is_alive():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -123,10 +122,8 @@ class RedisIndexPublisher:
             since_seq = self.published_seq = batch.last_seq
 
     async def _sleep(self, delay_s: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), delay_s)
-        except TimeoutError:
-            pass
 
 
 def _redact(url: str) -> str:

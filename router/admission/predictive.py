@@ -75,7 +75,8 @@ class PredictivePolicy(AdmissionPolicy):
         # is a new send: the time this one waited before the router does not recur).
         behind = f"waiting behind the prefill queued on {ttft.worker_id}"
         if ttft.waited_s > 0:
-            parts = f"{ms(ttft.waited_s)} of it spent before reaching the router, {ms(ttft.queue_s - ttft.waited_s)} {behind}"
+            parts = (f"{ms(ttft.waited_s)} of it spent before reaching the router, "
+                     f"{ms(ttft.queue_s - ttft.waited_s)} {behind}")
         else:
             parts = f"{ms(ttft.queue_s)} of it {behind}"
         return reject(Cause.TTFT, f"predicted TTFT {ms(ttft.ttft_s)} ({parts}) exceeds {rule}",

@@ -31,7 +31,7 @@ async def run_choices(service: RouterService, api: ApiRequest, deadline_s: float
             async with aclosing(service.generate(api.choices[position].request, deadline_s, waited_s)) as outputs:
                 async for output in outputs:
                     queue.put_nowait((position, output))
-        except Exception as err:  # handed to the reader, which raises it in the handler's task
+        except Exception as err:  # noqa: BLE001 - handed to the reader, which raises it in the handler's task
             queue.put_nowait((position, err))
             return
         queue.put_nowait((position, _DONE))

@@ -18,6 +18,7 @@ aiohttp was measured against uvicorn (bare ASGI and Starlette) and grpc.aio: ben
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -138,7 +139,7 @@ class HttpFront:
             if api.stream:
                 return await self._stream(request, api, deadline_s, waited_s, prompt_field)
             return await self._whole(api, deadline_s, waited_s)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - every error becomes an HTTP error (_failed classifies and logs)
             return self._error_response(self._failed(err, prompt_field))
 
     async def _whole(self, api: ApiRequest, deadline_s, waited_s) -> web.Response:
@@ -156,10 +157,9 @@ class HttpFront:
             first = await anext(iterator)  # a failure here is still a status
             response = web.StreamResponse(headers=_SSE_HEADERS)
             await response.prepare(request)
-            try:
+            # The client left between writes: closing `outputs` aborts the rest.
+            with contextlib.suppress(ConnectionError):
                 await self._events(response, renderer, first, iterator, prompt_field)
-            except ConnectionError:  # the client left between writes; closing `outputs` aborts the rest
-                pass
         return response
 
     async def _events(self, response: web.StreamResponse, renderer: Renderer, first, iterator,
@@ -172,7 +172,7 @@ class HttpFront:
                 await response.write(renderer.usage_event())
         except ConnectionError:
             raise
-        except Exception as err:  # after the 200: an error event, then the usual end
+        except Exception as err:  # noqa: BLE001 - after the 200: an error event, then the usual end
             await response.write(self._failed(err, prompt_field).event)
         await response.write(DONE_EVENT)
         await response.write_eof()
