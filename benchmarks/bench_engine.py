@@ -100,7 +100,7 @@ class Throughput:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
 
     def __add__(self, other: Throughput) -> Throughput:
-        return Throughput(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+        return Throughput(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
 
     def to_json(self) -> dict:
         return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s,
@@ -178,8 +178,9 @@ def check_tokens(hf: HFBaseline, requests, engine_tokens, known: list[list[int]]
     """Engine tokens vs unbatched HF; `known` holds HF B=1 tokens already computed for a prefix."""
     reference = known[:len(requests)]
     reference += [hf.generate_batch([r])[0] for r in requests[len(reference):]]
-    diverged = {index: next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-                for index, (ours, theirs) in enumerate(zip(engine_tokens, reference)) if ours != theirs}
+    diverged = {index: next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+                           min(len(ours), len(theirs)))
+                for index, (ours, theirs) in enumerate(zip(engine_tokens, reference, strict=True)) if ours != theirs}
     return {"num_requests": len(requests), "num_identical": len(requests) - len(diverged),
             "first_divergence_by_request": diverged, "passed": not diverged}
 

@@ -60,7 +60,7 @@ async def _open_loop(send, prompts, rate: float, seed: int) -> list[float]:
         await send(index, prompt)
         return time.perf_counter() - sent_s
 
-    return list(await asyncio.gather(*(one(i, o, p) for i, (o, p) in enumerate(zip(offsets, prompts)))))
+    return list(await asyncio.gather(*(one(i, o, p) for i, (o, p) in enumerate(zip(offsets, prompts, strict=True)))))
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -63,8 +63,9 @@ def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict:
 
 def agreement_lengths(reference: list[list[int]], generated: list[list[int]]) -> list[int]:
     lengths = []
-    for ours, theirs in zip(generated, reference):
-        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    for ours, theirs in zip(generated, reference, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+                    min(len(ours), len(theirs)))
         lengths.append(same)
     return lengths
 

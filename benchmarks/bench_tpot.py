@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -67,7 +68,7 @@ def slo_report(timings: list[Timing], ttft_slo_ms: float, tpot_slo_ms: float) ->
 
 
 def _gaps_s(timings: list[Timing]) -> list[float]:
-    return [b - a for t in timings if t.stream for a, b in zip(t.token_times_s, t.token_times_s[1:])]
+    return [b - a for t in timings if t.stream for a, b in itertools.pairwise(t.token_times_s)]
 
 
 def _percentiles(gaps_s: list[float]) -> dict:

@@ -161,7 +161,7 @@ class ClusterController:
     async def _check_health(self) -> None:
         watched = [s for s in self.slots.values() if s.ranks is not None and s.state in (SERVING, DRAINING)]
         verdicts = await asyncio.gather(*(self._probe(slot) for slot in watched))
-        for slot, verdict in zip(watched, verdicts):
+        for slot, verdict in zip(watched, verdicts, strict=True):
             if verdict is not None:
                 log.warning("worker %s (epoch %d) is %s", slot.worker_id, slot.epoch, verdict)
                 await self.starter.replace(slot, verdict)

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
 
     def ready(addresses) -> None:
-        for (host, port), route in zip(addresses, routes):
+        for (host, port), route in zip(addresses, routes, strict=True):
             print(f"forwarding {host}:{port} -> unix:{route.socket_path}", flush=True)
 
     async def run() -> None:

@@ -49,9 +49,9 @@ class LLM:
                             [prios[i] for i, _ in owners])
         finished = self._run(ids, use_tqdm)
         seqs: list[list[Sequence]] = [[] for _ in items]
-        for request_id, (i, _) in zip(ids, owners):
+        for request_id, (i, _) in zip(ids, owners, strict=True):
             seqs[i].append(finished[request_id])
-        return [self._output(item, p, s) for item, p, s in zip(items, params, seqs)]
+        return [self._output(item, p, s) for item, p, s in zip(items, params, seqs, strict=True)]
 
     def chat(self, conversations, sampling_params=None, **kwargs) -> list[RequestOutput]:
         """Applies the checkpoint's chat template to one conversation or a list of them."""
@@ -72,7 +72,7 @@ class LLM:
     def _add_all(self, items, params, prios) -> list[str]:
         ids: list[str] = []
         try:
-            for (_, tokens), sampling, priority in zip(items, params, prios):
+            for (_, tokens), sampling, priority in zip(items, params, prios, strict=True):
                 request_id = f"offline-{next(self._request_ids)}"
                 self.engine.add_request(request_id, tokens, sampling, priority=priority)
                 ids.append(request_id)

@@ -90,7 +90,7 @@ def attention_metadata(step: StepInput, block_size: int, native_decode: bool = F
         padding = torch.arange(decode_slots.shape[1])[None, :] >= step.decode_context_lens[:, None]
     segments, start = [], step.num_decode_tokens
     for q_len, ctx_len, table in zip(step.prefill_query_lens, step.prefill_context_lens,
-                                     step.prefill_block_tables):
+                                     step.prefill_block_tables, strict=True):
         slots = None
         if ctx_len > q_len:  # attends to earlier KV in the cache (prefix hit or an earlier chunk)
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]

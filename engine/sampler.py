@@ -145,7 +145,7 @@ def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(wanted):
         n = rows[i].params.logprobs
-        top = tuple(zip(top_ids[j][:n], top_values[j][:n]))
+        top = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
         result[i] = TokenLogprobs(sampled_logprob=sampled[j], top=top)
     return result
 

@@ -89,7 +89,7 @@ class _Channel:
             error = f"protocol violated: trailer {trailer.item()} for message #{sequence}"
         if error is not None:
             return error
-        for target, buffer in zip(out, staged):
+        for target, buffer in zip(out, staged, strict=True):
             if target is not buffer:
                 target.copy_(buffer)
         self.messages_received += 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import random
 import sys
@@ -95,7 +96,7 @@ def compare(chaos: list[RequestRecord], reference: list[RequestRecord], kills: l
 
 def _stall(record: RequestRecord, reference: RequestRecord) -> dict:
     times = (0.0,) + record.token_times_s
-    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     at = max(range(len(gaps)), key=gaps.__getitem__)
     return {"index": record.index, "migrations": record.migrations, "stall_s": round(gaps[at], 4),
             "context_tokens": record.prompt_tokens + at, "extra_e2e_s": round(record.e2e_s - reference.e2e_s, 4)}

@@ -142,13 +142,13 @@ def _read(path: str, trace_format: str) -> TraceFile:
 def _prompts(trace: TraceFile, kept: list[int], prompt_lens: list[int], prompt_scale: float,
              source: tokens.TokenSource) -> list[list[int]]:
     if trace.format != "mooncake":
-        return [source.blocks(tokens.TRACE_PROMPT, [i], n)[0].tolist() for i, n in zip(kept, prompt_lens)]
+        return [source.blocks(tokens.TRACE_PROMPT, [i], n)[0].tolist() for i, n in zip(kept, prompt_lens, strict=True)]
     block_tokens = round(prompt_scale * MOONCAKE_BLOCK_TOKENS)
     unique_ids = sorted({h for i in kept for h in trace.rows[i].hash_ids})
     blocks = source.blocks(tokens.TRACE_BLOCK, unique_ids, block_tokens)
     slot = {h: k for k, h in enumerate(unique_ids)}
     prompts = []
-    for i, n in zip(kept, prompt_lens):
+    for i, n in zip(kept, prompt_lens, strict=True):
         ids = trace.rows[i].hash_ids[:-(-n // block_tokens)]  # only the blocks the (clipped) prompt needs
         prompts.append(blocks[[slot[h] for h in ids]].reshape(-1)[:n].tolist())
     return prompts

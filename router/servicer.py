@@ -59,7 +59,7 @@ def _worker(member, monitor, loads) -> pb.WorkerStatus:
 def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
     message = pb.GenerateResponse(request_id=output.request_id, token_ids=output.token_ids, text=output.text,
                                   finish_reason=_FINISH.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
-    for token_id, logprobs in zip(output.token_ids, output.logprobs):
+    for token_id, logprobs in zip(output.token_ids, output.logprobs, strict=False):
         if logprobs is not None:
             message.logprobs.append(pb.TokenLogprob(
                 token_id=token_id, logprob=logprobs.sampled_logprob,

@@ -133,7 +133,7 @@ def _api_request(kind: str, model: str, body: dict, context: Context, prompts, v
     request_id = check_request_id(request_id or uuid.uuid4().hex, "X-Request-Id")
     extras = _extras(body)
     choices = []
-    for prompt_index, ((text, tokens), echo) in enumerate(zip(prompts, echoes)):
+    for prompt_index, ((text, tokens), echo) in enumerate(zip(prompts, echoes, strict=True)):
         for choice in range(params.n):
             index = prompt_index * params.n + choice
             request = RouterRequest(f"{request_id}-{index}", tokens, params.for_choice(choice), *extras,

@@ -117,7 +117,7 @@ class Renderer:
 
     def _logprob_entries(self, state: ChoiceState, output: RouterOutput) -> list:
         entries = []
-        for token_id, lp in zip(output.token_ids, output.logprobs):
+        for token_id, lp in zip(output.token_ids, output.logprobs, strict=False):
             if lp is None:
                 continue
             token = self._token_text(token_id)
