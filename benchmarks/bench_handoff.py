@@ -59,8 +59,7 @@ def _sender(port: int, dtypes: list[str], lengths: list[int], repeats: int) -> l
     rows = []
     for kv_cache_dtype in dtypes:
         cache = _cache(kv_cache_dtype, max(lengths) // BLOCK_SIZE + 1)
-        for length in lengths:
-            rows.append(_measure(transport, cache, kv_cache_dtype, length, repeats))
+        rows.extend(_measure(transport, cache, kv_cache_dtype, length, repeats) for length in lengths)
     transport.close()
     return rows
 

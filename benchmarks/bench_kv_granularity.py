@@ -52,7 +52,7 @@ def per_block_offline(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def per_block_online(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Tokens arrive one by one; a larger scale re-quantizes what the block already stores."""
     out = torch.empty_like(x)
-    scale = torch.full(x.shape[:1] + (1, 1), 1e-30)
+    scale = torch.full((*x.shape[:1], 1, 1), 1e-30)
     for t in range(x.shape[1]):
         new_scale = torch.maximum(scale, x[:, t:t + 1].abs().amax(-1, keepdim=True) / QMAX[fmt])
         if t:

@@ -71,7 +71,7 @@ def agreement_lengths(reference: list[list[int]], generated: list[list[int]]) ->
 
 
 def evaluate(model_dir: str, config_names: list[str], prompts: list[list[int]], max_tokens: int) -> dict:
-    engine_args = dict(model_dir=model_dir, num_kv_blocks=2048, max_num_seqs=len(prompts))
+    engine_args = {"model_dir": model_dir, "num_kv_blocks": 2048, "max_num_seqs": len(prompts)}
     reference = LLMEngine(EngineConfig(**engine_args))
     continuations = greedy(reference, prompts, max_tokens)
     expected = torch.cat(teacher_forced_logits(reference, prompts, continuations))

@@ -100,7 +100,7 @@ def _print(batch: int, result: dict, args) -> None:
           f"tokens each, {args.threads} threads, median of {args.rounds} rounds")
     print(f"{'config':<24}{'decode tok/s':>14}{'x fp32':>8}{'output tok/s':>14}{'x fp32':>8}")
     for name, row in result.items():
-        ratio = (lambda key: row[key] / base[key]) if base else (lambda key: float("nan"))
+        ratio = (lambda key, row=row: row[key] / base[key]) if base else (lambda key: float("nan"))
         print(f"{name:<24}{row['decode_tok_s']:>14.1f}{ratio('decode_tok_s'):>8.2f}{row['output_tok_s']:>14.1f}"
               f"{ratio('output_tok_s'):>8.2f}")
 

@@ -37,8 +37,7 @@ def _workload(args) -> list[tuple[float, list[int], SamplingParams]]:
     vocab = 4000
     items = []
     stream = SamplingParams(temperature=0.0, max_tokens=args.stream_tokens, ignore_eos=True)
-    for _ in range(args.streams):
-        items.append((0.0, [rng.randrange(10, vocab) for _ in range(32)], stream))
+    items.extend((0.0, [rng.randrange(10, vocab) for _ in range(32)], stream) for _ in range(args.streams))
     long_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     at_s = args.long_every_s
     while at_s < args.duration_s:

@@ -111,9 +111,9 @@ def _worker(role: str, host: str, port: int, cases: list[Case], reps: int, resul
         flat = torch.empty(case.num_bytes, dtype=torch.uint8)
         transport_s, raw_s = [], []
         # Small cases repeat more (same bytes per case): their medians are the noisiest otherwise.
-        for rep in range(min(4 * reps, reps * max(1, (256 << 20) // case.num_bytes)) + 1):  # rep 0 warms up
-            transport_s.append(_timed(role, raw, lambda: _move(transport, role, peer, tensors)))
-            raw_s.append(_timed(role, raw, lambda: _raw_move(raw, role, flat)))
+        for _rep in range(min(4 * reps, reps * max(1, (256 << 20) // case.num_bytes)) + 1):  # rep 0 warms up
+            transport_s.append(_timed(role, raw, lambda tensors=tensors: _move(transport, role, peer, tensors)))
+            raw_s.append(_timed(role, raw, lambda flat=flat: _raw_move(raw, role, flat)))
         if role == "recv":
             _check(case, kv)
             gb = case.num_bytes / 1e9

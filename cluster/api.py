@@ -14,6 +14,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Self
 
 from cluster.client import ClusterClient, TokenChunk
 from cluster.config import ClusterConfig
@@ -71,7 +72,7 @@ class Cluster:
         self._thread.join(10)
         self.launched.shutdown()
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -71,9 +71,9 @@ async def serve(routes: list[Route], ready=None) -> None:
     """Listens on every route until cancelled; `ready(list of (host, port))` once all listen."""
     servers = []
     try:
-        for route in routes:
-            servers.append(await asyncio.start_server(lambda r, w, route=route: _relay(route, r, w),
-                                                      route.host, route.port))
+        for route in routes:  # one at a time: the finally closes those already listening
+            server = await asyncio.start_server(lambda r, w, route=route: _relay(route, r, w), route.host, route.port)
+            servers.append(server)
         if ready is not None:
             ready([s.sockets[0].getsockname()[:2] for s in servers])
         await asyncio.gather(*(s.serve_forever() for s in servers))

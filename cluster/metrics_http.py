@@ -15,7 +15,7 @@ from __future__ import annotations
 import urllib.request
 from dataclasses import dataclass, field
 from threading import Thread
-from typing import Any
+from typing import Any, Self
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,7 +46,7 @@ class MetricsServer:
             self._thread.join(timeout_s)
         self._httpd.server_close()
 
-    def __enter__(self) -> MetricsServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

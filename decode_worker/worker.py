@@ -57,6 +57,7 @@ class DecodeRank:
         self.membership = Membership("", 0)
         self.owner_timeout_s = min(OWNER_TIMEOUT_MAX_S, self.config.handoff_lease_s)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep()) if rank == 0 else None
+        self._cancels: set[asyncio.Task] = set()  # the loop holds tasks weakly: these must not vanish mid-way
 
     async def ready(self) -> WorkerInfo:
         cfg = self.setup.model_config
@@ -194,7 +195,7 @@ class DecodeRank:
                 self._leases.pop(rid, None)
                 self.outbox.push(TokenUpdate(rid, (), (), error=f"the KV of {rid!r} did not arrive within the "
                                                                 f"{self.config.handoff_lease_s:.0f} s lease"))
-                asyncio.ensure_future(self.cancel(rid))
+                self._cancel_soon(rid)
             for rid in [rid for rid, until in self._cancelled.items() if now_s > until]:
                 del self._cancelled[rid]
             self._drop_gone_owners()
@@ -206,9 +207,14 @@ class DecodeRank:
         for rid in self.outbox.requests_of(stale):
             self.outbox.push(TokenUpdate(rid, (), (), error="its router stopped polling this decode instance"))
             self._leases.pop(rid, None)
-            asyncio.ensure_future(self.cancel(rid))
+            self._cancel_soon(rid)
         for owner in self.outbox.stale_owners(self.owner_timeout_s * FORGET_OWNER_FACTOR):
             self.outbox.drop_owner(owner)
+
+    def _cancel_soon(self, request_id: str) -> None:
+        task = asyncio.ensure_future(self.cancel(request_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self.setup.loop.call(fn))

@@ -89,7 +89,7 @@ def load_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, max_positions: 
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             with safe_open(path, framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - a safetensors handle has keys() but no __iter__
                     bar.update()
                     if _skipped(name, model_cfg):
                         continue

@@ -13,6 +13,7 @@ way whatever the backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 
 from loadtest.plan import ModelLimits, PlannedRequest
 from router.channel import ClientTls
@@ -60,7 +61,7 @@ class GrpcBackend:
         self.target = target
         self.client = AsyncClient(target, token=token, tls=tls, timeout_s=timeout_s)
 
-    async def __aenter__(self) -> GrpcBackend:
+    async def __aenter__(self) -> Self:
         await self.client.__aenter__()
         return self
 

@@ -95,7 +95,7 @@ def compare(chaos: list[RequestRecord], reference: list[RequestRecord], kills: l
 
 
 def _stall(record: RequestRecord, reference: RequestRecord) -> dict:
-    times = (0.0,) + record.token_times_s
+    times = (0.0, *record.token_times_s)
     gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     at = max(range(len(gaps)), key=gaps.__getitem__)
     return {"index": record.index, "migrations": record.migrations, "stall_s": round(gaps[at], 4),
@@ -141,10 +141,10 @@ def _tag(kind: str) -> str:
 def format_report(report: ChaosReport) -> str:
     recoveries = [k["recovered_s"] for k in report.kills if k.get("recovered_s") is not None]
     replaced = [k["replaced_s"] for k in report.kills if k.get("replaced_s") is not None]
-    lines = [f"requests {report.requests}, completed {report.completed}, compared with the reference "
-             f"{report.compared}",
-             f"lost {report.lost}, hung {report.hung}, duplicated {report.duplicated}, missing {report.missing}, "
-             f"diverged {report.diverged}, failed by status {report.failed_by_status or 'none'}",
+    lines = [(f"requests {report.requests}, completed {report.completed}, compared with the reference "
+              f"{report.compared}"),
+             (f"lost {report.lost}, hung {report.hung}, duplicated {report.duplicated}, missing {report.missing}, "
+              f"diverged {report.diverged}, failed by status {report.failed_by_status or 'none'}"),
              f"migrations per request {report.migrations_per_request}",
              f"kills {len(report.kills)}; the victim's replacement serving after "
              + (f"{min(replaced):.1f}-{max(replaced):.1f} s" if replaced else "(none)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
+from typing import Self
 
 import aiohttp
 
@@ -53,7 +54,7 @@ class OpenAIBackend:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> OpenAIBackend:
+    async def __aenter__(self) -> Self:
         # No connection limit: the driver's --max-concurrency is the only cap on open streams.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True),
                                              headers=self.headers)

@@ -79,4 +79,4 @@ class RequestRecorder:
         if later == 0:
             return (times[0],) * total
         share, extra = divmod(total - 1, later)
-        return (times[0],) + tuple(t for i, t in enumerate(times[1:]) for _ in range(share + (i < extra)))
+        return (times[0], *(t for i, t in enumerate(times[1:]) for _ in range(share + (i < extra))))

@@ -124,12 +124,12 @@ def format_table(s: Summary) -> str:
              f"requests  planned {s.requests_planned}  measured {s.requests_measured}  completed "
              f"{s.requests_completed}  failed {s.requests_failed}  not issued {s.requests_not_issued}"
              + (f"  warm-up {s.requests_warmup}" if s.requests_warmup else ""),
-             f"duration {_fmt(s.duration_s, ' s')}  throughput {_fmt(s.request_throughput_per_s, ' req/s')}  "
-             f"{_fmt(s.output_token_throughput_per_s, ' tok/s', 1)}",
-             f"SLO (ttft {_fmt(s.slo.get('ttft_ms'), ' ms', 0)}, tpot {_fmt(s.slo.get('tpot_ms'), ' ms', 0)})  "
-             f"attainment {_fmt(s.slo_attainment, '%')}  goodput {_fmt(s.goodput_per_s, ' req/s')}",
-             f"prefix hit rate {_fmt(s.prefix_hit_rate, '%')} ({s.cached_prompt_tokens}/{s.prompt_tokens} "
-             f"prompt tokens)  rejection rate {_fmt(s.rejection_rate, '%')}",
+             (f"duration {_fmt(s.duration_s, ' s')}  throughput {_fmt(s.request_throughput_per_s, ' req/s')}  "
+              f"{_fmt(s.output_token_throughput_per_s, ' tok/s', 1)}"),
+             (f"SLO (ttft {_fmt(s.slo.get('ttft_ms'), ' ms', 0)}, tpot {_fmt(s.slo.get('tpot_ms'), ' ms', 0)})  "
+              f"attainment {_fmt(s.slo_attainment, '%')}  goodput {_fmt(s.goodput_per_s, ' req/s')}"),
+             (f"prefix hit rate {_fmt(s.prefix_hit_rate, '%')} ({s.cached_prompt_tokens}/{s.prompt_tokens} "
+              f"prompt tokens)  rejection rate {_fmt(s.rejection_rate, '%')}"),
              "",
              f"{'latency (ms)':<14}{'mean':>10}{'std':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}"]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):

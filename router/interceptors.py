@@ -84,7 +84,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             raise err
         status = status_for(err)
         if status.code is grpc.StatusCode.INTERNAL:
-            log.exception("unexpected error in a router call", exc_info=err)
+            log.error("unexpected error in a router call", exc_info=err)
         self.metrics.observe_request(status.outcome)
         await abort_with(context, status)
 
