@@ -70,12 +70,12 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
     thread.start()
     model_cfg = runner.model.config
 
-    def close() -> None:
+    def close_follower() -> None:
         stop.set()
         transport.close()
 
     return RankSetup(transport, runner, model_cfg, engine_cfg.num_blocks_for(model_cfg),
-                     engine_cfg.max_len_for(model_cfg), None, close, thread.is_alive)
+                     engine_cfg.max_len_for(model_cfg), None, close_follower, thread.is_alive)
 
 
 def _follow(follower, runner, stop: threading.Event, name: str) -> None:

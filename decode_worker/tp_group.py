@@ -159,7 +159,7 @@ class StepBroadcaster:
             header = _ints([_MAGIC, self._sequence, kind, length]).to(self.tp.device)
             try:
                 self.tp.broadcast(header, 0)
-                if length:
+                if payload is not None and length:
                     self.tp.broadcast(payload.to(self.tp.device), 0)
             except CollectiveError as exc:
                 self.mark_failed(str(exc))
@@ -251,6 +251,7 @@ class StepFollower:
                     break
                 heartbeats += kind is MessageKind.IDLE
                 if kind is MessageKind.STEP:
+                    assert payload is not None, "a STEP message carries the step's inputs"
                     runner.forward(decode_step(payload))
                     steps += 1
         except BaseException:

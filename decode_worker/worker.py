@@ -26,6 +26,7 @@ from cluster.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
 from engine.block_hash import spec_fingerprint
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from kvtransfer.handoff import HandoffTarget, RankTarget
 from kvtransfer.receiver import KVReceiver
@@ -157,7 +158,9 @@ class DecodeRank:
 
     async def stats(self) -> WorkerStats:
         """Rank 0: load, recent engine steps and reservations waiting for their KV (see WorkerTelemetry)."""
-        return self.telemetry.stats(self.setup.loop, len(self._leases))
+        if self.telemetry is None:
+            raise RuntimeError(f"{self.peer_id}: only rank 0 keeps statistics")
+        return self.telemetry.stats(self._loop, len(self._leases))
 
     async def debug_signal(self, signum: int) -> None:
         """Fault injection (chaos, tests): send `signum` to this actor's own process (SIGKILL: no cleanup)."""
@@ -165,7 +168,7 @@ class DecodeRank:
 
     async def debug_set_step_delay(self, seconds: float) -> None:
         """Fault injection for tests (rank 0): sleep `seconds` before each engine step."""
-        self.setup.loop.step_delay_s = seconds
+        self._loop.step_delay_s = seconds
 
     async def debug_set_receive_delay(self, seconds: float) -> None:
         """Fault injection for tests: stall each KV receive by `seconds`."""
@@ -216,8 +219,14 @@ class DecodeRank:
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
+    @property
+    def _loop(self) -> EngineLoop:
+        if self.setup.loop is None:
+            raise RuntimeError(f"{self.peer_id}: only rank 0 runs the engine loop")
+        return self.setup.loop
+
     async def _call(self, fn):
-        return await asyncio.wrap_future(self.setup.loop.call(fn))
+        return await asyncio.wrap_future(self._loop.call(fn))
 
 
 def rank_peer_id(group_id: str, rank: int) -> str:

@@ -39,7 +39,7 @@ class LayerKV(NamedTuple):
             # fp8 has no index_copy kernel on CPU: move its bytes through a uint8 view.
             flat = _bytes(cache).view(heads, blocks * block_size, dim)
             flat.index_copy_(1, slot_mapping, _bytes(values).transpose(0, 1))
-            if scales is not None:
+            if scales is not None and scale is not None:  # both or neither: the format decides
                 scales.view(heads, blocks * block_size).index_copy_(1, slot_mapping, scale.transpose(0, 1))
 
 

@@ -100,6 +100,7 @@ class LLM:
         for index, seq in enumerate(seqs):
             text = (seq.stop_text if seq.stop_text is not None
                     else self._decode(seq.output_token_ids, params.skip_special_tokens))
+            assert seq.finish_reason is not None, "_run returns finished sequences only"
             metrics = RequestMetrics(seq.arrival_time_s, seq.first_token_time_s, tuple(seq.token_times_s))
             completions.append(CompletionOutput(index, text, tuple(seq.output_token_ids), seq.finish_reason.value,
                                                 metrics, tuple(seq.logprobs) if params.logprobs is not None else None))

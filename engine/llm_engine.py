@@ -25,7 +25,7 @@ from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput, build_step_input, order_chunks
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.request_checks import check_new_request, check_resumed_outputs
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -135,7 +135,7 @@ class LLMEngine:
         for chunk in chunks:
             self._mark_computed(chunk)
         rows = [self._sampling_row(chunk.seq) for chunk in sampling]
-        result = self.sampler(logits, rows) if rows else None
+        result = self.sampler(logits, rows) if rows else SamplerOutput([], [])
         updates = []
         for index, chunk in enumerate(sampling):
             seq, token = chunk.seq, result.token_ids[index]

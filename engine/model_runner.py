@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -16,6 +17,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kernels import decode_attention_kernel
 from engine.kv_storage import KVCacheStorage
 from engine.model_loader import load_model
+from engine.models.decoder import Attention
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.scheduler import ScheduledChunk
 
@@ -42,7 +44,9 @@ def order_chunks(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
 def build_step_input(chunks: Sequence[ScheduledChunk], block_table: Callable[[str], Sequence[int]],
                      block_size: int) -> StepInput:
     """`chunks` must already be in `order_chunks` order."""
-    ids, positions, slots, logits_rows = [], [], [], []
+    positions: list[int] = []
+    slots: list[int] = []
+    ids, logits_rows = [], []
     decode_tables, decode_lens = [], []
     prefill_q, prefill_ctx, prefill_tables = [], [], []
     for chunk in chunks:
@@ -107,7 +111,8 @@ class ModelRunner:
                  num_blocks: int, tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False):
         self.block_size = engine_cfg.block_size
         self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress)
-        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        # cast: nn.ModuleList's items are typed as plain Modules.
+        kv_heads = cast(Attention, self.model.model.layers[0].self_attn).num_kv_heads
         self.kv_cache = KVCacheStorage(engine_cfg.kv_format(model_cfg), model_cfg.num_layers, kv_heads, num_blocks,
                                        self.block_size, model_cfg.head_dim)
         # The native decode kernel computes in fp32 (over fp32, int8 or fp8 values); other model

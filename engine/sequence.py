@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, HashNamespace, extend_block_hashes
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -46,7 +50,7 @@ class Sequence:
     token_times_s: list[float] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     stop_text: str | None = None  # output text when a stop string ended the sequence (cut before it)
-    detokenizer: object | None = field(default=None, repr=False)  # only for stop strings
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)  # only for stop strings
 
     @property
     def num_tokens(self) -> int:

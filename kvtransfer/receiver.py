@@ -79,10 +79,12 @@ class KVReceiver:
     def _receive(self, peer: PeerId, request_id: str) -> None:
         with self._lock:
             entry = self._expected.get(request_id)
-            accepted = entry is not None and entry.state is TransferState.PENDING and time.time() < entry.deadline_s
-            if accepted:
+            if entry is not None and not (entry.state is TransferState.PENDING and time.time() < entry.deadline_s):
+                entry = None  # cancelled, already receiving, or its lease is over: refused below
+            accepted = entry is not None
+            if entry is not None:
                 entry.state = TransferState.RECEIVING
-        deadline_s = entry.deadline_s if accepted else time.time() + REFUSED_DEADLINE_S
+        deadline_s = entry.deadline_s if entry is not None else time.time() + REFUSED_DEADLINE_S
         if self.delay_s:
             time.sleep(self.delay_s)
         try:
@@ -91,11 +93,12 @@ class KVReceiver:
             if mismatch is not None:
                 self._refuse_layout(peer, header, deadline_s)
                 raise TransferError(peer, mismatch)
-            block_ids, problem = self._fit(entry if accepted else None, request_id, header)
+            block_ids, problem = self._fit(entry, request_id, header)
             if problem is not None:
                 self._drain(peer, header, deadline_s)
                 raise TransferError(peer, problem)
             recv_sequence_kv(self.transport, self.kv, peer, header, block_ids, deadline_s)
+            assert entry is not None, "_fit refuses a transfer nobody expects"
             entry.num_blocks_received = len(block_ids)
             self._finish(request_id, TransferState.DONE, None)
         except TransferError as err:

@@ -111,7 +111,7 @@ class HandoffSession:
     `KVCacheStorage.layout`, and who it is) is compared with the reservation's before anything moves."""
 
     def __init__(self, request_id: str, num_tokens: int, endpoint: DecodeEndpoint,
-                 send: Callable[[HandoffTarget], int], release: Callable[[], None], sender: KVSender,
+                 send: Callable[[HandoffTarget], int], release: Callable[[], object], sender: KVSender,
                  deadline_s: float, timeouts: HandoffTimeouts = HandoffTimeouts(),
                  kv_layout: tuple[str, str] | None = None):
         self.request_id, self.num_tokens, self.endpoint = request_id, num_tokens, endpoint

@@ -130,6 +130,7 @@ class PrefixPuller:
         """Fetches the request's prefix from its holder; never raises (a failure means recompute)."""
         started_s, rid, tokens = time.perf_counter(), request.request_id, request.token_ids
         spec = request.prefix_pull
+        assert spec is not None, "pull() serves requests that ask for a pull"
         reservation = await self._engine(lambda e: reserve_pull(e, rid, tokens, request.tenant, spec.num_blocks))
         if reservation is None:
             self.metrics.prefix_pull_finished("skipped", 0)
@@ -154,6 +155,7 @@ class PrefixPuller:
     async def _transfer(self, request: GenerateRequest, reservation: PullReservation, deadline_s: float) -> int:
         """Asks the holder to send, then waits for the receive; returns the blocks received."""
         spec = request.prefix_pull
+        assert spec is not None, "pull() serves requests that ask for a pull"
         holder = self._find_worker(spec.holder_id)
         if holder is None:
             raise LookupError(f"{spec.holder_id} is not a live prefill worker")
