@@ -33,7 +33,8 @@ class ClusterView:
         self.membership: Membership = launched.membership
         self.listeners: list[Callable[[Membership, Membership], None]] = []  # (old, new)
         self._task: asyncio.Task | None = None
-        self._watch = None  # the long-poll in flight (cancelled on close: the controller may outlive us)
+        # The long-poll in flight (cancelled on close: the controller may outlive us).
+        self._watch: ray.ObjectRef | None = None
         self._waiters: set[asyncio.Future] = set()
 
     @property

@@ -169,6 +169,7 @@ class ClusterController:
     async def _probe(self, slot: Slot) -> str | None:
         """None while healthy; else why the worker must go."""
         timeout_s = self.config.controller.health_timeout_s
+        assert slot.ranks is not None, "only running slots are probed"
         try:
             answers = await asyncio.wait_for(asyncio.gather(*(r.ping.remote() for r in slot.ranks)), timeout_s)
         except (ActorDiedError, RayActorError) as err:

@@ -52,10 +52,12 @@ class Slot:
     task: asyncio.Task | None = None
 
     def record(self) -> SlotRecord:
+        assert self.epoch is not None, "only started slots are recorded"
         return SlotRecord(self.worker_id, self.role, self.index, self.epoch, list(self.actor_names),
                           self.placement_group, self.state, self.restarts)
 
     def member(self) -> Member:
+        assert self.epoch is not None and self.ranks is not None and self.info is not None, "a member is running"
         return Member(self.worker_id, self.role, self.epoch, self.ranks, self.info, self.state, self.restarts)
 
 
@@ -101,6 +103,7 @@ class SlotStarter:
         await self._until_ready(slot, config.ready_timeout_s)
 
     async def _until_ready(self, slot: Slot, timeout_s: float) -> None:
+        assert slot.ranks is not None, "ranks started"
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)), timeout_s)
         except TimeoutError:
@@ -133,6 +136,7 @@ class SlotStarter:
         return adopted_all and all(results)
 
     async def _readopt(self, slot: Slot, recorded_state: str) -> bool:
+        assert slot.ranks is not None, "ranks found"
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)),
                                            self.controller.config.ready_timeout_s)

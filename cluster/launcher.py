@@ -115,6 +115,7 @@ def launch(config: ClusterConfig, model_dir: str | None = None, *, given: dict |
         raise
     mine = {key: getattr(config, key) for key in ("router", "admission", "ray_address", "ray_num_cpus")}
     merged = ClusterConfig(**{**{f: getattr(running, f) for f in running.__dataclass_fields__}, **mine})
+    assert running.model_dir is not None, "the controller records the model it serves"
     return LaunchedCluster(merged, running.model_dir, controller, membership, owns, started_ray)
 
 

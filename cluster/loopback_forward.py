@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import signal
 import sys
@@ -72,7 +73,7 @@ async def serve(routes: list[Route], ready=None) -> None:
     servers = []
     try:
         for route in routes:  # one at a time: the finally closes those already listening
-            server = await asyncio.start_server(lambda r, w, route=route: _relay(route, r, w), route.host, route.port)
+            server = await asyncio.start_server(functools.partial(_relay, route), route.host, route.port)
             servers.append(server)
         if ready is not None:
             ready([s.sockets[0].getsockname()[:2] for s in servers])
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         task = asyncio.current_task()
+        assert task is not None, "run() runs as a task"
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)

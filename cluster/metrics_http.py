@@ -59,7 +59,7 @@ def start_metrics_server(registry: CollectorRegistry, port: int = 0, host: str =
     if not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be in [0, 65535], got {port}")
     httpd, thread = start_http_server(port, addr=host, registry=registry)
-    return MetricsServer(httpd.server_address[0], httpd.server_port, httpd, thread)
+    return MetricsServer(str(httpd.server_address[0]), httpd.server_port, httpd, thread)  # IPv4/6: a str already
 
 
 def sample_values(metric, suffix: str = "", skip_labels: int = 0) -> dict[tuple[str, ...], float]:

@@ -84,9 +84,9 @@ def end_worker(ranks, placement_group_name: str | None = None) -> None:
             remove_placement_group(ray.util.get_placement_group(placement_group_name))
 
 
-def _rank_placement_group(pool: PoolConfig, name: str):
+def _rank_placement_group(pool: PoolConfig, name: str | None):
     """One node for all ranks of a tensor-parallel instance (see the module docstring); None for TP 1."""
-    if pool.tp_size == 1:
+    if pool.tp_size == 1 or name is None:  # planned_names names a group exactly when TP > 1
         return None
     bundle = {"CPU": pool.num_cpus, **({"GPU": pool.num_gpus} if pool.num_gpus else {}), **_custom(pool)}
     return placement_group([dict(bundle) for _ in range(pool.tp_size)], strategy="STRICT_PACK", name=name,
