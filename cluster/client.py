@@ -19,7 +19,7 @@ import itertools
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -83,7 +83,7 @@ class ClusterClient:
         return self._load[worker_id]
 
     async def generate(self, request: GenerateRequest, prefill: Member | None = None, decode: Member | None = None,
-                       deadline_s: float | None = None) -> AsyncIterator[TokenChunk]:
+                       deadline_s: float | None = None) -> AsyncGenerator[TokenChunk, None]:
         """Streams the request's tokens. `deadline_s` (time.monotonic) bounds it, and so does the
         config's request_timeout_s. Leaving early (cancel, deadline, error) aborts it on both workers."""
         prefill = prefill or self._next_prefill()

@@ -68,7 +68,9 @@ _ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.UN
 def error_from_rpc(err: grpc.RpcError) -> SplitserveError:
     """Turns a failed call (sync or asyncio) into the typed error for its status."""
     code = err.code()
-    trailing = dict(err.trailing_metadata() or ())
+    # The grpc stub types metadata items as a plain class; at run time they are (key, value) tuples, and
+    # values are str for keys without the -bin suffix, as ours are.
+    trailing: dict[str, str] = dict(err.trailing_metadata() or ())  # type: ignore[arg-type]
     retry_ms = trailing.get(RETRY_AFTER_KEY)
     retry_after_s = float(retry_ms) / 1000.0 if retry_ms else None
     cls = _ERRORS.get(code, SplitserveError)

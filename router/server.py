@@ -85,7 +85,7 @@ class RouterServer:
         service.monitor.start()
         if feeder is not None:
             feeder.start()
-        interceptors = [ErrorInterceptor(metrics)]
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
         token = read_auth_token(router.auth_token_file)
         if token is not None:
             interceptors.insert(0, AuthInterceptor(token))

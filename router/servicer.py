@@ -12,7 +12,7 @@ from router.sdk_types import UPSTREAM_MS_KEY
 from router.service import RouterOutput, RouterService
 from router.validation import client_wait_s, parse_request
 
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH: dict[str | None, pb.FinishReason] = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -71,7 +71,7 @@ def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
     if output.migrations:
         message.migrations = output.migrations
     if output.usage is not None:
-        usage, proto = output.usage, message.usage
-        proto.prompt_tokens, proto.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-        proto.cached_prompt_tokens = usage.cached_prompt_tokens
+        usage, counts = output.usage, message.usage
+        counts.prompt_tokens, counts.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        counts.cached_prompt_tokens = usage.cached_prompt_tokens
     return message

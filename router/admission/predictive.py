@@ -39,6 +39,7 @@ class PredictivePolicy(AdmissionPolicy):
             return missing
         slo = self.slo(request)
         ttft = best_prefill(request, view)
+        assert ttft is not None, "no_workers() above"
         alone_s = ttft_alone_s(request, view)
         allowed_s, rule = self._allowance(alone_s, slo.ttft_ms, request.priority)
         if alone_s > allowed_s:

@@ -50,7 +50,8 @@ class HttpFront:
         self._expected = f"Bearer {token}".encode() if token else None
         self._serving = True
         self.runner: web.AppRunner | None = None
-        self.host, self.port, self.uds, self.scheme = "", 0, None, "http"
+        self.host, self.port, self.scheme = "", 0, "http"
+        self.uds: str | None = None
 
     @classmethod
     async def start(cls, service: RouterService, *, host: str, port: int | None, uds: str | None = None,
@@ -85,6 +86,8 @@ class HttpFront:
         """Stops accepting, lets requests in flight finish for `grace_s`, then cancels the rest."""
         self._serving = False
         runner = self.runner
+        if runner is None:  # never started
+            return
         for site in list(runner.sites):
             await site.stop()
         if runner.server is not None:
