@@ -12,8 +12,9 @@ way whatever the backend.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Self
 
 from loadtest.plan import ModelLimits, PlannedRequest
 from router.channel import ClientTls
@@ -100,7 +101,7 @@ def _openai(**kwargs):
     return OpenAIBackend(**kwargs)
 
 
-BACKENDS = {"splitserve": GrpcBackend, "openai": _openai}
+BACKENDS: dict[str, Callable[..., Any]] = {"splitserve": GrpcBackend, "openai": _openai}
 
 
 def make_backend(name: str, **kwargs):

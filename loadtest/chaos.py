@@ -121,7 +121,8 @@ async def run_chaos(config: ChaosConfig, controller, echo=print) -> ChaosReport:
             reference = read_jsonl(config.reference)
         else:
             echo(f"reference: {len(plan.requests)} requests planned, no kills")
-            reference = (await drive(client, plan, dataclasses.replace(bench.driver, run_tag=_tag("ref")))).records
+            run = await drive(client, plan, dataclasses.replace(bench.driver, run_tag=_tag("ref")))
+            reference = list(run.records)
         pool = "any pool" if config.kill == "any" else f"the {config.kill} pool"
         echo(f"chaos: the same requests, one worker of {pool} SIGKILLed every {config.every_s:g} s")
         killer = Killer(controller, config.kill, config.every_s, random.Random(bench.seed), echo)

@@ -61,11 +61,17 @@ class OpenAIBackend:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.session.close()
+        if self.session is not None:
+            await self.session.close()
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("use the backend as `async with OpenAIBackend(...)`")
+        return self.session
 
     async def model_limits(self) -> ModelLimits:
         try:
-            async with self.session.get(f"{self.base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as reply:
+            async with self._open().get(f"{self.base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as reply:
                 if reply.status != 200:
                     raise BackendError(f"GET {self.base}/v1/models answered {reply.status}: {await reply.text()}")
                 cards = (await reply.json()).get("data") or []
@@ -84,6 +90,8 @@ class OpenAIBackend:
         ours = card.get("splitserve") or {}
         max_model_len = card.get("max_model_len")
         if ours:
+            if max_model_len is None:
+                raise ValueError("its card has no max_model_len")
             return ModelLimits(max_model_len, ours["vocab_size"], ours["block_size"], tuple(ours["eos_token_ids"]))
         if self.tokenizer_dir is None:
             raise ValueError("its card does not state the vocabulary: pass --tokenizer DIR (the model's tokenizer)")
@@ -106,7 +114,7 @@ class OpenAIBackend:
     async def stream(self, planned: PlannedRequest, options: RequestOptions):
         headers = {"X-Request-Id": options.request_id, SENT_AT_KEY: str(time.time_ns() // 1000)}
         try:
-            async with self.session.post(f"{self.base}/v1/completions", json=self._body(planned, options),
+            async with self._open().post(f"{self.base}/v1/completions", json=self._body(planned, options),
                                          headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=options.timeout_s)) as reply:
                 if reply.status != 200:
@@ -151,7 +159,7 @@ def _code_of(error: dict) -> str:
     code = error.get("code")
     if isinstance(code, int):
         return status_name(code)
-    return _ERROR_CODES.get(code, "INTERNAL")
+    return _ERROR_CODES.get(str(code), "INTERNAL")  # None or unknown: INTERNAL
 
 
 def _error_message(text: str) -> str:

@@ -60,6 +60,7 @@ class RequestRecorder:
         """The record as of now_s (still-running requests end at now_s, marked CANCELLED)."""
         if self._end_s is None:
             self.on_error("CANCELLED", "still running when the bench stopped", now_s)
+        assert self._end_s is not None, "on_error ended it"
         code, reason = self._error or (None, None)
         p = self.planned
         return RequestRecord(self.request_id, p.index, p.arrival_s, self.send_s, p.num_prompt_tokens, p.max_tokens,

@@ -88,7 +88,7 @@ def summarize(records: Sequence[RequestRecord], *, workload: str, planned: int, 
     met = sum(r.met_slo for r in measured)
     routed = [r for r in measured if r.cached_prompt_tokens is not None]
     prompt_tokens = sum(r.prompt_tokens for r in routed)
-    cached_tokens = sum(r.cached_prompt_tokens for r in routed)
+    cached_tokens = sum(r.cached_prompt_tokens or 0 for r in routed)  # all set: `routed`
     first = measured[0] if measured else None
     return Summary(
         workload=workload, requests_planned=planned, requests_not_issued=planned - len(records),
@@ -97,7 +97,7 @@ def summarize(records: Sequence[RequestRecord], *, workload: str, planned: int, 
         request_throughput_per_s=_ratio(len(done), duration_s),
         output_token_throughput_per_s=_ratio(sum(r.output_tokens for r in measured), duration_s),
         goodput_per_s=_ratio(met, duration_s), slo_attainment=_ratio(met, len(measured)),
-        ttft_ms=Distribution.of([r.ttft_s for r in done], 1e3),
+        ttft_ms=Distribution.of([r.ttft_s for r in done if r.ttft_s is not None], 1e3),  # all set when ok
         tpot_ms=Distribution.of([r.tpot_s for r in done if r.tpot_s is not None], 1e3),
         itl_ms=Distribution.of([x for r in done for x in r.itl_s], 1e3),
         e2e_ms=Distribution.of([r.e2e_s for r in done], 1e3),

@@ -121,7 +121,8 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> TraceFile:
     lines = _lines(path)
     if fmt == "azure":
         next(lines, None)  # the header
-    parsed, dropped = [], {}
+    parsed: list[tuple[float, int, int, tuple[int, ...] | None]] = []  # (stamp, input, output, hash ids)
+    dropped: dict[str, int] = {}
     for line in lines:
         try:
             stamp, input_length, output_length, hash_ids = _PARSERS[fmt](line)
