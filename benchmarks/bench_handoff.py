@@ -56,7 +56,7 @@ def _receiver(port: int, dtypes: list[str], lengths: list[int], repeats: int) ->
 def _sender(port: int, dtypes: list[str], lengths: list[int], repeats: int) -> list[dict]:
     transport = TorchDistTransport(SENDER, "127.0.0.1", port)
     transport.send(RECEIVER, [torch.zeros(1)], 60)
-    rows = []
+    rows: list[dict] = []
     for kv_cache_dtype in dtypes:
         cache = _cache(kv_cache_dtype, max(lengths) // BLOCK_SIZE + 1)
         rows.extend(_measure(transport, cache, kv_cache_dtype, length, repeats) for length in lengths)

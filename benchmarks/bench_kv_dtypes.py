@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     for d in dtypes:
         print(f"{d:>9}{per_token[d]:>13}{per_token[d] / per_token.get('auto', per_token[d]):>8.3f}{blocks[d]:>10}"
               f"{blocks[d] / blocks.get('auto', blocks[d]):>8.2f}")
-    results = {"bytes_per_token": per_token, "blocks": blocks, "hit_rate": {}}
+    results: dict[str, dict] = {"bytes_per_token": per_token, "blocks": blocks, "hit_rate": {}}
     requests = notes = None
     for d in dtypes:
         route_argv = ["--trace", args.trace, "--blocks-per-worker", str(blocks[d])]

@@ -147,7 +147,7 @@ async def run(cluster, target: str, args) -> dict:
 
 
 async def _streaming(direct, target: str, args) -> dict:
-    took = {"direct": [], "router": []}
+    took: dict[str, list[float]] = {"direct": [], "router": []}
     for index in range(args.stream_requests):
         prompt = _prompts(1, args.prompt_len, args.vocab, 1000 + index)[0]
         started_s = time.perf_counter()

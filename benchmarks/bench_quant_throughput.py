@@ -15,6 +15,7 @@ import os
 import random
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model_config
 from engine.sampling_params import SamplingParams
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "int8-weights": {"quantization": "int8"},
     "int8-kv": {"kv_cache_dtype": "int8"},

@@ -35,7 +35,7 @@ from engine.llm_engine import LLMEngine
 def _workload(args) -> list[tuple[float, list[int], SamplingParams]]:
     rng = random.Random(args.seed)
     vocab = 4000
-    items = []
+    items: list[tuple[float, list[int], SamplingParams]] = []
     stream = SamplingParams(temperature=0.0, max_tokens=args.stream_tokens, ignore_eos=True)
     items.extend((0.0, [rng.randrange(10, vocab) for _ in range(32)], stream) for _ in range(args.streams))
     long_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -102,9 +102,9 @@ async def client_grpc(port: int, args) -> dict:
     import grpc
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stream = channel.unary_stream("/bench/Stream")
-        unary = channel.unary_unary("/bench/Unary")
-        cpu = channel.unary_unary("/bench/Cpu")
+        stream: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/bench/Stream")
+        unary: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/bench/Unary")
+        cpu: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/bench/Cpu")
         cpu0 = float(await cpu(b""))
 
         async def one_stream():

@@ -65,6 +65,7 @@ class SimWorker:
 
     def finish(self) -> None:
         """The prefill is done: cache its full blocks (BlockStored events), then release them."""
+        assert self.running is not None, "finish() follows start()"
         request, estimate_tokens, tokens = self.running
         self.kv.cache_blocks(request.request_id, tokens, request.block_hashes, len(tokens))
         self.kv.free(request.request_id)
