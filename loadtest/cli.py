@@ -28,7 +28,7 @@ from router.channel import ClientTls
 from router.cli_args import add_connection_flags
 
 
-def _workload_flags(parser: argparse.ArgumentParser) -> None:
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     # Workload flags default to None so that "given to the wrong workload" can be told (workloads.py).
     g = parser.add_argument_group("workload (defaults apply to the workloads that take the flag)")
     g.add_argument("--workload", default="poisson", choices=tuple(WORKLOADS), help="default poisson")
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="openai: the served model to ask for (default: the first it lists)")
     parser.add_argument("--tokenizer", metavar="DIR", help="openai: the model's tokenizer folder, for servers "
                         "whose /v1/models does not state the vocabulary (splitserve's does)")
-    _workload_flags(parser)
+    add_workload_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--duration-s", type=float, help="stop issuing after this many seconds")
     run.add_argument("--grace-s", type=float, default=10.0, help="after --duration-s, wait this long, then "

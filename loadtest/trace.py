@@ -23,6 +23,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,6 +34,17 @@ from loadtest.trace_rows import FORMATS, MOONCAKE_BLOCK_TOKENS, TraceFile, Trace
 OVERFLOW_POLICIES = ("drop", "clip")
 _SPREAD = 1
 TOO_LONG = "exceeds max_model_len after scaling"
+
+
+class TraceLayout(NamedTuple):
+    """What `TraceSpec.layout` plans, before any token id is made."""
+
+    trace: TraceFile
+    rows: list[int]  # indices into trace.rows, in arrival order
+    lengths: list[tuple[int, int]]  # (prompt, output) tokens of each, after scaling and fitting
+    arrivals_s: np.ndarray
+    prompt_scale: float
+    notes: dict
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,15 @@ class TraceSpec:
     def build(self, limits: ModelLimits, defaults: RequestDefaults, seed: int, salt: int = 0) -> Plan:
         """The plan; deterministic in (self, the file, limits, defaults, seed, salt). ValueError when no
         row fits or the scaling is impossible."""
+        layout = self.layout(limits, seed)
+        prompts = _prompts(layout.trace, layout.rows, [p for p, _ in layout.lengths], layout.prompt_scale,
+                           tokens.TokenSource(limits, seed, salt))
+        return Plan("trace", make_requests(layout.arrivals_s, prompts, [o for _, o in layout.lengths], defaults),
+                    layout.notes)
+
+    def layout(self, limits: ModelLimits, seed: int) -> "TraceLayout":
+        """Which rows are planned, in arrival order, with their lengths and times (steps 1-3 above; no
+        tokens yet: the simulator reads a trace's prefix sharing from its hash ids directly)."""
         trace = _read(self.path, self.trace_format)
         prompt_scale = self._prompt_scale(trace.format, limits)
         kept, lengths, dropped, clipped = self._fit(trace, prompt_scale, limits.max_model_len)
@@ -78,14 +99,13 @@ class TraceSpec:
         beyond = len(trace.rows) - (kept[-1] + 1)  # rows after the last one planned: never considered
         arrivals_s, order, speedup = self._timeline([trace.rows[i] for i in kept], seed)
         kept, lengths = [kept[i] for i in order], [lengths[i] for i in order]
-        prompts = _prompts(trace, kept, [p for p, _ in lengths], prompt_scale, tokens.TokenSource(limits, seed, salt))
         notes = {"trace": self.path, "format": trace.format, "rows_read": trace.rows_read,
                  "rows_dropped": {**trace.dropped, **dropped}, "rows_clipped": clipped,
                  "rows_beyond_num_requests": beyond, "rows_planned": len(kept),
                  "prompt_scale": prompt_scale, "output_scale": self.output_scale, "overflow": self.overflow,
                  "speedup": speedup, "target_rate_per_s": self.rate_per_s,
                  "bursts": f"spread uniformly over {self.spread_s:g} s" if self.spread_s else "as recorded"}
-        return Plan("trace", make_requests(arrivals_s, prompts, [o for _, o in lengths], defaults), notes)
+        return TraceLayout(trace, kept, lengths, arrivals_s, prompt_scale, notes)
 
     def _prompt_scale(self, fmt: str, limits: ModelLimits) -> float:
         if fmt != "mooncake":

@@ -42,6 +42,24 @@ def _chaos(argv: list[str]) -> None:
     main(argv)
 
 
+def _simulate(argv: list[str]) -> None:
+    from loadtest.sim_cli import main
+
+    main(argv)
+
+
+def _plan(argv: list[str]) -> None:
+    from loadtest.plan_cli import main
+
+    main(argv)
+
+
+def _profile(argv: list[str]) -> None:
+    from loadtest.profile_cli import main
+
+    main(argv)
+
+
 def _offline(argv: list[str]) -> None:
     from engine.demo import main
 
@@ -96,6 +114,9 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
                      "offline throughput of the engine vs transformers.generate; --accuracy: quantized vs unquantized"),
     "bench": (_bench, "load-test a running router (Poisson, shared-prefix, trace replay)"),
     "chaos": (_chaos, "SIGKILL workers while a bench workload runs; report lost, diverged, migrated requests"),
+    "profile": (_profile, "measure this machine's step costs (or write a GPU roofline profile) for the simulator"),
+    "plan": (_plan, "size the prefill / decode pools (and TP) for a workload at an SLO, by simulation"),
+    "simulate": (_simulate, "simulate a bench workload on a cluster of a given shape, from a profile"),
     "offline": (_offline, "generate offline with the in-process engine and print timings"),
 }
 

@@ -27,7 +27,8 @@ IMPORT_NAMES = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "grpc
                 "kubernetes-validate": "kubernetes_validate"}
 # Declared but never imported, on purpose: (distribution, why).
 NOT_IMPORTED = {"hiredis": "redis-py's C reply parser, used by redis-py when present",
-                "pytest-timeout": "a pytest plugin: the suite's per-test timeout (pyproject [tool.pytest])"}
+                "pytest-timeout": "a pytest plugin: the suite's per-test timeout (pyproject [tool.pytest])",
+                "httptools": "uvicorn's HTTP parser, loaded by name (http='httptools') in benchmarks/http_stack_servers.py"}
 
 
 def _lock() -> dict[str, str]:

@@ -43,7 +43,8 @@ def test_table_rows_go_by_load_always_first():
     lines = table.splitlines()
     assert lines[0].split()[:4] == ["load", "rate/s", "policy", "goodput/s"]
     assert [line.split()[2] for line in lines[1:]] == ["always", "always", "predictive"]
-    assert lines[3].split() == ["3.00", "30.00", "predictive", "8.50", "30%", "70%", "8.50", "300"]
+    assert lines[3].split() == ["3.00", "30.00", "predictive", "8.50", "30%", "70%", "8.50", "300", "0"]
+    assert lines[0].split()[-1] == "failed"
 
 
 def test_policy_comparison_plots_are_small_pngs(tmp_path):

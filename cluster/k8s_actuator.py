@@ -1,0 +1,56 @@
+"""Scaling on Kubernetes: the planner's pool sizes become the RayCluster's worker-group replicas.
+
+On KubeRay every pool is a worker group of the release's RayCluster (deploy/helm/splitserve/
+templates/raycluster.yaml: groups `prefill` and `decode`, a decode group counting TP ranks as pods).
+`RayClusterActuator.scale(role, replicas)` reads the RayCluster, builds a JSON Patch (RFC 6902) that
+first *tests* the group's name at its index (a concurrent edit that reordered the groups makes the
+API server refuse the patch instead of scaling the wrong pool), then replaces `replicas`, raising
+`maxReplicas` or lowering `minReplicas` where the new count would leave their range, and sends it
+through the `kubernetes` client's `CustomObjectsApi` as application/json-patch+json (the client's
+default for custom objects is a merge patch, which would replace the whole group list). The chart's Role lets the planner get and patch only this RayCluster.
+The controller still decides which workers drain: KubeRay adds or removes pods, the controller's
+`scale` (cluster/controller.py) is what the planner calls on the Ray side.
+"""
+from __future__ import annotations
+
+GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
+
+
+def replicas_patch(raycluster: dict, group_name: str, pods: int) -> list[dict]:
+    """The JSON Patch setting worker group `group_name` of a RayCluster object to `pods` replicas."""
+    if pods < 1:
+        raise ValueError(f"replicas: must be >= 1, got {pods}")
+    groups = raycluster.get("spec", {}).get("workerGroupSpecs", [])
+    index = next((i for i, g in enumerate(groups) if g.get("groupName") == group_name), None)
+    if index is None:
+        raise ValueError(f"RayCluster {raycluster.get('metadata', {}).get('name')!r} has no worker group "
+                         f"{group_name!r}; it has {[g.get('groupName') for g in groups]}")
+    path = f"/spec/workerGroupSpecs/{index}"
+    ops = [{"op": "test", "path": f"{path}/groupName", "value": group_name},
+           {"op": "replace", "path": f"{path}/replicas", "value": pods}]
+    group = groups[index]
+    if group.get("maxReplicas", pods) < pods:
+        ops.append({"op": "replace", "path": f"{path}/maxReplicas", "value": pods})
+    if group.get("minReplicas", 0) > pods:
+        ops.append({"op": "replace", "path": f"{path}/minReplicas", "value": pods})
+    return ops
+
+
+class RayClusterActuator:
+    """`scale(role, replicas)` on the RayCluster `name` in `namespace` (pods = replicas x ranks)."""
+
+    def __init__(self, name: str, namespace: str, api_client=None, decode_ranks: int = 1):
+        from kubernetes import client
+
+        self.name, self.namespace, self.decode_ranks = name, namespace, decode_ranks
+        self.api = client.CustomObjectsApi(api_client)
+
+    def scale(self, role: str, replicas: int) -> list[dict]:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role: must be prefill or decode, got {role!r}")
+        pods = replicas * (self.decode_ranks if role == "decode" else 1)
+        current = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        patch = replicas_patch(current, role, pods)
+        self.api.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, patch,
+                                                _content_type="application/json-patch+json")
+        return patch

@@ -1,0 +1,97 @@
+"""KV memory of simulated workers: the engine's real `BlockPool` where the prefix cache matters.
+
+`PrefixPool` (prefill and colocated workers) keeps a worker's prefix cache in a real
+`engine.block_pool.BlockPool`: hits revive cached blocks, allocation evicts in LRU order, blocks
+released after a hand-off stay cached until evicted, and every stored / removed block is a real KV
+event (the simulated router's prefix index follows them). A simulated block holds `block_tokens`
+tokens, which may be coarser than the engine's 16 (a Mooncake trace only knows 512-token blocks;
+16-token blocks would cost 32x the bookkeeping for no more information). Keys are the request's
+`block_keys`: any hashable that stands for a chained block hash (equal key = equal prefix).
+As the engine's `KVCacheManager`: a prompt never hits its last token (at least one is computed), and
+`can_take` counts revived free cached blocks against free capacity.
+
+`BlockCounter` (decode instances, which keep no prefix cache) only counts blocks.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+from engine.block_pool import BlockPool, KVCacheEvent
+
+
+def blocks_for(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens)
+
+
+class PrefixPool:
+    def __init__(self, num_blocks: int, block_tokens: int, caching: bool = True,
+                 on_event: Callable[[KVCacheEvent], None] | None = None):
+        self.block_tokens, self.caching = block_tokens, caching
+        self.pool = BlockPool(num_blocks, on_event)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def match(self, keys: Sequence[Hashable], prompt_tokens: int) -> list[int]:
+        """Block ids of the longest cached run of leading blocks (never the whole prompt)."""
+        if not self.caching:
+            return []
+        hits = []
+        for key in keys[:max(prompt_tokens - 1, 0) // self.block_tokens]:
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_take(self, hits: Sequence[int], total_blocks: int) -> bool:
+        revived = sum(1 for b in hits if self.pool.is_free(b))
+        return total_blocks - len(hits) + revived <= self.pool.num_free_blocks
+
+    def take(self, hits: Sequence[int], total_blocks: int) -> list[int]:
+        """A table of `total_blocks`: the hits (acquired first, so the allocation cannot evict them), then new ones."""
+        self.pool.acquire(hits)
+        return list(hits) + self.pool.allocate(total_blocks - len(hits))
+
+    def mark(self, table: Sequence[int], keys: Sequence[Hashable], first: int, upto: int) -> None:
+        """Registers blocks [first, upto) of a table under their keys (they are full and computed)."""
+        if not self.caching:
+            return
+        for i in range(first, min(upto, len(keys))):
+            self.pool.mark_cached(table[i], keys[i], (), parent_hash=keys[i - 1] if i else None)
+
+    def release(self, table: Sequence[int]) -> None:
+        """Tail first, as the engine frees a sequence: its last blocks are evicted first."""
+        self.pool.release(reversed(table))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+
+
+class BlockCounter:
+    """Blocks of a decode instance: reserved for a sequence's whole context, freed when it ends."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks, self.used = num_blocks, 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self.used
+
+    def can_take(self, blocks: int) -> bool:
+        return blocks <= self.num_blocks - self.used
+
+    def take(self, blocks: int) -> None:
+        if blocks > self.num_blocks - self.used:
+            raise RuntimeError(f"asked for {blocks} blocks, {self.num_blocks - self.used} free")
+        self.used += blocks
+
+    def release(self, blocks: int) -> None:
+        if blocks > self.used:
+            raise RuntimeError(f"released {blocks} blocks, {self.used} in use")
+        self.used -= blocks

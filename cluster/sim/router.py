@@ -1,0 +1,126 @@
+"""The simulated router: routing policies, its load ledger and prefix index, admission.
+
+It models router/ (which `cluster/` may not import: the simulator serves the controller's planner):
+- the ledger (router/ledger.py): per prefill worker, uncached prompt tokens routed there and not
+  prefilled yet; per decode instance, requests in flight from routing to their end;
+- the prefix index (cluster/prefix_index/): which worker holds which block, fed by the workers'
+  real BlockPool events (at once: the real index lags by up to one 50 ms poll);
+- `cache_aware` (router/routing/cache_aware.py): cost = queued uncached tokens + the prompt's tokens
+  the worker does not hold, lowest wins, ties to the longer cached prefix, then the lower index (the
+  real policy breaks the last tie in prefix-hash ring order); `least_loaded`: the same without the
+  cache; `round_robin`; decode instances: fewest requests in flight (router/service.py `_pick`);
+- admission `always`, or `ttft`: refuse a request whose predicted TTFT on its worker (queued tokens
+  plus its own at the profile's prefill rate) exceeds the SLO, as `predictive` does for TTFT.
+A tests/ check holds `cache_aware` here to the router's own policy on the same loads and holdings.
+Everything is O(log workers) per request except the walk over holders of the prompt's blocks.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+
+from engine.block_pool import BlockRemoved, BlockStored
+
+
+class LeastHeap:
+    """The index with the least value (ties: the lower index) among live entries, values changing."""
+
+    def __init__(self, size: int):
+        self.values = [0] * size
+        self.alive = [True] * size
+        self._heap = [(0, i) for i in range(size)]
+
+    def add(self, index: int, delta: int) -> None:
+        self.values[index] += delta
+        heapq.heappush(self._heap, (self.values[index], index))
+        if len(self._heap) > 4 * len(self.values) + 64:
+            self._heap = [(v, i) for i, v in enumerate(self.values) if self.alive[i]]
+            heapq.heapify(self._heap)
+
+    def set_alive(self, index: int, alive: bool) -> None:
+        self.alive[index] = alive
+        if alive:
+            heapq.heappush(self._heap, (self.values[index], index))
+
+    def least(self) -> int | None:
+        heap = self._heap
+        while heap:
+            value, index = heap[0]
+            if self.alive[index] and self.values[index] == value:
+                return index
+            heapq.heappop(heap)
+        return None
+
+
+class PrefixIndex:
+    """block key -> prefill workers holding it; `on_event(worker)` is a BlockPool event sink."""
+
+    def __init__(self):
+        self.holders: dict[Hashable, set[int]] = {}
+
+    def on_event(self, worker: int):
+        def apply(event) -> None:
+            if isinstance(event, BlockStored):
+                for key in event.block_hashes:
+                    self.holders.setdefault(key, set()).add(worker)
+            elif isinstance(event, BlockRemoved):
+                for key in event.block_hashes:
+                    held = self.holders.get(key)
+                    if held is not None:
+                        held.discard(worker)
+                        if not held:
+                            del self.holders[key]
+        return apply
+
+    def drop_worker(self, worker: int, keys) -> None:
+        self.on_event(worker)(BlockRemoved(tuple(keys)))
+
+    def leading_blocks(self, keys: Sequence[Hashable]) -> dict[int, int]:
+        """Per worker holding the first block, how many leading blocks of `keys` it holds."""
+        result: dict[int, int] = {}
+        current: set[int] | None = None
+        for i, key in enumerate(keys):
+            held = self.holders.get(key)
+            if not held:
+                break
+            current = set(held) if current is None else current & held
+            if not current:
+                break
+            for worker in current:
+                result[worker] = i + 1
+        return result
+
+
+class SimRouter:
+    def __init__(self, policy: str, num_prefill: int, num_decode: int, block_tokens: int):
+        self.policy, self.block_tokens = policy, block_tokens
+        self.queued = LeastHeap(num_prefill)  # uncached prompt tokens awaiting a first token
+        self.inflight = LeastHeap(num_decode)  # requests in flight per decode instance
+        self.index = PrefixIndex()
+        self._turn = 0
+
+    def set_alive(self, role: str, index: int, alive: bool) -> None:
+        (self.queued if role != "decode" else self.inflight).set_alive(index, alive)
+
+    def choose_prefill(self, keys: Sequence[Hashable], prompt_tokens: int) -> tuple[int, int] | None:
+        """(worker, the uncached tokens booked on its queue), None when no worker serves."""
+        least = self.queued.least()
+        if least is None:
+            return None
+        if self.policy == "round_robin":
+            alive = [i for i, ok in enumerate(self.queued.alive) if ok]
+            worker = alive[self._turn % len(alive)]
+            self._turn += 1
+            return worker, prompt_tokens
+        queued = self.queued.values
+        best = (queued[least] + prompt_tokens, 0, least)
+        if self.policy == "cache_aware" and keys:
+            for worker, blocks in self.index.leading_blocks(keys).items():
+                if self.queued.alive[worker]:
+                    uncached = max(prompt_tokens - blocks * self.block_tokens, 1)
+                    best = min(best, (queued[worker] + uncached, -blocks, worker))
+        cost, neg_blocks, worker = best
+        return worker, max(prompt_tokens + neg_blocks * self.block_tokens, 1)
+
+    def choose_decode(self) -> int | None:
+        return self.inflight.least()

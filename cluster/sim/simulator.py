@@ -1,0 +1,278 @@
+"""The discrete-event model of a whole cluster: `simulate(config, profile, requests) -> SimResult`.
+
+Why it lives in `cluster/` (DESIGN.md puts simulators in benchmarks/): the controller's online
+planner (cluster/planner/) asks it which pool sizes meet the SLO, and the product may not import
+benchmarks. It imports only downward: the engine's real `BlockPool` and `cluster/sim`'s own models
+of the router and the engine's scheduling. Workloads reach it as plain `SimRequest` lists (the
+generators of `splitserve bench` live above it, in loadtest/, and feed it from there).
+
+A request's life, as in the cluster (README "A request through the disaggregated cluster"):
+1. the client sends it at its arrival (or later, under the client's concurrency cap);
+2. the router refuses it (its concurrency limit, admission) or routes it: a prefill worker by the
+   policy, the decode instance with the fewest requests in flight; after `route` it is queued there;
+3. the prefill worker's batched chunked prefill (cluster/sim/worker.py) reaches its prompt's end:
+   the first token reaches the client `first_token` later;
+4. hand-off: blocks for its context are reserved on the decode instance (a full instance is waited
+   for), the KV goes over the prefill worker's one sender (latency + bytes / bandwidth, in turn),
+   its prefill blocks are released (they stay cached), the decode instance adopts it `adopt` later;
+5. it decodes in the instance's continuous batch; its last token reaches the client `token` later.
+Colocated workers do 3 and 5 in one batch. Worker faults migrate requests (cluster/sim/faults.py).
+Time is simulated: a run is deterministic and reads no clock except to report its own speed.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from cluster.sim.config import SimConfig
+from cluster.sim.faults import FaultHandler
+from cluster.sim.kv import BlockCounter, PrefixPool
+from cluster.sim.profile import Profile
+from cluster.sim.result import SimRecord, SimResult
+from cluster.sim.router import SimRouter
+from cluster.sim.seq import SimRequest, SimSeq
+from cluster.sim.worker import SimWorker
+
+# Event kinds, in the order they run at one instant: work finishing frees room before new work lands.
+WORKER, HANDOFF_DONE, ADOPT, ENQUEUE, RESTART, FAULT, ARRIVE = range(7)
+
+
+def simulate(config: SimConfig, profile: Profile, requests: Sequence[SimRequest]) -> SimResult:
+    return Simulation(config, profile).run(requests)
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, profile: Profile):
+        self.config, self.profile = config, profile
+        self.block_tokens = config.cache_block_tokens or profile.model.block_size
+        self.over = profile.overheads
+        prefill_pool = config.colocated or config.prefill
+        self.router = SimRouter(config.policy, prefill_pool, max(config.decode, 1), self.block_tokens)
+        self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
+        self.decode = [self.new_worker("decode", i) for i in range(config.decode)]
+        self.sender_free_s = [0.0] * prefill_pool  # each prefill worker sends one hand-off at a time
+        self.reserve_waiting = [deque() for _ in self.decode]  # hand-offs waiting for decode room
+        self.faults = FaultHandler(self)
+        self.client_queue: deque[SimSeq] = deque()
+        self.active: set[SimSeq] = set()  # sent, not ended (faults find the requests a death touches)
+        self.open_streams = 0
+        self.router_streams = 0
+        self._events: list = []
+        self._order = 0
+        self.now_s = 0.0
+        self.handoff_s = 0.0
+
+    def new_worker(self, role: str, index: int) -> SimWorker:
+        profile, config = self.profile, self.config
+        cost = profile.step_cost(config.tp if role != "prefill" else 1).plus_step_s(profile.overheads.step_s)
+        if role == "decode":
+            kv = BlockCounter((config.decode_kv_tokens or profile.kv_capacity_tokens[config.tp]) // self.block_tokens)
+        else:
+            tokens = config.prefill_kv_tokens or profile.kv_capacity_tokens[config.tp if role == "colocated" else 1]
+            kv = PrefixPool(tokens // self.block_tokens, self.block_tokens, config.enable_prefix_caching,
+                            self.router.index.on_event(index))
+        return SimWorker(index, role, cost, config.limits, kv)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        started = time.perf_counter()
+        shared = None if self.config.faults else _shared_keys(requests)
+        seqs = [SimSeq(i, r.arrival_s, r.prompt_tokens, r.output_tokens, _useful(r.block_keys, shared), r.prompt_tokens)
+                for i, r in enumerate(requests)]
+        for seq in seqs:
+            self.push(seq.arrival_s, ARRIVE, seq)
+        for fault in self.config.faults:
+            self.push(fault.time_s, FAULT, fault)
+        handlers = (self._on_worker, self._on_handoff_done, self._on_adopt, self._on_enqueue,
+                    self.faults.on_restart, self.faults.on_fault, self._on_arrive)
+        events = 0
+        while self._events:
+            self.now_s, kind, _, payload, tag = heapq.heappop(self._events)
+            handlers[kind](payload, tag)
+            events += 1
+        return self._result(seqs, events, time.perf_counter() - started)
+
+    def push(self, time_s: float, kind: int, payload, tag=None) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (time_s, kind, self._order, payload, tag))
+
+    def restart_later(self, key: tuple[str, int]) -> None:
+        self.push(self.now_s + self.config.restart_s, RESTART, key)
+
+    def schedule(self, worker: SimWorker) -> None:
+        end_s = worker.next_time()
+        if end_s is not None:
+            self.push(end_s, WORKER, worker, worker.version)
+
+    # ---- client and router ------------------------------------------------------------------------
+    def _on_arrive(self, seq: SimSeq, _) -> None:
+        cap = self.config.max_concurrency
+        if cap is not None and self.open_streams >= cap:
+            self.client_queue.append(seq)
+        else:
+            self._send(seq)
+
+    def _send(self, seq: SimSeq) -> None:
+        seq.send_s = self.now_s
+        self.open_streams += 1
+        if self.router_streams >= self.config.router_max_requests or not self._admit(seq):
+            self.end(seq, "rejected")
+            return
+        self.router_streams += 1
+        self.active.add(seq)
+        self.route(seq)
+
+    def _admit(self, seq: SimSeq) -> bool:
+        if self.config.admission == "always":
+            return True
+        choice = self.router.choose_prefill(seq.keys, seq.prompt)
+        if choice is None:
+            return True
+        worker, uncached = choice
+        cost = self.front[worker].cost
+        chunk = self.config.limits.prefill_chunk_tokens
+        rate = chunk / cost.seconds(chunk, 1, chunk * (chunk + 1) / 2)  # tokens per second, one chunk a step
+        queued = self.router.queued.values[worker] + uncached
+        return queued / rate + self.over.route_s + self.over.first_token_s <= self.config.ttft_slo_s
+
+    def route(self, seq: SimSeq) -> None:
+        """Books the request on a prefill worker (and decode instance) and queues it there."""
+        choice = self.router.choose_prefill(seq.keys, seq.prompt)
+        decode = self.router.choose_decode() if self.decode else 0
+        if choice is None or decode is None:
+            self.faults.wait_for_workers(seq)
+            return
+        seq.prefill_worker, seq.estimate_tokens = choice
+        self.router.queued.add(seq.prefill_worker, seq.estimate_tokens)
+        if self.decode:
+            seq.decode_worker = decode
+            self.router.inflight.add(decode, 1)
+        seq.stage = "routing"
+        self.push(self.now_s + self.over.route_s, ENQUEUE, seq, seq.migrations)
+
+    def _on_enqueue(self, seq: SimSeq, attempt: int) -> None:
+        if attempt != seq.migrations:
+            return
+        seq.stage = "prefill"
+        worker = self.front[seq.prefill_worker]
+        if worker.submit(seq, self.now_s):
+            self.schedule(worker)
+
+    def finish(self, seq: SimSeq) -> None:
+        """Its last token reached the client now."""
+        seq.last_token_s = self.now_s + (self.over.token_s if seq.emitted > 1 else self.over.first_token_s)
+        self.end(seq, "ok")
+
+    def end(self, seq: SimSeq, status: str) -> None:
+        if status != "rejected":
+            self.router_streams -= 1
+            self.active.discard(seq)
+            if seq.decode_worker >= 0 and self.decode:
+                self.router.inflight.add(seq.decode_worker, -1)
+        seq.status, seq.stage = status, "done"
+        self.open_streams -= 1
+        if self.client_queue:
+            self._send(self.client_queue.popleft())
+
+    # ---- workers ----------------------------------------------------------------------------------
+    def _on_worker(self, worker: SimWorker, version: int) -> None:
+        if version != worker.version or self.faults.is_dead(worker):
+            return
+        completed, finished = worker.finish_run()
+        for seq in completed:
+            self._first_token(worker, seq)
+        for seq in finished:
+            self._finished(worker, seq)
+        worker.plan(self.now_s)
+        self.schedule(worker)
+
+    def _first_token(self, worker: SimWorker, seq: SimSeq) -> None:
+        seq.emitted += 1
+        if seq.first_token_s is None:
+            seq.first_token_s = self.now_s + self.over.first_token_s
+        self.router.queued.add(seq.prefill_worker, -seq.estimate_tokens)
+        seq.estimate_tokens = 0
+        if seq.decode_left == 0:  # done at prefill: nothing is handed off
+            worker.release_prefill(seq)
+            self.finish(seq)
+        elif worker.role == "colocated":
+            seq.stage = "decode"
+            worker.start_decoding(seq)
+        elif self.faults.decode_dead(seq):  # its hand-off fails: the request migrates
+            worker.release_prefill(seq)
+            self.faults.migrate(seq, seq.emitted)
+        else:
+            seq.stage = "pinned"
+            self.reserve_waiting[seq.decode_worker].append(seq)
+            self.reserve_next(seq.decode_worker)
+
+    def reserve_next(self, decode: int) -> None:
+        """Hand-offs waiting for this instance start in turn while its blocks allow."""
+        waiting, instance = self.reserve_waiting[decode], self.decode[decode]
+        while waiting and instance.reserve(waiting[0], self.block_tokens):
+            seq = waiting.popleft()
+            start_s = max(self.now_s, self.sender_free_s[seq.prefill_worker])
+            end_s = start_s + self.profile.transfer.seconds(seq.prompt * self.profile.model.kv_bytes_per_token)
+            self.sender_free_s[seq.prefill_worker] = end_s
+            self.handoff_s += end_s - start_s
+            self.push(end_s, HANDOFF_DONE, seq, seq.migrations)
+
+    def _on_handoff_done(self, seq: SimSeq, attempt: int) -> None:
+        if attempt != seq.migrations:
+            return
+        prefill = self.front[seq.prefill_worker]
+        prefill.release_prefill(seq)
+        if prefill.kick(self.now_s):
+            self.schedule(prefill)
+        seq.stage = "adopting"
+        self.push(self.now_s + self.over.adopt_s, ADOPT, seq, seq.migrations)
+
+    def _on_adopt(self, seq: SimSeq, attempt: int) -> None:
+        if attempt != seq.migrations:
+            return
+        seq.stage = "decode"
+        instance = self.decode[seq.decode_worker]
+        if instance.adopt(seq, self.now_s):
+            self.schedule(instance)
+
+    def _finished(self, worker: SimWorker, seq: SimSeq) -> None:
+        if worker.role == "decode":
+            worker.release_decode(seq)
+            self.reserve_next(worker.index)
+        else:
+            worker.release_prefill(seq)
+        self.finish(seq)
+
+    def _result(self, seqs: list[SimSeq], events: int, wall_s: float) -> SimResult:
+        records = [SimRecord(s.index, s.arrival_s, s.send_s, s.prompt_tokens, s.output, s.cached,
+                             s.first_token_s, s.last_token_s,
+                             "failed" if s.status == "pending" else s.status, s.migrations) for s in seqs]
+        busy = {"prefill": sum(w.busy_s for w in self.front), "decode": sum(w.busy_s for w in self.decode)}
+        return SimResult(self.config.name, self.config.ttft_slo_s, self.config.tpot_slo_s, records,
+                         self.config.workers, events, wall_s, busy, self.handoff_s)
+
+
+def _shared_keys(requests: Sequence[SimRequest]) -> set:
+    """Block keys that occur in more than one request: the only ones a prefix hit can ever find."""
+    seen, shared = set(), set()
+    for r in requests:
+        for key in r.block_keys:
+            if key in seen:
+                shared.add(key)
+            else:
+                seen.add(key)
+    return shared
+
+
+def _useful(keys: tuple, shared: set | None) -> tuple:
+    """The keys up to the last one another request shares. Registering the rest in the cache would
+    change no hit and no eviction (cached or not, a free block sits in the same LRU queue): dropping
+    them only saves work. Kept whole when faults run (a migrated request hits its own blocks)."""
+    if shared is None:
+        return tuple(keys)
+    end = len(keys)
+    while end and keys[end - 1] not in shared:
+        end -= 1
+    return tuple(keys[:end])

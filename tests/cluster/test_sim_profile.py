@@ -1,0 +1,91 @@
+"""Profiles: the step-cost model and its fit, the JSON round trip, validation, roofline labels."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cluster.sim import SimConfig
+from cluster.sim.profile import Profile
+from cluster.sim.roofline import roofline_profile
+from cluster.sim.step_cost import StepCost, StepSample, fit_step_cost, nnls, prefill_pairs
+from tests.cluster.sim_factories import linear_profile
+
+
+def test_dense_is_piecewise_linear_and_extrapolates():
+    cost = StepCost((1, 11, 111), (0.001, 0.002, 0.012))
+    assert cost.dense(6) == pytest.approx(0.0015)
+    assert cost.dense(61) == pytest.approx(0.007)
+    assert cost.dense(211) == pytest.approx(0.022)  # past the last knot: the last slope
+    assert cost.seconds(0, 0) == 0.0
+
+
+def test_prefill_pairs_counts_causal_attention():
+    assert prefill_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert prefill_pairs(10, 2) == 11 + 12
+
+
+def test_fit_recovers_exact_coefficients():
+    truth = StepCost((1, 64, 512), (0.002, 0.004, 0.02), 0.0003, 2e-8, 5e-7)
+    samples = [StepSample(t, s, prefill_pairs(start, t) if s == 1 else 0.0, ctx,
+                          truth.seconds(t, s, prefill_pairs(start, t) if s == 1 else 0.0, ctx))
+               for t, s, start, ctx in [(8, 1, 0, 0), (64, 1, 0, 0), (256, 1, 128, 0), (512, 1, 0, 0), (512, 1, 256, 0),
+                                        (1, 1, 0, 100), (4, 4, 0, 800), (16, 16, 0, 1600), (32, 32, 0, 9000),
+                                        (128, 1, 0, 0), (64, 64, 0, 4000)]]
+    cost, rms = fit_step_cost(samples, truth.knots_tokens)
+    assert rms < 1e-9
+    assert cost.dense_s == pytest.approx(truth.dense_s, rel=1e-6)
+    assert (cost.per_seq_s, cost.prefill_pair_s, cost.decode_context_s) == pytest.approx(
+        (truth.per_seq_s, truth.prefill_pair_s, truth.decode_context_s), rel=1e-6)
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    b = np.array([3.0, 2.0, 1.0])  # the free fit has slope -1
+    x = nnls(a, b)
+    assert (x >= 0).all() and x[1] == 0.0 and x[0] == pytest.approx(2.0)
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    profile = linear_profile(per_seq_s=1e-4, prefill_pair_s=1e-8, decode_context_s=1e-7)
+    path = profile.save(tmp_path / "p.json")
+    assert Profile.load(path) == profile
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda raw: raw.update(format="x"), "format"),
+    (lambda raw: raw["steps"]["1"].pop("per_seq_ms"), "steps.1: missing key 'per_seq_ms'"),
+    (lambda raw: raw.update(kind="guess"), "kind"),
+    (lambda raw: raw["kv_capacity_tokens"].update({"1": 3}), "kv_capacity_tokens"),
+    (lambda raw: raw.pop("transfer"), "missing key 'transfer'"),
+])
+def test_a_bad_profile_names_the_key(tmp_path, mutate, message):
+    raw = linear_profile().to_dict()
+    mutate(raw)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=message):
+        Profile.load(path)
+
+
+def test_roofline_profiles_are_labelled_and_ordered():
+    profile = roofline_profile("llama-3.2-1b", "h100", (1, 2))
+    assert profile.kind == "roofline" and "ROOFLINE" in profile.label
+    one, two = profile.step_cost(1), profile.step_cost(2)
+    # A 1B model's decode step is bandwidth-bound: 2.5 GB of weights at 80% of 3.35 TB/s + 2 ms.
+    assert one.seconds(1, 1) == pytest.approx(0.002 + profile.model.params * 2 / (3.35e12 * 0.8), rel=0.01)
+    assert two.seconds(1, 1) < one.seconds(1, 1)
+    assert profile.kv_capacity_tokens[2] > 2 * profile.kv_capacity_tokens[1]
+    with pytest.raises(ValueError, match="--gpu"):
+        roofline_profile("llama-3.2-1b", "tpu")
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"prefill": 0}, "prefill"), ({"colocated": 1}, "colocated"), ({"tp": 3}, "tp"),
+    ({"policy": "nearest"}, "policy"), ({"admission": "ttft"}, "admission"),
+    ({"ttft_slo_s": -1.0}, "ttft_slo_s"), ({"decode_kv_tokens": 0}, "decode_kv_tokens"),
+])
+def test_sim_config_errors_name_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=f"^{key}:"):
+        SimConfig(**kwargs)

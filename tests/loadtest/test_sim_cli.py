@@ -1,0 +1,64 @@
+"""`splitserve profile`, `simulate` and `plan` through the real command entry, on a tiny checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.sim.profile import Profile
+from splitserve.cli import main as splitserve
+
+
+@pytest.fixture(scope="module")
+def measured(checkpoint, tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "cpu.json"
+    splitserve(["profile", "--quick", "--model", str(checkpoint()), "--out", str(path)])
+    return path
+
+
+def test_profile_measures_the_engine_and_fits_it(measured):
+    profile = Profile.load(measured)
+    assert profile.kind == "measured" and profile.tp_sizes == (1,)
+    assert profile.model.block_size == 16 and profile.model.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    # prefill: chunks 8, 32, 128 after 0 and after 128 tokens (512 reaches max_model_len); decode: 3 x 2
+    assert profile.source["samples"] == 3 + 3 + 6
+    cost = profile.step_cost(1)
+    assert 0 < cost.seconds(1, 1) < cost.seconds(256, 1)  # a long prefill costs more than one decode token
+    # The tiny model's steps are timer noise on a busy box: the fit is loose, but it is reported.
+    assert 0 <= profile.source["fit_rms_relative_error"] < 1.0
+
+
+def test_roofline_profile_is_labelled(tmp_path, capsys):
+    path = tmp_path / "h100.json"
+    splitserve(["profile", "--roofline", "--model", "llama-3.2-1b", "--gpu", "h100", "--tp", "1,2", "--out", str(path)])
+    assert "ROOFLINE" in capsys.readouterr().out and Profile.load(path).tp_sizes == (1, 2)
+
+
+def test_simulate_reports_as_the_bench_does(measured, tmp_path, capsys):
+    out = tmp_path / "summary.json"
+    splitserve(["simulate", "--profile", str(measured), "--prefill", "2", "--workload", "shared-prefix",
+                "--groups", "2", "--prompts-per-group", "4", "--prefix-len", "64", "--suffix-len", "8",
+                "--rate", "2", "--ttft-ms", "5000", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "splitserve bench: shared-prefix" in text and "simulated requests/s" in text
+    summary = json.loads(out.read_text())
+    assert summary["requests_completed"] == 8 and summary["cluster"] == "2P1D"
+    assert summary["prefix_hit_rate"] > 0  # later prompts of a group hit its 64-token prefix
+
+
+def test_plan_prints_the_table_and_sizes_a_fleet(measured, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    splitserve(["plan", "--profile", str(measured), "--workload", "poisson", "--rate", "2", "--num-requests", "40",
+                "--ttft-ms", "2000", "--tpot-ms", "500", "--max-workers", "3", "--fleet-rate", "20",
+                "--fleet-duration-s", "60", "--json", str(out)])
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert {r["shape"] for r in report["rows"]} == {"1P1D", "1P2D", "2P1D", "1C", "2C", "3C"}
+    assert report["choice"] == report["rows"][0]["shape"] and f"->{report['choice']}" in text.replace(" ", "")
+    assert report["fleet"]["requests"] >= 40 and report["fleet"]["simulated_requests_per_s"] > 0
+
+
+def test_plan_refuses_a_run_without_an_slo(measured, capsys):
+    with pytest.raises(SystemExit):
+        splitserve(["plan", "--profile", str(measured), "--workload", "poisson"])
+    assert "--ttft-ms" in capsys.readouterr().err
