@@ -7,7 +7,8 @@ first *tests* the group's name at its index (a concurrent edit that reordered th
 API server refuse the patch instead of scaling the wrong pool), then replaces `replicas`, raising
 `maxReplicas` or lowering `minReplicas` where the new count would leave their range, and sends it
 through the `kubernetes` client's `CustomObjectsApi` as application/json-patch+json (the client's
-default for custom objects is a merge patch, which would replace the whole group list). The chart's Role lets the planner get and patch only this RayCluster.
+default for custom objects is a merge patch, which would replace the whole group list). The chart's Role lets the
+planner get and patch only this RayCluster.
 The controller still decides which workers drain: KubeRay adds or removes pods, the controller's
 `scale` (cluster/controller.py) is what the planner calls on the Ray side.
 """
@@ -26,7 +27,7 @@ def replicas_patch(raycluster: dict, group_name: str, pods: int) -> list[dict]:
         raise ValueError(f"RayCluster {raycluster.get('metadata', {}).get('name')!r} has no worker group "
                          f"{group_name!r}; it has {[g.get('groupName') for g in groups]}")
     path = f"/spec/workerGroupSpecs/{index}"
-    ops = [{"op": "test", "path": f"{path}/groupName", "value": group_name},
+    ops: list[dict] = [{"op": "test", "path": f"{path}/groupName", "value": group_name},
            {"op": "replace", "path": f"{path}/replicas", "value": pods}]
     group = groups[index]
     if group.get("maxReplicas", pods) < pods:

@@ -87,7 +87,7 @@ class TraceSpec:
         return Plan("trace", make_requests(layout.arrivals_s, prompts, [o for _, o in layout.lengths], defaults),
                     layout.notes)
 
-    def layout(self, limits: ModelLimits, seed: int) -> "TraceLayout":
+    def layout(self, limits: ModelLimits, seed: int) -> TraceLayout:
         """Which rows are planned, in arrival order, with their lengths and times (steps 1-3 above; no
         tokens yet: the simulator reads a trace's prefix sharing from its hash ids directly)."""
         trace = _read(self.path, self.trace_format)
