@@ -100,8 +100,8 @@ def health_main(argv: list[str]) -> None:
     with open_channel(connection.target, connection.tls) as channel:
         try:
             # types-grpcio-health-checking's HealthStub declares no methods; the generated class has Check.
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),  # type: ignore[attr-defined]
-                                                              timeout=args.timeout_s)
+            check = health_pb2_grpc.HealthStub(channel).Check  # type: ignore[attr-defined]
+            reply = check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout_s)
         except grpc.RpcError as err:
             hint = connection_hint(err.details() or "", connection.tls)
             sys.exit(f"splitserve health: {connection.target}: {err.code().name}" + (f" ({hint})" if hint else ""))
