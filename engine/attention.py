@@ -4,6 +4,8 @@ Cache layout, per layer: K and V each `[num_kv_heads, num_blocks, block_size, he
 engine/kv_storage.py, with scales for quantized formats). A token at position p of a sequence lives in
 slot `block_table[p // block_size] * block_size + p % block_size`.
 
+On CUDA, decode reads the cache in place through the Triton kernel (engine/kernels/triton_decode.py,
+every format) and prefill goes through `scaled_dot_product_attention` (flash / memory-efficient).
 Unquantized caches take the exact paths below (HF-equal in fp32). A quantized cache (int8 / fp8) is
 read by the native decode kernel, which dequantizes in registers, or by
 `engine/quantized_attention.py`, which dequantizes a bounded chunk of blocks at a time; a prefill
@@ -57,10 +59,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
     Writes k/v into the cache, then returns attention outputs [tokens, heads * head_dim]."""
     cache.write(k, v, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     n_dec = meta.num_decode_tokens
     if n_dec:
-        if meta.uses_kernel:
+        if meta.uses_kernel and q.is_cuda:
+            out[:n_dec] = _decode_attention_triton(q[:n_dec], cache, meta, scale)
+        elif meta.uses_kernel:
             out[:n_dec] = _decode_attention_native(q[:n_dec], cache, meta, scale)
         elif cache.fmt.quantized:
             out[:n_dec] = quantized_decode_attention(q[:n_dec], cache, meta.decode_block_tables,
@@ -97,6 +101,15 @@ def _decode_attention_native(q, cache: LayerKV, meta: AttentionMetadata, scale: 
     return out.view(batch, num_heads * head_dim)
 
 
+def _decode_attention_triton(q, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The Triton kernel (engine/kernels/triton_decode.py), imported on first CUDA use only: CPU
+    processes never need triton."""
+    from engine.kernels.triton_decode import paged_decode_attention
+
+    return paged_decode_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_block_tables,
+                                  meta.decode_context_lens, scale)
+
+
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
@@ -129,8 +142,8 @@ def _prefill_attention(q, k, v, cache: LayerKV, seg: PrefillSegment, scale: floa
         values = _gather(cache.v, seg.context_slots).unsqueeze(0)
         # Query i sits at absolute position (context_len - query_len + i) and sees keys up to it.
         offset = seg.context_len - query_len
-        allowed = (torch.arange(seg.context_len)[None, :]
-                   <= torch.arange(offset, seg.context_len)[:, None])
+        allowed = (torch.arange(seg.context_len, device=q.device)[None, :]
+                   <= torch.arange(offset, seg.context_len, device=q.device)[:, None])
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale,
                                              enable_gqa=True)
     return out.squeeze(0).transpose(0, 1).reshape(query_len, num_heads * head_dim)

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from engine.layers.quantization import QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROLES = ("colocated", "prefill", "decode")
+_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (engine/kv_quant.py)
     quantization: str = "none"  # weights: one of QUANTIZATIONS (engine/layers/quantization.py)
     quantize_lm_head: bool = False  # with `quantization`, the LM head too (measured: README)
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where weights, KV cache and steps live
+    cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps (engine/cuda_graphs.py)
 
     def __post_init__(self):
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
@@ -95,6 +99,8 @@ class EngineConfig:
                  f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         _require(not self.quantize_lm_head or self.quantization != "none",
                  "quantize_lm_head needs a weight quantization")
+        _require(_DEVICE_PATTERN.fullmatch(self.device) is not None,
+                 f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     def kv_format(self, model: ModelConfig) -> KVFormat:
         return kv_format(self.kv_cache_dtype, model.torch_dtype)

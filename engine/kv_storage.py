@@ -81,6 +81,7 @@ class KVCacheStorage:
                      block_ids: torch.Tensor) -> list[torch.Tensor]:
         """Layer `layer`'s KV heads [head_start, head_end) of `block_ids` (int64), as sent."""
         heads = slice(head_start, head_end)
+        block_ids = block_ids.to(self.values.device)
         out = [_bytes(self.values[layer, :, heads]).index_select(2, block_ids).view(self.fmt.storage_dtype)]
         if self.scales is not None:
             out.append(self.scales[layer, :, heads].index_select(2, block_ids))
@@ -96,13 +97,14 @@ class KVCacheStorage:
 
     def import_layer(self, layer: int, block_ids: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Writes a received layer message (`staging` shapes) into `block_ids` of layer `layer`."""
+        block_ids = block_ids.to(self.values.device)
         _bytes(self.values[layer]).index_copy_(2, block_ids, _bytes(tensors[0]))
         if self.scales is not None:
             self.scales[layer].index_copy_(2, block_ids, tensors[1])
 
     def copy_blocks_from(self, other: KVCacheStorage, source: Sequence[int], target: Sequence[int]) -> None:
         """Every layer's KV of `other`'s blocks `source` into our blocks `target` (same layout and heads)."""
-        src, dst = (torch.tensor(list(ids), dtype=torch.int64) for ids in (source, target))
+        src, dst = (torch.tensor(list(ids), dtype=torch.int64, device=self.values.device) for ids in (source, target))
         for layer in range(self.num_layers):
             self.import_layer(layer, dst, other.export_layer(layer, 0, other.num_kv_heads, src))
 

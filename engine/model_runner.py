@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSegment
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kernels import decode_attention_kernel
 from engine.kv_storage import KVCacheStorage
 from engine.model_loader import load_model
@@ -34,6 +35,21 @@ class StepInput:
     prefill_context_lens: tuple[int, ...]
     prefill_block_tables: tuple[torch.Tensor, ...]
     logits_indices: torch.Tensor  # rows whose logits are sampled, in chunk order
+
+    @property
+    def is_decode_only(self) -> bool:
+        return not self.prefill_query_lens
+
+    def to(self, device: torch.device) -> StepInput:
+        """The same step with its tensors on `device` (itself when they are there already)."""
+        if self.input_ids.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
+                       slot_mapping=move(self.slot_mapping), decode_context_lens=move(self.decode_context_lens),
+                       decode_block_tables=move(self.decode_block_tables),
+                       prefill_block_tables=tuple(move(t) for t in self.prefill_block_tables),
+                       logits_indices=move(self.logits_indices))
 
 
 def order_chunks(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
@@ -85,13 +101,15 @@ def _pad_tables(tables: list[Sequence[int]]) -> torch.Tensor:
 
 
 def attention_metadata(step: StepInput, block_size: int, native_decode: bool = False) -> AttentionMetadata:
-    """`native_decode`: the C decode kernel will run, so the padded slot tensors are not built."""
-    offsets = torch.arange(block_size, dtype=torch.int64)
+    """`native_decode`: a kernel reads the paged cache in place (the C kernel on CPU, Triton on CUDA),
+    so the padded slot tensors are not built. Tensors are made on the step's device."""
+    offsets = torch.arange(block_size, dtype=torch.int64, device=step.slot_mapping.device)
     decode_slots = padding = None
     if step.num_decode_tokens and not native_decode:
         tables = step.decode_block_tables
         decode_slots = (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)
-        padding = torch.arange(decode_slots.shape[1])[None, :] >= step.decode_context_lens[:, None]
+        columns = torch.arange(decode_slots.shape[1], device=offsets.device)
+        padding = columns[None, :] >= step.decode_context_lens[:, None]
     segments, start = [], step.num_decode_tokens
     for q_len, ctx_len, table in zip(step.prefill_query_lens, step.prefill_context_lens,
                                      step.prefill_block_tables, strict=True):
@@ -105,28 +123,59 @@ def attention_metadata(step: StepInput, block_size: int, native_decode: bool = F
 
 
 class ModelRunner:
-    """Owns the model weights and this rank's KV cache storage."""
+    """Owns the model weights and this rank's KV cache storage, on the engine's device."""
 
     def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
                  num_blocks: int, tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False):
         self.block_size = engine_cfg.block_size
-        self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress)
+        self.device = resolve_device(engine_cfg.device)
+        self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress).to(self.device)
         # cast: nn.ModuleList's items are typed as plain Modules.
         kv_heads = cast(Attention, self.model.model.layers[0].self_attn).num_kv_heads
-        self.kv_cache = KVCacheStorage(engine_cfg.kv_format(model_cfg), model_cfg.num_layers, kv_heads, num_blocks,
-                                       self.block_size, model_cfg.head_dim)
-        # The native decode kernel computes in fp32 (over fp32, int8 or fp8 values); other model
-        # dtypes take the PyTorch path.
-        self.native_decode = model_cfg.torch_dtype == torch.float32 and decode_attention_kernel() is not None
+        use_graphs = self.device.type == "cuda" and engine_cfg.cuda_graphs
+        # With graphs, one more block than the pool owns: the scratch block padding rows write to.
+        self.kv_cache = KVCacheStorage(engine_cfg.kv_format(model_cfg), model_cfg.num_layers, kv_heads,
+                                       num_blocks + use_graphs, self.block_size, model_cfg.head_dim, self.device)
+        # A kernel reads the paged cache in place: on CPU the C kernel (fp32 models; other dtypes take
+        # the PyTorch path), on CUDA the Triton kernel (every dtype and KV format).
+        if self.device.type == "cuda":
+            self.native_decode = True
+        else:
+            self.native_decode = model_cfg.torch_dtype == torch.float32 and decode_attention_kernel() is not None
+        self.graphs = DecodeGraphs(self._decode_logits, self.device, engine_cfg.max_num_seqs, max_model_len,
+                                   self.block_size, scratch_block=num_blocks) if use_graphs else None
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         """Runs one step on this rank (all-reduces included); returns the final hidden states. TP
         followers stop here: only rank 0 samples, so only it needs logits."""
+        step = step.to(self.device)
         meta = attention_metadata(step, self.block_size, self.native_decode)
         return self.model(step.input_ids, step.positions, self.kv_cache, meta)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Runs one step; returns fp32 logits `[len(step.logits_indices), vocab]`."""
-        return self.model.compute_logits(self.forward(step)[step.logits_indices])
+        """Runs one step; returns fp32 logits `[len(step.logits_indices), vocab]` on the device."""
+        graphs = self.graphs
+        if graphs is not None and step.is_decode_only and graphs.can_run(step.num_decode_tokens,
+                                                                         step.decode_block_tables.shape[1]):
+            logits = graphs.run(step.input_ids, step.positions, step.slot_mapping, step.decode_context_lens,
+                                step.decode_block_tables)
+            if torch.equal(step.logits_indices, torch.arange(logits.shape[0])):
+                return logits  # every row samples (the usual decode step): no gather
+            return logits[step.logits_indices.to(self.device)]
+        return self.model.compute_logits(self.forward(step)[step.logits_indices.to(self.device)])
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """What a captured decode graph runs: the forward pass and the logits of every row."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta))
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig: device {name!r} needs CUDA, which this machine does not have")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

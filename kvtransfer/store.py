@@ -115,19 +115,20 @@ class PairRendezvous:
             return None
         return self._store.get(key).decode(errors="replace")
 
-    def handshake(self, generation: int, backend: str, timeout_s: float) -> None:
-        """Announce our ``backend`` for ``generation`` and wait up to ``timeout_s`` for the peer's.
+    def handshake(self, generation: int, backend: str, timeout_s: float, gpu_id: str = "") -> str:
+        """Announce our ``backend`` for ``generation``, wait up to ``timeout_s`` for the peer's, and
+        return the backend both sides build the group with (each side computes the same answer).
 
-        Raises ``RuntimeError`` (the store's timeout error) if the peer does not show up in time,
-        or if it chose another backend (the groups would never meet).
+        ``backend`` "cuda" (auto on a GPU) names our GPU (``gpu_id``, its UUID): two "cuda" sides agree
+        on cuda_ipc when they share the GPU, else on nccl. Raises ``RuntimeError`` (the store's timeout
+        error) if the peer does not show up in time, or if the two choices cannot meet.
         """
         hello = f"{self._root}/g{generation}/hello"
-        self._store.set(f"{hello}/{self.rank}", backend)
+        mine = f"cuda@{gpu_id}" if backend == "cuda" else backend
+        self._store.set(f"{hello}/{self.rank}", mine)
         peer_key = f"{hello}/{1 - self.rank}"
         self._store.wait([peer_key], datetime.timedelta(seconds=timeout_s))
-        peer_backend = self._store.get(peer_key).decode()
-        if peer_backend != backend:
-            raise RuntimeError(f"backend mismatch: this side uses {backend}, the peer {peer_backend}")
+        return agree_backend(mine, self._store.get(peer_key).decode())
 
     def create_group(self, generation: int, backend: str, timeout_s: float) -> Any:
         """Build this side's 2-rank gloo / NCCL group of ``generation`` (after ``handshake``, so quick).
@@ -136,10 +137,20 @@ class PairRendezvous:
         """
         store = PrefixStore(f"{self._root}/g{generation}/pg/{backend}", self._store)
         timeout = datetime.timedelta(seconds=timeout_s)
-        if backend == "gloo":
+        if backend in ("gloo", "cuda_ipc"):  # cuda_ipc: gloo carries the framing and the IPC handles
             return ProcessGroupGloo(store, self.rank, 2, timeout)
         from torch.distributed import ProcessGroupNCCL  # absent from CPU builds of torch
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
         return ProcessGroupNCCL(store, self.rank, 2, options)
+
+
+def agree_backend(mine: str, theirs: str) -> str:
+    """The backend two hellos meet on (symmetric): equal names, or two GPUs (``cuda@<uuid>``): the
+    same GPU → cuda_ipc, different GPUs → nccl. Raises ``RuntimeError`` when they cannot meet."""
+    if mine.startswith("cuda@") and theirs.startswith("cuda@"):
+        return "cuda_ipc" if mine == theirs else "nccl"
+    if mine != theirs:
+        raise RuntimeError(f"backend mismatch: this side uses {mine}, the peer {theirs}")
+    return mine

@@ -16,6 +16,9 @@ chunks beat whole 8-256 MiB sends (3.1-4.4 vs 2.3-2.5 GB/s: both peers' IO threa
 with other jobs running, 4 MiB or whole tensors beat 1 MiB (2.2-2.6 vs 2.0-2.1 GB/s), hence 4 MiB.
 Copying small tensors into one staging buffer lost to sending them one by one (the copies compete
 for the cores): nothing is flattened; each tensor costs ~30-50 us of ops. NCCL sends tensors whole.
+Two processes on one GPU (NCCL refuses that pair) use ``cuda_ipc``: a gloo channel carries the same
+framing plus CUDA IPC handle records instead of the payload, and the receiver copies from the sender's
+memory device-to-device before it acks (``kvtransfer.cuda_ipc``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from torch.distributed import DistError
 
+from kvtransfer import cuda_ipc
 from kvtransfer.store import PairRendezvous, connect_store
 from kvtransfer.transport import KVTransport, MessageLayout, PeerId, TransferError, TransferStats
 
@@ -40,7 +44,9 @@ _MAGIC = 0x4B5654524E535031  # "KVTRNSP1": catches a peer speaking another proto
 _GLOO_CHUNK_BYTES = 4 << 20
 _MIN_WAIT_S = 0.001  # Work.wait(timedelta(0)) would mean "no timeout": never pass zero
 _MAX_ATTEMPTS = 3  # a call follows a cleanly closing peer to a new channel at most this often
-_BACKENDS = ("auto", "gloo", "nccl")  # "auto": nccl for CUDA tensors, else gloo
+# "auto": gloo for CPU tensors; for CUDA tensors cuda_ipc when both sides sit on the same GPU (NCCL
+# refuses two ranks on one device), else nccl. The handshake compares the GPUs (kvtransfer.store).
+_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc")
 _LOST = "connection lost: "  # prefix of errors after which a call may follow a cleanly closing peer
 _DATA, _ACK = 0, 1  # tags: acks never match a data message, whatever the interleaving
 
@@ -50,6 +56,7 @@ class _Channel:
     """One live pair group and its message counters; used by one call at a time."""
 
     generation: int
+    requested: str  # what this side asked for ("cuda" for auto on a GPU); `backend` is what the pair agreed
     backend: str
     device: torch.device
     peer_rank: int
@@ -63,7 +70,8 @@ class _Channel:
         """Header, payload, trailer out; the peer's ack in. None on success, else why it failed."""
         sequence, ack = self.messages_sent, self._ints([-1])
         header = self._ints([_MAGIC, self.generation, sequence, layout.num_tensors, layout.num_bytes, layout.digest])
-        payload = _wire_buffers([t.contiguous() for t in tensors], self.backend)
+        contiguous = [t.contiguous() for t in tensors]  # alive until the ack: cuda_ipc peers read them in place
+        payload = _wire_buffers(contiguous, self.backend)
         data = [("send", b, _DATA) for b in (header, *payload, self._ints([sequence]))]
         error = _post_and_wait(self, [*data, ("recv", ack, _ACK)], deadline_s)
         if error is None and ack.item() != sequence:
@@ -84,10 +92,13 @@ class _Channel:
         if error is not None:
             return error
         staged = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in out]
-        data = [("recv", b, _DATA) for b in (*_wire_buffers(staged, self.backend), trailer)]
-        error = _post_and_wait(self, data, deadline_s)
+        records = cuda_ipc.handles_buffer(staged) if self.backend == "cuda_ipc" else None
+        wire = _wire_buffers(staged, self.backend) if records is None else ([records] if records.numel() else [])
+        error = _post_and_wait(self, [("recv", b, _DATA) for b in (*wire, trailer)], deadline_s)
         if error is None and trailer.item() != sequence:
             error = f"protocol violated: trailer {trailer.item()} for message #{sequence}"
+        if error is None and records is not None:
+            error = _copy_from_peer(records, staged)
         if error is not None:
             return error
         for target, buffer in zip(out, staged, strict=True):
@@ -96,7 +107,7 @@ class _Channel:
         self.messages_received += 1
         # Not waited for: the sender's next message proves it arrived (a dead sender fails that).
         self.last_ack = self._post_quietly("send", self._ints([sequence]), _ACK)
-        if self.backend == "gloo":  # saves a round trip per message; NCCL would block our sends behind it
+        if self.backend != "nccl":  # saves a round trip per message; NCCL would block our sends behind it
             header = self._ints([0] * 6)
             work = self._post_quietly("recv", header, _DATA)
             self.early_header = (header, work) if work is not None else None
@@ -118,7 +129,8 @@ class _Channel:
             return None
 
     def _ints(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        # Framing travels where the group's tensors live: the GPU for NCCL, the host for gloo and cuda_ipc.
+        return torch.tensor(values, dtype=torch.int64, device=self.device if self.backend == "nccl" else "cpu")
 
 
 class TorchDistTransport(KVTransport):
@@ -212,11 +224,11 @@ class TorchDistTransport(KVTransport):
     def _channel_for(self, peer: PeerId, rendezvous: PairRendezvous, device: torch.device,
                      deadline_s: float) -> _Channel:
         """The channel with ``peer``, checked to still be the pair's newest generation, or a new one."""
-        backend = self._backend if self._backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        backend = self._backend if self._backend != "auto" else ("cuda" if device.type == "cuda" else "gloo")
         with self._lock:
             if (channel := self._channels.get(peer)) is not None:
                 self._channels.move_to_end(peer)
-        if channel is not None and (channel.backend, channel.device) != (backend, device):
+        if channel is not None and (channel.requested, channel.device) != (backend, device):
             self.close_peer(peer)  # other device: the peer follows as after any clean close
             channel = None
         # gloo reports a peer's close on the socket itself (see _handle_failure); NCCL asks the store.
@@ -234,13 +246,13 @@ class TorchDistTransport(KVTransport):
         generation = rendezvous.join()
         timeout_s = min(self._connect_timeout_s, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
         try:
-            rendezvous.handshake(generation, backend, timeout_s)
-            group = rendezvous.create_group(generation, backend, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
+            agreed = rendezvous.handshake(generation, backend, timeout_s, _gpu_id(device))
+            group = rendezvous.create_group(generation, agreed, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
         except RuntimeError as exc:  # store timeout, gloo / nccl rendezvous errors: all mean "no channel"
             reason = f"could not open channel generation {generation} within {timeout_s:.1f} s: {exc}"
             rendezvous.mark_failed(generation, f"{self.local_id}: {reason}")
             raise TransferError(peer, reason) from None
-        return self._insert(peer, _Channel(generation, backend, device, 1 - rendezvous.rank, group))
+        return self._insert(peer, _Channel(generation, backend, agreed, device, 1 - rendezvous.rank, group))
 
     def _insert(self, peer: PeerId, channel: _Channel) -> _Channel:
         """Add ``channel`` to the pool, closing least recently used idle channels beyond ``max_pairs``."""
@@ -298,8 +310,26 @@ def _post_and_wait(channel: _Channel, posts: list[tuple[str, torch.Tensor, int]]
     return None
 
 
+def _gpu_id(device: torch.device) -> str:
+    """What tells two processes they share a GPU: its UUID (device indices differ across processes)."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+
+
+def _copy_from_peer(records: torch.Tensor, staged: list[torch.Tensor]) -> str | None:
+    """cuda_ipc: copy the sender's tensors (mapped from their IPC handles) into ``staged``."""
+    try:
+        cuda_ipc.copy_from_handles(records, staged)
+    except (RuntimeError, ValueError) as exc:  # the sender's memory could not be mapped or read
+        return _LOST + f"CUDA IPC copy failed: {str(exc).splitlines()[0][:200]}"
+    return None
+
+
 def _wire_buffers(tensors: list[torch.Tensor], backend: str) -> list[torch.Tensor]:
-    """The uint8 views of contiguous ``tensors`` that go on the wire, in order; chunked for gloo."""
+    """What goes on the wire for contiguous ``tensors``, in order: uint8 views (chunked for gloo), or
+    for cuda_ipc one host buffer of IPC handle records (none when every tensor is empty)."""
+    if backend == "cuda_ipc":
+        records = cuda_ipc.export_handles(tensors)
+        return [records] if records.numel() else []
     buffers: list[torch.Tensor] = []
     for tensor in tensors:
         if tensor.numel() == 0:

@@ -155,13 +155,15 @@ def make_tiny_checkpoint(out_dir: Path, spec: TinySpec = TinySpec()) -> Path:
 
 
 def hf_greedy_generate(
-    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int | None = None
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int | None = None,
+    device: str = "cpu", dtype: str = "float32",
 ) -> list[list[int]]:
-    """Reference continuations: HF fp32 greedy, EOS ignored, left-padded batches; new tokens only.
+    """Reference continuations: HF greedy (fp32 on the CPU unless told), EOS ignored, left-padded
+    batches; new tokens only.
 
     `batch_size=None` runs all prompts as one batch; `1` runs them one at a time.
     """
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).to(device).eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     # Replacing the loaded generation config drops its eos_token_id, so no EOS stopping criterion
     # is built and every sequence runs exactly max_new_tokens (the engine's ignore_eos behaviour).
@@ -184,8 +186,8 @@ def _generate_batch(
         attention_mask[row, width - len(prompt) :] = 1
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
             do_sample=False,
             max_new_tokens=max_new_tokens,
         )

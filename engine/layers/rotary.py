@@ -59,7 +59,11 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x2, x1): written per half, which is the
-        same arithmetic element by element without building the rotated copy."""
+        same arithmetic element by element without building the rotated copy. On CUDA, one fused kernel."""
+        if x.is_cuda:
+            from engine.kernels.triton_fused import rope
+
+            return rope(x, cos, sin)
         half = x.shape[-1] // 2
         out = x * cos
         out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)

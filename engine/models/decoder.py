@@ -71,6 +71,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, tp, linear_method(quantization))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel instead of two (engine/kernels/triton_fused.py)
+            from engine.kernels.triton_fused import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 

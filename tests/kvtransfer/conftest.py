@@ -193,20 +193,24 @@ class Cluster:
             agent.stop()
 
 
-def _devices_for(backend: str) -> dict[str, str]:
-    """Agent name -> device. For nccl, "b" is the hub every test talks through: it alone sits on
-    cuda:1, so no pair ever has both ranks on one GPU (NCCL refuses that)."""
-    names = ("a", "b", "c", "victim")
-    if backend == "gloo":
-        return {name: "cpu" for name in names}
-    return {name: "cuda:1" if name == "b" else "cuda:0" for name in names}
+# Contract runs: (backend every agent asks for, agent name -> device). For nccl, "b" is the hub every
+# test talks through: it alone sits on cuda:1, so no pair ever has both ranks on one GPU (NCCL refuses
+# that). "same-gpu": every agent on cuda:0 with backend auto, which agrees on cuda_ipc for each pair.
+_NAMES = ("a", "b", "c", "victim")
+CONTRACT_RUNS = {
+    "gloo": ("gloo", {name: "cpu" for name in _NAMES}, 0),
+    "nccl": ("nccl", {name: "cuda:1" if name == "b" else "cuda:0" for name in _NAMES}, 2),
+    "same-gpu": ("auto", {name: "cuda:0" for name in _NAMES}, 1),
+}
 
 
-@pytest.fixture(scope="module", params=["gloo", "nccl"])
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.cuda] if gpus else [])
+                                        for name, (_, _, gpus) in CONTRACT_RUNS.items()])
 def cluster(request: pytest.FixtureRequest):
-    backend = request.param
-    if backend == "nccl" and torch.cuda.device_count() < 2:
-        pytest.skip(f"nccl contract needs 2 CUDA devices; found {torch.cuda.device_count()}")
-    cluster = Cluster(backend, _devices_for(backend))
+    backend, devices, gpus_needed = CONTRACT_RUNS[request.param]
+    if torch.cuda.device_count() < gpus_needed:
+        pytest.skip(f"the {request.param} contract run needs {gpus_needed} CUDA device(s); "
+                    f"found {torch.cuda.device_count()}")
+    cluster = Cluster(backend, devices)
     yield cluster
     cluster.stop()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything a GPU machine is for, in one call: environment, the CUDA tests, the GPU benchmarks.
+# Each stage is time-bounded; output goes to $OUT (default ./gpu-out): all.log (the whole run),
+# tests.txt (pytest's summary) and one JSON per benchmark. STAGES picks stages (comma-separated).
+#   bash benchmarks/gpu_run_all.sh          # on a machine with CUDA, from the repository root
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-env,tests,decode,generate,handoff}
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error GLOO_SOCKET_IFNAME=lo
+export SPLITSERVE_KERNEL_DIR=${SPLITSERVE_KERNEL_DIR:-/tmp/splitserve-kernels}
+
+stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND if NAME is in STAGES, bounded by LIMIT_S
+    local name=$1 limit=$2
+    shift 2
+    [[ ",$STAGES," == *",$name,"* ]] || return 0
+    echo "=== $name (limit ${limit}s): $*"
+    local start=$SECONDS
+    timeout "$limit" "$@"
+    echo "=== $name rc=$? in $((SECONDS - start))s"
+}
+
+{
+stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv; \
+    $PYTHON -c 'import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, \
+    transformers.__version__, torch.cuda.get_device_name())'"
+stage tests 240 $PYTHON -m pytest -q -rfEs -p no:randomly --timeout 150 \
+    tests/engine/test_triton_decode.py tests/engine/test_cuda_engine.py \
+    tests/kvtransfer/test_transport_contract.py -k "not gloo" --junit-xml="$OUT/tests.xml"
+stage decode 170 $PYTHON -m benchmarks.bench_gpu_decode --out "$OUT/decode.json"
+stage generate 120 $PYTHON -m benchmarks.bench_gpu_generate --out "$OUT/generate.json"
+stage handoff 100 $PYTHON -m benchmarks.bench_gpu_handoff --out "$OUT/handoff.json"
+} 2>&1 | tee "$OUT/all.log"
