@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -100,7 +100,7 @@ class Throughput:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
 
     def __add__(self, other: Throughput) -> Throughput:
-        return Throughput(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+        return Throughput(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
 
     def to_json(self) -> dict:
         return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s,
@@ -161,6 +161,7 @@ class HFBaseline:
 
 def run_hf(cfg: BenchConfig, requests: list[BenchRequest]):
     """Calibrates B, then measures the sample at the best B; returns (hf, calibration, best B, result)."""
+    assert cfg.model_dir is not None, "main() resolves it"
     hf, calibration = HFBaseline(cfg.model_dir), {}
     for size in cfg.hf_batch_sizes:  # the same first requests for every B
         calibration[size] = hf.run(requests[:cfg.calibration_requests], size)
@@ -178,8 +179,9 @@ def check_tokens(hf: HFBaseline, requests, engine_tokens, known: list[list[int]]
     """Engine tokens vs unbatched HF; `known` holds HF B=1 tokens already computed for a prefix."""
     reference = known[:len(requests)]
     reference += [hf.generate_batch([r])[0] for r in requests[len(reference):]]
-    diverged = {index: next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-                for index, (ours, theirs) in enumerate(zip(engine_tokens, reference)) if ours != theirs}
+    diverged = {index: next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+                           min(len(ours), len(theirs)))
+                for index, (ours, theirs) in enumerate(zip(engine_tokens, reference, strict=True)) if ours != theirs}
     return {"num_requests": len(requests), "num_identical": len(requests) - len(diverged),
             "first_divergence_by_request": diverged, "passed": not diverged}
 
@@ -204,7 +206,8 @@ def profile_engine(llm, requests: list[BenchRequest], top: int = 25) -> dict:
 
 def self_time_by_file(stats: pstats.Stats) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
-    for (file, _, name), (_, _, self_s, _, callers) in stats.stats.items():
+    # Stats.stats is pstats' own table (undocumented, so typeshed leaves it out).
+    for (file, _, name), (_, _, self_s, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
         if file != "~":
             totals[_short(file)] += self_s
             continue
@@ -258,11 +261,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(cfg.threads)
     if cfg.model_dir is None:
         cfg = replace(cfg, model_dir=str(ensure_demo_model()))
+    assert cfg.model_dir is not None
     model = load_model_config(cfg.model_dir)
     if cfg.max_prompt + cfg.max_output > model.max_position_embeddings:
         raise ValueError(f"max prompt + output exceeds the model's {model.max_position_embeddings} positions")
-    requests = make_requests(cfg, model.vocab_size, {*model.eos_token_ids, model.bos_token_id})
-    summary = {"config": asdict(cfg), "torch": torch.__version__, "load_average_start": os.getloadavg()}
+    special = {*model.eos_token_ids, *(() if model.bos_token_id is None else (model.bos_token_id,))}
+    requests = make_requests(cfg, model.vocab_size, special)
+    summary: dict[str, Any] = {"config": asdict(cfg), "torch": torch.__version__, "load_average_start": os.getloadavg()}
     # num_threads is not passed: the bench sets torch's thread count once, for both sides.
     llm = LLM(cfg.model_dir, progress=False, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens)

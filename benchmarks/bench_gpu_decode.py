@@ -16,19 +16,20 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.attention import paged_attention
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepInput, attention_metadata
 
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-                max_position_embeddings=8192, rms_norm_eps=1e-5,
-                rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+LLAMA_1B: dict[str, Any] = {
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
 
 
 def timed_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
@@ -53,7 +54,6 @@ def ceilings() -> dict:
     bandwidth = 2 * src.numel() * 4 / (copy_ms / 1e3)
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mm_ms = timed_ms(lambda: a @ b, repeats=10)
-    del src, dst
     return {"hbm_bytes_per_s": bandwidth, "bf16_flops_per_s": 2 * 8192 ** 3 / (mm_ms / 1e3)}
 
 
@@ -61,7 +61,8 @@ def build_checkpoint(directory: Path, dtype: torch.dtype = torch.bfloat16) -> Pa
     """A random-weight 1B Llama in HF format, built on the GPU (std 0.02, HF's init), saved once."""
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B, dtype="bfloat16")).to(dtype)
+        # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads.
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B, dtype="bfloat16")).to(dtype)  # type: ignore[arg-type]
     model.save_pretrained(directory)
     del model
     torch.cuda.empty_cache()
@@ -111,9 +112,9 @@ def decode_figures(engine: LLMEngine, batches, context: int, bandwidth: float) -
         kv_read = batch * context * kv.bytes_per_token
         roofline_ms = (weights + kv_read) / bandwidth * 1e3
         graphs = runner.graphs
-        graph_ms = timed_ms(lambda: runner.execute(step), repeats=50)
+        graph_ms = timed_ms(lambda step=step: runner.execute(step), repeats=50)
         runner.graphs = None
-        eager_ms = timed_ms(lambda: runner.execute(step), repeats=20)
+        eager_ms = timed_ms(lambda step=step: runner.execute(step), repeats=20)
         runner.graphs = graphs
         rows.append({"batch": batch, "context": context, "weight_bytes": weights, "kv_bytes": kv_read,
                      "roofline_ms": roofline_ms, "graph_ms": graph_ms, "eager_ms": eager_ms,

@@ -25,7 +25,8 @@ from engine import LLM, SamplingParams
 
 
 def hf_tokens_per_s(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> float:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()
+    # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(pad_token_id=0)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -35,15 +36,15 @@ def hf_tokens_per_s(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
         mask[row, width - len(prompt):] = 1
     ids, mask = ids.cuda(), mask.cuda()
 
-    def run(new_tokens: int) -> None:
+    def run(model, new_tokens: int) -> None:  # model passed in: `del model` below must free it
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens)
 
-    run(4)
+    run(model, 4)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    run(max_tokens)
+    run(model, max_tokens)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     del model

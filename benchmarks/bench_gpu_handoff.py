@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def _worker(role: str, mode: str, per_layer: bool, port: int, tokens_list: list[
                     flat = [t for message in staging for t in message]
                     landing = [t.cpu() for t in flat] if mode == "host-staged" else flat
                     transport.recv(peer, landing, 30.0)
-                    for layer, received in zip(layers, landing):
+                    for layer, received in zip(layers, landing, strict=True):
                         storage.import_layer(layer, target, [received.to("cuda")])
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    result = {"device": torch.cuda.get_device_name()}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     for mode, per_layer in (("cuda_ipc", True), ("cuda_ipc", False), ("host-staged", True)):
         name = f"{mode}/{'per-layer' if per_layer else 'one-message'}"
         result[name] = run_mode(mode, per_layer, tokens_list, args.repeats)

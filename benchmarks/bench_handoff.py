@@ -32,8 +32,8 @@ def _cache(kv_cache_dtype: str, num_blocks: int) -> KVCacheStorage:
                            HEAD_DIM)
     slots = torch.arange(num_blocks * BLOCK_SIZE)
     for layer in range(LAYERS):
-        cache.layer(layer).write(torch.randn(len(slots), KV_HEADS, HEAD_DIM), torch.randn(len(slots), KV_HEADS, HEAD_DIM),
-                                 slots)
+        cache.layer(layer).write(torch.randn(len(slots), KV_HEADS, HEAD_DIM),
+                                 torch.randn(len(slots), KV_HEADS, HEAD_DIM), slots)
     return cache
 
 
@@ -56,11 +56,10 @@ def _receiver(port: int, dtypes: list[str], lengths: list[int], repeats: int) ->
 def _sender(port: int, dtypes: list[str], lengths: list[int], repeats: int) -> list[dict]:
     transport = TorchDistTransport(SENDER, "127.0.0.1", port)
     transport.send(RECEIVER, [torch.zeros(1)], 60)
-    rows = []
+    rows: list[dict] = []
     for kv_cache_dtype in dtypes:
         cache = _cache(kv_cache_dtype, max(lengths) // BLOCK_SIZE + 1)
-        for length in lengths:
-            rows.append(_measure(transport, cache, kv_cache_dtype, length, repeats))
+        rows.extend(_measure(transport, cache, kv_cache_dtype, length, repeats) for length in lengths)
     transport.close()
     return rows
 

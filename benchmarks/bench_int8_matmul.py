@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
         times = {name: (None if rows > SLOW_ABOVE_ROWS.get(name, rows) else _time_us(fn, layers, rows, args.repeats))
                  for name, fn in CANDIDATES.items()}
         results[rows] = times
-        cells = [f"{'skipped':>22}" if t is None else f"{t:>11.0f} ({times['fp32'] / t:4.2f}x)  " for t in times.values()]
+        base = times["fp32"]
+        assert base is not None, "fp32 always runs"
+        cells = [f"{'skipped':>22}" if t is None else f"{t:>11.0f} ({base / t:4.2f}x)  "
+                 for t in times.values()]
         print(f"{rows:>5}" + "".join(cells))
     return results
 

@@ -20,8 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.bench_prefix_routing import (DEFAULT_TRACE, load_requests, oracle_cached_tokens, parse_args,
-                                             replay)
+from benchmarks.bench_prefix_routing import DEFAULT_TRACE, load_requests, oracle_cached_tokens, parse_args, replay
 from engine.config import EngineConfig, ModelConfig, RopeConfig
 from engine.kv_quant import kv_format
 
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     for d in dtypes:
         print(f"{d:>9}{per_token[d]:>13}{per_token[d] / per_token.get('auto', per_token[d]):>8.3f}{blocks[d]:>10}"
               f"{blocks[d] / blocks.get('auto', blocks[d]):>8.2f}")
-    results = {"bytes_per_token": per_token, "blocks": blocks, "hit_rate": {}}
+    results: dict[str, dict] = {"bytes_per_token": per_token, "blocks": blocks, "hit_rate": {}}
     requests = notes = None
     for d in dtypes:
         route_argv = ["--trace", args.trace, "--blocks-per-worker", str(blocks[d])]
@@ -64,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
         if requests is None:  # the same requests (and speed-up) for every dtype
             requests, notes = load_requests(route_args)
             print(f"\nreplay: {len(requests)} requests, {notes['prompt_tokens']} prompt tokens, speed-up "
-                  f"{notes['speedup']:.2f}; oracle hit rate {oracle_cached_tokens(requests, 16) / notes['prompt_tokens']:.3f}")
+                  f"{notes['speedup']:.2f}; oracle hit rate "
+                  f"{oracle_cached_tokens(requests, 16) / notes['prompt_tokens']:.3f}")
             print(f"{'kv dtype':>9}{'policy':>14}{'blocks/worker':>15}{'hit rate':>10}{'x auto':>8}{'pulled':>8}"
                   f"{'queue delay s':>15}{'wall s':>8}")
         for policy in args.policies.split(","):

@@ -52,7 +52,7 @@ def per_block_offline(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def per_block_online(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Tokens arrive one by one; a larger scale re-quantizes what the block already stores."""
     out = torch.empty_like(x)
-    scale = torch.full(x.shape[:1] + (1, 1), 1e-30)
+    scale = torch.full((*x.shape[:1], 1, 1), 1e-30)
     for t in range(x.shape[1]):
         new_scale = torch.maximum(scale, x[:, t:t + 1].abs().amax(-1, keepdim=True) / QMAX[fmt])
         if t:
@@ -72,7 +72,12 @@ def _captured_kv(model_dir: str, num_prompts: int, seed: int) -> tuple[torch.Ten
     model, block_size = load_model_config(model_dir), engine.config.block_size
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
     original = LayerKV.write
-    LayerKV.write = lambda layer, k, v, slots: (writes.append((k.clone(), v.clone())), original(layer, k, v, slots))[1]
+
+    def recording_write(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        writes.append((k.clone(), v.clone()))
+        original(layer, k, v, slots)
+
+    LayerKV.write = recording_write  # type: ignore[method-assign,assignment]  # records the writes; restored below
     try:
         rng = random.Random(seed)
         vocab = [t for t in range(model.vocab_size) if t not in {*model.eos_token_ids, model.bos_token_id}]
@@ -83,7 +88,7 @@ def _captured_kv(model_dir: str, num_prompts: int, seed: int) -> tuple[torch.Ten
                 engine.step()
             engine.pop_finished(f"p{index}")
     finally:
-        LayerKV.write = original
+        LayerKV.write = original  # type: ignore[method-assign]
     layers = model.num_layers  # calls come layer by layer within each step
     per_layer = [torch.stack([torch.cat([w[i] for w in writes[layer::layers]]) for i in (0, 1)])
                  for layer in range(layers)]  # [2, tokens, heads, dim]

@@ -60,7 +60,7 @@ async def _open_loop(send, prompts, rate: float, seed: int) -> list[float]:
         await send(index, prompt)
         return time.perf_counter() - sent_s
 
-    return list(await asyncio.gather(*(one(i, o, p) for i, (o, p) in enumerate(zip(offsets, prompts)))))
+    return list(await asyncio.gather(*(one(i, o, p) for i, (o, p) in enumerate(zip(offsets, prompts, strict=True)))))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -147,7 +147,7 @@ async def run(cluster, target: str, args) -> dict:
 
 
 async def _streaming(direct, target: str, args) -> dict:
-    took = {"direct": [], "router": []}
+    took: dict[str, list[float]] = {"direct": [], "router": []}
     for index in range(args.stream_requests):
         prompt = _prompts(1, args.prompt_len, args.vocab, 1000 + index)[0]
         started_s = time.perf_counter()

@@ -176,10 +176,10 @@ def target_lines(by_name: dict[str, ReplayResult], oracle_rate: float) -> list[s
         return ["targets: need both cache_aware and round_robin"]
     of_oracle = aware.hit_rate / oracle_rate if oracle_rate else 0.0
     x_rr = aware.hit_rate / baseline.hit_rate if baseline.hit_rate else math.inf
-    return [f"target cache_aware >= {TARGET_OF_ORACLE:.0%} of oracle: {of_oracle:.1%} -> "
-            f"{'met' if of_oracle >= TARGET_OF_ORACLE else 'NOT met'}",
-            f"target cache_aware >= {TARGET_X_ROUND_ROBIN:g}x round_robin: {x_rr:.2f}x -> "
-            f"{'met' if x_rr >= TARGET_X_ROUND_ROBIN else 'NOT met'}"]
+    return [(f"target cache_aware >= {TARGET_OF_ORACLE:.0%} of oracle: {of_oracle:.1%} -> "
+             f"{'met' if of_oracle >= TARGET_OF_ORACLE else 'NOT met'}"),
+            (f"target cache_aware >= {TARGET_X_ROUND_ROBIN:g}x round_robin: {x_rr:.2f}x -> "
+             f"{'met' if x_rr >= TARGET_X_ROUND_ROBIN else 'NOT met'}")]
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:

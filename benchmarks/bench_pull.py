@@ -39,6 +39,7 @@ async def _ttft_s(client: ClusterClient, cluster, request: GenerateRequest, work
     async with contextlib.aclosing(client.generate(request, prefill=cluster.prefill[worker])) as chunks:
         async for chunk in chunks:  # max_tokens 1: the first chunk is the last; closing runs its cleanup
             return time.perf_counter() - started_s, chunk
+    raise RuntimeError(f"{request.request_id}: the stream ended without a token")
 
 
 async def _measure(client: ClusterClient, cluster, length: int, repeats: int, rng: random.Random) -> dict:
@@ -46,7 +47,7 @@ async def _measure(client: ClusterClient, cluster, length: int, repeats: int, rn
     pulled_s, computed_s, pulls = [], [], []
     for i in range(repeats):  # a fresh prefix each time: worker 1 must not hold it from a previous pull
         prefix = _tokens(rng, length, vocab)
-        await _ttft_s(client, cluster, GenerateRequest(f"seed-{length}-{i}", tuple(prefix + [11]), ONE_TOKEN), 0)
+        await _ttft_s(client, cluster, GenerateRequest(f"seed-{length}-{i}", (*prefix, 11), ONE_TOKEN), 0)
         pull = PrefixPull(cluster.prefill[0].worker_id, length // block)
         prompt = tuple(prefix + _tokens(rng, TAIL_TOKENS, vocab))
         seconds, chunk = await _ttft_s(client, cluster, GenerateRequest(f"pull-{length}-{i}", prompt, ONE_TOKEN,
@@ -76,7 +77,8 @@ def _print(rows: list[dict]) -> None:
           "prior estimate ms")
     print("---: | ---: | ---: | ---: | ---: | ---: | ---: | ---:")
     for r in rows:
-        print(f"{r['length']} | {r['num_bytes'] / 1e6:.1f} | {1000 * r['pulled_s']:.1f} | {1000 * r['computed_s']:.1f} | "
+        print(f"{r['length']} | {r['num_bytes'] / 1e6:.1f} | {1000 * r['pulled_s']:.1f} | "
+              f"{1000 * r['computed_s']:.1f} | "
               f"{r['pulled_s'] / r['computed_s']:.2f} | {1000 * r['pull_s']:.1f} | "
               f"{r['num_bytes'] / r['pull_s'] / 1e9:.2f} | {1000 * PULL_PRIOR.time_s(r['num_bytes']):.1f}")
 

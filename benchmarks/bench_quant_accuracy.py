@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from engine.model_loader import load_model_config
 from engine.sampling_params import SamplingParams
 from engine.teacher_forcing import teacher_forced_logits
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "int8-kv": {"kv_cache_dtype": "int8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "int8-weights": {"quantization": "int8"},
@@ -63,14 +64,15 @@ def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict:
 
 def agreement_lengths(reference: list[list[int]], generated: list[list[int]]) -> list[int]:
     lengths = []
-    for ours, theirs in zip(generated, reference):
-        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    for ours, theirs in zip(generated, reference, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+                    min(len(ours), len(theirs)))
         lengths.append(same)
     return lengths
 
 
 def evaluate(model_dir: str, config_names: list[str], prompts: list[list[int]], max_tokens: int) -> dict:
-    engine_args = dict(model_dir=model_dir, num_kv_blocks=2048, max_num_seqs=len(prompts))
+    engine_args: dict[str, Any] = {"model_dir": model_dir, "num_kv_blocks": 2048, "max_num_seqs": len(prompts)}
     reference = LLMEngine(EngineConfig(**engine_args))
     continuations = greedy(reference, prompts, max_tokens)
     expected = torch.cat(teacher_forced_logits(reference, prompts, continuations))

@@ -35,6 +35,7 @@ def _start_router(gcs_address: str) -> tuple[subprocess.Popen, str]:
                                 "--cluster-name", CLUSTER, "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     deadline_s = time.monotonic() + 120
+    assert process.stdout is not None, "stdout=PIPE"
     for line in process.stdout:
         match = re.search(r"router listening on (\S+)", line)
         if match:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -34,10 +35,9 @@ from engine.llm_engine import LLMEngine
 def _workload(args) -> list[tuple[float, list[int], SamplingParams]]:
     rng = random.Random(args.seed)
     vocab = 4000
-    items = []
+    items: list[tuple[float, list[int], SamplingParams]] = []
     stream = SamplingParams(temperature=0.0, max_tokens=args.stream_tokens, ignore_eos=True)
-    for _ in range(args.streams):
-        items.append((0.0, [rng.randrange(10, vocab) for _ in range(32)], stream))
+    items.extend((0.0, [rng.randrange(10, vocab) for _ in range(32)], stream) for _ in range(args.streams))
     long_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     at_s = args.long_every_s
     while at_s < args.duration_s:
@@ -67,7 +67,7 @@ def slo_report(timings: list[Timing], ttft_slo_ms: float, tpot_slo_ms: float) ->
 
 
 def _gaps_s(timings: list[Timing]) -> list[float]:
-    return [b - a for t in timings if t.stream for a, b in zip(t.token_times_s, t.token_times_s[1:])]
+    return [b - a for t in timings if t.stream for a, b in itertools.pairwise(t.token_times_s)]
 
 
 def _percentiles(gaps_s: list[float]) -> dict:

@@ -61,7 +61,7 @@ async def _bench(target: str, rate: float, args, seed: int, out_dir: Path) -> di
 async def _drain(service, timeout_s: float = 60.0) -> None:
     """Waits until the router has nothing in flight (cancelled requests included), bounded."""
     deadline_s = time.monotonic() + timeout_s
-    while service.inflight_requests and time.monotonic() < deadline_s:
+    while service.inflight_requests and time.monotonic() < deadline_s:  # noqa: ASYNC110 - no idle event to wait on
         await asyncio.sleep(0.1)
     await service.monitor.probe_all()  # the cost models see the steps of the run just ended
 
@@ -109,8 +109,7 @@ class Evaluation:
         points = []
         for i, load in enumerate(self.args.loads):
             order = ("always", "predictive") if i % 2 == 0 else ("predictive", "always")
-            for policy in order:
-                points.append(await self.point(policy, load * self.saturation_per_s))
+            points.extend([await self.point(policy, load * self.saturation_per_s) for policy in order])
         return points
 
 
@@ -125,9 +124,9 @@ async def _solo(target: str, args) -> tuple[float, float]:
     async with AsyncClient(target, max_retries=0) as client:
         for _ in range(args.solo_requests):
             prompt = [rng.randrange(10, 4000) for _ in range(256)]
-            started_s, times = time.perf_counter(), []
-            async for _ in client.generate_stream(prompt, temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True):
-                times.append(time.perf_counter() - started_s)
+            started_s = time.perf_counter()
+            times = [time.perf_counter() - started_s async for _ in
+                     client.generate_stream(prompt, temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)]
             ttfts.append(times[0])
             tpots.append((times[-1] - times[0]) / max(len(times) - 1, 1))
     return statistics.median(ttfts) * 1e3, statistics.median(tpots) * 1e3

@@ -52,7 +52,7 @@ def run(args) -> dict:
         y = (TRUTH.intercept_s + TRUTH.per_token_s * tokens) * rng.lognormal(0, args.noise, args.steps)
         x = np.stack([np.ones_like(tokens), tokens, tokens**2], axis=1)
         fit = WindowedLinearFit(tuple(prior), window=args.steps, min_samples=1)
-        for features, target in zip(x, y):
+        for features, target in zip(x, y, strict=True):
             fit.add(tuple(features), float(target))
         exact, old = np.array(fit.coefficients()), greedy(x, y, prior)
         missed += _cost(x, y, old) > _cost(x, y, exact) * (1 + 1e-9)

@@ -124,7 +124,7 @@ def serve_grpc(sock: socket.socket) -> None:
 
     async def main():
         server = grpc.aio.server()
-        handlers = {"Stream": grpc.unary_stream_rpc_method_handler(stream),
+        handlers: dict[str, grpc.RpcMethodHandler] = {"Stream": grpc.unary_stream_rpc_method_handler(stream),
                     "Unary": grpc.unary_unary_rpc_method_handler(unary),
                     "Cpu": grpc.unary_unary_rpc_method_handler(cpu)}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench", handlers),))

@@ -85,7 +85,8 @@ async def _keepalive_calls(port: int, count: int) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         if b" 200 " not in head.split(b"\r\n", 1)[0]:
             raise RuntimeError(head[:200])
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
         await reader.readexactly(length)
     writer.close()
 
@@ -101,9 +102,9 @@ async def client_grpc(port: int, args) -> dict:
     import grpc
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stream = channel.unary_stream("/bench/Stream")
-        unary = channel.unary_unary("/bench/Unary")
-        cpu = channel.unary_unary("/bench/Cpu")
+        stream: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/bench/Stream")
+        unary: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/bench/Unary")
+        cpu: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/bench/Cpu")
         cpu0 = float(await cpu(b""))
 
         async def one_stream():
@@ -163,7 +164,8 @@ def main() -> None:
         for name in SERVERS:
             results[name].append(_run_one(name, args))
     base = _best(results["grpc.aio (baseline)"])
-    print(f"{args.streams} streams x {args.chunks} chunks, {args.requests} unary requests; best of {args.rounds} rounds")
+    print(f"{args.streams} streams x {args.chunks} chunks, {args.requests} unary requests; "
+          f"best of {args.rounds} rounds")
     print(f"{'stack':<32}{'CPU µs/chunk':>14}{'x grpc':>8}{'wall µs/chunk':>15}{'CPU µs/req':>12}{'x grpc':>8}"
           f"{'req/s':>9}")
     for name, runs in results.items():

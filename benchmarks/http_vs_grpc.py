@@ -51,14 +51,14 @@ async def _bench(backend: str, target: str, flags: list[str], out: Path, seed: i
     return read_jsonl(out / "records.jsonl")
 
 
-async def _measure(targets: dict, args, scratch: Path) -> dict:
+async def _measure(targets: dict, args, scratch: Path) -> tuple[dict, dict]:
     workloads = {
         "request": ["--rate", str(args.request_rate), "--num-requests", str(args.requests), "--prompt-len", "fixed:8",
                     "--output-len", "fixed:1", "--max-concurrency", "256"],
         "stream": ["--rate", str(args.stream_rate), "--num-requests", str(args.streams), "--prompt-len", "fixed:8",
                    "--output-len", f"fixed:{args.stream_tokens}", "--max-concurrency", "256"]}
-    records = {(w, b): [] for w in workloads for b in targets}
-    cpu_s = {key: 0.0 for key in records}
+    records: dict[tuple[str, str], list] = {(w, b): [] for w in workloads for b in targets}
+    cpu_s = dict.fromkeys(records, 0.0)
     for name, flags in workloads.items():  # warm-up, not measured
         for backend, target in targets.items():
             await _bench(backend, target, [*flags[:2], "--num-requests", "20", *flags[4:]], scratch / f"warm-{name}", 0)

@@ -34,11 +34,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from benchmarks.prefill_sim_worker import SimWorker
 from cluster.kv_events import KVEventBuffer
+from cluster.messages import PullOutcome
 from cluster.prefix_index.memory import InProcessPrefixIndex
 from engine.block_hash import BlockHash
-from cluster.messages import PullOutcome
-from benchmarks.prefill_sim_worker import SimWorker
 from router.admission import PrefillStep
 from router.index_feeder import IndexFeeder
 from router.prefix_pull_planner import PullPlanner
@@ -172,7 +172,8 @@ class PrefillReplay:
         handles = [SimpleNamespace(worker_id=w.worker_id, role="prefill",
                                    actor=SimpleNamespace(read_kv_events=_BufferMethod(w.events)))
                    for w in self.workers.values()]
-        self.feeder = IndexFeeder(SimpleNamespace(members=handles, listeners=[]), self.index)
+        # A stand-in holding the two attributes IndexFeeder reads of a ClusterView.
+        self.feeder = IndexFeeder(SimpleNamespace(members=handles, listeners=[]), self.index)  # type: ignore[arg-type]
         self.result = ReplayResult(policy_name, computed_tokens_by_worker=dict.fromkeys(self.workers, 0))
         self.policy = build_policy(policy_name, _TimedIndex(self.index, self.result.match_latencies_us),
                                    prefix_blocks)

@@ -99,8 +99,7 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
                 measured = await measure(server.address, [(64, 256)[i % 2] for i in range(12)], vocab)
                 overheads, _ = fit_overheads(profile, measured[2:])
                 profile = profile.with_overheads(overheads)
-            for rate in args.rates:
-                rows.append(await _one_rate(server.address, shape, profile, rate, args))
+            rows.extend([await _one_rate(server.address, shape, profile, rate, args) for rate in args.rates])
         finally:
             await server.stop(1.0)
     finally:

@@ -13,7 +13,8 @@ import asyncio
 import itertools
 import queue
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Self
 
 from cluster.client import ClusterClient, TokenChunk
 from cluster.config import ClusterConfig
@@ -46,7 +47,7 @@ class Cluster:
                 async for chunk in self.client.generate(request):
                     chunks.put(chunk)
                 chunks.put(_END)
-            except BaseException as err:  # delivered to the caller's thread below
+            except BaseException as err:  # noqa: BLE001 - delivered to the caller's thread below
                 chunks.put(err)
 
         future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
@@ -71,7 +72,7 @@ class Cluster:
         self._thread.join(10)
         self.launched.shutdown()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

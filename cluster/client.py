@@ -13,13 +13,14 @@ error) aborts the request on both workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import secrets
 import time
 from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -82,7 +83,7 @@ class ClusterClient:
         return self._load[worker_id]
 
     async def generate(self, request: GenerateRequest, prefill: Member | None = None, decode: Member | None = None,
-                       deadline_s: float | None = None) -> AsyncIterator[TokenChunk]:
+                       deadline_s: float | None = None) -> AsyncGenerator[TokenChunk, None]:
         """Streams the request's tokens. `deadline_s` (time.monotonic) bounds it, and so does the
         config's request_timeout_s. Leaving early (cancel, deadline, error) aborts it on both workers."""
         prefill = prefill or self._next_prefill()
@@ -132,7 +133,7 @@ class ClusterClient:
             left_s = deadline_s - time.monotonic()
             try:
                 update: TokenUpdate | RequestFailed = await asyncio.wait_for(queue.get(), max(left_s, 0.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RequestFailed("the request's deadline passed while decoding", timed_out=True) from None
             if isinstance(update, RequestFailed):  # its decode instance failed (see _fail_instance)
                 raise update
@@ -149,10 +150,8 @@ class ClusterClient:
         if prefill is not None:  # first: its hand-off session then stops before reserving anything
             calls.insert(0, prefill.actor.abort.remote(request_id))
         for call in calls:
-            try:
+            with contextlib.suppress(Exception):  # a dead worker has nothing left to free
                 await asyncio.wait_for(call, self.cluster.config.handoff_lease_s + 5.0)
-            except Exception:  # a dead worker has nothing left to free
-                pass
 
     def _ensure_poller(self, decode: Member) -> None:
         key = (decode.worker_id, decode.epoch)
@@ -196,7 +195,7 @@ async def _next(stream, deadline_s: float, what: str, prefill: Member):
         return await ref
     except StopAsyncIteration:
         raise RequestFailed(f"{what} ended the stream early", unavailable=True) from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise RequestFailed(f"{what} did not answer before the request deadline", timed_out=True) from None
     except RayActorError as err:
         raise RequestFailed(f"{what} died: {err.__class__.__name__}", unavailable=True,

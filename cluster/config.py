@@ -156,7 +156,7 @@ class ClusterConfig:
         _check_router(self.router)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ClusterConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
         """Builds a config from plain data (YAML, JSON, CLI); rejects unknown keys by name."""
         if not isinstance(raw, dict):
             raise ConfigError(f"cluster config must be a mapping, got {type(raw).__name__}")

@@ -23,6 +23,7 @@ process re-adopts the workers still alive from the record it keeps in Ray's GCS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -78,10 +79,8 @@ class ClusterController:
         `timeout_s` (long-poll: routers call it in a loop)."""
         await asyncio.wait_for(self._ready.wait(), timeout_s)
         if self._membership.version == known_version:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._changed), timeout_s)
-            except asyncio.TimeoutError:
-                pass
         return self._membership
 
     async def wait_ready(self, timeout_s: float) -> Membership:
@@ -205,7 +204,7 @@ class ClusterController:
     async def _check_health(self) -> None:
         watched = [s for s in self.slots.values() if s.ranks is not None and s.state in (SERVING, DRAINING)]
         verdicts = await asyncio.gather(*(self._probe(slot) for slot in watched))
-        for slot, verdict in zip(watched, verdicts):
+        for slot, verdict in zip(watched, verdicts, strict=True):
             if verdict is not None:
                 log.warning("worker %s (epoch %d) is %s", slot.worker_id, slot.epoch, verdict)
                 await self.starter.replace(slot, verdict)
@@ -213,13 +212,14 @@ class ClusterController:
     async def _probe(self, slot: Slot) -> str | None:
         """None while healthy; else why the worker must go."""
         timeout_s = self.config.controller.health_timeout_s
+        assert slot.ranks is not None, "only running slots are probed"
         try:
             answers = await asyncio.wait_for(asyncio.gather(*(r.ping.remote() for r in slot.ranks)), timeout_s)
         except (ActorDiedError, RayActorError) as err:
             if isinstance(err, ActorDiedError) or "died" in str(err).lower():
                 return f"dead ({type(err).__name__})"
             slot.strikes += 1
-        except asyncio.TimeoutError:
+        except TimeoutError:
             slot.strikes += 1
         else:
             broken = [a.error for a in answers if isinstance(a, Liveness) and not a.engine_ok]

@@ -10,6 +10,7 @@ desired state stands until someone scales it away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -51,10 +52,12 @@ class Slot:
     task: asyncio.Task | None = None
 
     def record(self) -> SlotRecord:
+        assert self.epoch is not None, "only started slots are recorded"
         return SlotRecord(self.worker_id, self.role, self.index, self.epoch, list(self.actor_names),
                           self.placement_group, self.state, self.restarts)
 
     def member(self) -> Member:
+        assert self.epoch is not None and self.ranks is not None and self.info is not None, "a member is running"
         return Member(self.worker_id, self.role, self.epoch, self.ranks, self.info, self.state, self.restarts)
 
 
@@ -75,7 +78,7 @@ class SlotStarter:
             try:
                 await self._start_once(slot)
                 return
-            except Exception as err:  # placement, loading, spec mismatch: say it, end the start, retry
+            except Exception as err:  # noqa: BLE001 - placement, loading, spec mismatch: say it, end the start, retry
                 slot.last_error = f"{type(err).__name__}: {err}"
                 log.error("starting %s failed: %s", slot.worker_id, slot.last_error)
                 end_worker(slot.ranks or (), slot.placement_group)
@@ -100,9 +103,10 @@ class SlotStarter:
         await self._until_ready(slot, config.ready_timeout_s)
 
     async def _until_ready(self, slot: Slot, timeout_s: float) -> None:
+        assert slot.ranks is not None, "ranks started"
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ClusterStartError(f"{slot.worker_id} was not ready within {timeout_s:.0f} s; "
                                     + self._capacity_hint()) from None
         if infos[0].hash_spec != spec_fingerprint():
@@ -132,10 +136,11 @@ class SlotStarter:
         return adopted_all and all(results)
 
     async def _readopt(self, slot: Slot, recorded_state: str) -> bool:
+        assert slot.ranks is not None, "ranks found"
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)),
                                            self.controller.config.ready_timeout_s)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - dead, slow or erroring rank: replace the instance, as at start
             await self.replace(slot, f"not ready after the controller restart: {type(err).__name__}", publish=False)
             return recorded_state == STARTING
         slot.info, slot.state = infos[0], DRAINING if recorded_state == DRAINING else SERVING
@@ -167,7 +172,7 @@ class SlotStarter:
         for slot in [s for s in self.controller.slots.values() if s.state == DRAINING and s.ranks]:
             try:
                 stats = await asyncio.wait_for(slot.ranks[0].stats.remote(), quiet_s)
-            except Exception:  # dead or slow: the health check decides; keep it draining
+            except Exception:  # noqa: BLE001 - dead or slow: the health check decides; keep it draining
                 continue
             busy = stats.waiting or stats.running or stats.in_flight
             now_s = time.monotonic()
@@ -210,7 +215,7 @@ class SlotStarter:
                 namespace = IndexNamespace(info.model_identity, info.block_size)
                 self._index = make_prefix_index(config.redis_url, namespace, config.index_lease_s)
             await self._index.remove_worker(worker_id)
-        except Exception as err:  # no live worker to learn the namespace from, or Redis down: entries expire
+        except Exception as err:  # noqa: BLE001 - no live worker to ask the namespace, or Redis down: entries expire
             log.warning("could not drop prefix-index entries of %s: %s", worker_id, err)
 
     def start_error(self, timeout_s: float) -> ClusterStartError:
@@ -233,7 +238,5 @@ class SlotStarter:
     async def close(self) -> None:
         if self._index is not None:
             await self._index.close()
-        try:
+        with contextlib.suppress(Exception):  # never created, or already gone
             ray.kill(ray.get_actor(rendezvous_name(self.controller.state.cluster_name)), no_restart=True)
-        except Exception:  # never created, or already gone
-            pass

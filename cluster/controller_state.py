@@ -49,7 +49,7 @@ class ControllerState:
                                      namespace=KV_NAMESPACE)
 
     @classmethod
-    def load(cls, cluster_name: str) -> "ControllerState | None":
+    def load(cls, cluster_name: str) -> ControllerState | None:
         blob = internal_kv._internal_kv_get(_key(cluster_name), namespace=KV_NAMESPACE)
         if blob is None:
             return None

@@ -32,7 +32,7 @@ def replicas_patch(raycluster: dict, group_name: str, pods: int, pods_to_delete:
         raise ValueError(f"RayCluster {raycluster.get('metadata', {}).get('name')!r} has no worker group "
                          f"{group_name!r}; it has {[g.get('groupName') for g in groups]}")
     path = f"/spec/workerGroupSpecs/{index}"
-    ops = [{"op": "test", "path": f"{path}/groupName", "value": group_name},
+    ops: list[dict] = [{"op": "test", "path": f"{path}/groupName", "value": group_name},
            {"op": "replace", "path": f"{path}/replicas", "value": pods}]
     group = groups[index]
     if group.get("maxReplicas", pods) < pods:

@@ -12,19 +12,21 @@ launch (or the last `refresh`); routers follow membership live (`cluster/cluster
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from cluster.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
 from cluster.controller import ClusterController, controller_name
-from cluster.controller_slots import ClusterStartError  # noqa: F401  (re-exported: callers catch it here)
+from cluster.controller_slots import ClusterStartError  # re-exported: callers catch it here
 from cluster.membership import Member, Membership
 
 RAY_NAMESPACE = "splitserve"
@@ -81,14 +83,10 @@ class LaunchedCluster:
 
     def shutdown(self) -> None:
         if self.owns_controller:
-            try:
+            with contextlib.suppress(Exception):  # already gone: nothing left to stop
                 ray.get(self.controller.shutdown.remote(), timeout=30)
-            except Exception:  # already gone: nothing left to stop
-                pass
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(self.controller, no_restart=True)
-            except Exception:
-                pass
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -118,6 +116,7 @@ def launch(config: ClusterConfig, model_dir: str | None = None, *, given: dict |
         raise
     mine = {key: getattr(config, key) for key in ("router", "admission", "ray_address", "ray_num_cpus")}
     merged = ClusterConfig(**{**{f: getattr(running, f) for f in running.__dataclass_fields__}, **mine})
+    assert running.model_dir is not None, "the controller records the model it serves"
     return LaunchedCluster(merged, running.model_dir, controller, membership, owns, started_ray)
 
 
@@ -170,10 +169,8 @@ def _wait_ready(controller, timeout_s: float, say) -> Membership:
                 raise cause from None
         except GetTimeoutError:
             raise ClusterStartError(f"the cluster controller did not answer within {timeout_s:.0f} s") from None
-        try:
+        with contextlib.suppress(GetTimeoutError):
             say(ray.get(controller.progress.remote(), timeout=JOIN_TIMEOUT_S))
-        except GetTimeoutError:
-            pass
 
 
 def _non_null(raw: dict) -> dict:

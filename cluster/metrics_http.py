@@ -15,7 +15,7 @@ from __future__ import annotations
 import urllib.request
 from dataclasses import dataclass, field
 from threading import Thread
-from typing import Any
+from typing import Any, Self
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,7 +46,7 @@ class MetricsServer:
             self._thread.join(timeout_s)
         self._httpd.server_close()
 
-    def __enter__(self) -> "MetricsServer":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -59,7 +59,7 @@ def start_metrics_server(registry: CollectorRegistry, port: int = 0, host: str =
     if not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be in [0, 65535], got {port}")
     httpd, thread = start_http_server(port, addr=host, registry=registry)
-    return MetricsServer(httpd.server_address[0], httpd.server_port, httpd, thread)
+    return MetricsServer(str(httpd.server_address[0]), httpd.server_port, httpd, thread)  # IPv4/6: a str already
 
 
 def sample_values(metric, suffix: str = "", skip_labels: int = 0) -> dict[tuple[str, ...], float]:

@@ -31,4 +31,5 @@ async def ensure_rendezvous(cluster_name: str, host: str | None) -> tuple[object
     """The cluster's rendezvous host (created if it does not exist yet) and its store's address."""
     actor = ray.remote(RendezvousHost).options(name=rendezvous_name(cluster_name), get_if_exists=True,
                                                 lifetime="detached", num_cpus=0, max_restarts=0).remote(host)
-    return actor, tuple(await actor.address.remote())
+    # Ray's stubs type a handle's methods as the class's plain methods, without .remote().
+    return actor, tuple(await actor.address.remote())  # type: ignore[attr-defined]

@@ -58,6 +58,7 @@ def server_ssl_context(router: RouterConfig) -> ssl.SSLContext | None:
             _read(router, key)  # unreadable files are named before ssl's less specific errors
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    assert router.tls_cert_file is not None, "tls_enabled"
     try:
         context.load_cert_chain(router.tls_cert_file, router.tls_key_file)
     except (ssl.SSLError, ValueError) as err:
@@ -98,6 +99,7 @@ class TlsFiles:
             except ConfigError as err:
                 log.warning("TLS files changed but are not usable yet; serving the previous ones: %s", err)
                 return None
+            assert material is not None, "a reloader exists only while TLS is on"
             self._stamp, self.current = stamp, material
             log.info("TLS certificate reloaded from %s", self.router.tls_cert_file)
             return material

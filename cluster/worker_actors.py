@@ -10,6 +10,7 @@ bundle per rank, so Ray puts all its ranks on one node or none of them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -76,20 +77,16 @@ def find_actor(name: str):
 def end_worker(ranks, placement_group_name: str | None = None) -> None:
     """Kills every rank (no restart) and removes the placement group; tolerates what is already gone."""
     for handle in ranks:
-        try:
+        with contextlib.suppress(Exception):  # already dead: nothing to do
             ray.kill(handle, no_restart=True)
-        except Exception:  # already dead: nothing to do
-            pass
     if placement_group_name is not None:
-        try:
+        with contextlib.suppress(Exception):  # already removed, or Ray gone
             remove_placement_group(ray.util.get_placement_group(placement_group_name))
-        except Exception:  # already removed, or Ray gone
-            pass
 
 
-def _rank_placement_group(pool: PoolConfig, name: str):
+def _rank_placement_group(pool: PoolConfig, name: str | None):
     """One node for all ranks of a tensor-parallel instance (see the module docstring); None for TP 1."""
-    if pool.tp_size == 1:
+    if pool.tp_size == 1 or name is None:  # planned_names names a group exactly when TP > 1
         return None
     bundle = {"CPU": pool.num_cpus, **({"GPU": pool.num_gpus} if pool.num_gpus else {}), **_custom(pool)}
     return placement_group([dict(bundle) for _ in range(pool.tp_size)], strategy="STRICT_PACK", name=name,

@@ -101,7 +101,7 @@ class Outbox:
         if wait:
             try:
                 await asyncio.wait_for(event.wait(), max_wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return []
         with self._lock:
             updates = list(self._pending.pop(owner, {}).values())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from cluster.config import ClusterConfig
 from engine.config import ModelConfig
@@ -70,16 +70,16 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
     thread.start()
     model_cfg = runner.model.config
 
-    def close() -> None:
+    def close_follower() -> None:
         stop.set()
         transport.close()
 
     return RankSetup(transport, runner, model_cfg, runner.kv_cache.num_blocks,
-                     engine_cfg.max_len_for(model_cfg), None, close, thread.is_alive)
+                     engine_cfg.max_len_for(model_cfg), None, close_follower, thread.is_alive)
 
 
 def _follow(follower, runner, stop: threading.Event, name: str) -> None:
     try:
         follower.run(runner, stop)
-    except Exception as err:  # the instance is lost without its rank 0; say so in the worker's log
+    except Exception as err:  # noqa: BLE001 - the instance is lost without its rank 0; say so in the worker's log
         logging.getLogger(__name__).error("%s stopped following rank 0: %s", name, err)

@@ -32,8 +32,8 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput
 from engine.speculative.draft_model import speculative_draft_config
-from engine.step_wire import decode_step, encode_step
 from engine.parallel import BACKENDS, CollectiveError, TensorParallelGroup, new_process_group
+from engine.step_wire import decode_step, encode_step
 from kvtransfer.store import connect_store
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
@@ -160,7 +160,7 @@ class StepBroadcaster:
             header = _ints([_MAGIC, self._sequence, kind, length]).to(self.tp.device)
             try:
                 self.tp.broadcast(header, 0)
-                if length:
+                if payload is not None and length:
                     self.tp.broadcast(payload.to(self.tp.device), 0)
             except CollectiveError as exc:
                 self.mark_failed(str(exc))
@@ -253,6 +253,7 @@ class StepFollower:
                     break
                 heartbeats += kind is MessageKind.IDLE
                 if kind is MessageKind.STEP:
+                    assert payload is not None, "a STEP message carries the step's inputs"
                     runner.forward(decode_step(payload))
                     steps += 1
         except BaseException:

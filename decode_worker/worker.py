@@ -26,6 +26,7 @@ from cluster.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
 from engine.block_hash import spec_fingerprint
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from kvtransfer.handoff import HandoffTarget, RankTarget
 from kvtransfer.receiver import KVReceiver
@@ -57,6 +58,7 @@ class DecodeRank:
         self.membership = Membership("", 0)
         self.owner_timeout_s = min(OWNER_TIMEOUT_MAX_S, self.config.handoff_lease_s)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep()) if rank == 0 else None
+        self._cancels: set[asyncio.Task] = set()  # the loop holds tasks weakly: these must not vanish mid-way
 
     async def ready(self) -> WorkerInfo:
         cfg = self.setup.model_config
@@ -156,7 +158,9 @@ class DecodeRank:
 
     async def stats(self) -> WorkerStats:
         """Rank 0: load, recent engine steps and reservations waiting for their KV (see WorkerTelemetry)."""
-        return self.telemetry.stats(self.setup.loop, len(self._leases))
+        if self.telemetry is None:
+            raise RuntimeError(f"{self.peer_id}: only rank 0 keeps statistics")
+        return self.telemetry.stats(self._loop, len(self._leases))
 
     async def debug_signal(self, signum: int) -> None:
         """Fault injection (chaos, tests): send `signum` to this actor's own process (SIGKILL: no cleanup)."""
@@ -164,7 +168,7 @@ class DecodeRank:
 
     async def debug_set_step_delay(self, seconds: float) -> None:
         """Fault injection for tests (rank 0): sleep `seconds` before each engine step."""
-        self.setup.loop.step_delay_s = seconds
+        self._loop.step_delay_s = seconds
 
     async def debug_set_receive_delay(self, seconds: float) -> None:
         """Fault injection for tests: stall each KV receive by `seconds`."""
@@ -194,7 +198,7 @@ class DecodeRank:
                 self._leases.pop(rid, None)
                 self.outbox.push(TokenUpdate(rid, (), (), error=f"the KV of {rid!r} did not arrive within the "
                                                                 f"{self.config.handoff_lease_s:.0f} s lease"))
-                asyncio.ensure_future(self.cancel(rid))
+                self._cancel_soon(rid)
             for rid in [rid for rid, until in self._cancelled.items() if now_s > until]:
                 del self._cancelled[rid]
             self._drop_gone_owners()
@@ -206,12 +210,23 @@ class DecodeRank:
         for rid in self.outbox.requests_of(stale):
             self.outbox.push(TokenUpdate(rid, (), (), error="its router stopped polling this decode instance"))
             self._leases.pop(rid, None)
-            asyncio.ensure_future(self.cancel(rid))
+            self._cancel_soon(rid)
         for owner in self.outbox.stale_owners(self.owner_timeout_s * FORGET_OWNER_FACTOR):
             self.outbox.drop_owner(owner)
 
+    def _cancel_soon(self, request_id: str) -> None:
+        task = asyncio.ensure_future(self.cancel(request_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    @property
+    def _loop(self) -> EngineLoop:
+        if self.setup.loop is None:
+            raise RuntimeError(f"{self.peer_id}: only rank 0 runs the engine loop")
+        return self.setup.loop
+
     async def _call(self, fn):
-        return await asyncio.wrap_future(self.setup.loop.call(fn))
+        return await asyncio.wrap_future(self._loop.call(fn))
 
 
 def rank_peer_id(group_id: str, rank: int) -> str:

@@ -41,8 +41,8 @@ class PrefillSegment:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of every new token
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0
-    decode_context_lens: torch.Tensor | None  # [num_decode] int64
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor  # [num_decode] int64
     # PyTorch path only (None when the native kernel runs): padded token slots and their mask.
     decode_slots: torch.Tensor | None  # [num_decode, max_context] int64 cache slots (padded)
     decode_padding_mask: torch.Tensor | None  # [num_decode, max_context] bool, True = padding
@@ -114,13 +114,15 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    max_context = meta.decode_slots.shape[1]
-    keys = _gather(k_cache, meta.decode_slots).view(num_kv_heads, batch, max_context, head_dim)
-    values = _gather(v_cache, meta.decode_slots).view(num_kv_heads, batch, max_context, head_dim)
+    slots, padding = meta.decode_slots, meta.decode_padding_mask
+    assert slots is not None and padding is not None, "the PyTorch decode path needs the padded slots"
+    max_context = slots.shape[1]
+    keys = _gather(k_cache, slots).view(num_kv_heads, batch, max_context, head_dim)
+    values = _gather(v_cache, slots).view(num_kv_heads, batch, max_context, head_dim)
     # [kv_heads, batch, group, head_dim]: each KV head serves `group` query heads (GQA/MQA).
     queries = q.view(batch, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
-    scores.masked_fill_(meta.decode_padding_mask[None, :, None, :], float("-inf"))
+    scores.masked_fill_(padding[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, values)  # [kv_heads, batch, group, head_dim]
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads * head_dim)

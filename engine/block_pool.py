@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from engine.block_hash import BlockHash
 
@@ -46,7 +45,7 @@ class BlockRemoved:
 
 
 # Events carry hashes and token ids only; the publisher adds worker identity and sequence numbers.
-KVCacheEvent = Union[BlockStored, BlockRemoved]
+KVCacheEvent = BlockStored | BlockRemoved
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ time a padded batch size is needed, each with its own memory pool.
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +27,7 @@ _FIELDS = 4  # input_ids, positions, slot_mapping, context_lens; then the block 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     sizes = tuple(b for b in _BUCKETS if b < max_num_seqs)
-    return sizes + (min(max_num_seqs, _BUCKETS[-1]),)
+    return (*sizes, min(max_num_seqs, _BUCKETS[-1]))
 
 
 def unpack(buffer: torch.Tensor, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

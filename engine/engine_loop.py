@@ -14,8 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 from engine.llm_engine import LLMEngine, SequenceUpdate
 from engine.speculative.counters import SpecCounters
@@ -57,7 +58,7 @@ class EngineLoop:
         """The loop thread is alive and has not failed."""
         return self.error is None and self._thread.is_alive() and not self._stopping.is_set()
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -117,7 +118,7 @@ class EngineLoop:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(self.engine))
-                except Exception as err:  # the caller gets its own error; the loop goes on
+                except Exception as err:  # noqa: BLE001 - the caller gets its own error; the loop goes on
                     future.set_exception(err)
             try:
                 item = self._commands.get_nowait()

@@ -47,14 +47,15 @@ class KVFormat:
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [..., head_dim] → (values in storage dtype, fp32 scales [...] or None)."""
-        if not self.quantized:
+        qmax = self.qmax
+        if qmax is None:
             return x.to(self.storage_dtype), None
         x = x.float()
-        scale = x.abs().amax(dim=-1).clamp_min(_TINY) / self.qmax
+        scale = x.abs().amax(dim=-1).clamp_min(_TINY) / qmax
         scaled = x / scale.unsqueeze(-1)
         if self.storage_dtype == torch.int8:
-            return scaled.round_().clamp_(-self.qmax, self.qmax).to(torch.int8), scale
-        return scaled.clamp_(-self.qmax, self.qmax).to(self.storage_dtype), scale
+            return scaled.round_().clamp_(-qmax, qmax).to(torch.int8), scale
+        return scaled.clamp_(-qmax, qmax).to(self.storage_dtype), scale
 
     def dequantize(self, values: torch.Tensor, scale: torch.Tensor | None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:

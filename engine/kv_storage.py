@@ -13,7 +13,8 @@ two sides can compare before any byte moves.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -38,7 +39,7 @@ class LayerKV(NamedTuple):
             # fp8 has no index_copy kernel on CPU: move its bytes through a uint8 view.
             flat = _bytes(cache).view(heads, blocks * block_size, dim)
             flat.index_copy_(1, slot_mapping, _bytes(values).transpose(0, 1))
-            if scales is not None:
+            if scales is not None and scale is not None:  # both or neither: the format decides
                 scales.view(heads, blocks * block_size).index_copy_(1, slot_mapping, scale.transpose(0, 1))
 
 
@@ -101,7 +102,7 @@ class KVCacheStorage:
         if self.scales is not None:
             self.scales[layer].index_copy_(2, block_ids, tensors[1])
 
-    def copy_blocks_from(self, other: "KVCacheStorage", source: Sequence[int], target: Sequence[int]) -> None:
+    def copy_blocks_from(self, other: KVCacheStorage, source: Sequence[int], target: Sequence[int]) -> None:
         """Every layer's KV of `other`'s blocks `source` into our blocks `target` (same layout and heads)."""
         src, dst = (torch.tensor(list(ids), dtype=torch.int64, device=self.values.device) for ids in (source, target))
         for layer in range(self.num_layers):

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Sequence as Seq
 
 from tqdm import tqdm
 
@@ -51,9 +51,9 @@ class LLM:
                             [prios[i] for i, _ in owners])
         finished = self._run(ids, use_tqdm)
         seqs: list[list[Sequence]] = [[] for _ in items]
-        for request_id, (i, _) in zip(ids, owners):
+        for request_id, (i, _) in zip(ids, owners, strict=True):
             seqs[i].append(finished[request_id])
-        return [self._output(item, p, s) for item, p, s in zip(items, params, seqs)]
+        return [self._output(item, p, s) for item, p, s in zip(items, params, seqs, strict=True)]
 
     def chat(self, conversations, sampling_params=None, **kwargs) -> list[RequestOutput]:
         """Applies the checkpoint's chat template to one conversation or a list of them."""
@@ -74,7 +74,7 @@ class LLM:
     def _add_all(self, items, params, prios) -> list[str]:
         ids: list[str] = []
         try:
-            for (_, tokens), sampling, priority in zip(items, params, prios):
+            for (_, tokens), sampling, priority in zip(items, params, prios, strict=True):
                 request_id = f"offline-{next(self._request_ids)}"
                 self.engine.add_request(request_id, tokens, sampling, priority=priority)
                 ids.append(request_id)
@@ -102,6 +102,7 @@ class LLM:
         for index, seq in enumerate(seqs):
             text = (seq.stop_text if seq.stop_text is not None
                     else self._decode(seq.output_token_ids, params.skip_special_tokens))
+            assert seq.finish_reason is not None, "_run returns finished sequences only"
             metrics = RequestMetrics(seq.arrival_time_s, seq.first_token_time_s, tuple(seq.token_times_s),
                                      seq.num_spec_steps, seq.num_draft_tokens, seq.num_accepted_tokens)
             completions.append(CompletionOutput(index, text, tuple(seq.output_token_ids), seq.finish_reason.value,
@@ -113,7 +114,7 @@ class LLM:
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         try:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        except Exception:  # a checkpoint without a tokenizer still serves token ids
+        except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer still serves token ids
             return ""
 
 

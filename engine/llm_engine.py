@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import torch
 
@@ -25,7 +25,7 @@ from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput, build_step_input, order_chunks
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.request_checks import check_new_request, check_resumed_outputs
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus

@@ -10,6 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -89,13 +90,13 @@ def load_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, max_positions: 
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             with safe_open(path, framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - a safetensors handle has keys() but no __iter__
                     bar.update()
                     if _skipped(name, model_cfg):
                         continue
                     loaded.add(_load_tensor(params, name, handle.get_tensor(name)))
     if model_cfg.tie_word_embeddings and not model.lm_head_shares_embedding:  # a quantized copy of the embedding
-        head = model.lm_head.weight
+        head: Any = model.lm_head.weight  # a Parameter its LinearMethod gave a weight_loader (undeclared)
         head.weight_loader(head, model.model.embed_tokens.weight.to(getattr(head, "load_dtype", head.dtype)))
     derived = {name for name, param in params.items() if hasattr(param, "filled_by")}
     missing = sorted(set(params) - loaded - _tied_names(model_cfg) - derived)

@@ -6,8 +6,9 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -17,6 +18,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kernels import decode_attention_kernel
 from engine.kv_storage import KVCacheStorage
 from engine.model_loader import load_model
+from engine.models.decoder import Attention
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.scheduler import ScheduledChunk
 
@@ -38,7 +40,7 @@ class StepInput:
     def is_decode_only(self) -> bool:
         return not self.prefill_query_lens
 
-    def to(self, device: torch.device) -> "StepInput":
+    def to(self, device: torch.device) -> StepInput:
         """The same step with its tensors on `device` (itself when they are there already)."""
         if self.input_ids.device == device:
             return self
@@ -60,7 +62,10 @@ def build_step_input(chunks: Sequence[ScheduledChunk], block_table: Callable[[st
     """`chunks` must already be in `order_chunks` order. A chunk is anything with `seq`, `start`,
     `num_new_tokens`, `input_token_ids` and `num_logits_rows` (its last rows whose logits are
     returned, in order): a `ScheduledChunk`, or a draft model's chunk (engine/speculative)."""
-    ids, positions, slots, logits_rows = [], [], [], []
+    positions: list[int] = []
+    slots: list[int] = []
+    ids: list[int] = []
+    logits_rows: list[int] = []
     decode_tables, decode_lens = [], []
     prefill_q, prefill_ctx, prefill_tables = [], [], []
     for chunk in chunks:
@@ -105,10 +110,11 @@ def attention_metadata(step: StepInput, block_size: int, native_decode: bool = F
     if step.num_decode_tokens and not native_decode:
         tables = step.decode_block_tables
         decode_slots = (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)
-        padding = torch.arange(decode_slots.shape[1], device=offsets.device)[None, :] >= step.decode_context_lens[:, None]
+        columns = torch.arange(decode_slots.shape[1], device=offsets.device)
+        padding = columns[None, :] >= step.decode_context_lens[:, None]
     segments, start = [], step.num_decode_tokens
     for q_len, ctx_len, table in zip(step.prefill_query_lens, step.prefill_context_lens,
-                                     step.prefill_block_tables):
+                                     step.prefill_block_tables, strict=True):
         slots = None
         if ctx_len > q_len:  # attends to earlier KV in the cache (prefix hit or an earlier chunk)
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
@@ -126,7 +132,8 @@ class ModelRunner:
         self.block_size = engine_cfg.block_size
         self.device = resolve_device(engine_cfg.device)
         self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress).to(self.device)
-        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        # cast: nn.ModuleList's items are typed as plain Modules.
+        kv_heads = cast(Attention, self.model.model.layers[0].self_attn).num_kv_heads
         use_graphs = self.device.type == "cuda" and engine_cfg.cuda_graphs
         # With graphs, one more block than the pool owns: the scratch block padding rows write to.
         self.kv_cache = KVCacheStorage(engine_cfg.kv_format(model_cfg), model_cfg.num_layers, kv_heads,

@@ -76,6 +76,7 @@ def _dequantized(cache: LayerKV, blocks: torch.Tensor) -> tuple[torch.Tensor, to
     batch, count = blocks.shape
     out = []
     for values, scales in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        assert scales is not None, "a quantized format stores scales"
         chunk = cache.fmt.dequantize(values[:, blocks], scales[:, blocks])  # [kv_heads, batch, n, block, dim]
         out.append(chunk.view(kv_heads, batch, count * block_size, dim))
     return out[0], out[1]

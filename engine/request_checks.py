@@ -1,7 +1,7 @@
 """Validation of a new request against the model and the KV pool; every error names its field."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams

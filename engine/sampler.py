@@ -155,12 +155,12 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
     index = _index(wanted, logits)
     raw = logits[index].to(torch.float32).log_softmax(dim=-1)
     sampled = raw.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
-    top_n = min(max(rows[i].params.logprobs for i in wanted), raw.shape[1])
-    top_values, top_ids = raw.topk(top_n, dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_n = min(max(rows[i].params.logprobs or 0 for i in wanted), raw.shape[1])
+    best = raw.topk(top_n, dim=-1)
+    top_values, top_ids = best.values.tolist(), best.indices.tolist()
     for j, i in enumerate(wanted):
         n = rows[i].params.logprobs
-        top = tuple(zip(top_ids[j][:n], top_values[j][:n]))
+        top = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
         result[i] = TokenLogprobs(sampled_logprob=sampled[j], top=top)
     return result
 

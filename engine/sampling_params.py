@@ -47,7 +47,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def for_choice(self, index: int) -> "SamplingParams":
+    def for_choice(self, index: int) -> SamplingParams:
         """The params of completion `index` of n: one sequence, seed + index when seeded (so the
         choices differ, and each is reproducible)."""
         seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)

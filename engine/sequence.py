@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, HashNamespace, extend_block_hashes
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -19,7 +23,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and format() of members
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's length limit
     ABORT = "abort"  # cancelled by the caller
@@ -52,7 +56,7 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     stop_text: str | None = None  # output text when a stop string ended the sequence (cut before it)
-    detokenizer: object | None = field(default=None, repr=False)  # only for stop strings
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)  # only for stop strings
 
     @property
     def num_tokens(self) -> int:

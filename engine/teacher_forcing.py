@@ -8,7 +8,7 @@ Used by the quantization accuracy report (benchmarks/quant_accuracy.py) and its 
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -24,7 +24,7 @@ from engine.sequence import Sequence
 def teacher_forced_logits(engine: LLMEngine, prompts: Seq[Seq[int]],
                           continuations: Seq[Seq[int]]) -> list[torch.Tensor]:
     """fp32 logits `[len(continuation), vocab]` per sequence; the engine must be idle (its blocks free)."""
-    if len(prompts) != len(continuations) or any(not p or not c for p, c in zip(prompts, continuations)):
+    if len(prompts) != len(continuations) or any(not p or not c for p, c in zip(prompts, continuations, strict=True)):
         raise ValueError("teacher forcing needs one non-empty continuation per non-empty prompt")
     seqs = [_sequence(engine, f"teacher-forced-{i}", p) for i, p in enumerate(prompts)]
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]

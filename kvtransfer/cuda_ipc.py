@@ -16,7 +16,7 @@ event makes the receiver's copy wait for the sender's writes to the tensor.
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -79,4 +79,4 @@ def _open(record: dict, device: torch.device) -> torch.Tensor:
         bytes.fromhex(record["counter"]), record["counter_offset"],
         bytes.fromhex(record["event"]) if record["event"] else None, record["event_sync"])
     view = torch.empty(0, dtype=torch.uint8, device=device)
-    return view.set_(storage, record["start"], (record["bytes"],))
+    return view.set_(storage, record["start"], (record["bytes"],), (1,))  # contiguous bytes

@@ -23,8 +23,8 @@ Both sides read and write their caches only through `KVCacheStorage` (its transf
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -76,7 +76,7 @@ class HandoffHeader:
                 torch.zeros(KV_LAYOUT_BYTES, dtype=torch.uint8)]
 
     @classmethod
-    def decode(cls, buffers: list[torch.Tensor]) -> "HandoffHeader":
+    def decode(cls, buffers: list[torch.Tensor]) -> HandoffHeader:
         id_length, layout_length, num_tokens, num_blocks = (int(v) for v in buffers[0])
         request_id = bytes(buffers[1][:id_length].tolist()).decode()
         return cls(request_id, num_tokens, num_blocks, bytes(buffers[2][:layout_length].tolist()).decode())

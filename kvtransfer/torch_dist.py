@@ -29,8 +29,9 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed import DistError
@@ -86,7 +87,8 @@ class _Channel:
         error = _post_and_wait(self, [] if posted else [("recv", header, _DATA)], deadline_s, [early] if posted else [])
         if error is None and header[:3].tolist() != [_MAGIC, self.generation, sequence]:
             error = f"protocol violated: header {header[:3].tolist()}, expected {[_MAGIC, self.generation, sequence]}"
-        error = error or layout.mismatch(MessageLayout(*header[3:].tolist(), description="?"))
+        num_tensors, num_bytes, digest = header[3:].tolist()
+        error = error or layout.mismatch(MessageLayout(num_tensors, num_bytes, digest, description="?"))
         if error is not None:
             return error
         staged = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in out]
@@ -99,7 +101,7 @@ class _Channel:
             error = _copy_from_peer(records, staged)
         if error is not None:
             return error
-        for target, buffer in zip(out, staged):
+        for target, buffer in zip(out, staged, strict=True):
             if target is not buffer:
                 target.copy_(buffer)
         self.messages_received += 1
@@ -230,8 +232,7 @@ class TorchDistTransport(KVTransport):
             self.close_peer(peer)  # other device: the peer follows as after any clean close
             channel = None
         # gloo reports a peer's close on the socket itself (see _handle_failure); NCCL asks the store.
-        ask_store = channel is not None and channel.backend == "nccl"
-        if ask_store and rendezvous.current_generation() > channel.generation:
+        if channel is not None and channel.backend == "nccl" and rendezvous.current_generation() > channel.generation:
             self._discard(peer, channel)
             reason = rendezvous.failure_reason(channel.generation)
             if reason is not None:  # the message this call expects may be lost: say so, once
@@ -329,7 +330,7 @@ def _wire_buffers(tensors: list[torch.Tensor], backend: str) -> list[torch.Tenso
     if backend == "cuda_ipc":
         records = cuda_ipc.export_handles(tensors)
         return [records] if records.numel() else []
-    buffers = []
+    buffers: list[torch.Tensor] = []
     for tensor in tensors:
         if tensor.numel() == 0:
             continue  # both sides skip it: the header already proved they agree on the shape

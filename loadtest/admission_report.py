@@ -11,8 +11,8 @@ Definitions:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 KEEP_SHARE_TARGET = 0.8  # predictive's goodput at the highest load / its peak
 VS_ALWAYS_TARGET = 3.0  # predictive's goodput / always's, at the highest load

@@ -12,7 +12,9 @@ way whatever the backend.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Self
 
 from loadtest.plan import ModelLimits, PlannedRequest
 from router.channel import ClientTls
@@ -60,7 +62,7 @@ class GrpcBackend:
         self.target = target
         self.client = AsyncClient(target, token=token, tls=tls, timeout_s=timeout_s)
 
-    async def __aenter__(self) -> "GrpcBackend":
+    async def __aenter__(self) -> Self:
         await self.client.__aenter__()
         return self
 
@@ -99,7 +101,7 @@ def _openai(**kwargs):
     return OpenAIBackend(**kwargs)
 
 
-BACKENDS = {"splitserve": GrpcBackend, "openai": _openai}
+BACKENDS: dict[str, Callable[..., Any]] = {"splitserve": GrpcBackend, "openai": _openai}
 
 
 def make_backend(name: str, **kwargs):

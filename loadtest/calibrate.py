@@ -50,8 +50,12 @@ async def measure(target: str, prompt_lens: list[int], vocab: tuple[int, ...], t
 def _alone(profile: Profile, probe: Probe, output_tokens: int) -> Probe:
     record = simulate(SimConfig(), profile, [SimRequest(0.0, probe.prompt_tokens, output_tokens)]).records[0]
     second = simulate(SimConfig(), profile, [SimRequest(0.0, probe.prompt_tokens, 2)]).records[0]
-    per_token = (record.last_token_s - second.last_token_s) / (output_tokens - 2)
-    return Probe(probe.prompt_tokens, record.ttft_s, second.last_token_s - second.first_token_s, per_token)
+    ttft_s, last_s = record.ttft_s, record.last_token_s
+    second_first_s, second_last_s = second.first_token_s, second.last_token_s
+    if ttft_s is None or last_s is None or second_first_s is None or second_last_s is None:
+        raise ValueError(f"the simulator did not finish a {probe.prompt_tokens}-token probe alone")
+    per_token = (last_s - second_last_s) / (output_tokens - 2)
+    return Probe(probe.prompt_tokens, ttft_s, second_last_s - second_first_s, per_token)
 
 
 def fit_overheads(profile: Profile, measured: list[Probe], output_tokens: int = 16) -> tuple[Overheads, list[dict]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import random
 import sys
@@ -26,12 +27,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from loadtest.backends import GrpcBackend
 from loadtest.chaos_killer import Killer
 from loadtest.cli import build_parser, config_from_args
 from loadtest.config import BenchConfig, read_token
 from loadtest.driver import drive
 from loadtest.records import RequestRecord, read_jsonl
-from loadtest.backends import GrpcBackend
 from loadtest.runner import BenchError, _limits, _plan
 
 ROLES = ("prefill", "decode", "any")
@@ -94,8 +95,8 @@ def compare(chaos: list[RequestRecord], reference: list[RequestRecord], kills: l
 
 
 def _stall(record: RequestRecord, reference: RequestRecord) -> dict:
-    times = (0.0,) + record.token_times_s
-    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    times = (0.0, *record.token_times_s)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     at = max(range(len(gaps)), key=gaps.__getitem__)
     return {"index": record.index, "migrations": record.migrations, "stall_s": round(gaps[at], 4),
             "context_tokens": record.prompt_tokens + at, "extra_e2e_s": round(record.e2e_s - reference.e2e_s, 4)}
@@ -120,7 +121,8 @@ async def run_chaos(config: ChaosConfig, controller, echo=print) -> ChaosReport:
             reference = read_jsonl(config.reference)
         else:
             echo(f"reference: {len(plan.requests)} requests planned, no kills")
-            reference = (await drive(client, plan, dataclasses.replace(bench.driver, run_tag=_tag("ref")))).records
+            run = await drive(client, plan, dataclasses.replace(bench.driver, run_tag=_tag("ref")))
+            reference = list(run.records)
         pool = "any pool" if config.kill == "any" else f"the {config.kill} pool"
         echo(f"chaos: the same requests, one worker of {pool} SIGKILLed every {config.every_s:g} s")
         killer = Killer(controller, config.kill, config.every_s, random.Random(bench.seed), echo)
@@ -140,10 +142,10 @@ def _tag(kind: str) -> str:
 def format_report(report: ChaosReport) -> str:
     recoveries = [k["recovered_s"] for k in report.kills if k.get("recovered_s") is not None]
     replaced = [k["replaced_s"] for k in report.kills if k.get("replaced_s") is not None]
-    lines = [f"requests {report.requests}, completed {report.completed}, compared with the reference "
-             f"{report.compared}",
-             f"lost {report.lost}, hung {report.hung}, duplicated {report.duplicated}, missing {report.missing}, "
-             f"diverged {report.diverged}, failed by status {report.failed_by_status or 'none'}",
+    lines = [(f"requests {report.requests}, completed {report.completed}, compared with the reference "
+              f"{report.compared}"),
+             (f"lost {report.lost}, hung {report.hung}, duplicated {report.duplicated}, missing {report.missing}, "
+              f"diverged {report.diverged}, failed by status {report.failed_by_status or 'none'}"),
              f"migrations per request {report.migrations_per_request}",
              f"kills {len(report.kills)}; the victim's replacement serving after "
              + (f"{min(replaced):.1f}-{max(replaced):.1f} s" if replaced else "(none)")

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve bench", description="Load-test a running splitserve "
                                      "router over gRPC, or any OpenAI-compatible server over HTTP: open-loop "
                                      "arrivals, latency, SLO attainment, goodput.",
-                                     epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="splitserve", choices=tuple(DEFAULT_TARGETS),
                         help="splitserve (gRPC) or openai (HTTP /v1/completions) (default %(default)s)")
     add_connection_flags(parser)  # --target, --auth-token-file, --tls-*: as every client command

@@ -89,7 +89,7 @@ class _Run:
         try:
             await asyncio.wait_for(self.slots.acquire(), budget_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def _released(self, _task: asyncio.Task) -> None:
@@ -107,7 +107,7 @@ class _Run:
         except asyncio.CancelledError:
             recorder.on_error("CANCELLED", "cancelled by the bench after --duration-s plus --grace-s", self.now_s())
             raise
-        except Exception as err:  # a bench keeps going on one bad request; the record says what happened
+        except Exception as err:  # noqa: BLE001 - a bench keeps going on one bad request; the record says what happened
             recorder.on_error("CLIENT_ERROR", f"{type(err).__name__}: {err}", self.now_s())
 
     async def finish(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
+from typing import Self
 
 import aiohttp
 
@@ -53,17 +54,24 @@ class OpenAIBackend:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "OpenAIBackend":
+    async def __aenter__(self) -> Self:
         # No connection limit: the driver's --max-concurrency is the only cap on open streams.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True), headers=self.headers)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True),
+                                             headers=self.headers)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.session.close()
+        if self.session is not None:
+            await self.session.close()
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("use the backend as `async with OpenAIBackend(...)`")
+        return self.session
 
     async def model_limits(self) -> ModelLimits:
         try:
-            async with self.session.get(f"{self.base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as reply:
+            async with self._open().get(f"{self.base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as reply:
                 if reply.status != 200:
                     raise BackendError(f"GET {self.base}/v1/models answered {reply.status}: {await reply.text()}")
                 cards = (await reply.json()).get("data") or []
@@ -82,6 +90,8 @@ class OpenAIBackend:
         ours = card.get("splitserve") or {}
         max_model_len = card.get("max_model_len")
         if ours:
+            if max_model_len is None:
+                raise ValueError("its card has no max_model_len")
             return ModelLimits(max_model_len, ours["vocab_size"], ours["block_size"], tuple(ours["eos_token_ids"]))
         if self.tokenizer_dir is None:
             raise ValueError("its card does not state the vocabulary: pass --tokenizer DIR (the model's tokenizer)")
@@ -104,8 +114,9 @@ class OpenAIBackend:
     async def stream(self, planned: PlannedRequest, options: RequestOptions):
         headers = {"X-Request-Id": options.request_id, SENT_AT_KEY: str(time.time_ns() // 1000)}
         try:
-            async with self.session.post(f"{self.base}/v1/completions", json=self._body(planned, options),
-                                         headers=headers, timeout=aiohttp.ClientTimeout(total=options.timeout_s)) as reply:
+            async with self._open().post(f"{self.base}/v1/completions", json=self._body(planned, options),
+                                         headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=options.timeout_s)) as reply:
                 if reply.status != 200:
                     raise RequestError(status_name(reply.status), _error_message(await reply.text()))
                 async for line in reply.content:
@@ -148,7 +159,7 @@ def _code_of(error: dict) -> str:
     code = error.get("code")
     if isinstance(code, int):
         return status_name(code)
-    return _ERROR_CODES.get(code, "INTERNAL")
+    return _ERROR_CODES.get(str(code), "INTERNAL")  # None or unknown: INTERNAL
 
 
 def _error_message(text: str) -> str:

@@ -35,7 +35,7 @@ class ModelLimits:
         return tuple(i for i in range(self.vocab_size) if i not in excluded)
 
     @staticmethod
-    def from_model_info(info) -> "ModelLimits":
+    def from_model_info(info) -> ModelLimits:
         """From the SDK's `ModelInfo` (`AsyncClient.model_info()`)."""
         return ModelLimits(info.max_model_len, info.vocab_size, info.block_size, tuple(info.eos_token_ids))
 

@@ -64,7 +64,8 @@ def format_table(rows: list[PlanRow], label: str, attainment: float) -> str:
              f"{'':2}{'shape':<12} {'workers':>7} {'max req/s':>10} {'req/s/worker':>13}"]
     for i, row in enumerate(rows):
         mark = "->" if i == 0 else "  "
-        lines.append(f"{mark}{row.name:<12} {row.config.workers:>7} {row.max_rate_per_s:>10.3f} {row.per_worker:>13.4f}")
+        lines.append(f"{mark}{row.name:<12} {row.config.workers:>7} {row.max_rate_per_s:>10.3f} "
+                     f"{row.per_worker:>13.4f}")
     colocated = [r for r in rows if r.config.colocated]
     disagg = [r for r in rows if not r.config.colocated]
     if colocated and disagg and colocated[0].per_worker > 0:

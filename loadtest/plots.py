@@ -6,8 +6,8 @@ matplotlib is imported on first use, so `splitserve bench` without `--plot` does
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from loadtest.records import RequestRecord
 from loadtest.summary import Summary

@@ -34,7 +34,7 @@ class PoissonSpec:
         if not self.rate_per_s > 0:
             raise ValueError(f"--rate must be > 0 (or inf), got {self.rate_per_s}")
 
-    def with_rate(self, rate_per_s: float) -> "PoissonSpec":
+    def with_rate(self, rate_per_s: float) -> PoissonSpec:
         return dataclasses.replace(self, rate_per_s=rate_per_s)
 
     def build(self, limits: ModelLimits, defaults: RequestDefaults, seed: int, salt: int = 0) -> Plan:

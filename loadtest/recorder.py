@@ -60,6 +60,7 @@ class RequestRecorder:
         """The record as of now_s (still-running requests end at now_s, marked CANCELLED)."""
         if self._end_s is None:
             self.on_error("CANCELLED", "still running when the bench stopped", now_s)
+        assert self._end_s is not None, "on_error ended it"
         code, reason = self._error or (None, None)
         p = self.planned
         return RequestRecord(self.request_id, p.index, p.arrival_s, self.send_s, p.num_prompt_tokens, p.max_tokens,
@@ -79,4 +80,4 @@ class RequestRecorder:
         if later == 0:
             return (times[0],) * total
         share, extra = divmod(total - 1, later)
-        return (times[0],) + tuple(t for i, t in enumerate(times[1:]) for _ in range(share + (i < extra)))
+        return (times[0], *(t for i, t in enumerate(times[1:]) for _ in range(share + (i < extra))))

@@ -18,9 +18,9 @@ Derived latencies (None where undefined):
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class RequestRecord:
                 "tpot_s": self.tpot_s, "itl_s": list(self.itl_s), "met_slo": self.met_slo}
 
     @staticmethod
-    def from_dict(raw: dict) -> "RequestRecord":
+    def from_dict(raw: dict) -> RequestRecord:
         """Inverse of `to_dict` (derived values are recomputed, not trusted)."""
         values = {f.name: raw[f.name] for f in fields(RequestRecord) if f.name in raw}
         values["token_times_s"] = tuple(values.get("token_times_s", ()))

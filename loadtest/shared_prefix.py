@@ -54,7 +54,7 @@ class SharedPrefixSpec:
     def prompt_len(self) -> int:
         return self.prefix_len + self.suffix_len
 
-    def with_rate(self, rate_per_s: float) -> "SharedPrefixSpec":
+    def with_rate(self, rate_per_s: float) -> SharedPrefixSpec:
         return dataclasses.replace(self, rate_per_s=rate_per_s)
 
     def build(self, limits: ModelLimits, defaults: RequestDefaults, seed: int, salt: int = 0) -> Plan:
@@ -69,7 +69,7 @@ class SharedPrefixSpec:
         group = np.arange(n) % self.groups
         member = np.arange(n) // self.groups
         suffixes = source.blocks(tokens.SHARED_SUFFIX, group * self.prompts_per_group + member, self.suffix_len)
-        prompts = [np.concatenate([prefixes[g], suffix]).tolist() for g, suffix in zip(group, suffixes)]
+        prompts = [np.concatenate([prefixes[g], suffix]).tolist() for g, suffix in zip(group, suffixes, strict=True)]
         raw_outputs = self.output_len.sample(np.random.default_rng([seed, _OUTPUT_LENS]), n)
         outputs = np.minimum(raw_outputs, limits.max_model_len - self.prompt_len)
         arrivals_s = poisson_arrivals_s(np.random.default_rng([seed, _ARRIVALS]), n, self.rate_per_s)

@@ -24,7 +24,8 @@ from loadtest.summary import format_table
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve simulate", description="Simulate a bench workload on a "
                                      "cluster of the given shape, from a hardware profile.",
-                                     epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sim_flags(parser)
     pools = parser.add_argument_group("pools")
     pools.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")

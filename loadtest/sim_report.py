@@ -39,7 +39,7 @@ def sim_summary(result: SimResult, profile: Profile, *, workload: str, notes: di
         request_throughput_per_s=ratio(len(done), duration_s),
         output_token_throughput_per_s=ratio(sum(r.output_tokens for r in done), duration_s),
         goodput_per_s=ratio(met, duration_s), slo_attainment=ratio(met, len(measured)),
-        ttft_ms=Distribution.of([r.ttft_s for r in done], 1e3),
+        ttft_ms=Distribution.of([r.ttft_s for r in done if r.ttft_s is not None], 1e3),  # all set when ok
         tpot_ms=Distribution.of([r.tpot_s for r in done if r.tpot_s is not None], 1e3),
         itl_ms=Distribution.of([]),
         e2e_ms=Distribution.of([r.end_s - r.send_s for r in done], 1e3),

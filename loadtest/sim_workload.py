@@ -58,7 +58,7 @@ def _trace_requests(spec: TraceSpec, limits: ModelLimits, block_tokens: int, see
                          "cache blocks")
     per_block = trace_block // block_tokens
     requests = []
-    for row_index, (prompt, output), arrival_s in zip(layout.rows, layout.lengths, layout.arrivals_s):
+    for row_index, (prompt, output), arrival_s in zip(layout.rows, layout.lengths, layout.arrivals_s, strict=True):
         hash_ids = layout.trace.rows[row_index].hash_ids or ()
         full = prompt // block_tokens
         keys = tuple((h, j) for h in hash_ids for j in range(per_block))[:full]

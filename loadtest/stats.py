@@ -6,8 +6,8 @@ Percentiles interpolate linearly between the two nearest ranks of the sorted sam
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -38,7 +38,7 @@ class Distribution:
     std: float | None = None
 
     @staticmethod
-    def of(values: Sequence[float], scale: float = 1.0) -> "Distribution":
+    def of(values: Sequence[float], scale: float = 1.0) -> Distribution:
         """The distribution of values x scale (e.g. seconds -> milliseconds with scale=1000)."""
         if not values:
             return Distribution(0, None, None, None, None, None)

@@ -19,8 +19,9 @@ Definitions (all recomputable from records.jsonl; see `records` for TTFT / TPOT 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from loadtest.records import RequestRecord
 from loadtest.stats import Distribution
@@ -87,7 +88,7 @@ def summarize(records: Sequence[RequestRecord], *, workload: str, planned: int, 
     met = sum(r.met_slo for r in measured)
     routed = [r for r in measured if r.cached_prompt_tokens is not None]
     prompt_tokens = sum(r.prompt_tokens for r in routed)
-    cached_tokens = sum(r.cached_prompt_tokens for r in routed)
+    cached_tokens = sum(r.cached_prompt_tokens or 0 for r in routed)  # all set: `routed`
     first = measured[0] if measured else None
     return Summary(
         workload=workload, requests_planned=planned, requests_not_issued=planned - len(records),
@@ -96,7 +97,7 @@ def summarize(records: Sequence[RequestRecord], *, workload: str, planned: int, 
         request_throughput_per_s=_ratio(len(done), duration_s),
         output_token_throughput_per_s=_ratio(sum(r.output_tokens for r in measured), duration_s),
         goodput_per_s=_ratio(met, duration_s), slo_attainment=_ratio(met, len(measured)),
-        ttft_ms=Distribution.of([r.ttft_s for r in done], 1e3),
+        ttft_ms=Distribution.of([r.ttft_s for r in done if r.ttft_s is not None], 1e3),  # all set when ok
         tpot_ms=Distribution.of([r.tpot_s for r in done if r.tpot_s is not None], 1e3),
         itl_ms=Distribution.of([x for r in done for x in r.itl_s], 1e3),
         e2e_ms=Distribution.of([r.e2e_s for r in done], 1e3),
@@ -123,12 +124,12 @@ def format_table(s: Summary) -> str:
              f"requests  planned {s.requests_planned}  measured {s.requests_measured}  completed "
              f"{s.requests_completed}  failed {s.requests_failed}  not issued {s.requests_not_issued}"
              + (f"  warm-up {s.requests_warmup}" if s.requests_warmup else ""),
-             f"duration {_fmt(s.duration_s, ' s')}  throughput {_fmt(s.request_throughput_per_s, ' req/s')}  "
-             f"{_fmt(s.output_token_throughput_per_s, ' tok/s', 1)}",
-             f"SLO (ttft {_fmt(s.slo.get('ttft_ms'), ' ms', 0)}, tpot {_fmt(s.slo.get('tpot_ms'), ' ms', 0)})  "
-             f"attainment {_fmt(s.slo_attainment, '%')}  goodput {_fmt(s.goodput_per_s, ' req/s')}",
-             f"prefix hit rate {_fmt(s.prefix_hit_rate, '%')} ({s.cached_prompt_tokens}/{s.prompt_tokens} "
-             f"prompt tokens)  rejection rate {_fmt(s.rejection_rate, '%')}",
+             (f"duration {_fmt(s.duration_s, ' s')}  throughput {_fmt(s.request_throughput_per_s, ' req/s')}  "
+              f"{_fmt(s.output_token_throughput_per_s, ' tok/s', 1)}"),
+             (f"SLO (ttft {_fmt(s.slo.get('ttft_ms'), ' ms', 0)}, tpot {_fmt(s.slo.get('tpot_ms'), ' ms', 0)})  "
+              f"attainment {_fmt(s.slo_attainment, '%')}  goodput {_fmt(s.goodput_per_s, ' req/s')}"),
+             (f"prefix hit rate {_fmt(s.prefix_hit_rate, '%')} ({s.cached_prompt_tokens}/{s.prompt_tokens} "
+              f"prompt tokens)  rejection rate {_fmt(s.rejection_rate, '%')}"),
              "",
              f"{'latency (ms)':<14}{'mean':>10}{'std':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}"]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):

@@ -43,7 +43,7 @@ class TokenSource:
             root = _mix(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) + _GOLDEN)
             self._root = _mix(root ^ (np.uint64(salt & 0xFFFFFFFFFFFFFFFF) * _GOLDEN))
 
-    def blocks(self, stream: int, keys: Sequence[int], length: int) -> np.ndarray:
+    def blocks(self, stream: int, keys: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
         """A (len(keys), length) int64 array: row i is block (stream, keys[i]). Keys are ints >= 0."""
         key_arr = np.asarray(keys, dtype=np.uint64).reshape(-1, 1)
         positions = np.arange(1, length + 1, dtype=np.uint64).reshape(1, -1)

@@ -75,7 +75,7 @@ class TraceSpec:
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
 
-    def with_rate(self, rate_per_s: float) -> "TraceSpec":
+    def with_rate(self, rate_per_s: float) -> TraceSpec:
         return dataclasses.replace(self, rate_per_s=rate_per_s)
 
     def build(self, limits: ModelLimits, defaults: RequestDefaults, seed: int, salt: int = 0) -> Plan:
@@ -87,7 +87,7 @@ class TraceSpec:
         return Plan("trace", make_requests(layout.arrivals_s, prompts, [o for _, o in layout.lengths], defaults),
                     layout.notes)
 
-    def layout(self, limits: ModelLimits, seed: int) -> "TraceLayout":
+    def layout(self, limits: ModelLimits, seed: int) -> TraceLayout:
         """Which rows are planned, in arrival order, with their lengths and times (steps 1-3 above; no
         tokens yet: the simulator reads a trace's prefix sharing from its hash ids directly)."""
         trace = _read(self.path, self.trace_format)
@@ -120,7 +120,9 @@ class TraceSpec:
     def _fit(self, trace: TraceFile, prompt_scale: float, max_model_len: int):
         """(indices of rows kept, their (prompt, output) lengths, dropped by reason, rows clipped), over
         the rows up to the `num_requests`-th that fits."""
-        kept, lengths, dropped, clipped = [], [], {}, 0
+        kept: list[int] = []
+        dropped: dict[str, int] = {}
+        lengths, clipped = [], 0
         for i, row in enumerate(trace.rows):
             if len(kept) == self.num_requests:
                 break
@@ -159,16 +161,22 @@ def _read(path: str, trace_format: str) -> TraceFile:
     return read_trace(path, trace_format)
 
 
+
+def _hash_ids(row: TraceRow) -> tuple[int, ...]:
+    assert row.hash_ids is not None, "mooncake rows carry hash_ids"
+    return row.hash_ids
+
+
 def _prompts(trace: TraceFile, kept: list[int], prompt_lens: list[int], prompt_scale: float,
              source: tokens.TokenSource) -> list[list[int]]:
     if trace.format != "mooncake":
-        return [source.blocks(tokens.TRACE_PROMPT, [i], n)[0].tolist() for i, n in zip(kept, prompt_lens)]
+        return [source.blocks(tokens.TRACE_PROMPT, [i], n)[0].tolist() for i, n in zip(kept, prompt_lens, strict=True)]
     block_tokens = round(prompt_scale * MOONCAKE_BLOCK_TOKENS)
-    unique_ids = sorted({h for i in kept for h in trace.rows[i].hash_ids})
+    unique_ids = sorted({h for i in kept for h in _hash_ids(trace.rows[i])})
     blocks = source.blocks(tokens.TRACE_BLOCK, unique_ids, block_tokens)
     slot = {h: k for k, h in enumerate(unique_ids)}
     prompts = []
-    for i, n in zip(kept, prompt_lens):
-        ids = trace.rows[i].hash_ids[:-(-n // block_tokens)]  # only the blocks the (clipped) prompt needs
+    for i, n in zip(kept, prompt_lens, strict=True):
+        ids = _hash_ids(trace.rows[i])[:-(-n // block_tokens)]  # only the blocks the (clipped) prompt needs
         prompts.append(blocks[[slot[h] for h in ids]].reshape(-1)[:n].tolist())
     return prompts

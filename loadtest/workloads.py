@@ -7,7 +7,7 @@ workload accepts but that were not given take the defaults below.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 from loadtest.config import WorkloadSpec
 from loadtest.lengths import LengthDist

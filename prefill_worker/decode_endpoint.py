@@ -17,7 +17,7 @@ class RayDecodeEndpoint(DecodeEndpoint):
     def __init__(self, decode: Member, request: GenerateRequest, first_token_id: int, owner: str, sender_peer: str):
         self.decode, self.request, self.first_token_id = decode, request, first_token_id
         self.owner, self.sender_peer = owner, sender_peer
-        self._rank_of = dict(zip(decode.peer_ids, decode.ranks))
+        self._rank_of = dict(zip(decode.peer_ids, decode.ranks, strict=True))
 
     async def reserve(self, num_tokens: int) -> HandoffTarget:
         try:

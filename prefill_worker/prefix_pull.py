@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from cluster.messages import GenerateRequest, PullOutcome
 from engine.block_hash import HashNamespace, hash_blocks
@@ -129,6 +130,7 @@ class PrefixPuller:
         """Fetches the request's prefix from its holder; never raises (a failure means recompute)."""
         started_s, rid, tokens = time.perf_counter(), request.request_id, request.token_ids
         spec = request.prefix_pull
+        assert spec is not None, "pull() serves requests that ask for a pull"
         reservation = await self._engine(lambda e: reserve_pull(e, rid, tokens, request.tenant, spec.num_blocks))
         if reservation is None:
             self.metrics.prefix_pull_finished("skipped", 0)
@@ -139,7 +141,7 @@ class PrefixPuller:
             received = await self._transfer(request, reservation, deadline_s)
             local = reservation.num_local_blocks
             await self._engine(lambda e: commit_pull(e, rid, tokens, request.tenant, local + received))
-        except Exception as err:  # any failure: give the blocks back and compute the prompt instead
+        except Exception as err:  # noqa: BLE001 - any failure: give the blocks back and compute the prompt instead
             await self._abandon(rid, deadline_s)
             self.metrics.prefix_pull_finished("failed", 0)
             return PullOutcome(0, 0, time.perf_counter() - started_s, f"{type(err).__name__}: {err}")
@@ -153,6 +155,7 @@ class PrefixPuller:
     async def _transfer(self, request: GenerateRequest, reservation: PullReservation, deadline_s: float) -> int:
         """Asks the holder to send, then waits for the receive; returns the blocks received."""
         spec = request.prefix_pull
+        assert spec is not None, "pull() serves requests that ask for a pull"
         holder = self._find_worker(spec.holder_id)
         if holder is None:
             raise LookupError(f"{spec.holder_id} is not a live prefill worker")

@@ -259,7 +259,7 @@ class PrefillWorker:
                                          len(block_ids) * self.engine.config.block_size, request_id, target)
             announced.future().result(timeout=call_timeout_s(deadline_s))
             self.telemetry.metrics.observe_transfer("pull_out", num_bytes, time.perf_counter() - started_s)
-        except Exception as err:  # the requester falls back to recomputing; nothing else to do here
+        except Exception as err:  # noqa: BLE001 - the requester falls back to recomputing; nothing else to do here
             log.info("prefix pull %r for %s failed: %s: %s", request_id, requester_peer, type(err).__name__, err)
         finally:
             self.loop.call(lambda engine: engine.release(table))

@@ -15,10 +15,23 @@ The decision is made after routing and before any worker is touched; a rejection
 """
 from __future__ import annotations
 
-from router.admission import (AdmissionConfig, AdmissionDecision, AdmissionRequest, ClusterView,
-                              DecodeCostModel, DecodeInstanceView, DecodeStep, ObservedTtftModel, PrefillCostModel,
-                              PrefillStep, RunningRequest, TransferCostModel, TransferStep, TtftSample,
-                              policy_from_config)
+from router.admission import (
+    AdmissionConfig,
+    AdmissionDecision,
+    AdmissionRequest,
+    ClusterView,
+    DecodeCostModel,
+    DecodeInstanceView,
+    DecodeStep,
+    ObservedTtftModel,
+    PrefillCostModel,
+    PrefillStep,
+    RunningRequest,
+    TransferCostModel,
+    TransferStep,
+    TtftSample,
+    policy_from_config,
+)
 from router.admission.step_stats import unseen_steps
 from router.routing import WorkerLoad
 
@@ -67,7 +80,7 @@ class AdmissionGate:
     def decide(self, request, expected_cached_tokens: int, prefill: WorkerLoad, decode_id: str,
                decode_running: list[RunningRequest], blocks_free: int, decode_blocks_total: int,
                waited_s: float = 0.0) -> AdmissionDecision:
-        view = ClusterView((prefill,), (DecodeInstanceView(decode_id, decode_running, blocks_free,
+        view = ClusterView((prefill,), (DecodeInstanceView(decode_id, tuple(decode_running), blocks_free,
                                                            decode_blocks_total),),
                            self.prefill_cost.fit(), self.decode_cost.fit(), self.transfer_cost.fit(),
                            self.kv_bytes_per_token, self.block_size, self.prefill_step_budget_tokens,

@@ -11,7 +11,8 @@ TLS (`ClientTls`) is on when any of its fields is given or `enabled` is set: `ro
 `certificate_chain` + `private_key` (the client's own certificate). `server_name` checks the
 certificate against that name instead of the target's host (a port-forward to 127.0.0.1 of a router
 whose certificate names its Service); over a unix socket the name checked is "localhost" unless
-`server_name` says otherwise (gRPC would use the socket's path). Needs only grpcio: the SDK runs with grpcio and protobuf alone.
+`server_name` says otherwise (gRPC would use the socket's path). Needs only grpcio: the SDK runs with
+grpcio and protobuf alone.
 """
 from __future__ import annotations
 

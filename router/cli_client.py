@@ -59,7 +59,7 @@ def generate_main(argv: list[str]) -> None:
                 print(chunk.text, end="", flush=True)
                 route, usage = route or chunk.route, usage or chunk.usage
             print()
-            if args.usage:
+            if args.usage and usage is not None and route is not None:
                 print(f"[{usage.completion_tokens} tokens, {usage.cached_prompt_tokens}/{usage.prompt_tokens} prompt "
                       f"tokens cached, prefill {route.prefill_worker}, decode {route.decode_instance}]")
         except SplitserveError as err:
@@ -82,7 +82,7 @@ def status_main(argv: list[str]) -> None:
           f"{'waiting':>8} {'running':>8} {'kv use':>7}")
     for w in status.workers:
         print(f"{w['worker_id']:<28} {w['role']:<8} {w['state']:<9} {w['epoch']:>5} {w['restarts']:>8} "
-              f"{str(w['healthy']):<8} {w['inflight_requests']:>8} {w['waiting']:>8} {w['running']:>8} "
+              f"{w['healthy']!s:<8} {w['inflight_requests']:>8} {w['waiting']:>8} {w['running']:>8} "
               f"{w['kv_usage']:>6.1%}")
     hit = status.cached_prompt_tokens_total / max(status.prompt_tokens_total, 1)
     print(f"prefix hit rate {hit:.1%} ({status.cached_prompt_tokens_total}/{status.prompt_tokens_total} prompt "
@@ -91,7 +91,7 @@ def status_main(argv: list[str]) -> None:
 
 def health_main(argv: list[str]) -> None:
     """Exit 0 iff the router's standard gRPC health service says SERVING (Docker HEALTHCHECK, helm test)."""
-    args, connection = _parse(_common("splitserve health", health_main.__doc__, timeout_s=3.0), argv)
+    args, connection = _parse(_common("splitserve health", health_main.__doc__ or "", timeout_s=3.0), argv)
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -99,8 +99,9 @@ def health_main(argv: list[str]) -> None:
 
     with open_channel(connection.target, connection.tls) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                              timeout=args.timeout_s)
+            # types-grpcio-health-checking's HealthStub declares no methods; the generated class has Check.
+            check = health_pb2_grpc.HealthStub(channel).Check  # type: ignore[attr-defined]
+            reply = check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout_s)
         except grpc.RpcError as err:
             hint = connection_hint(err.details() or "", connection.tls)
             sys.exit(f"splitserve health: {connection.target}: {err.code().name}" + (f" ({hint})" if hint else ""))

@@ -25,14 +25,24 @@ import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Self
 
 import grpc
 
 from router.channel import ClientTls, check_target, connection_hint, open_channel
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
-from router.sdk_types import (SENT_AT_KEY, Completion, GenerateChunk, SplitserveError, Unavailable,
-                              chunk_from_proto, error_from_rpc, model_info_from_proto, status_from_proto)
+from router.sdk_types import (
+    SENT_AT_KEY,
+    Completion,
+    GenerateChunk,
+    SplitserveError,
+    Unavailable,
+    chunk_from_proto,
+    error_from_rpc,
+    model_info_from_proto,
+    status_from_proto,
+)
 
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 _SLO_FIELDS = {"ttft_ms", "tpot_ms"}
@@ -84,7 +94,7 @@ class _Base:
 
     def _generate_metadata(self) -> tuple:
         # Stamped once per request, not per attempt: the caller's TTFT started with the first attempt.
-        return self._metadata + ((SENT_AT_KEY, str(time.time_ns() // 1000)),)
+        return (*self._metadata, (SENT_AT_KEY, str(time.time_ns() // 1000)))
 
     def _delay_s(self, attempt: int) -> float:
         return self.backoff_s * (2 ** attempt) * (0.5 + random.random())
@@ -137,11 +147,12 @@ class Client(_Base):
                 if not _retryable(error, attempt, self.max_retries):
                     raise error from None
             time.sleep(self._delay_s(attempt))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def close(self) -> None:
         self._grpc_channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -196,11 +207,12 @@ class AsyncClient(_Base):
                 if not _retryable(error, attempt, self.max_retries):
                     raise error from None
             await asyncio.sleep(self._delay_s(attempt))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def close(self) -> None:
         await self._grpc_channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc) -> None:

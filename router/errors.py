@@ -14,7 +14,6 @@ from engine.errors import InvalidRequestError
 from router.routing import NoWorkersError
 from router.service import DuplicateRequest, Overloaded
 
-
 KV_FULL_RETRY_AFTER_S = 1.0  # a full decode pool frees blocks as its requests finish
 
 

@@ -58,7 +58,7 @@ class IndexFeeder:
                 failing = False
             except asyncio.CancelledError:
                 raise
-            except Exception as err:  # keep following: a slow worker may answer next time
+            except Exception as err:  # noqa: BLE001 - keep following: a slow worker may answer next time
                 if not failing:
                     log.warning("cannot read KV events of %s: %s", member.worker_id, type(err).__name__)
                 failing = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+
 import grpc
 
 from router.errors import Status, Unauthenticated, status_for
@@ -65,7 +66,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def call(request, context):
             try:
                 return await method(request, context)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - every error becomes a status here (_abort classifies and logs)
                 await self._abort(context, err)
         return call
 
@@ -74,7 +75,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async for response in method(request, context):
                     yield response
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - every error becomes a status here (_abort classifies and logs)
                 await self._abort(context, err)
         return call
 
@@ -83,7 +84,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             raise err
         status = status_for(err)
         if status.code is grpc.StatusCode.INTERNAL:
-            log.exception("unexpected error in a router call", exc_info=err)
+            log.error("unexpected error in a router call", exc_info=err)
         self.metrics.observe_request(status.outcome)
         await abort_with(context, status)
 

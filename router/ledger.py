@@ -18,8 +18,9 @@ from router.stream_state import StreamState
 
 class RouteLedger:
     def __init__(self):
-        self._inflight = Counter()  # prefill worker → requests in flight
-        self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
+        self._inflight: Counter[str] = Counter()  # prefill worker → requests in flight
+        # prefill worker → uncached prompt tokens awaiting their first token
+        self._queued_tokens: Counter[str] = Counter()
         self._decoding: dict[str, dict[str, StreamState]] = defaultdict(dict)  # decode worker → its streams
 
     def book(self, request_id: str, prefill_id: str, decode_id: str, uncached_tokens: int,

@@ -30,7 +30,7 @@ own figures too (cluster/worker_metrics.py).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

@@ -68,7 +68,9 @@ _ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.UN
 def error_from_rpc(err: grpc.RpcError) -> SplitserveError:
     """Turns a failed call (sync or asyncio) into the typed error for its status."""
     code = err.code()
-    trailing = dict(err.trailing_metadata() or ())
+    # The grpc stub types metadata items as a plain class; at run time they are (key, value) tuples, and
+    # values are str for keys without the -bin suffix, as ours are.
+    trailing: dict[str, str] = dict(err.trailing_metadata() or ())  # type: ignore[arg-type]
     retry_ms = trailing.get(RETRY_AFTER_KEY)
     retry_after_s = float(retry_ms) / 1000.0 if retry_ms else None
     cls = _ERRORS.get(code, SplitserveError)
@@ -126,7 +128,7 @@ class Completion:
     migrations: int = 0  # times the router moved the request to other workers (an unbroken stream)
 
     @staticmethod
-    def from_chunks(chunks: list[GenerateChunk], attempts: int = 1) -> "Completion":
+    def from_chunks(chunks: list[GenerateChunk], attempts: int = 1) -> Completion:
         first, last = chunks[0], chunks[-1]
         return Completion(first.request_id, tuple(t for c in chunks for t in c.token_ids),
                           "".join(c.text for c in chunks), last.finish_reason or "",

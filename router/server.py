@@ -24,11 +24,11 @@ from grpc_reflection.v1alpha import reflection
 from cluster.cluster_view import ClusterView
 from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import LaunchedCluster
+from cluster.metrics_http import start_metrics_server
 from cluster.tls import load_server_tls, server_ssl_context
 from router.admission_gate import AdmissionGate
 from router.health_listener import HealthListener
 from router.index_feeder import IndexFeeder
-from cluster.metrics_http import start_metrics_server
 from router.interceptors import AuthInterceptor, ErrorInterceptor
 from router.metrics import RouterMetrics
 from router.openai import HttpFront
@@ -64,7 +64,7 @@ class RouterServer:
 
     @classmethod
     async def start(cls, launched: LaunchedCluster, config: ClusterConfig,
-                    extra_addresses: tuple[str, ...] | list[str] = (), http_uds: str | None = None) -> "RouterServer":
+                    extra_addresses: tuple[str, ...] | list[str] = (), http_uds: str | None = None) -> RouterServer:
         """Serves gRPC on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock"), and
         the OpenAI-compatible HTTP API on router.host:router.http_port and/or the unix socket `http_uds`, for
         the cluster `launched` joined; follows its membership from then on."""
@@ -86,7 +86,7 @@ class RouterServer:
         service.traffic.start()
         if feeder is not None:
             feeder.start()
-        interceptors = [ErrorInterceptor(metrics)]
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
         token = read_auth_token(router.auth_token_file)
         if token is not None:
             interceptors.insert(0, AuthInterceptor(token))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from cluster.client import ClusterClient, RequestFailed
@@ -18,12 +18,12 @@ from cluster.membership import Member, Membership
 from cluster.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
-from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.admission_gate import AdmissionGate
-from router.metrics import RouterMetrics, slo_met
 from router.ledger import RouteLedger
+from router.metrics import RouterMetrics, slo_met
 from router.prefix_pull_planner import PullPlanner
 from router.request_keys import route_query, timed
+from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.stream_state import StreamState, Usage
 from router.traffic_reporter import TrafficReporter
 from router.validation import ModelLimits, RouterRequest
@@ -117,7 +117,7 @@ class RouterService:
         return len(self._running) + self.client.num_cleanups
 
     async def generate(self, request: RouterRequest, deadline_s: float | None = None,
-                       waited_s: float = 0.0) -> AsyncIterator[RouterOutput]:
+                       waited_s: float = 0.0) -> AsyncGenerator[RouterOutput, None]:
         """Streams one request (deadline_s: time.monotonic; waited_s: how long ago its client sent it, as
         far as the router can tell). Raises the exceptions named above. TTFT counts from the client's send."""
         started_s = time.perf_counter() - waited_s
@@ -132,7 +132,7 @@ class RouterService:
             self._running.discard(request.request_id)
 
     async def _run(self, request: RouterRequest, deadline_s: float | None, state: StreamState,
-                   waited_s: float) -> AsyncIterator[RouterOutput]:
+                   waited_s: float) -> AsyncGenerator[RouterOutput, None]:
         """Attempts until the request ends. A worker lost under it (dead, or its hand-off failed) is not
         the request's failure: it **migrates** — the prompt and every token already streamed are
         prefilled again elsewhere (prefix-cache hits where they exist, a peer pull where it pays), and
@@ -158,7 +158,7 @@ class RouterService:
                 log.info("migrating %s after %d token(s): %s", request.request_id, state.num_tokens, err.reason)
 
     async def _attempt(self, request: RouterRequest, deadline_s: float | None, state: StreamState,
-                       waited_s: float) -> AsyncIterator[RouterOutput]:
+                       waited_s: float) -> AsyncGenerator[RouterOutput, None]:
         """One route of the request: from its prompt and the tokens streamed so far, to its end or a failure."""
         resumed = tuple(state.token_ids)
         query = route_query(request.prompt_token_ids + resumed, request.tenant, self.info.model_identity,
@@ -200,7 +200,7 @@ class RouterService:
             state.upstream_s += cluster_s[0]
             self.ledger.release(request.request_id, worker_id, decode.worker_id, uncached if first else 0)
             tokens_through = self._tokens_through.pop(request.request_id, None)
-            if tokens_through is not None and state.started:
+            if tokens_through is not None and self.admission is not None and state.ttft_s is not None:  # started
                 # From the router's arrival: the wait before it is the request's own, not the worker's.
                 self.admission.observe_ttft(tokens_through, state.ttft_s - waited_s)
 
@@ -228,10 +228,12 @@ class RouterService:
 
     def _finished(self, state: StreamState) -> None:
         request, metrics = state.request, self.metrics
-        metrics.observe_ttft(state.ttft_s, request.priority)
+        ttft_s = state.ttft_s
+        assert ttft_s is not None, "a finished stream has its first token"
+        metrics.observe_ttft(ttft_s, request.priority)
         if state.tpot_s is not None:
             metrics.observe_tpot(state.tpot_s, request.priority)
-        met = slo_met(state.ttft_s, state.tpot_s, request.ttft_ms, request.tpot_ms)
+        met = slo_met(ttft_s, state.tpot_s, request.ttft_ms, request.tpot_ms)
         metrics.observe_request("ok", met_slo=met, duration_s=state.duration_s, priority=request.priority)
         metrics.prompt_tokens(len(request.prompt_token_ids), state.cached_tokens)
         self.traffic.finished(state.num_tokens, state.ttft_s, state.tpot_s)

@@ -8,11 +8,11 @@ from engine.block_hash import spec_fingerprint
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.request_keys import deadline_from_remaining
-from router.service import RouterOutput, RouterService
 from router.sdk_types import UPSTREAM_MS_KEY
+from router.service import RouterOutput, RouterService
 from router.validation import client_wait_s, parse_request
 
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH: dict[str | None, pb.FinishReason] = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -39,7 +39,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         monitor, loads, figures = service.monitor, service.worker_loads(), service.metrics.snapshot()
         workers = [_worker(member, monitor, loads) for member in service.cluster.members]
         return pb.ClusterStatus(workers=workers, inflight_requests=service.inflight_requests,
-                                requests_total=service.metrics.requests_by_outcome(), routing_policy=service.policy.name,
+                                requests_total=service.metrics.requests_by_outcome(),
+                                routing_policy=service.policy.name,
                                 prompt_tokens_total=int(figures["prompt_tokens_total"]),
                                 cached_prompt_tokens_total=int(figures["cached_prompt_tokens_total"]),
                                 index_entries=await service.index_entries(),
@@ -67,7 +68,7 @@ def _speculation(stats) -> dict:
 def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
     message = pb.GenerateResponse(request_id=output.request_id, token_ids=output.token_ids, text=output.text,
                                   finish_reason=_FINISH.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
-    for token_id, logprobs in zip(output.token_ids, output.logprobs):
+    for token_id, logprobs in zip(output.token_ids, output.logprobs, strict=False):
         if logprobs is not None:
             message.logprobs.append(pb.TokenLogprob(
                 token_id=token_id, logprob=logprobs.sampled_logprob,
@@ -79,7 +80,7 @@ def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
     if output.migrations:
         message.migrations = output.migrations
     if output.usage is not None:
-        usage, proto = output.usage, message.usage
-        proto.prompt_tokens, proto.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-        proto.cached_prompt_tokens = usage.cached_prompt_tokens
+        usage, counts = output.usage, message.usage
+        counts.prompt_tokens, counts.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        counts.cached_prompt_tokens = usage.cached_prompt_tokens
     return message

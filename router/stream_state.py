@@ -60,7 +60,7 @@ class StreamState:
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (None with fewer than two tokens)."""
-        if self.num_tokens < 2 or self.first_token_s is None:
+        if self.num_tokens < 2 or self.first_token_s is None or self.last_token_s is None:
             return None
         return (self.last_token_s - self.first_token_s) / (self.num_tokens - 1)
 

@@ -26,7 +26,8 @@ def server_credentials(router: RouterConfig) -> grpc.ServerCredentials | None:
         fresh = files.reload_if_changed()
         return None if fresh is None else _configuration(fresh)
 
-    return grpc.dynamic_ssl_server_credentials(_configuration(files.current), fetch,
+    # type: ignore: gRPC documents a fetch returning None as "keep the current one"; the stub omits it.
+    return grpc.dynamic_ssl_server_credentials(_configuration(files.current), fetch,  # type: ignore[arg-type]
                                                require_client_authentication=router.tls_client_ca_file is not None)
 
 

@@ -14,7 +14,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeGuard
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -169,8 +169,9 @@ def parse_sampling(msg: pb.SamplingParams, limits: ModelLimits) -> SamplingParam
 def _slo(msg: pb.GenerateRequest) -> tuple[float | None, float | None]:
     if not msg.HasField("slo"):
         return None, None
-    return tuple(check_slo_ms(getattr(msg.slo, name) if msg.slo.HasField(name) else None, f"slo.{name}")
-                 for name in ("ttft_ms", "tpot_ms"))
+    ttft_ms, tpot_ms = (check_slo_ms(getattr(msg.slo, name) if msg.slo.HasField(name) else None, f"slo.{name}")
+                        for name in ("ttft_ms", "tpot_ms"))
+    return ttft_ms, tpot_ms
 
 
 def _prompt(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> tuple[str | None, tuple[int, ...]]:
@@ -197,7 +198,7 @@ def client_wait_s(metadata, now_us: int | None = None) -> float:
     return waited_s if 0.0 < waited_s <= MAX_CLIENT_WAIT_S else 0.0
 
 
-def _is_int(value) -> bool:
+def _is_int(value) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -66,7 +66,7 @@ class WorkerMonitor:
             if (member.worker_id, member.epoch) not in self._dead:
                 log.warning("worker %s (epoch %d) is dead: %s", member.worker_id, member.epoch, type(err).__name__)
             self._dead.add((member.worker_id, member.epoch))
-        except Exception as err:  # slow or erroring: keep the last figures; liveness is the controller's
+        except Exception as err:  # noqa: BLE001 - slow or erroring: keep the last figures; liveness is the controller's
             log.debug("stats of %s unavailable: %s", member.worker_id, type(err).__name__)
         else:
             if self.view.membership.get(member.worker_id) is not member:

@@ -14,5 +14,13 @@ def make_prefix_index(redis_url: str | None, namespace: IndexNamespace, lease_s:
     return RedisPrefixIndex(redis_url, namespace, lease_s)
 
 
-__all__ = ["IndexNamespace", "InProcessPrefixIndex", "PrefixIndex", "PrefixIndexUnavailable", "PrefixMatch",
-           "RedisIndexPublisher", "RedisPrefixIndex", "make_prefix_index"]
+__all__ = [
+    "InProcessPrefixIndex",
+    "IndexNamespace",
+    "PrefixIndex",
+    "PrefixIndexUnavailable",
+    "PrefixMatch",
+    "RedisIndexPublisher",
+    "RedisPrefixIndex",
+    "make_prefix_index",
+]

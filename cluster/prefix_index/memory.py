@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.kv_events import KVEventBatch
-from cluster.prefix_index.base import (PrefixIndex, PrefixMatch, check_batch, check_hashes, check_worker,
-                                       sort_matches)
+from cluster.prefix_index.base import PrefixIndex, PrefixMatch, check_batch, check_hashes, check_worker, sort_matches
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockStored, IntegrityError
 
@@ -115,7 +114,7 @@ class InProcessPrefixIndex(PrefixIndex):
         for worker_id, worker in self._workers.items():
             _require(worker.last_seq >= 0, f"{worker_id} has cursor {worker.last_seq}")
             for block_hash in worker.blocks:
-                _require(self._holders.get(block_hash, 0) >> worker.slot & 1,
+                _require(bool(self._holders.get(block_hash, 0) >> worker.slot & 1),
                          f"{worker_id} holds {block_hash.hex()} but is not among its holders")
         for block_hash, mask in self._holders.items():
             _require(mask > 0, f"{block_hash.hex()} has an empty holder mask (a leak)")
@@ -133,7 +132,8 @@ class InProcessPrefixIndex(PrefixIndex):
         while mask:
             low_bit = mask & -mask
             owner = self._slot_owner.get(low_bit.bit_length() - 1)
-            _require(owner is not None, f"holder bit {low_bit.bit_length() - 1} has no worker")
+            if owner is None:
+                raise IntegrityError(f"holder bit {low_bit.bit_length() - 1} has no worker")
             owners.append(owner)
             mask ^= low_bit
         return owners

@@ -14,6 +14,7 @@ logs one warning per outage and one line when it is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -53,17 +54,15 @@ class RedisIndexPublisher:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def start(self) -> "RedisIndexPublisher":
+    def start(self) -> RedisIndexPublisher:
         self._thread.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop and join for at most `timeout_s` (a call in flight ends within its own timeout)."""
         self._stopping.set()
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop already finished and closed
             self._loop.call_soon_threadsafe(self._wake.set)
-        except RuntimeError:
-            pass  # the loop already finished and closed
         if self._thread.is_alive():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -83,7 +82,7 @@ class RedisIndexPublisher:
             while not self._stopping.is_set():
                 try:
                     await self._sync(index)
-                except Exception as err:  # noqa: BLE001 - any failure: keep the thread alive, retry
+                except Exception as err:  # any failure: keep the thread alive, retry
                     if outage_since is None:
                         outage_since = time.monotonic()
                         self.outages += 1
@@ -123,10 +122,8 @@ class RedisIndexPublisher:
             since_seq = self.published_seq = batch.last_seq
 
     async def _sleep(self, delay_s: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), delay_s)
-        except asyncio.TimeoutError:
-            pass
 
 
 def _redact(url: str) -> str:

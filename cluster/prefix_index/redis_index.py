@@ -38,8 +38,16 @@ from redis.backoff import NoBackoff
 
 from cluster.kv_events import KVEventBatch
 from cluster.prefix_index import redis_scripts
-from cluster.prefix_index.base import (IndexNamespace, PrefixIndex, PrefixIndexUnavailable, PrefixMatch,
-                                       check_batch, check_hashes, check_worker, sort_matches)
+from cluster.prefix_index.base import (
+    IndexNamespace,
+    PrefixIndex,
+    PrefixIndexUnavailable,
+    PrefixMatch,
+    check_batch,
+    check_hashes,
+    check_worker,
+    sort_matches,
+)
 from engine.block_hash import BLOCK_HASH_BYTES, BlockHash
 from engine.block_pool import BlockStored, IntegrityError
 

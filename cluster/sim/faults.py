@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class FaultHandler:
-    def __init__(self, sim: "Simulation"):
+    def __init__(self, sim: Simulation):
         self.sim = sim
         self.dead: set[tuple[str, int]] = set()  # (pool, index): "front" (prefill / colocated) or "decode"
         self.parked: deque[SimSeq] = deque()  # requests waiting for a pool to have a live worker
@@ -36,7 +36,7 @@ class FaultHandler:
     def decode_dead(self, seq: SimSeq) -> bool:
         return bool(self.sim.decode) and ("decode", seq.decode_worker) in self.dead
 
-    def on_fault(self, fault: "Fault", _) -> None:
+    def on_fault(self, fault: Fault, _) -> None:
         sim = self.sim
         pool_name = "decode" if fault.role == "decode" else "front"
         pool = sim.decode if pool_name == "decode" else sim.front

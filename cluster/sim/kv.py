@@ -43,7 +43,8 @@ class PrefixPool:
             return []
         hits = []
         for key in keys[:max(prompt_tokens - 1, 0) // self.block_tokens]:
-            block_id = self.pool.lookup(key)
+            # The engine's pool only hashes and compares keys; the simulator's are its own (not BlockHash).
+            block_id = self.pool.lookup(key)  # type: ignore[arg-type]
             if block_id is None:
                 break
             hits.append(block_id)
@@ -63,7 +64,7 @@ class PrefixPool:
         if not self.caching:
             return
         for i in range(first, min(upto, len(keys))):
-            self.pool.mark_cached(table[i], keys[i], (), parent_hash=keys[i - 1] if i else None)
+            self.pool.mark_cached(table[i], keys[i], (), parent_hash=keys[i - 1] if i else None)  # type: ignore[arg-type]  # as in match
 
     def release(self, table: Sequence[int]) -> None:
         """Tail first, as the engine frees a sequence: its last blocks are evicted first."""

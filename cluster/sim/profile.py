@@ -95,10 +95,11 @@ class Profile:
 
     def step_cost(self, tp: int) -> StepCost:
         if tp not in self.steps:
-            raise ValueError(f"the profile has no step cost for tensor-parallel size {tp}; it has {list(self.tp_sizes)}")
+            raise ValueError(f"the profile has no step cost for tensor-parallel size {tp}; "
+                             f"it has {list(self.tp_sizes)}")
         return self.steps[tp]
 
-    def with_overheads(self, overheads: Overheads) -> "Profile":
+    def with_overheads(self, overheads: Overheads) -> Profile:
         return replace(self, overheads=overheads)
 
     def to_dict(self) -> dict:
@@ -110,7 +111,7 @@ class Profile:
                 "overheads": self.overheads.to_dict(), "source": dict(self.source)}
 
     @staticmethod
-    def from_dict(raw: dict) -> "Profile":
+    def from_dict(raw: dict) -> Profile:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ValueError(f"format: not a splitserve profile (expected format {FORMAT!r})")
         try:
@@ -136,7 +137,7 @@ class Profile:
         return path
 
     @staticmethod
-    def load(path: str | Path) -> "Profile":
+    def load(path: str | Path) -> Profile:
         try:
             raw = json.loads(Path(path).read_text())
         except OSError as err:

@@ -18,8 +18,8 @@ import dataclasses
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from cluster.config import PoolConfig
 from cluster.sim.profile import ModelFacts, Overheads, Profile, Transfer
@@ -46,7 +46,7 @@ class Grid:
     knots: tuple[int, ...] = DEFAULT_KNOTS
 
     @staticmethod
-    def quick() -> "Grid":
+    def quick() -> Grid:
         """A small grid for tests and smoke runs (seconds on a tiny model)."""
         return Grid((8, 32, 128, 512), (0, 128), (1, 4, 16), (32, 128), 2, (1, 4, 16, 128, 512))
 

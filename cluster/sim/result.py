@@ -16,7 +16,7 @@ import numpy as np
 
 
 class SimRecord(NamedTuple):
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index; only ever read as a field
     arrival_s: float
     send_s: float
     prompt_tokens: int
@@ -37,7 +37,7 @@ class SimRecord(NamedTuple):
 
     @property
     def tpot_s(self) -> float | None:
-        if not self.ok or self.output_tokens < 2:
+        if not self.ok or self.output_tokens < 2 or self.first_token_s is None or self.last_token_s is None:
             return None
         return (self.last_token_s - self.first_token_s) / (self.output_tokens - 1)
 
@@ -48,7 +48,8 @@ class SimRecord(NamedTuple):
     def met(self, ttft_slo_s: float | None, tpot_slo_s: float | None) -> bool:
         if not self.ok:
             return False
-        if ttft_slo_s is not None and self.ttft_s > ttft_slo_s:
+        ttft_s = self.ttft_s
+        if ttft_slo_s is not None and ttft_s is not None and ttft_s > ttft_slo_s:
             return False
         tpot = self.tpot_s
         return tpot_slo_s is None or tpot is None or tpot <= tpot_slo_s
@@ -107,6 +108,6 @@ class SimResult:
             slo_attainment=met / len(measured) if measured else None,
             goodput_per_s=met / duration if duration > 0 else None,
             throughput_per_s=len(done) / duration if duration > 0 else None,
-            ttft_ms=percentiles_ms([r.ttft_s for r in done]),
+            ttft_ms=percentiles_ms([r.ttft_s for r in done if r.ttft_s is not None]),  # all set when ok
             tpot_ms=percentiles_ms([r.tpot_s for r in done if r.tpot_s is not None]),
             prefix_hit_rate=sum(r.cached_tokens for r in done) / prompt if prompt else None)

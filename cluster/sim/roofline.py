@@ -60,7 +60,8 @@ class ModelShape:
 
     @property
     def body_params(self) -> int:
-        attention = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
+        attention = (self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+                     + self.heads * self.head_dim * self.hidden)
         return self.layers * (attention + 3 * self.hidden * self.intermediate)
 
     @property

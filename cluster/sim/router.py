@@ -119,7 +119,7 @@ class SimRouter:
                 if self.queued.alive[worker]:
                     uncached = max(prompt_tokens - blocks * self.block_tokens, 1)
                     best = min(best, (queued[worker] + uncached, -blocks, worker))
-        cost, neg_blocks, worker = best
+        _, neg_blocks, worker = best
         return worker, max(prompt_tokens + neg_blocks * self.block_tokens, 1)
 
     def choose_decode(self) -> int | None:

@@ -53,7 +53,7 @@ class Simulation:
         self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
         self.decode = [self.new_worker("decode", i) for i in range(config.decode)]
         self.sender_free_s = [0.0] * prefill_pool  # each prefill worker sends one hand-off at a time
-        self.reserve_waiting = [deque() for _ in self.decode]  # hand-offs waiting for decode room
+        self.reserve_waiting: list[deque] = [deque() for _ in self.decode]  # hand-offs waiting for decode room
         self.faults = FaultHandler(self)
         self.client_queue: deque[SimSeq] = deque()
         self.active: set[SimSeq] = set()  # sent, not ended (faults find the requests a death touches)
@@ -67,6 +67,7 @@ class Simulation:
     def new_worker(self, role: str, index: int) -> SimWorker:
         profile, config = self.profile, self.config
         cost = profile.step_cost(config.tp if role != "prefill" else 1).plus_step_s(profile.overheads.step_s)
+        kv: BlockCounter | PrefixPool
         if role == "decode":
             kv = BlockCounter((config.decode_kv_tokens or profile.kv_capacity_tokens[config.tp]) // self.block_tokens)
         else:
@@ -135,7 +136,9 @@ class Simulation:
         chunk = self.config.limits.prefill_chunk_tokens
         rate = chunk / cost.seconds(chunk, 1, chunk * (chunk + 1) / 2)  # tokens per second, one chunk a step
         queued = self.router.queued.values[worker] + uncached
-        return queued / rate + self.over.route_s + self.over.first_token_s <= self.config.ttft_slo_s
+        slo_s = self.config.ttft_slo_s
+        assert slo_s is not None, "SimConfig: ttft admission needs ttft_slo_s"
+        return queued / rate + self.over.route_s + self.over.first_token_s <= slo_s
 
     def route(self, seq: SimSeq) -> None:
         """Books the request on a prefill worker (and decode instance) and queues it there."""

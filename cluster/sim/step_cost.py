@@ -20,8 +20,9 @@ an arithmetic progression: the simulator advances whole runs in closed form.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class StepCost:
         return (self.dense(tokens) + self.per_seq_s * seqs + self.prefill_pair_s * prefill_pairs
                 + self.decode_context_s * decode_context)
 
-    def plus_step_s(self, extra_s: float) -> "StepCost":
+    def plus_step_s(self, extra_s: float) -> StepCost:
         """The same cost with `extra_s` more on every step (a cluster worker's own per-step overhead)."""
         return StepCost(self.knots_tokens, tuple(v + extra_s for v in self.dense_s), self.per_seq_s,
                         self.prefill_pair_s, self.decode_context_s) if extra_s else self
@@ -76,7 +77,7 @@ class StepCost:
                 "decode_context_ns": self.decode_context_s * 1e9}
 
     @staticmethod
-    def from_dict(raw: dict, where: str) -> "StepCost":
+    def from_dict(raw: dict, where: str) -> StepCost:
         try:
             return StepCost(tuple(int(k) for k in raw["knots_tokens"]), tuple(v / 1e3 for v in raw["dense_ms"]),
                             raw["per_seq_ms"] / 1e3, raw["prefill_pair_ns"] / 1e9, raw["decode_context_ns"] / 1e9)
@@ -114,7 +115,7 @@ def _row(sample: StepSample, knots: tuple[int, ...]) -> list[float]:
     i = min(max(bisect.bisect_right(knots, t) - 1, 0), len(knots) - 2)
     w = (t - knots[i]) / (knots[i + 1] - knots[i])
     hats[i], hats[i + 1] = 1.0 - w, w
-    return hats + [sample.seqs, sample.prefill_pairs, sample.decode_context]
+    return [*hats, sample.seqs, sample.prefill_pairs, sample.decode_context]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:

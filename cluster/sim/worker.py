@@ -132,7 +132,9 @@ class SimWorker:
     def finish_run(self) -> tuple[list[SimSeq], list[SimSeq]]:
         """Applies the current run; returns (sequences whose prompt completed, sequences finished).
         The caller plans the next run (`plan`) after handling them."""
-        run, now_s = self.run, self.run.end_s()
+        run = self.run
+        assert run is not None, "finish_run() ends a run"
+        now_s = run.end_s()
         self.run = None
         k = run.steps
         self.busy_s += now_s - run.start_s

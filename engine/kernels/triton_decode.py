@@ -71,7 +71,7 @@ def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, acc_ptr,
         # exp(-inf) = 0; the first tile always holds a token, so the running max is finite). No
         # run-time bound or guard: the loop stays software-pipelined, and Triton's CPU interpreter
         # (the CPU tests) cannot bound a loop by a loaded value.
-        for t in range(0, TILES_PER_SPLIT):
+        for t in range(TILES_PER_SPLIT):
             tokens = first + t * TILE + tl.arange(0, TILE)
             valid = tokens < context_len
             page = tl.load(tables_ptr + seq * table_width + tokens // BLOCK_SIZE, mask=valid, other=0)
@@ -83,7 +83,7 @@ def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, acc_ptr,
             if QUANTIZED:
                 k = k.to(tl.float32) * tl.load(ks_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
                 v = v.to(tl.float32) * tl.load(vs_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
-            if IEEE:
+            if IEEE:  # noqa: SIM108 - Triton JIT code: a constexpr if compiles only its branch
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 scores = tl.dot(q, tl.trans(k))
@@ -143,7 +143,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
         block_tables, context_lens, partial, maxes, sums,
         scale, block_tables.shape[1], num_heads, plan.num_splits, k_cache.stride(0),
-        k_scale.stride(0) if quantized else 0, TILES_PER_SPLIT=plan.tiles_per_split, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, block_d),
+        k_scale.stride(0) if k_scale is not None else 0, TILES_PER_SPLIT=plan.tiles_per_split, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, block_d),
         BLOCK_SIZE=block_size, TILE=TILE_TOKENS, QUANTIZED=quantized,
         IEEE=quantized or q.dtype == torch.float32, num_warps=4)
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)

@@ -22,8 +22,8 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, n_cols, x_row_stride, eps, BLOCK: tl.conste
     variance = tl.sum(x * x, axis=0) / n_cols
     normed = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)  # HF casts before the gain
     weight = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n_cols + cols, (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * n_cols + cols,
+             (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

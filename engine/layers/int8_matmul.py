@@ -12,7 +12,8 @@ Backends, first match wins (measured in benchmarks/int8_matmul.py, README):
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F

@@ -31,7 +31,8 @@ class ColumnParallelLinear(nn.Module):
         self.method.create_weights(self, self.output_size_local, input_size, dtype)
         self.bias = _param(self.output_size_local, dtype=dtype) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
+            # The loader rides on the Parameter (model_loader calls it); torch does not declare the attribute.
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
@@ -102,7 +103,7 @@ class RowParallelLinear(nn.Module):
         self.method.create_weights(self, output_size, self.input_size_local, dtype)
         self.bias = _param(output_size, dtype=dtype) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = lambda param, loaded, shard_id=None: param.data.copy_(loaded)
+            self.bias.weight_loader = lambda param, loaded, shard_id=None: param.data.copy_(loaded)  # type: ignore[attr-defined]  # as above
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[1]

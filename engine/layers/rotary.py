@@ -40,6 +40,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers [max_positions, head_dim], registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim)
@@ -54,7 +57,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x2, x1): written per half, which is the
         same arithmetic element by element without building the rotated copy. On CUDA, one fused kernel."""
         if x.is_cuda:

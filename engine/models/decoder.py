@@ -17,8 +17,8 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_storage import KVCacheStorage, LayerKV
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from engine.layers.quantization import linear_method
 from engine.layers.norm import RMSNorm
+from engine.layers.quantization import linear_method
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 
@@ -55,9 +55,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)
+        q, k = RotaryEmbedding.rotate(q, *rope), RotaryEmbedding.rotate(k, *rope)
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
 
 

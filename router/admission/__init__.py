@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause
 from router.admission.config import ADMISSION_POLICIES, AdmissionConfig, PrioritySlo, Slo
-from router.admission.cost_model import (DecodeCostModel, DecodeStepFit, ObservedTtftFit, ObservedTtftModel,
-                                         PrefillCostModel, PrefillTimeFit, TransferCostModel, TransferTimeFit)
+from router.admission.cost_model import (
+    DecodeCostModel,
+    DecodeStepFit,
+    ObservedTtftFit,
+    ObservedTtftModel,
+    PrefillCostModel,
+    PrefillTimeFit,
+    TransferCostModel,
+    TransferTimeFit,
+)
 from router.admission.policies import AlwaysAdmitPolicy, ThresholdPolicy
 from router.admission.predictive import PredictivePolicy
 from router.admission.predictor import Prediction, predict
@@ -35,9 +43,36 @@ def policy_from_config(config: AdmissionConfig) -> AdmissionPolicy:
     return make_admission_policy(config.policy, config=config)
 
 
-__all__ = ["ADMISSION_POLICIES", "POLICIES", "AdmissionConfig", "AdmissionDecision", "AdmissionPolicy",
-           "AdmissionRequest", "AlwaysAdmitPolicy", "Cause", "ClusterView", "DecodeCostModel",
-           "DecodeInstanceView", "DecodeStep", "DecodeStepFit", "ObservedTtftFit", "ObservedTtftModel",
-           "PredictivePolicy", "Prediction", "PrefillCostModel", "PrefillStep", "PrefillTimeFit", "PrioritySlo",
-           "RunningRequest", "Slo", "ThresholdPolicy", "TransferCostModel", "TransferStep", "TransferTimeFit",
-           "TtftSample", "make_admission_policy", "policy_from_config", "predict"]
+__all__ = [
+    "ADMISSION_POLICIES",
+    "POLICIES",
+    "AdmissionConfig",
+    "AdmissionDecision",
+    "AdmissionPolicy",
+    "AdmissionRequest",
+    "AlwaysAdmitPolicy",
+    "Cause",
+    "ClusterView",
+    "DecodeCostModel",
+    "DecodeInstanceView",
+    "DecodeStep",
+    "DecodeStepFit",
+    "ObservedTtftFit",
+    "ObservedTtftModel",
+    "Prediction",
+    "PredictivePolicy",
+    "PrefillCostModel",
+    "PrefillStep",
+    "PrefillTimeFit",
+    "PrioritySlo",
+    "RunningRequest",
+    "Slo",
+    "ThresholdPolicy",
+    "TransferCostModel",
+    "TransferStep",
+    "TransferTimeFit",
+    "TtftSample",
+    "make_admission_policy",
+    "policy_from_config",
+    "predict",
+]

@@ -88,9 +88,9 @@ class AdmissionPolicy(ABC):
         needed = view.blocks_needed(request)
         waits = [time_until_blocks_free_s(d.running, view.decode_fit, d.kv_blocks_free, d.kv_blocks_total,
                                           view.block_size_tokens, needed) for d in view.decode_instances]
-        waits = [w for w in waits if w is not None]
+        known = [w for w in waits if w is not None]
         return reject(Cause.KV_BLOCKS, f"no decode instance has the {needed} free KV blocks the request needs",
-                      self.retry_after(min(waits)) if waits else None)
+                      self.retry_after(min(known)) if known else None)
 
 
 def admit(reason: str, prediction: Prediction | None = None) -> AdmissionDecision:

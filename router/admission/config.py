@@ -98,7 +98,7 @@ class AdmissionConfig:
         return raw
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "AdmissionConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> AdmissionConfig:
         """From plain data (YAML / JSON); `priority_slos` maps priority → {ttft_ms, tpot_ms}."""
         _check(isinstance(raw, dict), "", "must be a mapping")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause, admit, ms, reject
 from router.admission.decode_projection import time_until_step_within_s
-from router.admission.predictor import (TpotPrediction, TtftPrediction, best_decode, best_prefill, combine,
-                                        decode_candidates, ttft_alone_s)
+from router.admission.predictor import (
+    TpotPrediction,
+    TtftPrediction,
+    best_decode,
+    best_prefill,
+    combine,
+    decode_candidates,
+    ttft_alone_s,
+)
 from router.admission.view import AdmissionRequest, ClusterView
 
 
@@ -32,6 +39,7 @@ class PredictivePolicy(AdmissionPolicy):
             return missing
         slo = self.slo(request)
         ttft = best_prefill(request, view)
+        assert ttft is not None, "no_workers() above"
         alone_s = ttft_alone_s(request, view)
         allowed_s, rule = self._allowance(alone_s, slo.ttft_ms, request.priority)
         if alone_s > allowed_s:
@@ -68,7 +76,8 @@ class PredictivePolicy(AdmissionPolicy):
         # is a new send: the time this one waited before the router does not recur).
         behind = f"waiting behind the prefill queued on {ttft.worker_id}"
         if ttft.waited_s > 0:
-            parts = f"{ms(ttft.waited_s)} of it spent before reaching the router, {ms(ttft.queue_s - ttft.waited_s)} {behind}"
+            parts = (f"{ms(ttft.waited_s)} of it spent before reaching the router, "
+                     f"{ms(ttft.queue_s - ttft.waited_s)} {behind}")
         else:
             parts = f"{ms(ttft.queue_s)} of it {behind}"
         return reject(Cause.TTFT, f"predicted TTFT {ms(ttft.ttft_s)} ({parts}) exceeds {rule}",

@@ -18,8 +18,13 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from router.admission.cost_model import (OBSERVED_TTFT_PRIOR, DecodeStepFit, ObservedTtftFit, PrefillTimeFit,
-                                         TransferTimeFit)
+from router.admission.cost_model import (
+    OBSERVED_TTFT_PRIOR,
+    DecodeStepFit,
+    ObservedTtftFit,
+    PrefillTimeFit,
+    TransferTimeFit,
+)
 from router.routing.base import WorkerLoad
 
 
@@ -50,7 +55,7 @@ class AdmissionRequest:
 
     @classmethod
     def from_router_request(cls, request, num_cached_tokens_expected: int = 0,
-                            waited_s: float = 0.0) -> "AdmissionRequest":
+                            waited_s: float = 0.0) -> AdmissionRequest:
         """From a `router.validation.RouterRequest` (duck-typed: only its fields are read)."""
         return cls(len(request.prompt_token_ids), num_cached_tokens_expected, request.params.max_tokens,
                    request.ttft_ms, request.tpot_ms, request.priority, waited_s)

@@ -20,7 +20,7 @@ def render_chat(messages, tokenizer, add_generation_prompt: bool = True) -> str:
     conversation = [_message(m, i) for i, m in enumerate(_messages(messages))]
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as err:  # the template's own checks (e.g. roles must alternate) raise from Jinja
+    except Exception as err:  # noqa: BLE001 - the template's own checks (e.g. roles must alternate) raise from Jinja
         _fail("messages", f"the model's chat template rejected the conversation: {err}")
     if not isinstance(text, str):
         _fail("messages", "the model's chat template did not render to text")

@@ -8,7 +8,7 @@ iterator (`contextlib.aclosing`) so that leaving early (client gone, error) canc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from router.openai.parse import ApiRequest
@@ -18,7 +18,7 @@ _DONE = object()
 
 
 async def run_choices(service: RouterService, api: ApiRequest, deadline_s: float | None,
-                      waited_s: float) -> AsyncIterator[tuple[int, RouterOutput]]:
+                      waited_s: float) -> AsyncGenerator[tuple[int, RouterOutput], None]:
     if len(api.choices) == 1:
         async with aclosing(service.generate(api.choices[0].request, deadline_s, waited_s)) as outputs:
             async for output in outputs:
@@ -31,7 +31,7 @@ async def run_choices(service: RouterService, api: ApiRequest, deadline_s: float
             async with aclosing(service.generate(api.choices[position].request, deadline_s, waited_s)) as outputs:
                 async for output in outputs:
                     queue.put_nowait((position, output))
-        except Exception as err:  # handed to the reader, which raises it in the handler's task
+        except Exception as err:  # noqa: BLE001 - handed to the reader, which raises it in the handler's task
             queue.put_nowait((position, err))
             return
         queue.put_nowait((position, _DONE))

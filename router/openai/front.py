@@ -18,6 +18,7 @@ aiohttp was measured against uvicorn (bare ASGI and Starlette) and grpc.aio: ben
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -49,12 +50,13 @@ class HttpFront:
         self._expected = f"Bearer {token}".encode() if token else None
         self._serving = True
         self.runner: web.AppRunner | None = None
-        self.host, self.port, self.uds, self.scheme = "", 0, None, "http"
+        self.host, self.port, self.scheme = "", 0, "http"
+        self.uds: str | None = None
 
     @classmethod
     async def start(cls, service: RouterService, *, host: str, port: int | None, uds: str | None = None,
                     token: str | None = None, model_names: tuple[str, ...],
-                    ssl_context: ssl.SSLContext | None = None) -> "HttpFront":
+                    ssl_context: ssl.SSLContext | None = None) -> HttpFront:
         """Serves on host:port (0: the OS picks; None: no TCP) and/or the unix socket `uds`; HTTPS on both
         when `ssl_context` is given (the router's TLS keys, as for gRPC)."""
         front = cls(service, Context(service.limits, service.tokenizer, model_names), token)
@@ -84,6 +86,8 @@ class HttpFront:
         """Stops accepting, lets requests in flight finish for `grace_s`, then cancels the rest."""
         self._serving = False
         runner = self.runner
+        if runner is None:  # never started
+            return
         for site in list(runner.sites):
             await site.stop()
         if runner.server is not None:
@@ -138,7 +142,7 @@ class HttpFront:
             if api.stream:
                 return await self._stream(request, api, deadline_s, waited_s, prompt_field)
             return await self._whole(api, deadline_s, waited_s)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - every error becomes an HTTP error (_failed classifies and logs)
             return self._error_response(self._failed(err, prompt_field))
 
     async def _whole(self, api: ApiRequest, deadline_s, waited_s) -> web.Response:
@@ -156,10 +160,9 @@ class HttpFront:
             first = await anext(iterator)  # a failure here is still a status
             response = web.StreamResponse(headers=_SSE_HEADERS)
             await response.prepare(request)
-            try:
+            # The client left between writes: closing `outputs` aborts the rest.
+            with contextlib.suppress(ConnectionError):
                 await self._events(response, renderer, first, iterator, prompt_field)
-            except ConnectionError:  # the client left between writes; closing `outputs` aborts the rest
-                pass
         return response
 
     async def _events(self, response: web.StreamResponse, renderer: Renderer, first, iterator,
@@ -172,7 +175,7 @@ class HttpFront:
                 await response.write(renderer.usage_event())
         except ConnectionError:
             raise
-        except Exception as err:  # after the 200: an error event, then the usual end
+        except Exception as err:  # noqa: BLE001 - after the 200: an error event, then the usual end
             await response.write(self._failed(err, prompt_field).event)
         await response.write(DONE_EVENT)
         await response.write_eof()

@@ -13,12 +13,24 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from engine.errors import InvalidRequestError
 from router.openai.chat_template import render_chat
-from router.validation import (ModelLimits, RouterRequest, check_priority, check_request_id, check_slo_ms,
-                               check_tenant, sampling_params, text_prompt, token_prompt)
+from router.validation import (
+    ModelLimits,
+    RouterRequest,
+    check_priority,
+    check_request_id,
+    check_slo_ms,
+    check_tenant,
+    sampling_params,
+    text_prompt,
+    token_prompt,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_CHOICES = 256  # prompts x n in one body
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -58,10 +70,12 @@ class Context:
     """What parsing needs from the router: the model's limits, its tokenizer and its served name."""
 
     limits: ModelLimits
-    tokenizer: object | None
+    tokenizer: PreTrainedTokenizerBase | None
     model_names: tuple[str, ...]  # the first is the name responses carry
 
     def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            _fail("prompt", "the served model has no tokenizer; send token ids")
         return self.tokenizer.encode(text, add_special_tokens=True)
 
 
@@ -89,7 +103,9 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     model = _model(body, context)
     add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
     text = render_chat(body.get("messages"), context.tokenizer, add_generation_prompt)
-    tokens = text_prompt(text, context.limits, lambda t: context.tokenizer.encode(t, add_special_tokens=False),
+    tokenizer = context.tokenizer
+    assert tokenizer is not None, "render_chat refuses a model without one"
+    tokens = text_prompt(text, context.limits, lambda t: tokenizer.encode(t, add_special_tokens=False),
                          "messages")
     names = {}
     max_tokens = body.get("max_completion_tokens")
@@ -124,7 +140,7 @@ def _api_request(kind: str, model: str, body: dict, context: Context, prompts, v
     request_id = check_request_id(request_id or uuid.uuid4().hex, "X-Request-Id")
     extras = _extras(body)
     choices = []
-    for prompt_index, ((text, tokens), echo) in enumerate(zip(prompts, echoes)):
+    for prompt_index, ((text, tokens), echo) in enumerate(zip(prompts, echoes, strict=True)):
         for choice in range(params.n):
             index = prompt_index * params.n + choice
             request = RouterRequest(f"{request_id}-{index}", tokens, params.for_choice(choice), *extras,
@@ -148,7 +164,7 @@ def _completion_prompts(prompt, context: Context) -> list[tuple[str | None, tupl
         if bad is not None:
             _fail(f"prompt[{bad}]", "token ids must be integers")
         return [(None, token_prompt(tuple(prompt), context.limits, "prompt"))]
-    out = []
+    out: list[tuple[str | None, tuple[int, ...]]] = []
     for i, item in enumerate(prompt):
         field = f"prompt[{i}]"
         if isinstance(item, str):
@@ -170,7 +186,7 @@ def _sampling_values(body: dict, max_tokens, logprobs: int | None) -> dict:
     return values
 
 
-def _extras(body: dict) -> tuple:
+def _extras(body: dict) -> tuple[int, str, float | None, float | None]:
     """splitserve's own fields, in RouterRequest order: priority, tenant, ttft_ms, tpot_ms."""
     priority = check_priority(body.get("priority", 0) if body.get("priority") is not None else 0)
     tenant = check_tenant(body.get("tenant") or "")
@@ -198,7 +214,9 @@ def _model(body: dict, context: Context) -> str:
 def _prompt_text(text: str | None, tokens: tuple[int, ...], context: Context) -> str:
     if text is not None:
         return text
-    return context.tokenizer.decode(list(tokens), skip_special_tokens=True) if context.tokenizer else ""
+    if context.tokenizer is None:
+        return ""
+    return cast(str, context.tokenizer.decode(list(tokens), skip_special_tokens=True))  # one sequence: one str
 
 
 def _object(value, field: str = "body") -> dict:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from router.openai.parse import ApiRequest, Choice
 from router.service import RouterOutput
+from router.stream_state import Usage
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -28,7 +30,7 @@ class ChoiceState:
         self.logprobs: list = []  # rendered entries
         self.text_offset = len(choice.echo or "")
         self.finish_reason: str | None = None
-        self.usage = None  # router.stream_state.Usage, from the last output
+        self.usage: Usage | None = None  # from the last output
         self.started = False
 
 
@@ -76,7 +78,7 @@ class Renderer:
         choices = []
         for state in self.states:
             text = "".join(state.texts)
-            choice = {"index": state.choice.index}
+            choice: dict[str, Any] = {"index": state.choice.index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -116,8 +118,8 @@ class Renderer:
         return {"content": state.logprobs} if self.chat else _completion_logprobs(state.logprobs)
 
     def _logprob_entries(self, state: ChoiceState, output: RouterOutput) -> list:
-        entries = []
-        for token_id, lp in zip(output.token_ids, output.logprobs):
+        entries: list[Any] = []  # chat: dicts; completions: tuples, folded later
+        for token_id, lp in zip(output.token_ids, output.logprobs, strict=False):
             if lp is None:
                 continue
             token = self._token_text(token_id)

@@ -18,5 +18,15 @@ def make_policy(name: str, index=None) -> RoutingPolicy:
     return POLICIES[name](index)
 
 
-__all__ = ["NoWorkersError", "RouteDecision", "RouteQuery", "RoutingPolicy", "WorkerLoad", "make_policy",
-           "POLICIES", "CacheAwarePolicy", "PrefixHashPolicy", "RoundRobinPolicy"]
+__all__ = [
+    "POLICIES",
+    "CacheAwarePolicy",
+    "NoWorkersError",
+    "PrefixHashPolicy",
+    "RoundRobinPolicy",
+    "RouteDecision",
+    "RouteQuery",
+    "RoutingPolicy",
+    "WorkerLoad",
+    "make_policy",
+]

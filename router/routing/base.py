@@ -53,7 +53,7 @@ class RoutingPolicy(ABC):
     async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
         """One worker of `workers` for this prompt (see the module contract)."""
 
-    def check_integrity(self) -> None:
+    def check_integrity(self) -> None:  # noqa: B027 - a default on purpose: stateless policies override nothing
         """Raises AssertionError if internal state is inconsistent; stateless policies have none."""
 
 

@@ -38,7 +38,7 @@ class CacheAwarePolicy(RoutingPolicy):
             return min(self._score(query, w, 0, rank[w.worker_id]) for w in workers)[-1]
         try:
             matches = await self.index.match(query.block_hashes)
-        except Exception as err:  # an unreachable index degrades routing, never the request
+        except Exception as err:  # noqa: BLE001 - an unreachable index degrades routing, never the request
             self.index_failures += 1
             if not self._degraded:
                 log.warning("prefix index unavailable (%s); routing by prefix_hash until it returns", err)
