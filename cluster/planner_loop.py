@@ -130,10 +130,10 @@ class PlannerLoop:
                 self.pending.remove(removal)
 
     def status(self) -> dict:
-        return {"pools": self.pools._asdict(), "rounds": [r._replace(observation=r.observation._asdict(),
-                                                                      current=r.current._asdict(),
-                                                                      decision=r.decision and r.decision._asdict())
-                                                           ._asdict() for r in self.rounds],
+        return {"pools": self.pools._asdict(), "rounds": [{**r._asdict(), "observation": r.observation._asdict(),
+                                                           "current": r.current._asdict(),
+                                                           "decision": r.decision and r.decision._asdict()}
+                                                          for r in self.rounds],
                 "pending_removals": [p._asdict() for p in self.pending]}
 
 
@@ -145,7 +145,7 @@ async def _hostnames(slots) -> tuple[str, ...]:
              for slot in slots for rank in (slot.ranks or ())]
     try:
         names = await asyncio.wait_for(asyncio.gather(*calls), 10.0)
-    except Exception:  # a rank already gone: KubeRay then removes nothing for it, the pod idles
+    except Exception:  # noqa: BLE001 - a rank already gone: KubeRay then removes nothing for it, the pod idles
         log.warning("planner: could not ask every leaving worker for its pod")
         return ()
     return tuple(sorted(set(names)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import torch
 
@@ -20,7 +20,9 @@ from engine.kv_storage import KVCacheStorage
 from engine.model_loader import load_model
 from engine.models.decoder import Attention
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
-from engine.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence as EngineSequence
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,30 @@ class StepInput:
                        logits_indices=move(self.logits_indices))
 
 
-def order_chunks(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
+class StepChunk(Protocol):
+    """What `build_step_input` reads of a chunk (see its docstring)."""
+
+    @property
+    def seq(self) -> EngineSequence: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def input_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_logits_rows(self) -> int: ...
+
+
+ChunkT = TypeVar("ChunkT", bound=StepChunk)
+
+
+def order_chunks(chunks: Sequence[ChunkT]) -> list[ChunkT]:
     """Single-token chunks first (the batched decode path), then multi-token chunks."""
     return [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens > 1]
 
 
-def build_step_input(chunks: Sequence[ScheduledChunk], block_table: Callable[[str], Sequence[int]],
+def build_step_input(chunks: Sequence[StepChunk], block_table: Callable[[str], Sequence[int]],
                      block_size: int) -> StepInput:
     """`chunks` must already be in `order_chunks` order. A chunk is anything with `seq`, `start`,
     `num_new_tokens`, `input_token_ids` and `num_logits_rows` (its last rows whose logits are

@@ -80,7 +80,7 @@ class AdaptiveSwitch:
         if bucket.steps_since_probe >= bucket.probe_interval:
             bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better
             return not better
-        return better
+        return bool(better)  # None (not measured both ways yet): no
 
     def observe(self, speculated: bool, num_decoding: int, duration_s: float, num_output_tokens: int) -> None:
         """A pure decode step ran: `speculated` (some sequence had drafts) or not, its wall time and the
