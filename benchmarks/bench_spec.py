@@ -28,12 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.model_runner import build_step_input
+from engine.sequence import Sequence
 from engine.speculative.draft_model import DraftChunk
 
 
@@ -63,10 +65,10 @@ def repeat_workload(llm: LLM, count: int, text_tokens: int, seed: int) -> list[l
     texts = [torch.randint(10, vocab, (text_tokens,), generator=generator).tolist() for _ in range(count)]
     params = SamplingParams(temperature=0.0, max_tokens=text_tokens, ignore_eos=True)
     continuations = [list(o.token_ids) for o in llm.generate(texts, params, use_tqdm=False)]
-    return [x + g + x for x, g in zip(texts, continuations)]
+    return [x + g + x for x, g in zip(texts, continuations, strict=True)]
 
 
-def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     before = llm.engine.spec.counters if llm.engine.spec is not None else None
     started_s = time.perf_counter()
@@ -89,7 +91,7 @@ def handoff_catch_up(llm: LLM, prompt_tokens: int, repeats: int = 3) -> dict:
     engine, prompt = llm.engine, list(range(10, 10 + prompt_tokens))
     engine.kv.allocate("handoff-probe", prompt_tokens)
     try:
-        chunk = DraftChunk(SimpleNamespace(seq_id="handoff-probe"), 0, prompt)
+        chunk = DraftChunk(cast(Sequence, SimpleNamespace(seq_id="handoff-probe")), 0, prompt)  # only seq_id is read
         step = build_step_input([chunk], engine.kv.block_table, engine.config.block_size)
         timed = {}
         for name, runner in (("target_prefill_ms", engine.runner), ("draft_catch_up_ms", engine.spec.draft.runner)):
@@ -107,7 +109,7 @@ def handoff_catch_up(llm: LLM, prompt_tokens: int, repeats: int = 3) -> dict:
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else None
-    common = dict(progress=False, num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(args.batches))
+    common = {"progress": False, "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": max(args.batches)}
     plain = LLM(model_dir, **common)
     model_dir = Path(plain.config.model_dir)
     draft_dir = truncated_copy(model_dir, args.draft_layers, Path(tempfile.mkdtemp(prefix="spec-draft-")))
@@ -129,7 +131,7 @@ def run(args) -> dict:
             rows[name], tokens = measure(llm, prompts[:batch], args.max_tokens)
             reference = tokens if reference is None else reference
             rows[name]["exact"] = tokens == reference
-        for name, row in rows.items():
+        for row in rows.values():
             row["tpot_ratio"] = rows["plain"]["tpot_ms"] / row["tpot_ms"]  # > 1: lower TPOT than plain
             row["throughput_ratio"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
         results["batches"][batch] = rows

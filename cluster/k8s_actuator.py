@@ -16,6 +16,8 @@ The controller still decides which workers drain: KubeRay adds or removes pods, 
 """
 from __future__ import annotations
 
+from typing import cast
+
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -58,7 +60,8 @@ class RayClusterActuator:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: must be prefill or decode, got {role!r}")
         pods = replicas * (self.decode_ranks if role == "decode" else 1)
-        current = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        # The client types custom objects as `object`; the API returns the RayCluster as a dict.
+        current = cast(dict, self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name))
         patch = replicas_patch(current, role, pods, pods_to_delete)
         self.api.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, patch,
                                                 _content_type="application/json-patch+json")

@@ -68,7 +68,8 @@ class Planner:
         if obs.arrival_rate_per_s <= 0:
             return floor
         found = least_cost(self.profile, self._requests(obs, rate_scale), self.base, self.config.max_workers,
-                           self.config.attainment, floor=tuple(floor), ceiling=ceiling and tuple(ceiling))
+                           self.config.attainment, floor=(floor.prefill, floor.decode),
+                           ceiling=None if ceiling is None else (ceiling.prefill, ceiling.decode))
         return None if found is None else Pools(found.prefill, found.decode)
 
     def meets(self, obs: Observation, pools: Pools) -> bool:

@@ -130,10 +130,9 @@ class PlannerLoop:
                 self.pending.remove(removal)
 
     def status(self) -> dict:
-        return {"pools": self.pools._asdict(), "rounds": [r._replace(observation=r.observation._asdict(),
-                                                                      current=r.current._asdict(),
-                                                                      decision=r.decision and r.decision._asdict())
-                                                           ._asdict() for r in self.rounds],
+        rounds = [{**r._asdict(), "observation": r.observation._asdict(), "current": r.current._asdict(),
+                   "decision": r.decision and r.decision._asdict()} for r in self.rounds]
+        return {"pools": self.pools._asdict(), "rounds": rounds,
                 "pending_removals": [p._asdict() for p in self.pending]}
 
 
@@ -146,6 +145,6 @@ async def _hostnames(slots) -> tuple[str, ...]:
     try:
         names = await asyncio.wait_for(asyncio.gather(*calls), 10.0)
     except Exception:  # a rank already gone: KubeRay then removes nothing for it, the pod idles
-        log.warning("planner: could not ask every leaving worker for its pod")
+        log.warning("planner: could not ask every leaving worker for its pod", exc_info=True)
         return ()
     return tuple(sorted(set(names)))

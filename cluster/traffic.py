@@ -27,13 +27,13 @@ class TrafficCounts:
     output_tokens: int = 0  # over those finished requests
     slo_met: int = 0  # finished requests within the planner's TTFT and TPOT targets
 
-    def minus(self, other: "TrafficCounts") -> "TrafficCounts":
+    def minus(self, other: TrafficCounts) -> TrafficCounts:
         return TrafficCounts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
-    def plus(self, other: "TrafficCounts") -> "TrafficCounts":
+    def plus(self, other: TrafficCounts) -> TrafficCounts:
         return TrafficCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
-    def is_before(self, other: "TrafficCounts") -> bool:
+    def is_before(self, other: TrafficCounts) -> bool:
         """True when `other` could follow this one from the same router (no counter went down)."""
         return all(getattr(self, f.name) <= getattr(other, f.name) for f in fields(self))
 

@@ -31,8 +31,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput
-from engine.speculative.draft_model import speculative_draft_config
 from engine.parallel import BACKENDS, CollectiveError, TensorParallelGroup, new_process_group
+from engine.speculative.draft_model import speculative_draft_config
 from engine.step_wire import decode_step, encode_step
 from kvtransfer.store import connect_store
 

@@ -25,7 +25,7 @@ from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput, build_step_input, order_chunks
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.request_checks import check_new_request, check_resumed_outputs
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -123,8 +123,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(lookahead)
         if not scheduled.chunks:
             return self._fail_unschedulable()
-        chunks, drafts = list(scheduled.chunks), {}
-        if lookahead:
+        chunks = list(scheduled.chunks)
+        drafts: dict = {}  # seq id -> Drafts, when speculating
+        if lookahead and self.spec is not None:
             chunks, drafts = self.spec.propose(chunks, self.kv.block_table, self._sampling_row)
         chunks = order_chunks(chunks)
         # (tokens computed, sequences, KV tokens attended) of this step: the step log records it
@@ -148,9 +149,9 @@ class LLMEngine:
             if not chunk.samples:
                 self._mark_computed(chunk.seq, chunk.start + chunk.num_new_tokens)
         updates = []
-        for chunk, (tokens, logprobs) in zip(sampling, self._sample(sampling, logits, drafts)):
+        for chunk, (tokens, logprobs) in zip(sampling, self._sample(sampling, logits, drafts), strict=True):
             seq, reason, emitted = chunk.seq, None, []
-            for token, logprob in zip(tokens, logprobs):  # never past a stop: the rest is dropped
+            for token, logprob in zip(tokens, logprobs, strict=True):  # never past a stop: the rest is dropped
                 self._append_token(seq, token, logprob, now)
                 emitted.append(token)
                 reason = self.stops.check(seq, token)
@@ -161,7 +162,7 @@ class LLMEngine:
                 reason = FinishReason.HANDOFF
             if reason is not None:
                 self._finish(seq, reason)
-            elif chunk.num_lookahead_slots:
+            elif chunk.num_lookahead_slots and self.spec is not None:
                 self.spec.rollback(seq, self.kv.truncate)
             updates.append(SequenceUpdate(seq.seq_id, tuple(emitted), reason))
         return updates
@@ -170,8 +171,10 @@ class LLMEngine:
         rows = [self._sampling_row(c.seq, c.draft_token_ids[:j]) for c in chunks for j in range(c.num_logits_rows)]
         if self.spec is not None:
             return self.spec.sample(chunks, logits, rows, drafts)
-        result = self.sampler(logits, rows) if rows else None
-        return [([token], [logprob]) for token, logprob in zip(result.token_ids, result.logprobs)] if rows else []
+        if not rows:
+            return []
+        result = self.sampler(logits, rows)
+        return [([token], [logprob]) for token, logprob in zip(result.token_ids, result.logprobs, strict=True)]
 
     def _fail_unschedulable(self) -> list[SequenceUpdate]:
         # Nothing runs and the head of the queue still does not fit: it grew (prompt + output, after a

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 
@@ -20,7 +20,6 @@ from engine.kv_storage import KVCacheStorage
 from engine.model_loader import load_model
 from engine.models.decoder import Attention
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
-from engine.scheduler import ScheduledChunk
 
 
 @dataclass(frozen=True)
@@ -52,12 +51,35 @@ class StepInput:
                        logits_indices=move(self.logits_indices))
 
 
-def order_chunks(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
+class _HasSeqId(Protocol):
+    @property
+    def seq_id(self) -> str: ...
+
+
+class StepChunk(Protocol):
+    """What `build_step_input` reads of a chunk: a `ScheduledChunk`, or a draft model's chunk."""
+
+    @property
+    def seq(self) -> _HasSeqId: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def input_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_logits_rows(self) -> int: ...
+
+
+ChunkT = TypeVar("ChunkT", bound=StepChunk)
+
+
+def order_chunks(chunks: Sequence[ChunkT]) -> list[ChunkT]:
     """Single-token chunks first (the batched decode path), then multi-token chunks."""
     return [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens > 1]
 
 
-def build_step_input(chunks: Sequence[ScheduledChunk], block_table: Callable[[str], Sequence[int]],
+def build_step_input(chunks: Sequence[StepChunk], block_table: Callable[[str], Sequence[int]],
                      block_size: int) -> StepInput:
     """`chunks` must already be in `order_chunks` order. A chunk is anything with `seq`, `start`,
     `num_new_tokens`, `input_token_ids` and `num_logits_rows` (its last rows whose logits are

@@ -236,7 +236,7 @@ class RouterService:
         met = slo_met(ttft_s, state.tpot_s, request.ttft_ms, request.tpot_ms)
         metrics.observe_request("ok", met_slo=met, duration_s=state.duration_s, priority=request.priority)
         metrics.prompt_tokens(len(request.prompt_token_ids), state.cached_tokens)
-        self.traffic.finished(state.num_tokens, state.ttft_s, state.tpot_s)
+        self.traffic.finished(state.num_tokens, ttft_s, state.tpot_s)
 
     def _admit(self, request: RouterRequest) -> None:
         if request.request_id in self._running or self.client.is_active(request.request_id):

@@ -60,9 +60,9 @@ def _speculation(stats) -> dict:
     spec = stats.spec if stats is not None else None
     if spec is None:
         return {}
-    return dict(spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
-                spec_verify_steps=spec.sequence_steps, spec_acceptance_rate=spec.acceptance_rate,
-                spec_mean_accepted_length=spec.mean_accepted_length)
+    return {"spec_draft_tokens": spec.draft_tokens, "spec_accepted_tokens": spec.accepted_tokens,
+            "spec_verify_steps": spec.sequence_steps, "spec_acceptance_rate": spec.acceptance_rate,
+            "spec_mean_accepted_length": spec.mean_accepted_length}
 
 
 def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:

@@ -56,7 +56,7 @@ class TrafficReporter:
                                        max(interval_s, 1.0))
             except asyncio.CancelledError:
                 raise
-            except Exception as err:  # the next report carries these counts too
+            except Exception as err:  # noqa: BLE001 - the next report carries these counts too
                 log.warning("traffic report to the controller failed: %s", type(err).__name__)
 
     async def close(self) -> None:

@@ -76,6 +76,7 @@ class AdaptiveSwitch:
         if bucket.decided_before_probe is not None:  # a probe's steps have all been measured: judge it
             self._end_probe(bucket)
         better = bucket.better()
+        assert better is not None, "both modes have PROBE_STEPS samples here"
         bucket.steps_since_probe += 1
         if bucket.steps_since_probe >= bucket.probe_interval:
             bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better

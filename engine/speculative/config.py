@@ -45,7 +45,7 @@ class SpeculativeConfig:
             _check(self.model is None, "model", "only method draft_model takes a model")
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "SpeculativeConfig":
+    def from_dict(cls, raw: Any) -> SpeculativeConfig:
         """From plain data (the LLM keyword, YAML, Helm values); unknown keys fail by name."""
         if isinstance(raw, SpeculativeConfig):
             return raw

@@ -17,8 +17,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import replace
-from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -86,8 +87,10 @@ class SpeculativeDecoder:
         out = []
         plain = [i for i, chunk in enumerate(chunks) if not chunk.draft_token_ids]
         plain_rows = [offsets[i] for i in plain]
-        sampled = self.sampler(logits[plain_rows], [rows[r] for r in plain_rows]) if plain else None
-        plain_tokens = dict(zip(plain, zip(sampled.token_ids, sampled.logprobs))) if plain else {}
+        plain_tokens = {}
+        if plain:
+            sampled = self.sampler(logits[plain_rows], [rows[r] for r in plain_rows])
+            plain_tokens = dict(zip(plain, zip(sampled.token_ids, sampled.logprobs, strict=True), strict=True))
         for index, chunk in enumerate(chunks):
             start, count = offsets[index], chunk.num_logits_rows
             if index in plain_tokens:

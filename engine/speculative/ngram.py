@@ -8,7 +8,7 @@ which costs nothing (the sequence decodes as usual that step).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
