@@ -18,6 +18,7 @@ those slots with the same values.
 The draft runs unsharded on the engine's own process: in a tensor-parallel decode instance only rank 0
 (which schedules and samples) runs it; the other ranks never see it.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,12 +74,16 @@ def load_draft_model_config(config: EngineConfig, target: ModelConfig) -> ModelC
     draft_dir = _draft_dir(config)
     draft = load_model_config(draft_dir, config.dtype if config.dtype != "auto" else target.dtype)
     if draft.vocab_size != target.vocab_size:
-        raise UnsupportedModelError(f"speculative_config.model: the draft's vocab_size {draft.vocab_size} differs "
-                                    f"from the target's {target.vocab_size}; a draft needs the same vocabulary")
+        raise UnsupportedModelError(
+            f"speculative_config.model: the draft's vocab_size {draft.vocab_size} differs "
+            f"from the target's {target.vocab_size}; a draft needs the same vocabulary"
+        )
     mine, theirs = _tokenizer_vocab(draft_dir), _tokenizer_vocab(config.model_dir)
     if mine is not None and theirs is not None and mine != theirs:
-        raise UnsupportedModelError("speculative_config.model: the draft's tokenizer.json vocabulary differs from "
-                                    "the target's; a draft needs the same tokenizer")
+        raise UnsupportedModelError(
+            "speculative_config.model: the draft's tokenizer.json vocabulary differs from "
+            "the target's; a draft needs the same tokenizer"
+        )
     return draft
 
 
@@ -90,16 +95,28 @@ def _tokenizer_vocab(model_dir: str) -> dict | None:
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, draft_model: ModelConfig, max_model_len: int, num_blocks: int,
-                 sampler: Sampler, progress: bool = False):
-        self.runner = ModelRunner(draft_engine_config(config), draft_model, max_model_len, num_blocks,
-                                  SINGLE_RANK, progress)
+    def __init__(
+        self,
+        config: EngineConfig,
+        draft_model: ModelConfig,
+        max_model_len: int,
+        num_blocks: int,
+        sampler: Sampler,
+        progress: bool = False,
+    ):
+        self.runner = ModelRunner(
+            draft_engine_config(config), draft_model, max_model_len, num_blocks, SINGLE_RANK, progress
+        )
         self.block_size = config.block_size
         self.max_catch_up_tokens = config.prefill_chunk_tokens
         self.sampler = sampler
 
-    def propose(self, jobs: Seq[tuple[Sequence, int]], block_table: Callable[[str], Seq[int]],
-                sampling_row: Callable[[Sequence, Seq[int]], SamplingRow]) -> dict[str, Drafts]:
+    def propose(
+        self,
+        jobs: Seq[tuple[Sequence, int]],
+        block_table: Callable[[str], Seq[int]],
+        sampling_row: Callable[[Sequence, Seq[int]], SamplingRow],
+    ) -> dict[str, Drafts]:
         """Up to k drafts for each (sequence, k); `sampling_row(seq, drafts)` is the row sampling the
         token after `drafts`. The draft's KV slots must already be allocated (lookahead slots)."""
         jobs = self._catch_up_lagging(jobs, block_table)
@@ -124,9 +141,10 @@ class DraftModelProposer:
         lagging = [seq for seq, _ in jobs if seq.num_tokens - seq.num_draft_computed_tokens > cap]
         if not lagging:
             return list(jobs)
-        chunks = [DraftChunk(seq, seq.num_draft_computed_tokens,
-                             seq.token_ids[seq.num_draft_computed_tokens:][:cap], 0)
-                  for seq in lagging]
+        chunks = [
+            DraftChunk(seq, seq.num_draft_computed_tokens, seq.token_ids[seq.num_draft_computed_tokens :][:cap], 0)
+            for seq in lagging
+        ]
         self.runner.forward(build_step_input(order_chunks(chunks), block_table, self.block_size))
         for chunk in chunks:
             chunk.seq.num_draft_computed_tokens += chunk.num_new_tokens
