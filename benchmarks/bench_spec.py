@@ -115,7 +115,13 @@ def handoff_catch_up(llm: LLM, prompt_tokens: int, repeats: int = 3) -> dict:
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else None
-    common = {"progress": False, "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": max(args.batches)}
+    common = {
+        "progress": False,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_num_seqs": max(args.batches),
+        "device": args.device,
+        "dtype": args.dtype,
+    }
     plain = LLM(model_dir, **common)
     model_dir = Path(plain.config.model_dir)
     draft_dir = truncated_copy(model_dir, args.draft_layers, Path(tempfile.mkdtemp(prefix="spec-draft-")))
@@ -178,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (2 oversubscribes a shared 2-core box)")
     parser.add_argument("--handoff-prompt", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU machine)")
+    parser.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     results = run(args)
