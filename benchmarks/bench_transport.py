@@ -102,7 +102,9 @@ def _worker(role: str, host: str, port: int, cases: list[Case], reps: int, resul
     me, peer = ("bench-sender", "bench-receiver") if role == "send" else ("bench-receiver", "bench-sender")
     transport = TorchDistTransport(me, host, port, backend="gloo", connect_timeout_s=_TIMEOUT_S)
     raw = ProcessGroupGloo(
-        PrefixStore("bench/raw", connect_store(host, port)), 0 if role == "send" else 1, 2,
+        PrefixStore("bench/raw", connect_store(host, port)),
+        0 if role == "send" else 1,
+        2,
         datetime.timedelta(seconds=_TIMEOUT_S),
     )
     rows = []
@@ -152,10 +154,16 @@ def _print_table(rows: list[Row]) -> None:
     print("".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True)))
     for row in rows:
         case = row.case
-        cells = (case.dtype_name, f"{case.num_bytes / 2**20:.0f}", case.num_tensors, str(list(case.tensor_shape)),
-                 f"{row.transport_gb_s:.2f} / {row.transport_best_gb_s:.2f}",
-                 f"{row.raw_gb_s:.2f} / {row.raw_best_gb_s:.2f}", f"{row.transport_gb_s / row.raw_gb_s:.2f}",
-                 f"{row.transport_best_gb_s / row.raw_best_gb_s:.2f}")
+        cells = (
+            case.dtype_name,
+            f"{case.num_bytes / 2**20:.0f}",
+            case.num_tensors,
+            str(list(case.tensor_shape)),
+            f"{row.transport_gb_s:.2f} / {row.transport_best_gb_s:.2f}",
+            f"{row.raw_gb_s:.2f} / {row.raw_best_gb_s:.2f}",
+            f"{row.transport_gb_s / row.raw_gb_s:.2f}",
+            f"{row.transport_best_gb_s / row.raw_best_gb_s:.2f}",
+        )
         print("".join(f"{cell:>{width}}" for cell, width in zip(cells, widths, strict=True)))
 
 

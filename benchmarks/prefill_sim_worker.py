@@ -1,4 +1,5 @@
 """One simulated prefill worker of `benchmarks.prefill_sim`: a real KV cache manager, modelled compute."""
+
 from __future__ import annotations
 
 from collections import deque

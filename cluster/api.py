@@ -7,6 +7,7 @@
 It owns an event loop on a background thread where the asyncio `ClusterClient` runs; asyncio code
 (the router) uses `ClusterClient` directly instead.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,11 +36,23 @@ class Cluster:
         self.client = ClusterClient(self.launched)
         self._ids = itertools.count()
 
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, priority: int = 0, tenant: str = "") -> Iterator[TokenChunk]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> Iterator[TokenChunk]:
         """Streams the request's tokens; raises RequestFailed (with the reason) if it fails."""
-        request = GenerateRequest(request_id or f"sync-{next(self._ids)}", tuple(prompt_token_ids),
-                                  params or SamplingParams(), priority, tenant)
+        request = GenerateRequest(
+            request_id or f"sync-{next(self._ids)}",
+            tuple(prompt_token_ids),
+            params or SamplingParams(),
+            priority,
+            tenant,
+        )
         chunks: queue.Queue = queue.Queue()
 
         async def pump() -> None:
@@ -62,8 +75,9 @@ class Cluster:
         finally:
             future.cancel()
 
-    def generate_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                        **kwargs) -> list[int]:
+    def generate_tokens(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, **kwargs
+    ) -> list[int]:
         return [token for chunk in self.generate(prompt_token_ids, params, **kwargs) for token in chunk.token_ids]
 
     def shutdown(self) -> None:

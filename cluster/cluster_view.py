@@ -7,6 +7,7 @@ the prefix-index feeder, the router's own bookkeeping) about every new version. 
 keep their own handles. When the controller restarts, pending watches are retried by Ray and the
 restarted controller answers with the same version, so nothing moves.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -20,6 +20,7 @@ The controller is not a single point of failure: Ray restarts it (`max_restarts`
 process re-adopts the workers still alive from the record it keeps in Ray's GCS
 (`cluster/controller_state.py`), publishing the same membership and version; no worker restarts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -95,8 +96,11 @@ class ClusterController:
 
     async def progress(self) -> str:
         """One line: how many workers of each pool serve, and the latest start error if any."""
-        counts = [f"{role} {sum(s.role == role and s.state == SERVING for s in self.slots.values())}/"
-                  f"{getattr(self.config, role).replicas} serving" for role in ROLES]
+        counts = [
+            f"{role} {sum(s.role == role and s.state == SERVING for s in self.slots.values())}/"
+            f"{getattr(self.config, role).replicas} serving"
+            for role in ROLES
+        ]
         errors = [f"{s.worker_id}: {s.last_error}" for s in self.slots.values() if s.last_error and s.state != SERVING]
         return ", ".join(counts) + (f" (last error: {errors[0]})" if errors else " (loading)")
 
@@ -108,8 +112,9 @@ class ClusterController:
         """Raises ConfigError naming every key a joining command gave that differs from this cluster's."""
         conflicts = config_conflicts(given, self.state.config)
         if conflicts:
-            raise ConfigError(f"cluster {self.state.cluster_name!r} is running with another config: "
-                              + "; ".join(conflicts))
+            raise ConfigError(
+                f"cluster {self.state.cluster_name!r} is running with another config: " + "; ".join(conflicts)
+            )
 
     async def scale(self, role: str, replicas: int) -> None:
         """Grow or shrink a pool. Shrinking drains the highest slots: they leave membership (no new
@@ -192,8 +197,7 @@ class ClusterController:
             if planner.raycluster_name is not None:
                 from cluster.k8s_actuator import in_cluster
 
-                actuator = in_cluster(planner.raycluster_name, planner.raycluster_namespace,
-                                      self.config.decode.tp_size)
+                actuator = in_cluster(planner.raycluster_name, planner.raycluster_namespace, self.config.decode.tp_size)
             self.planner = PlannerLoop(self, actuator)
         except Exception as err:
             self.planner_error = f"{type(err).__name__}: {err}"
@@ -244,8 +248,11 @@ class ClusterController:
                     self.record()
 
     def _at_strength(self) -> bool:
-        return all(sum(s.role == role and s.state == SERVING for s in self.slots.values())
-                   >= getattr(self.config, role).replicas for role in ROLES)
+        return all(
+            sum(s.role == role and s.state == SERVING for s in self.slots.values())
+            >= getattr(self.config, role).replicas
+            for role in ROLES
+        )
 
     # ---- publishing --------------------------------------------------------------------------------
     def record(self, *, publish: bool = True) -> None:
@@ -257,8 +264,11 @@ class ClusterController:
 
     def _members(self) -> tuple[Member, ...]:
         ordered = sorted(self.slots.values(), key=lambda s: (ROLES.index(s.role), s.index))
-        return tuple(slot.member() for slot in ordered
-                     if slot.info is not None and slot.ranks is not None and slot.state in (SERVING, DRAINING))
+        return tuple(
+            slot.member()
+            for slot in ordered
+            if slot.info is not None and slot.ranks is not None and slot.state in (SERVING, DRAINING)
+        )
 
     def _publish(self, force: bool = False) -> None:
         if not self._ready.is_set():
@@ -279,4 +289,3 @@ class ClusterController:
 def _same(a: tuple[Member, ...], b: tuple[Member, ...]) -> bool:
     key = lambda m: (m.worker_id, m.epoch, m.state)  # noqa: E731
     return [key(m) for m in a] == [key(m) for m in b]
-

@@ -7,6 +7,7 @@ or dead (removed from membership at once, all ranks ended, a new start begun if 
 A start that fails (cannot be placed, crashes while loading) is retried with backoff, forever: the
 desired state stands until someone scales it away.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,8 +54,16 @@ class Slot:
 
     def record(self) -> SlotRecord:
         assert self.epoch is not None, "only started slots are recorded"
-        return SlotRecord(self.worker_id, self.role, self.index, self.epoch, list(self.actor_names),
-                          self.placement_group, self.state, self.restarts)
+        return SlotRecord(
+            self.worker_id,
+            self.role,
+            self.index,
+            self.epoch,
+            list(self.actor_names),
+            self.placement_group,
+            self.state,
+            self.restarts,
+        )
 
     def member(self) -> Member:
         assert self.epoch is not None and self.ranks is not None and self.info is not None, "a member is running"
@@ -97,8 +106,9 @@ class SlotStarter:
         slot.actor_names, slot.placement_group = planned_names(name, config, slot.worker_id, slot.role, slot.epoch)
         slot.state, slot.info = STARTING, None
         controller.record(publish=False)
-        started = start_worker(name, config, controller.state.model_dir, slot.worker_id, slot.role, slot.epoch,
-                               host, port)
+        started = start_worker(
+            name, config, controller.state.model_dir, slot.worker_id, slot.role, slot.epoch, host, port
+        )
         slot.ranks = started.ranks
         await self._until_ready(slot, config.ready_timeout_s)
 
@@ -107,11 +117,14 @@ class SlotStarter:
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)), timeout_s)
         except TimeoutError:
-            raise ClusterStartError(f"{slot.worker_id} was not ready within {timeout_s:.0f} s; "
-                                    + self._capacity_hint()) from None
+            raise ClusterStartError(
+                f"{slot.worker_id} was not ready within {timeout_s:.0f} s; " + self._capacity_hint()
+            ) from None
         if infos[0].hash_spec != spec_fingerprint():
-            raise ClusterStartError(f"worker {slot.worker_id} uses block-hash spec {infos[0].hash_spec!r}, "
-                                    f"the controller {spec_fingerprint()!r}; refusing to mix them")
+            raise ClusterStartError(
+                f"worker {slot.worker_id} uses block-hash spec {infos[0].hash_spec!r}, "
+                f"the controller {spec_fingerprint()!r}; refusing to mix them"
+            )
         slot.info, slot.state, slot.strikes, slot.last_error = infos[0], SERVING, 0, None
         self.controller.record()
 
@@ -121,14 +134,28 @@ class SlotStarter:
         adopted_all = True
         waits = []
         for record in self.controller.state.slots:
-            slot = Slot(record.worker_id, record.role, record.index, record.epoch, None, tuple(record.actor_names),
-                        record.placement_group, None, record.state, record.restarts)
+            slot = Slot(
+                record.worker_id,
+                record.role,
+                record.index,
+                record.epoch,
+                None,
+                tuple(record.actor_names),
+                record.placement_group,
+                None,
+                record.state,
+                record.restarts,
+            )
             self.controller.slots[slot.worker_id] = slot
             ranks = [find_actor(name) for name in record.actor_names]
             if any(rank is None for rank in ranks):
                 adopted_all &= record.state == STARTING
-                await self.replace(slot, "gone while the controller was down", publish=False,
-                                   ranks=tuple(r for r in ranks if r is not None))
+                await self.replace(
+                    slot,
+                    "gone while the controller was down",
+                    publish=False,
+                    ranks=tuple(r for r in ranks if r is not None),
+                )
                 continue
             slot.ranks = tuple(ranks)
             waits.append(self._readopt(slot, record.state))
@@ -138,8 +165,9 @@ class SlotStarter:
     async def _readopt(self, slot: Slot, recorded_state: str) -> bool:
         assert slot.ranks is not None, "ranks found"
         try:
-            infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)),
-                                           self.controller.config.ready_timeout_s)
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(r.ready.remote() for r in slot.ranks)), self.controller.config.ready_timeout_s
+            )
         except Exception as err:  # noqa: BLE001 - dead, slow or erroring rank: replace the instance, as at start
             await self.replace(slot, f"not ready after the controller restart: {type(err).__name__}", publish=False)
             return recorded_state == STARTING
@@ -221,19 +249,26 @@ class SlotStarter:
     def start_error(self, timeout_s: float) -> ClusterStartError:
         pending = [s for s in self.controller.slots.values() if s.state != SERVING]
         errors = "; ".join(f"{s.worker_id}: {s.last_error}" for s in pending if s.last_error)
-        return ClusterStartError(f"{len(pending)} worker(s) not serving within {timeout_s:.0f} s"
-                                 + (f" ({errors})" if errors else "") + ". " + self._capacity_hint())
+        return ClusterStartError(
+            f"{len(pending)} worker(s) not serving within {timeout_s:.0f} s"
+            + (f" ({errors})" if errors else "")
+            + ". "
+            + self._capacity_hint()
+        )
 
     def _capacity_hint(self) -> str:
         cfg, available = self.controller.config, ray.cluster_resources()
-        gpus = (cfg.prefill.replicas * cfg.prefill.num_gpus
-                + cfg.decode.replicas * cfg.decode.tp_size * cfg.decode.num_gpus)
-        return (f"The pools ask for {cfg.num_cpus_needed:g} CPUs (prefill {cfg.prefill.replicas} x "
-                f"{cfg.prefill.num_cpus:g}, decode {cfg.decode.replicas} x {cfg.decode.tp_size} ranks x "
-                f"{cfg.decode.num_cpus:g}) and {gpus:g} GPUs; the Ray cluster has CPU={available.get('CPU', 0):g}, "
-                f"GPU={available.get('GPU', 0):g}"
-                + ("; all ranks of a decode instance must fit on one node" if cfg.decode.tp_size > 1 else "")
-                + ". Lower the pools' num_cpus/num_gpus or add capacity (or raise ready_timeout_s if loading is slow).")
+        gpus = (
+            cfg.prefill.replicas * cfg.prefill.num_gpus + cfg.decode.replicas * cfg.decode.tp_size * cfg.decode.num_gpus
+        )
+        return (
+            f"The pools ask for {cfg.num_cpus_needed:g} CPUs (prefill {cfg.prefill.replicas} x "
+            f"{cfg.prefill.num_cpus:g}, decode {cfg.decode.replicas} x {cfg.decode.tp_size} ranks x "
+            f"{cfg.decode.num_cpus:g}) and {gpus:g} GPUs; the Ray cluster has CPU={available.get('CPU', 0):g}, "
+            f"GPU={available.get('GPU', 0):g}"
+            + ("; all ranks of a decode instance must fit on one node" if cfg.decode.tp_size > 1 else "")
+            + ". Lower the pools' num_cpus/num_gpus or add capacity (or raise ready_timeout_s if loading is slow)."
+        )
 
     async def close(self) -> None:
         if self._index is not None:

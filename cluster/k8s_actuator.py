@@ -14,7 +14,10 @@ on the Ray head only, and only with the planner on: the controller is pinned the
 The controller still decides which workers drain: KubeRay adds or removes pods, the controller's
 `scale` (cluster/controller.py) is what the planner calls on the Ray side.
 """
+
 from __future__ import annotations
+
+from typing import cast
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -29,19 +32,22 @@ def replicas_patch(raycluster: dict, group_name: str, pods: int, pods_to_delete:
     groups = raycluster.get("spec", {}).get("workerGroupSpecs", [])
     index = next((i for i, g in enumerate(groups) if g.get("groupName") == group_name), None)
     if index is None:
-        raise ValueError(f"RayCluster {raycluster.get('metadata', {}).get('name')!r} has no worker group "
-                         f"{group_name!r}; it has {[g.get('groupName') for g in groups]}")
+        raise ValueError(
+            f"RayCluster {raycluster.get('metadata', {}).get('name')!r} has no worker group "
+            f"{group_name!r}; it has {[g.get('groupName') for g in groups]}"
+        )
     path = f"/spec/workerGroupSpecs/{index}"
-    ops: list[dict] = [{"op": "test", "path": f"{path}/groupName", "value": group_name},
-           {"op": "replace", "path": f"{path}/replicas", "value": pods}]
+    ops: list[dict] = [
+        {"op": "test", "path": f"{path}/groupName", "value": group_name},
+        {"op": "replace", "path": f"{path}/replicas", "value": pods},
+    ]
     group = groups[index]
     if group.get("maxReplicas", pods) < pods:
         ops.append({"op": "replace", "path": f"{path}/maxReplicas", "value": pods})
     if group.get("minReplicas", 0) > pods:
         ops.append({"op": "replace", "path": f"{path}/minReplicas", "value": pods})
     if pods_to_delete:  # "add" on an object member replaces it when present (RFC 6902 4.1)
-        ops.append({"op": "add", "path": f"{path}/scaleStrategy",
-                    "value": {"workersToDelete": sorted(pods_to_delete)}})
+        ops.append({"op": "add", "path": f"{path}/scaleStrategy", "value": {"workersToDelete": sorted(pods_to_delete)}})
     return ops
 
 
@@ -58,10 +64,12 @@ class RayClusterActuator:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: must be prefill or decode, got {role!r}")
         pods = replicas * (self.decode_ranks if role == "decode" else 1)
-        current = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        # The client types custom objects as `object`; the API returns the RayCluster as a dict.
+        current = cast(dict, self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name))
         patch = replicas_patch(current, role, pods, pods_to_delete)
-        self.api.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, patch,
-                                                _content_type="application/json-patch+json")
+        self.api.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, patch, _content_type="application/json-patch+json"
+        )
         return patch
 
 

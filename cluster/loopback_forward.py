@@ -8,6 +8,7 @@ ways as they come (server-sent events and gRPC streams are not buffered), and a 
 side is passed to the other. Only loopback addresses may be bound: this exposes nothing beyond the
 machine. A socket that is not there yet (the router still starting) closes the client's connection.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
             await serve(routes, ready)
+
     try:
         asyncio.run(run())
     except OSError as err:

@@ -10,6 +10,7 @@ thread; in 0.26 it returns the server and its thread). It binds 127.0.0.1 unless
 metrics reveal load and model identity, so publishing them beyond the host (`host="0.0.0.0"` in a
 pod) is an explicit choice of whoever starts it.
 """
+
 from __future__ import annotations
 
 import urllib.request
@@ -95,5 +96,8 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, LabelKey], float
     """Fetches an exporter's page and parses it: (sample name, sorted labels) → value."""
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         text = response.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

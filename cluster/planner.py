@@ -21,6 +21,7 @@ cluster/k8s_actuator.py). The decision:
 5. the routers' own verdict vetoes a shrink: while the observed attainment is below the target, the
    profile is too optimistic for what is really served, and fewer workers would only make it worse.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,15 +62,22 @@ class Planner:
         self.last_change_s: float | None = None
         self._shrink_votes = 0
 
-    def desired(self, obs: Observation, rate_scale: float = 1.0, floor: Pools = Pools(1, 1),
-                ceiling: Pools | None = None) -> Pools | None:
+    def desired(
+        self, obs: Observation, rate_scale: float = 1.0, floor: Pools = Pools(1, 1), ceiling: Pools | None = None
+    ) -> Pools | None:
         """The least-cost pools for the observation (at `rate_scale` times its rate), each pool within
         [floor, ceiling]; None when no such shape within `max_workers` meets the SLO."""
         if obs.arrival_rate_per_s <= 0:
             return floor
-        found = least_cost(self.profile, self._requests(obs, rate_scale), self.base, self.config.max_workers,
-                           self.config.attainment, floor=(floor.prefill, floor.decode),
-                           ceiling=None if ceiling is None else (ceiling.prefill, ceiling.decode))
+        found = least_cost(
+            self.profile,
+            self._requests(obs, rate_scale),
+            self.base,
+            self.config.max_workers,
+            self.config.attainment,
+            floor=(floor.prefill, floor.decode),
+            ceiling=None if ceiling is None else (ceiling.prefill, ceiling.decode),
+        )
         return None if found is None else Pools(found.prefill, found.decode)
 
     def meets(self, obs: Observation, pools: Pools) -> bool:

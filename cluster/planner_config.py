@@ -7,6 +7,7 @@ machines; every `interval_s` it sizes the pools for the SLO (`ttft_ms`, `tpot_ms
 sets it) makes it also patch the RayCluster's worker groups, so pods come and go with the pools.
 Errors name the key; `ClusterConfig.from_dict` prefixes the section (`planner.interval_s: ...`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,16 +33,22 @@ class PlannerConfig:
     def __post_init__(self):
         for key in ("interval_s", "cooldown_s", "report_interval_s", "ttft_ms", "tpot_ms"):
             _check(getattr(self, key) > 0, key, "must be > 0")
-        _check(self.report_interval_s <= self.interval_s, "report_interval_s",
-               "must be <= interval_s (every decision needs fresh reports)")
+        _check(
+            self.report_interval_s <= self.interval_s,
+            "report_interval_s",
+            "must be <= interval_s (every decision needs fresh reports)",
+        )
         _check(0 < self.attainment <= 1, "attainment", "must be in (0, 1]")
         _check(self.max_workers >= 2, "max_workers", "must be >= 2 (one prefill, one decode)")
         _check(self.scale_down_headroom >= 1, "scale_down_headroom", "must be >= 1")
         _check(self.scale_down_intervals >= 1, "scale_down_intervals", "must be >= 1")
         _check(self.window_requests >= 10, "window_requests", "must be >= 10")
         _check(not self.enabled or bool(self.profile_path), "profile_path", "required when planner.enabled")
-        _check(self.raycluster_name is None or bool(self.raycluster_name), "raycluster_name",
-               "must be None or a RayCluster's name")
+        _check(
+            self.raycluster_name is None or bool(self.raycluster_name),
+            "raycluster_name",
+            "must be None or a RayCluster's name",
+        )
 
 
 def _check(ok: bool, key: str, message: str) -> None:

@@ -17,6 +17,7 @@ Each round:
    no pod on its own choice when replicas drop, and a random one could be serving).
 Every round is kept (`rounds`, newest last, bounded) for `planner_status` and the tests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,10 +56,13 @@ def sim_base(config: ClusterConfig) -> SimConfig:
     """The simulated cluster mirroring the running one: engine limits, decode TP, routing policy."""
     pool = config.prefill
     policy = "round_robin" if config.router.policy == "round_robin" else "cache_aware"
-    return SimConfig(tp=config.decode.tp_size, limits=EngineLimits(pool.max_num_seqs, pool.max_num_batched_tokens,
-                                                                   pool.prefill_chunk_tokens),
-                     enable_prefix_caching=config.enable_prefix_caching, policy=policy,
-                     migration_limit=config.router.migration_limit)
+    return SimConfig(
+        tp=config.decode.tp_size,
+        limits=EngineLimits(pool.max_num_seqs, pool.max_num_batched_tokens, pool.prefill_chunk_tokens),
+        enable_prefix_caching=config.enable_prefix_caching,
+        policy=policy,
+        migration_limit=config.router.migration_limit,
+    )
 
 
 class PlannerLoop:
@@ -130,22 +134,32 @@ class PlannerLoop:
                 self.pending.remove(removal)
 
     def status(self) -> dict:
-        return {"pools": self.pools._asdict(), "rounds": [{**r._asdict(), "observation": r.observation._asdict(),
-                                                           "current": r.current._asdict(),
-                                                           "decision": r.decision and r.decision._asdict()}
-                                                          for r in self.rounds],
-                "pending_removals": [p._asdict() for p in self.pending]}
+        rounds = [
+            {
+                **r._asdict(),
+                "observation": r.observation._asdict(),
+                "current": r.current._asdict(),
+                "decision": r.decision and r.decision._asdict(),
+            }
+            for r in self.rounds
+        ]
+        return {
+            "pools": self.pools._asdict(),
+            "rounds": rounds,
+            "pending_removals": [p._asdict() for p in self.pending],
+        }
 
 
 async def _hostnames(slots) -> tuple[str, ...]:
     """The host (on KubeRay: the pod) of every rank of the slots, asked of the actors themselves."""
     import socket
 
-    calls = [rank.__ray_call__.remote(lambda _self: socket.gethostname())
-             for slot in slots for rank in (slot.ranks or ())]
+    calls = [
+        rank.__ray_call__.remote(lambda _self: socket.gethostname()) for slot in slots for rank in (slot.ranks or ())
+    ]
     try:
         names = await asyncio.wait_for(asyncio.gather(*calls), 10.0)
-    except Exception:  # noqa: BLE001 - a rank already gone: KubeRay then removes nothing for it, the pod idles
-        log.warning("planner: could not ask every leaving worker for its pod")
+    except Exception:  # a rank already gone: KubeRay then removes nothing for it, the pod idles
+        log.warning("planner: could not ask every leaving worker for its pod", exc_info=True)
         return ()
     return tuple(sorted(set(names)))

@@ -10,6 +10,7 @@ deltas stamped with the controller's clock and sums them over the planner's inte
 `Observation` for the whole cluster. A router that restarts starts its counters again from zero;
 a report smaller than the previous one from the same router id is taken as that fresh start.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -15,6 +15,7 @@ A step's tokens are laid out decode-first: the first `num_decode_tokens` rows ar
 queries (one per sequence), then each prefill chunk's rows. A GPU kernel can replace this module by
 keeping `AttentionMetadata` and the function's signature.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,9 @@ class AttentionMetadata:
         return self.num_decode_tokens > 0 and self.decode_slots is None
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the step's new tokens.
     Writes k/v into the cache, then returns attention outputs [tokens, heads * head_dim]."""
     cache.write(k, v, meta.slot_mapping)
@@ -67,8 +69,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
         elif meta.uses_kernel:
             out[:n_dec] = _decode_attention_native(q[:n_dec], cache, meta, scale)
         elif cache.fmt.quantized:
-            out[:n_dec] = quantized_decode_attention(q[:n_dec], cache, meta.decode_block_tables,
-                                                     meta.decode_context_lens, scale)
+            out[:n_dec] = quantized_decode_attention(
+                q[:n_dec], cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
         else:
             out[:n_dec] = _decode_attention(q[:n_dec], cache.k, cache.v, meta, scale)
     for seg in meta.prefills:
@@ -93,9 +96,26 @@ def _decode_attention_native(q, cache: LayerKV, meta: AttentionMetadata, scale: 
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     k_scale, v_scale = (0 if s is None else s.data_ptr() for s in (cache.k_scale, cache.v_scale))
     status = decode_attention_kernel()(
-        q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), k_scale, v_scale, out.data_ptr(),
-        tables.data_ptr(), lens.data_ptr(), cache.fmt.kernel_code, batch, num_heads, num_kv_heads, head_dim,
-        num_blocks, block_size, tables.shape[1], tables.shape[1] * block_size, scale, torch.get_num_threads())
+        q.data_ptr(),
+        cache.k.data_ptr(),
+        cache.v.data_ptr(),
+        k_scale,
+        v_scale,
+        out.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        cache.fmt.kernel_code,
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        tables.shape[1],
+        tables.shape[1] * block_size,
+        scale,
+        torch.get_num_threads(),
+    )
     if status:
         raise RuntimeError(f"paged decode attention kernel failed with status {status}")
     return out.view(batch, num_heads * head_dim)
@@ -106,8 +126,9 @@ def _decode_attention_triton(q, cache: LayerKV, meta: AttentionMetadata, scale: 
     processes never need triton."""
     from engine.kernels.triton_decode import paged_decode_attention
 
-    return paged_decode_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_block_tables,
-                                  meta.decode_context_lens, scale)
+    return paged_decode_attention(
+        q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -135,15 +156,15 @@ def _prefill_attention(q, k, v, cache: LayerKV, seg: PrefillSegment, scale: floa
         return quantized_prefill_attention(q, cache, seg.context_slots, seg.context_len, scale)
     if seg.context_slots is None:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
         keys = _gather(cache.k, seg.context_slots).unsqueeze(0)
         values = _gather(cache.v, seg.context_slots).unsqueeze(0)
         # Query i sits at absolute position (context_len - query_len + i) and sees keys up to it.
         offset = seg.context_len - query_len
-        allowed = (torch.arange(seg.context_len, device=q.device)[None, :]
-                   <= torch.arange(offset, seg.context_len, device=q.device)[:, None])
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale,
-                                             enable_gqa=True)
+        allowed = (
+            torch.arange(seg.context_len, device=q.device)[None, :]
+            <= torch.arange(offset, seg.context_len, device=q.device)[:, None]
+        )
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1).reshape(query_len, num_heads * head_dim)

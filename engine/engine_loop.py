@@ -9,6 +9,7 @@ the step's updates to `on_updates` (on the loop thread). While idle it waits for
 and command batch: other threads read it without waiting for the engine (a long step must never
 make a live worker look hung).
 """
+
 from __future__ import annotations
 
 import queue
@@ -37,9 +38,15 @@ class EngineLoad(NamedTuple):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_updates: Callable[[list[SequenceUpdate]], None],
-                 on_idle: Callable[[], None] | None = None, idle_interval_s: float = 0.5,
-                 name: str = "engine-loop", on_step: Callable[[StepRecord], None] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_updates: Callable[[list[SequenceUpdate]], None],
+        on_idle: Callable[[], None] | None = None,
+        idle_interval_s: float = 0.5,
+        name: str = "engine-loop",
+        on_step: Callable[[StepRecord], None] | None = None,
+    ):
         self.engine = engine
         self.step_log = StepLog()
         self._on_step = on_step
@@ -104,9 +111,13 @@ class EngineLoop:
 
     def _measure_load(self) -> EngineLoad:
         engine = self.engine
-        return EngineLoad(len(engine.scheduler.waiting), len(engine.scheduler.running),
-                          engine.kv.num_free_blocks, engine.num_blocks,
-                          engine.spec.counters if engine.spec is not None else None)
+        return EngineLoad(
+            len(engine.scheduler.waiting),
+            len(engine.scheduler.running),
+            engine.kv.num_free_blocks,
+            engine.num_blocks,
+            engine.spec.counters if engine.spec is not None else None,
+        )
 
     def _run_commands(self, block_s: float) -> None:
         try:

@@ -14,6 +14,7 @@ Error bounds (tests/engine/test_kv_quant.py checks them): int8 rounds to the nea
 `|x - x'| <= scale / 2`; fp8 e4m3 keeps 3 mantissa bits, `|x - x'| <= max(|x| / 16, scale / 1024)`
 (relative half-ulp for normal values, absolute for subnormals).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,9 @@ class KVFormat:
             return scaled.round_().clamp_(-qmax, qmax).to(torch.int8), scale
         return scaled.clamp_(-qmax, qmax).to(self.storage_dtype), scale
 
-    def dequantize(self, values: torch.Tensor, scale: torch.Tensor | None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(
+        self, values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         if scale is None:
             return values.to(dtype)
         return (values.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)

@@ -11,6 +11,7 @@ Per-layer transfer message: `[values [2, heads, blocks, block_size, head_dim]]`,
 `scales [2, heads, blocks, block_size]` for quantized formats. `layout` names the format and shape, so
 two sides can compare before any byte moves.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -44,8 +45,16 @@ class LayerKV(NamedTuple):
 
 
 class KVCacheStorage:
-    def __init__(self, fmt: KVFormat, num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
-                 head_dim: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        fmt: KVFormat,
+        num_layers: int,
+        num_kv_heads: int,
+        num_blocks: int,
+        block_size: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+    ):
         self.fmt = fmt
         self.num_layers, self.num_kv_heads, self.num_blocks = num_layers, num_kv_heads, num_blocks
         self.block_size, self.head_dim = block_size, head_dim
@@ -55,9 +64,13 @@ class KVCacheStorage:
 
     def layer(self, index: int) -> LayerKV:
         scales = self.scales
-        return LayerKV(self.values[index, 0], self.values[index, 1],
-                       None if scales is None else scales[index, 0], None if scales is None else scales[index, 1],
-                       self.fmt)
+        return LayerKV(
+            self.values[index, 0],
+            self.values[index, 1],
+            None if scales is None else scales[index, 0],
+            None if scales is None else scales[index, 1],
+            self.fmt,
+        )
 
     # ---- sizes and identity ---------------------------------------------------------------------
     @property
@@ -73,12 +86,13 @@ class KVCacheStorage:
     def layout(self) -> str:
         """What both ends of a KV transfer must agree on, in words: format, block size, head_dim,
         layers. (KV heads are not in it: a decode TP rank holds a slice of the sender's heads.)"""
-        return (f"kv {self.fmt.describe()}, block_size {self.block_size}, head_dim {self.head_dim}, "
-                f"layers {self.num_layers}")
+        return (
+            f"kv {self.fmt.describe()}, block_size {self.block_size}, head_dim {self.head_dim}, "
+            f"layers {self.num_layers}"
+        )
 
     # ---- transfer -------------------------------------------------------------------------------
-    def export_layer(self, layer: int, head_start: int, head_end: int,
-                     block_ids: torch.Tensor) -> list[torch.Tensor]:
+    def export_layer(self, layer: int, head_start: int, head_end: int, block_ids: torch.Tensor) -> list[torch.Tensor]:
         """Layer `layer`'s KV heads [head_start, head_end) of `block_ids` (int64), as sent."""
         heads = slice(head_start, head_end)
         block_ids = block_ids.to(self.values.device)

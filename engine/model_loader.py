@@ -4,6 +4,7 @@ Supported architectures are a registry (`ARCHITECTURES`); anything else fails na
 Single-file and sharded (`model.safetensors.index.json`) checkpoints load the same way: every tensor is
 routed to the parameter that owns it, whose `weight_loader` keeps this rank's tensor-parallel slice.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -78,11 +79,15 @@ def load_engine_model_config(engine_cfg: EngineConfig) -> ModelConfig:
     return replace(model, identity=f"{model.identity}/kv-{engine_cfg.kv_format(model).name}")
 
 
-def load_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, max_positions: int,
-               tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False) -> DecoderForCausalLM:
+def load_model(
+    engine_cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    max_positions: int,
+    tp: TensorParallelGroup = SINGLE_RANK,
+    progress: bool = False,
+) -> DecoderForCausalLM:
     with torch.device("cpu"):
-        model = DecoderForCausalLM(model_cfg, max_positions, tp, engine_cfg.quantization,
-                                   engine_cfg.quantize_lm_head)
+        model = DecoderForCausalLM(model_cfg, max_positions, tp, engine_cfg.quantization, engine_cfg.quantize_lm_head)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _weight_files(Path(engine_cfg.model_dir))
@@ -116,8 +121,7 @@ def _load_tensor(params: dict, name: str, tensor: torch.Tensor) -> str:
     loader = getattr(param, "weight_loader", None)
     if loader is None:
         if param.shape != tensor.shape:
-            raise UnsupportedModelError(f"tensor {name} has shape {tuple(tensor.shape)}, "
-                                        f"expected {tuple(param.shape)}")
+            raise UnsupportedModelError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(tensor.to(param.dtype))
     else:
         loader(param, tensor.to(_load_dtype(param)))
@@ -150,16 +154,18 @@ def _architecture(raw: dict) -> str:
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
-    raise UnsupportedModelError(f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                                f"supported: {known}")
+    raise UnsupportedModelError(f"unsupported architecture {archs or raw.get('model_type')!r}; supported: {known}")
 
 
 def _rope_config(raw: dict) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                     "original_max_position_embeddings") if k in params}
+    fields = {
+        k: params[k]
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if k in params
+    }
     return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
 
 

@@ -1,4 +1,5 @@
 """What the offline API returns per prompt."""
+
 from __future__ import annotations
 
 import itertools

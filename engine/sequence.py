@@ -4,6 +4,7 @@ The one rule behind chunked prefill, prefix hits, preemption and prefill-here/de
 computes some of the tokens in `[num_computed_tokens, num_tokens)`; once a sequence has computed all
 its tokens, the step's logits sample the next token. Everything else is derived from the counters.
 """
+
 from __future__ import annotations
 
 import enum
@@ -72,7 +73,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

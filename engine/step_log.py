@@ -4,6 +4,7 @@ The engine loop appends one `StepRecord` per step (on its thread); workers hand 
 the router with their stats, which fits prefill time against tokens and decode step time against
 batch size and context (admission control), and exports them as metrics.
 """
+
 from __future__ import annotations
 
 import threading

@@ -10,6 +10,7 @@ one that arrives for a cancelled or unknown request is drained into scratch spac
 blocks that may already belong to another sequence are never written. `cancel` waits for a receive
 in progress to end, which is what lets rank 0 free a reservation safely.
 """
+
 from __future__ import annotations
 
 import enum
@@ -57,8 +58,9 @@ class KVReceiver:
         self._peer_locks: dict[PeerId, threading.Lock] = {}
         self.delay_s = 0.0  # fault injection for tests: stall before receiving
 
-    def expect(self, request_id: str, block_ids: tuple[int, ...], deadline_s: float, *,
-               allow_fewer_blocks: bool = False) -> None:
+    def expect(
+        self, request_id: str, block_ids: tuple[int, ...], deadline_s: float, *, allow_fewer_blocks: bool = False
+    ) -> None:
         with self._lock:
             self._expected[request_id] = Expected(tuple(block_ids), deadline_s, allow_fewer_blocks)
 
@@ -115,9 +117,10 @@ class KVReceiver:
             return (), f"{request_id!r} is not expected here (cancelled or lease over)"
         fewer = entry.allow_fewer_blocks and 0 < header.num_blocks <= len(entry.block_ids)
         if header.num_blocks != len(entry.block_ids) and not fewer:
-            return (), (f"{request_id!r}: sender has {header.num_blocks} blocks, the reservation "
-                        f"{len(entry.block_ids)}")
-        return entry.block_ids[:header.num_blocks], None
+            return (), (
+                f"{request_id!r}: sender has {header.num_blocks} blocks, the reservation {len(entry.block_ids)}"
+            )
+        return entry.block_ids[: header.num_blocks], None
 
     def _peer_lock(self, peer: PeerId) -> threading.Lock:
         with self._lock:

@@ -21,6 +21,7 @@ nothing left to free, and a live one's lease frees it anyway) and raises `Handof
 step. `cancel()` (the request was aborted) stops the session at its next step the same way.
 Workers are thin adapters around it: the decode instance is reached through a `DecodeEndpoint`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -110,10 +111,18 @@ class HandoffSession:
     `deadline_s` (time.time()) is the request's: no step outlives it. `kv_layout` (the sender's
     `KVCacheStorage.layout`, and who it is) is compared with the reservation's before anything moves."""
 
-    def __init__(self, request_id: str, num_tokens: int, endpoint: DecodeEndpoint,
-                 send: Callable[[HandoffTarget], int], release: Callable[[], object], sender: KVSender,
-                 deadline_s: float, timeouts: HandoffTimeouts = HandoffTimeouts(),
-                 kv_layout: tuple[str, str] | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        num_tokens: int,
+        endpoint: DecodeEndpoint,
+        send: Callable[[HandoffTarget], int],
+        release: Callable[[], object],
+        sender: KVSender,
+        deadline_s: float,
+        timeouts: HandoffTimeouts = HandoffTimeouts(),
+        kv_layout: tuple[str, str] | None = None,
+    ):
         self.request_id, self.num_tokens, self.endpoint = request_id, num_tokens, endpoint
         self._send, self._release, self._sender = send, release, sender
         self._kv_layout = kv_layout
@@ -156,8 +165,9 @@ class HandoffSession:
             except DecodeFull:
                 left_s = self.deadline_s - time.time()
                 if left_s <= 0:
-                    raise HandoffFailed("reserve", "the decode instance stayed full until the request's "
-                                                   "deadline") from None
+                    raise HandoffFailed(
+                        "reserve", "the decode instance stayed full until the request's deadline"
+                    ) from None
                 await self._sleep_unless_cancelled(min(wait_s, left_s))
                 wait_s = min(wait_s * 2, self.timeouts.full_backoff_max_s)
 
@@ -202,8 +212,9 @@ class HandoffSession:
         except (DecodeFull, HandoffFailed):
             raise
         except TimeoutError:
-            raise HandoffFailed(step, f"the decode instance did not answer within {timeout_s:.1f} s",
-                                decode_lost=True) from None
+            raise HandoffFailed(
+                step, f"the decode instance did not answer within {timeout_s:.1f} s", decode_lost=True
+            ) from None
         except Exception as err:
             raise HandoffFailed(step, f"{type(err).__name__}: {err}", decode_lost=True) from err
 

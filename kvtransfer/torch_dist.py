@@ -142,8 +142,16 @@ class TorchDistTransport(KVTransport):
     channel creation; each call's ``timeout_s`` bounds the whole call further.
     """
 
-    def __init__(self, local_id: PeerId, store_host: str, store_port: int, *, backend: str = "auto",
-                 max_pairs: int = 16, connect_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        local_id: PeerId,
+        store_host: str,
+        store_port: int,
+        *,
+        backend: str = "auto",
+        max_pairs: int = 16,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_BACKENDS)}")
         if max_pairs < 1 or connect_timeout_s <= 0:
@@ -221,8 +229,9 @@ class TorchDistTransport(KVTransport):
         if not followed:
             raise TransferError(peer, error if peer_reason is None else f"the peer reset the channel: {peer_reason}")
 
-    def _channel_for(self, peer: PeerId, rendezvous: PairRendezvous, device: torch.device,
-                     deadline_s: float) -> _Channel:
+    def _channel_for(
+        self, peer: PeerId, rendezvous: PairRendezvous, device: torch.device, deadline_s: float
+    ) -> _Channel:
         """The channel with ``peer``, checked to still be the pair's newest generation, or a new one."""
         backend = self._backend if self._backend != "auto" else ("cuda" if device.type == "cuda" else "gloo")
         with self._lock:
@@ -240,8 +249,9 @@ class TorchDistTransport(KVTransport):
             channel = None
         return channel or self._join(peer, rendezvous, backend, device, deadline_s)
 
-    def _join(self, peer: PeerId, rendezvous: PairRendezvous, backend: str, device: torch.device,
-              deadline_s: float) -> _Channel:
+    def _join(
+        self, peer: PeerId, rendezvous: PairRendezvous, backend: str, device: torch.device, deadline_s: float
+    ) -> _Channel:
         """Open a channel of the pair's newest fresh generation (protocol steps in kvtransfer.store)."""
         generation = rendezvous.join()
         timeout_s = min(self._connect_timeout_s, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
@@ -288,8 +298,9 @@ class TorchDistTransport(KVTransport):
             self._busy.add(peer)
 
 
-def _post_and_wait(channel: _Channel, posts: list[tuple[str, torch.Tensor, int]], deadline_s: float,
-                   works: list[Any] | None = None) -> str | None:
+def _post_and_wait(
+    channel: _Channel, posts: list[tuple[str, torch.Tensor, int]], deadline_s: float, works: list[Any] | None = None
+) -> str | None:
     """Post (op, buffer, tag) after the posted ``works``; wait for all, the last (tiny) one first (see
     module docstring; then all are done: one socket, FIFO). Returns why not, or None: no raise, so no
     traceback keeps the works (hence the sockets) alive after a failure; the peer must see EOF."""

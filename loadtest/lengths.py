@@ -6,6 +6,7 @@ mean) and the log-space sigma: mu = ln(MEAN) - SIGMA^2 / 2, so that changing SIG
 and tail but keeps the average load. Samples are rounded to integers and are at least 1; `fit_lengths`
 then clips them to the model's limits.
 """
+
 from __future__ import annotations
 
 import math

@@ -15,6 +15,7 @@ Derived latencies (None where undefined):
 - met_slo: completed (finish reason, no error) and TTFT <= its ttft SLO and TPOT <= its tpot SLO; an
   SLO not set is not judged, nor is TPOT for single-token outputs.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,8 +93,14 @@ class RequestRecord:
 
     def to_dict(self) -> dict:
         """The fields plus the derived values, for the JSONL file."""
-        return {**asdict(self), "output_tokens": self.output_tokens, "ttft_s": self.ttft_s,
-                "tpot_s": self.tpot_s, "itl_s": list(self.itl_s), "met_slo": self.met_slo}
+        return {
+            **asdict(self),
+            "output_tokens": self.output_tokens,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "itl_s": list(self.itl_s),
+            "met_slo": self.met_slo,
+        }
 
     @staticmethod
     def from_dict(raw: dict) -> RequestRecord:

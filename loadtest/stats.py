@@ -3,6 +3,7 @@
 Percentiles interpolate linearly between the two nearest ranks of the sorted sample (numpy's default
 "linear" method): for n values, percentile q sits at position (n - 1) * q / 100.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,5 +46,6 @@ class Distribution:
         scaled = [v * scale for v in values]
         mean, median = sum(scaled) / len(scaled), percentile(scaled, 50)
         std = math.sqrt(sum((v - mean) ** 2 for v in scaled) / len(scaled))
-        return Distribution(len(scaled), mean, median, percentile(scaled, 90), percentile(scaled, 99), max(scaled),
-                            median, std)
+        return Distribution(
+            len(scaled), mean, median, percentile(scaled, 90), percentile(scaled, 99), max(scaled), median, std
+        )

@@ -6,6 +6,7 @@ ids. So equal keys give equal tokens in every process and run (no Python `hash()
 block's first n tokens do not depend on how long it is, and distinct streams never collide by design.
 Vectorised in numpy: a trace's hundred thousand blocks take milliseconds.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

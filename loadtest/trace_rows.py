@@ -11,6 +11,7 @@ The format is told by the file's content (a first line that opens a JSON object 
 header is Azure), never by its name. A row that cannot be read is dropped and counted under its reason;
 nothing is silently skipped.
 """
+
 from __future__ import annotations
 
 import csv
@@ -105,8 +106,10 @@ def detect_format(path: Path) -> str:
         return "mooncake"
     if tuple(c.strip() for c in next(csv.reader([first]), [])) == AZURE_HEADER:
         return "azure"
-    raise ValueError(f"{path}: neither Mooncake JSON Lines (a JSON object a line) nor an Azure trace CSV "
-                     f"(header {','.join(AZURE_HEADER)})")
+    raise ValueError(
+        f"{path}: neither Mooncake JSON Lines (a JSON object a line) nor an Azure trace CSV "
+        f"(header {','.join(AZURE_HEADER)})"
+    )
 
 
 def read_trace(path: str | Path, trace_format: str = "auto") -> TraceFile:

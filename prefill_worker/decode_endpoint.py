@@ -3,6 +3,7 @@
 A thin adapter (`kvtransfer.session.DecodeEndpoint`): it translates the decode side's answers into
 the session's terms (`DecodeFull`, `HandoffFailed`) and nothing else; the session decides.
 """
+
 from __future__ import annotations
 
 from ray.exceptions import RayTaskError

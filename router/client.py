@@ -17,6 +17,7 @@ against another name than the target's host:
     ca = open("ca.pem", "rb").read()
     with Client("router.example.com:443", root_certificates=ca, token=token) as client: ...
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,17 +72,28 @@ def build_request(prompt: str | Sequence[int], **options) -> pb.GenerateRequest:
 
 
 class _Base:
-    def __init__(self, target: str, *, token: str | None = None, timeout_s: float | None = 600.0,
-                 max_retries: int = 3, backoff_s: float = 0.1, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                 tls_server_name: str | None = None, tls: bool | ClientTls = False):
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float | None = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.1,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        tls_server_name: str | None = None,
+        tls: bool | ClientTls = False,
+    ):
         self.target, self.timeout_s = check_target(target), timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.tls = _client_tls(tls, root_certificates, certificate_chain, private_key, tls_server_name)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         if token and not self.tls.on and not _local(target):
-            warnings.warn(f"sending the bearer token to {target} without TLS: anyone on the path can read it",
-                          stacklevel=3)
+            warnings.warn(
+                f"sending the bearer token to {target} without TLS: anyone on the path can read it", stacklevel=3
+            )
 
     def _channel(self, aio: bool):
         return open_channel(self.target, self.tls, aio=aio)
@@ -97,7 +109,7 @@ class _Base:
         return (*self._metadata, (SENT_AT_KEY, str(time.time_ns() // 1000)))
 
     def _delay_s(self, attempt: int) -> float:
-        return self.backoff_s * (2 ** attempt) * (0.5 + random.random())
+        return self.backoff_s * (2**attempt) * (0.5 + random.random())
 
 
 class Client(_Base):
@@ -108,8 +120,9 @@ class Client(_Base):
         self._grpc_channel = self._channel(aio=False)
         self._stub = pb_grpc.RouterStub(self._grpc_channel)
 
-    def generate_stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
-                        **options) -> Iterator[GenerateChunk]:
+    def generate_stream(
+        self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **options
+    ) -> Iterator[GenerateChunk]:
         request = build_request(prompt, **options)
         deadline_s = time.monotonic() + (timeout_s or self.timeout_s or 1e9)
         metadata = self._generate_metadata()
@@ -167,8 +180,9 @@ class AsyncClient(_Base):
         self._grpc_channel = self._channel(aio=True)
         self._stub = pb_grpc.RouterStub(self._grpc_channel)
 
-    async def generate_stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
-                              **options) -> AsyncIterator[GenerateChunk]:
+    async def generate_stream(
+        self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **options
+    ) -> AsyncIterator[GenerateChunk]:
         request = build_request(prompt, **options)
         deadline_s = time.monotonic() + (timeout_s or self.timeout_s or 1e9)
         metadata = self._generate_metadata()
@@ -195,8 +209,9 @@ class AsyncClient(_Base):
         return model_info_from_proto(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout_s))
 
     async def status(self, timeout_s: float = 10.0):
-        return status_from_proto(await self._unary(self._stub.GetClusterStatus, pb.GetClusterStatusRequest(),
-                                                   timeout_s))
+        return status_from_proto(
+            await self._unary(self._stub.GetClusterStatus, pb.GetClusterStatusRequest(), timeout_s)
+        )
 
     async def _unary(self, method, request, timeout_s: float):
         for attempt in range(self.max_retries + 1):

@@ -3,6 +3,7 @@
 Anything not listed is a bug: it becomes INTERNAL with a generic message (details go to the log,
 never to the client) — and the fuzz tests assert that no request can cause it.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -5,6 +5,7 @@ to the index and refreshes the worker's lease. It follows membership: a worker t
 drained) has its loop stopped and its entries dropped at once; its replacement (same worker id, new
 epoch) gets a new loop. With Redis configured the workers publish instead and no feeder runs.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -17,6 +17,7 @@ busy 2-core dev box (a 3 MB pull took ~20 ms; raw gloo moves 2.4-3.4 GB/s on loo
 router errs towards recomputing yet still pulls prefixes of a few blocks of a real model.
 Mode "always" pulls whenever the holder has more (tests, benchmarks); "never" turns pulls off.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -54,7 +55,8 @@ class PullPlanner:
         if missing_blocks <= 0:
             return None
         if self.mode == "auto" and self.pull_s(missing_blocks, query.block_size) >= self.saved_s(
-                query, decision.expected_cached_blocks, holder_blocks):
+            query, decision.expected_cached_blocks, holder_blocks
+        ):
             return None
         return PrefixPull(decision.holder_id, holder_blocks)
 

@@ -1,4 +1,5 @@
 """Small pure helpers of the router's request path: the route query of a prompt, timing a stream."""
+
 from __future__ import annotations
 
 import array

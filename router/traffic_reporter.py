@@ -6,6 +6,7 @@ with their output tokens and whether they met the planner's SLO) and sends its c
 every `planner.report_interval_s`. Cumulative: a report that fails (controller restarting) is simply
 superseded by the next. With the planner off nothing is counted and nothing is sent.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,15 +34,17 @@ class TrafficReporter:
     def arrived(self, prompt_tokens: int) -> None:
         if self.enabled:
             c = self.counts
-            self.counts = TrafficCounts(c.arrivals + 1, c.prompt_tokens + prompt_tokens, c.finished,
-                                        c.output_tokens, c.slo_met)
+            self.counts = TrafficCounts(
+                c.arrivals + 1, c.prompt_tokens + prompt_tokens, c.finished, c.output_tokens, c.slo_met
+            )
 
     def finished(self, output_tokens: int, ttft_s: float, tpot_s: float | None) -> None:
         if self.enabled:
             met = slo_met(ttft_s, tpot_s, self.config.ttft_ms, self.config.tpot_ms)
             c = self.counts
-            self.counts = TrafficCounts(c.arrivals, c.prompt_tokens, c.finished + 1, c.output_tokens + output_tokens,
-                                        c.slo_met + int(met))
+            self.counts = TrafficCounts(
+                c.arrivals, c.prompt_tokens, c.finished + 1, c.output_tokens + output_tokens, c.slo_met + int(met)
+            )
 
     def start(self) -> None:
         if self.enabled and self._task is None:
@@ -52,8 +55,9 @@ class TrafficReporter:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await asyncio.wait_for(self.controller.report_traffic.remote(self.router_id, self.counts),
-                                       max(interval_s, 1.0))
+                await asyncio.wait_for(
+                    self.controller.report_traffic.remote(self.router_id, self.counts), max(interval_s, 1.0)
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - the next report carries these counts too

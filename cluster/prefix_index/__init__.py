@@ -1,4 +1,5 @@
 """The global prefix index (interface in base.py): in-process for one router, Redis for several."""
+
 from __future__ import annotations
 
 from cluster.prefix_index.base import IndexNamespace, PrefixIndex, PrefixIndexUnavailable, PrefixMatch

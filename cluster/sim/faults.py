@@ -9,6 +9,7 @@ Which requests a death touches: those queued, prefilling or pinned for a hand-of
 worker; those booked on a dead decode instance (decoding there, adopted, or still prefilling: their
 hand-off fails when it reaches the dead instance, as a real reservation does).
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -12,6 +12,7 @@ As the engine's `KVCacheManager`: a prompt never hits its last token (at least o
 
 `BlockCounter` (decode instances, which keep no prefix cache) only counts blocks.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
@@ -24,8 +25,13 @@ def blocks_for(tokens: int, block_tokens: int) -> int:
 
 
 class PrefixPool:
-    def __init__(self, num_blocks: int, block_tokens: int, caching: bool = True,
-                 on_event: Callable[[KVCacheEvent], None] | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_tokens: int,
+        caching: bool = True,
+        on_event: Callable[[KVCacheEvent], None] | None = None,
+    ):
         self.block_tokens, self.caching = block_tokens, caching
         self.pool = BlockPool(num_blocks, on_event)
 
@@ -42,7 +48,7 @@ class PrefixPool:
         if not self.caching:
             return []
         hits = []
-        for key in keys[:max(prompt_tokens - 1, 0) // self.block_tokens]:
+        for key in keys[: max(prompt_tokens - 1, 0) // self.block_tokens]:
             # The engine's pool only hashes and compares keys; the simulator's are its own (not BlockHash).
             block_id = self.pool.lookup(key)  # type: ignore[arg-type]
             if block_id is None:

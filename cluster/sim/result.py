@@ -7,6 +7,7 @@ hold (an unset SLO is not judged, nor TPOT for a single token); attainment = met
 goodput = met / (last end - first send); percentiles interpolate linearly between ranks.
 `loadtest.sim_report` turns a result into the bench's own `Summary` (same table, same JSON).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -103,11 +104,15 @@ class SimResult:
         met = sum(r.met(self.ttft_slo_s, self.tpot_slo_s) for r in measured)
         prompt = sum(r.prompt_tokens for r in done)
         return SimSummary(
-            requests=len(measured), completed=len(done), rejected=sum(r.status == "rejected" for r in measured),
-            failed=sum(r.status == "failed" for r in measured), duration_s=duration,
+            requests=len(measured),
+            completed=len(done),
+            rejected=sum(r.status == "rejected" for r in measured),
+            failed=sum(r.status == "failed" for r in measured),
+            duration_s=duration,
             slo_attainment=met / len(measured) if measured else None,
             goodput_per_s=met / duration if duration > 0 else None,
             throughput_per_s=len(done) / duration if duration > 0 else None,
             ttft_ms=percentiles_ms([r.ttft_s for r in done if r.ttft_s is not None]),  # all set when ok
             tpot_ms=percentiles_ms([r.tpot_s for r in done if r.tpot_s is not None]),
-            prefix_hit_rate=sum(r.cached_tokens for r in done) / prompt if prompt else None)
+            prefix_hit_rate=sum(r.cached_tokens for r in done) / prompt if prompt else None,
+        )

@@ -14,6 +14,7 @@ It models router/ (which `cluster/` may not import: the simulator serves the con
 A tests/ check holds `cache_aware` here to the router's own policy on the same loads and holdings.
 Everything is O(log workers) per request except the walk over holders of the prompt's blocks.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -70,6 +71,7 @@ class PrefixIndex:
                         held.discard(worker)
                         if not held:
                             del self.holders[key]
+
         return apply
 
     def drop_worker(self, worker: int, keys) -> None:

@@ -17,6 +17,7 @@ prompt or its output) every step computes the same chunks, and its time grows by
 cluster/sim/step_cost.py), so a whole run is one event: it ends at t0 + k*d0 + delta*k*(k-1)/2. New
 work that could join earlier cuts the run at the first step boundary after it arrives.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -208,8 +209,12 @@ class SimWorker:
             budget -= new
         if not chunks and not batch:
             return
-        self.run = self._run(now_s, chunks, batch, cuttable=self.role == "decode" or (
-            not self.waiting and budget > 0 and running < limits.max_num_seqs))
+        self.run = self._run(
+            now_s,
+            chunks,
+            batch,
+            cuttable=self.role == "decode" or (not self.waiting and budget > 0 and running < limits.max_num_seqs),
+        )
 
     def _run(self, now_s: float, chunks: list, batch: int, cuttable: bool) -> Run:
         cost = self.cost

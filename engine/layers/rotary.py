@@ -3,6 +3,7 @@
 cos/sin are precomputed in fp32 for every position as positions × inv_freq (a single product, the
 same value HF's matmul with a one-element inner dimension gives) and gathered by position per step.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ from engine.errors import UnsupportedModelError
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "linear":

@@ -18,6 +18,7 @@ those slots with the same values.
 The draft runs unsharded on the engine's own process: in a tensor-parallel decode instance only rank 0
 (which schedules and samples) runs it; the other ranks never see it.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,6 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -57,9 +57,9 @@ class DraftChunk:
 
 
 def _draft_dir(config: EngineConfig) -> str:
+    """The draft checkpoint of a config speculating with a draft model (EngineConfig normalised it)."""
     spec = config.speculative_config
-    assert isinstance(spec, SpeculativeConfig), "EngineConfig.__post_init__ makes it one"
-    assert spec.model is not None, "SpeculativeConfig: draft_model names its model"
+    assert isinstance(spec, SpeculativeConfig) and spec.model is not None, "a draft_model config names its model"
     return spec.model
 
 
@@ -74,12 +74,16 @@ def load_draft_model_config(config: EngineConfig, target: ModelConfig) -> ModelC
     draft_dir = _draft_dir(config)
     draft = load_model_config(draft_dir, config.dtype if config.dtype != "auto" else target.dtype)
     if draft.vocab_size != target.vocab_size:
-        raise UnsupportedModelError(f"speculative_config.model: the draft's vocab_size {draft.vocab_size} differs "
-                                    f"from the target's {target.vocab_size}; a draft needs the same vocabulary")
+        raise UnsupportedModelError(
+            f"speculative_config.model: the draft's vocab_size {draft.vocab_size} differs "
+            f"from the target's {target.vocab_size}; a draft needs the same vocabulary"
+        )
     mine, theirs = _tokenizer_vocab(draft_dir), _tokenizer_vocab(config.model_dir)
     if mine is not None and theirs is not None and mine != theirs:
-        raise UnsupportedModelError("speculative_config.model: the draft's tokenizer.json vocabulary differs from "
-                                    "the target's; a draft needs the same tokenizer")
+        raise UnsupportedModelError(
+            "speculative_config.model: the draft's tokenizer.json vocabulary differs from "
+            "the target's; a draft needs the same tokenizer"
+        )
     return draft
 
 
@@ -91,16 +95,28 @@ def _tokenizer_vocab(model_dir: str) -> dict | None:
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, draft_model: ModelConfig, max_model_len: int, num_blocks: int,
-                 sampler: Sampler, progress: bool = False):
-        self.runner = ModelRunner(draft_engine_config(config), draft_model, max_model_len, num_blocks,
-                                  SINGLE_RANK, progress)
+    def __init__(
+        self,
+        config: EngineConfig,
+        draft_model: ModelConfig,
+        max_model_len: int,
+        num_blocks: int,
+        sampler: Sampler,
+        progress: bool = False,
+    ):
+        self.runner = ModelRunner(
+            draft_engine_config(config), draft_model, max_model_len, num_blocks, SINGLE_RANK, progress
+        )
         self.block_size = config.block_size
         self.max_catch_up_tokens = config.prefill_chunk_tokens
         self.sampler = sampler
 
-    def propose(self, jobs: Seq[tuple[Sequence, int]], block_table: Callable[[str], Seq[int]],
-                sampling_row: Callable[[Sequence, Seq[int]], SamplingRow]) -> dict[str, Drafts]:
+    def propose(
+        self,
+        jobs: Seq[tuple[Sequence, int]],
+        block_table: Callable[[str], Seq[int]],
+        sampling_row: Callable[[Sequence, Seq[int]], SamplingRow],
+    ) -> dict[str, Drafts]:
         """Up to k drafts for each (sequence, k); `sampling_row(seq, drafts)` is the row sampling the
         token after `drafts`. The draft's KV slots must already be allocated (lookahead slots)."""
         jobs = self._catch_up_lagging(jobs, block_table)
@@ -125,9 +141,10 @@ class DraftModelProposer:
         lagging = [seq for seq, _ in jobs if seq.num_tokens - seq.num_draft_computed_tokens > cap]
         if not lagging:
             return list(jobs)
-        chunks = [DraftChunk(seq, seq.num_draft_computed_tokens,
-                             seq.token_ids[seq.num_draft_computed_tokens:][:cap], 0)
-                  for seq in lagging]
+        chunks = [
+            DraftChunk(seq, seq.num_draft_computed_tokens, seq.token_ids[seq.num_draft_computed_tokens :][:cap], 0)
+            for seq in lagging
+        ]
         self.runner.forward(build_step_input(order_chunks(chunks), block_table, self.block_size))
         for chunk in chunks:
             chunk.seq.num_draft_computed_tokens += chunk.num_new_tokens
@@ -156,15 +173,15 @@ class DraftModelProposer:
 
 
 def _stack(probs: list[torch.Tensor | None]) -> torch.Tensor | None:
-    if not probs or probs[0] is None:
+    tensors = [p for p in probs if p is not None]
+    if not probs or len(tensors) < len(probs):  # greedy rows carry no distribution
         return None
-    return torch.stack(cast(list[torch.Tensor], probs))  # one sequence's: all None (greedy) or none None
+    return torch.stack(tensors)
 
 
 def speculative_draft_config(config: EngineConfig, target: ModelConfig) -> ModelConfig | None:
     """The draft model's config when `config` speculates with one (sizes the KV pool on every rank)."""
     spec = config.speculative_config
-    assert spec is None or isinstance(spec, SpeculativeConfig), "EngineConfig.__post_init__ makes it one"
-    if spec is None or spec.method != "draft_model":
+    if not isinstance(spec, SpeculativeConfig) or spec.method != "draft_model":
         return None
     return load_draft_model_config(config, target)

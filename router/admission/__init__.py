@@ -7,6 +7,7 @@ step-time and observed-TTFT models), `view` (the request and cluster snapshot a 
 `decode_projection` + `predictor` (predicted TTFT / TPOT), `base` (the policy contract), `policies`
 (always, threshold) and `predictive`.
 """
+
 from __future__ import annotations
 
 from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause
@@ -27,8 +28,9 @@ from router.admission.predictor import Prediction, predict
 from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep, TtftSample
 from router.admission.view import AdmissionRequest, ClusterView, DecodeInstanceView, RunningRequest
 
-POLICIES: dict[str, type[AdmissionPolicy]] = {cls.name: cls for cls in (AlwaysAdmitPolicy, ThresholdPolicy,
-                                                                        PredictivePolicy)}
+POLICIES: dict[str, type[AdmissionPolicy]] = {
+    cls.name: cls for cls in (AlwaysAdmitPolicy, ThresholdPolicy, PredictivePolicy)
+}
 
 
 def make_admission_policy(name: str, **kwargs) -> AdmissionPolicy:

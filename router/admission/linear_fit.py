@@ -25,6 +25,7 @@ Model: target ≈ Σ_j coef_j · feature_j, fitted over the most recent `window`
 
 Owned by one router and used from its event loop only: no locking.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -5,6 +5,7 @@ are joined with newlines (as vLLM does); any other part (images, audio) is refus
 are the template's business: a template that rejects a conversation (raising in Jinja) gets a 400
 naming `messages` with the template's own message. A checkpoint without a template cannot chat.
 """
+
 from __future__ import annotations
 
 from typing import NoReturn
@@ -55,7 +56,7 @@ def _content(content, field: str) -> str:
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            _fail(f"{field}[{i}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            _fail(f"{field}[{i}]", 'only text parts ({"type": "text", "text": ...}) are supported')
         texts.append(part["text"])
     return "\n".join(texts)
 

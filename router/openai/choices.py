@@ -5,6 +5,7 @@ token path. Several run as concurrent tasks feeding one queue; the first failure
 request (the others are cancelled, which aborts them on their workers). Callers must close the
 iterator (`contextlib.aclosing`) so that leaving early (client gone, error) cancels every choice.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,9 @@ from router.service import RouterOutput, RouterService
 _DONE = object()
 
 
-async def run_choices(service: RouterService, api: ApiRequest, deadline_s: float | None,
-                      waited_s: float) -> AsyncGenerator[tuple[int, RouterOutput], None]:
+async def run_choices(
+    service: RouterService, api: ApiRequest, deadline_s: float | None, waited_s: float
+) -> AsyncGenerator[tuple[int, RouterOutput], None]:
     if len(api.choices) == 1:
         async with aclosing(service.generate(api.choices[0].request, deadline_s, waited_s)) as outputs:
             async for output in outputs:

@@ -8,6 +8,7 @@ with a bad value raises `InvalidRequestError` naming it as the client sent it (`
 `temperature`, `prompt`, `messages[2].content`). Fields the engine cannot honour (`logit_bias`,
 `suffix`, `best_of` > n, `tools`, a non-text `response_format`) are refused rather than dropped.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,13 +36,32 @@ if TYPE_CHECKING:
 MAX_CHOICES = 256  # prompts x n in one body
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 # Sampling fields read from the body as they are (OpenAI's, then vLLM's extra ones).
-_SAMPLING_KEYS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "n", "top_k",
-                  "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                  "include_stop_str_in_output")
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 # Known fields the engine cannot honour → the neutral values it accepts.
-_UNSUPPORTED = {"logit_bias": lambda v: not v, "suffix": lambda v: not v, "tools": lambda v: not v,
-                "functions": lambda v: not v, "tool_choice": lambda v: v in ("none", "auto"),
-                "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text"}
+_UNSUPPORTED = {
+    "logit_bias": lambda v: not v,
+    "suffix": lambda v: not v,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
+}
 
 
 @dataclass(frozen=True)
@@ -105,8 +125,7 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     text = render_chat(body.get("messages"), context.tokenizer, add_generation_prompt)
     tokenizer = context.tokenizer
     assert tokenizer is not None, "render_chat refuses a model without one"
-    tokens = text_prompt(text, context.limits, lambda t: tokenizer.encode(t, add_special_tokens=False),
-                         "messages")
+    tokens = text_prompt(text, context.limits, lambda t: tokenizer.encode(t, add_special_tokens=False), "messages")
     names = {}
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is not None:
@@ -126,8 +145,18 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     return _api_request("chat", model, body, context, [(text, tokens)], values, names, [None], logprobs, request_id)
 
 
-def _api_request(kind: str, model: str, body: dict, context: Context, prompts, values: dict, names: dict, echoes,
-                 logprobs, request_id: str | None) -> ApiRequest:
+def _api_request(
+    kind: str,
+    model: str,
+    body: dict,
+    context: Context,
+    prompts,
+    values: dict,
+    names: dict,
+    echoes,
+    logprobs,
+    request_id: str | None,
+) -> ApiRequest:
     params = sampling_params(values, context.limits, "", names)
     for name, neutral in _UNSUPPORTED.items():
         if body.get(name) is not None and not neutral(body[name]):
@@ -143,14 +172,29 @@ def _api_request(kind: str, model: str, body: dict, context: Context, prompts, v
     for prompt_index, ((text, tokens), echo) in enumerate(zip(prompts, echoes, strict=True)):
         for choice in range(params.n):
             index = prompt_index * params.n + choice
-            request = RouterRequest(f"{request_id}-{index}", tokens, params.for_choice(choice), *extras,
-                                    return_text=context.limits.has_tokenizer, prompt_text=text)
+            request = RouterRequest(
+                f"{request_id}-{index}",
+                tokens,
+                params.for_choice(choice),
+                *extras,
+                return_text=context.limits.has_tokenizer,
+                prompt_text=text,
+            )
             choices.append(Choice(index, prompt_index, request, echo))
     stream = _flag(body, "stream")
     options = _object(body.get("stream_options") or {}, "stream_options")
     include_usage = stream and _flag(options, "include_usage", field="stream_options.include_usage")
-    return ApiRequest(kind, model, request_id, tuple(choices), stream, include_usage, logprobs,
-                      _flag(body, "return_token_ids"), _timeout_s(body))
+    return ApiRequest(
+        kind,
+        model,
+        request_id,
+        tuple(choices),
+        stream,
+        include_usage,
+        logprobs,
+        _flag(body, "return_token_ids"),
+        _timeout_s(body),
+    )
 
 
 def _completion_prompts(prompt, context: Context) -> list[tuple[str | None, tuple[int, ...]]]:
@@ -247,4 +291,3 @@ def _is_int(value) -> bool:
 
 def _fail(field: str, message: str) -> NoReturn:
     raise InvalidRequestError(field, message)
-

@@ -11,6 +11,7 @@ Contract (every implementation; tests/router/test_routing_contract.py runs each 
 Load figures are the router's own live view (requests it has in flight on each worker and the
 uncached prompt tokens it sent there that were not prefilled yet).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
