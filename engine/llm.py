@@ -51,7 +51,7 @@ class LLM:
         any of these requests runs."""
         items = [self._encode(prompt, index) for index, prompt in enumerate(_as_prompt_list(prompts))]
         params = _broadcast(sampling_params or SamplingParams(), len(items), "sampling_params")
-        prios = _broadcast(0, len(items), "priorities") if priorities is None else list(priorities)
+        prios = _broadcast(0 if priorities is None else list(priorities), len(items), "priorities")
         # Every completion is a sequence of its own: (prompt index, choice index) per sequence.
         owners = [(i, choice) for i, p in enumerate(params) for choice in range(p.n)]
         ids = self._add_all(

@@ -72,3 +72,10 @@ def test_bad_new_fields_name_themselves(field, value):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**{field: value})
     assert err.value.field == field
+
+
+def test_priorities_of_the_wrong_length_name_the_field(checkpoint, make_llm):
+    llm = make_llm(checkpoint(TinySpec()))
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=1), priorities=[1], use_tqdm=False)
+    assert err.value.field == "priorities"
