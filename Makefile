@@ -26,7 +26,7 @@ LOWER_HASH := $(shell $(PYTHON) scripts/lower_bounds.py pyproject.toml | sha1sum
 LOWER_STAMP := $(LOWER_VENV)/.installed-$(LOWER_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: setup sdk-venv lower-venv lock run test test-deps bench-engine demo-model clean
+.PHONY: setup sdk-venv lower-venv lock run lint test test-deps bench-engine demo-model clean
 
 setup: $(STAMP)
 
@@ -76,7 +76,16 @@ test-deps: sdk-venv lower-venv
 run: setup
 	scripts/run_local.sh $(SERVE_ARGS)
 
-test: setup test-deps
+# Lint (ruff: rules and format) and type-check (mypy) the product packages and benchmarks; the rules and the
+# paths mypy checks are in pyproject.toml. `make test` runs it first, so CI does.
+LINT_PATHS := engine prefill_worker decode_worker kvtransfer cluster router loadtest splitserve benchmarks
+
+lint: setup
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+
+test: setup test-deps lint
 	PY=$(PY) scripts/run_tests.sh $(PYTEST_ARGS)
 
 bench-engine: setup

@@ -9,6 +9,7 @@ the Mooncake conversation trace replayed once fault-free and once under kills, c
 request. Defaults: the 300-row slice shipped in tests/data/traces (or --trace), its 3 s buckets spread,
 prompts at one KV block per trace block, outputs scaled down to keep the replay within the box.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,17 @@ def _model() -> str:
     from engine.demo_model import write_demo_model
 
     out = tempfile.mkdtemp(prefix="splitserve-chaos-model-")
-    write_demo_model(out, progress=False, config_overrides={
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2})
+    write_demo_model(
+        out,
+        progress=False,
+        config_overrides={
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    )
     return out
 
 
@@ -54,12 +63,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the chaos report here")
     args, extra = parser.parse_known_args(argv)
     pool = PoolConfig(num_cpus=0.5, threads=1, num_kv_blocks=2048)
-    config = ClusterConfig(prefill=replace_replicas(pool, 2), decode=replace_replicas(pool, 2),
-                           router=RouterConfig(port=0), ray_num_cpus=4, ready_timeout_s=300.0)
-    chaos_argv = ["--workload", "trace", "--trace", args.trace, "--rate", str(args.rate), "--trace-spread-s", "3",
-                  "--trace-output-scale", "0.1", "--duration-s", str(args.duration_s), "--grace-s", "120",
-                  "--kill", "any", "--every-s", str(args.every_s), "--max-concurrency", "256", "--no-progress",
-                  *(extra[1:] if extra[:1] == ["--"] else extra)]
+    config = ClusterConfig(
+        prefill=replace_replicas(pool, 2),
+        decode=replace_replicas(pool, 2),
+        router=RouterConfig(port=0),
+        ray_num_cpus=4,
+        ready_timeout_s=300.0,
+    )
+    chaos_argv = [
+        "--workload",
+        "trace",
+        "--trace",
+        args.trace,
+        "--rate",
+        str(args.rate),
+        "--trace-spread-s",
+        "3",
+        "--trace-output-scale",
+        "0.1",
+        "--duration-s",
+        str(args.duration_s),
+        "--grace-s",
+        "120",
+        "--kill",
+        "any",
+        "--every-s",
+        str(args.every_s),
+        "--max-concurrency",
+        "256",
+        "--no-progress",
+        *(extra[1:] if extra[:1] == ["--"] else extra),
+    ]
     launched = launch(config, _model())
     try:
         report = asyncio.run(_serve_and_chaos(launched, chaos_argv))

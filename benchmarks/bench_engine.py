@@ -17,6 +17,7 @@
 `--profile`: only the engine, on `--profile-requests` requests, under cProfile: top functions, and
 self time per source file with torch builtins charged to their callers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -68,8 +69,11 @@ class BenchConfig:
             value = getattr(self, f.name)
             if type(value) is int and value < (0 if f.name in ("seed", "check") else 1):
                 raise ValueError(f"--{f.name.replace('_', '-')} must be >= 1 (--seed, --check: >= 0)")
-        if (self.min_prompt > self.max_prompt or self.min_output > self.max_output
-                or min(self.hf_batch_sizes, default=0) < 1):
+        if (
+            self.min_prompt > self.max_prompt
+            or self.min_output > self.max_output
+            or min(self.hf_batch_sizes, default=0) < 1
+        ):
             raise ValueError("each --min-* must be <= its --max-*, and --hf-batch-sizes positive integers")
 
 
@@ -88,8 +92,13 @@ class Throughput:
 
     @classmethod
     def of(cls, requests: list[BenchRequest], computed_output_tokens: int, wall_s: float) -> Throughput:
-        return cls(len(requests), sum(len(r.prompt_token_ids) for r in requests),
-                   sum(r.max_tokens for r in requests), computed_output_tokens, wall_s)
+        return cls(
+            len(requests),
+            sum(len(r.prompt_token_ids) for r in requests),
+            sum(r.max_tokens for r in requests),
+            computed_output_tokens,
+            wall_s,
+        )
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -100,19 +109,27 @@ class Throughput:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
 
     def __add__(self, other: Throughput) -> Throughput:
-        return Throughput(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+        return Throughput(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
 
     def to_json(self) -> dict:
-        return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s,
-                "total_tokens_per_s": self.total_tokens_per_s}
+        return {
+            **asdict(self),
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+        }
 
 
 def make_requests(cfg: BenchConfig, vocab_size: int, special_ids: set[int]) -> list[BenchRequest]:
     # Special ids stay out of prompts so no runner can give them a meaning (BOS reset, EOS stop).
     vocab = [t for t in range(vocab_size) if t not in special_ids]
     rng = random.Random(cfg.seed)
-    return [BenchRequest(tuple(rng.choices(vocab, k=rng.randint(cfg.min_prompt, cfg.max_prompt))),
-                         rng.randint(cfg.min_output, cfg.max_output)) for _ in range(cfg.num_requests)]
+    return [
+        BenchRequest(
+            tuple(rng.choices(vocab, k=rng.randint(cfg.min_prompt, cfg.max_prompt))),
+            rng.randint(cfg.min_output, cfg.max_output),
+        )
+        for _ in range(cfg.num_requests)
+    ]
 
 
 def run_engine(llm: LLM, requests: list[BenchRequest], use_tqdm: bool = True):
@@ -148,10 +165,10 @@ class HFBaseline:
         out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps)
         if out.shape[1] != width + steps:
             raise RuntimeError(f"HF stopped early: {out.shape[1] - width} of {steps} tokens")
-        return [out[row, width:width + r.max_tokens].tolist() for row, r in enumerate(batch)]
+        return [out[row, width : width + r.max_tokens].tolist() for row, r in enumerate(batch)]
 
     def run(self, requests: list[BenchRequest], batch_size: int):
-        batches = [requests[first:first + batch_size] for first in range(0, len(requests), batch_size)]
+        batches = [requests[first : first + batch_size] for first in range(0, len(requests), batch_size)]
         start_s = time.perf_counter()
         tokens = [row for batch in batches for row in self.generate_batch(batch)]
         wall_s = time.perf_counter() - start_s
@@ -161,27 +178,37 @@ class HFBaseline:
 
 def run_hf(cfg: BenchConfig, requests: list[BenchRequest]):
     """Calibrates B, then measures the sample at the best B; returns (hf, calibration, best B, result)."""
+    assert cfg.model_dir is not None, "main() resolves it"
     hf, calibration = HFBaseline(cfg.model_dir), {}
     for size in cfg.hf_batch_sizes:  # the same first requests for every B
-        calibration[size] = hf.run(requests[:cfg.calibration_requests], size)
+        calibration[size] = hf.run(requests[: cfg.calibration_requests], size)
         _log(f"HF calibration B={size}: {calibration[size][0].output_tokens_per_s:.1f} useful tok/s")
     best = max(calibration, key=lambda size: calibration[size][0].output_tokens_per_s)
-    sample, (reused, _) = requests[:cfg.hf_sample], calibration[best]
+    sample, (reused, _) = requests[: cfg.hf_sample], calibration[best]
     _log(f"HF: B={best} on the first {len(sample)} requests")
     if reused.num_requests > len(sample) or reused.num_requests % best:
         return hf, calibration, best, hf.run(sample, best)[0]
     # The calibration already ran the sample's first requests at this B, in the same batches.
-    return hf, calibration, best, reused + hf.run(sample[reused.num_requests:], best)[0]
+    return hf, calibration, best, reused + hf.run(sample[reused.num_requests :], best)[0]
 
 
 def check_tokens(hf: HFBaseline, requests, engine_tokens, known: list[list[int]]) -> dict:
     """Engine tokens vs unbatched HF; `known` holds HF B=1 tokens already computed for a prefix."""
-    reference = known[:len(requests)]
-    reference += [hf.generate_batch([r])[0] for r in requests[len(reference):]]
-    diverged = {index: next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-                for index, (ours, theirs) in enumerate(zip(engine_tokens, reference)) if ours != theirs}
-    return {"num_requests": len(requests), "num_identical": len(requests) - len(diverged),
-            "first_divergence_by_request": diverged, "passed": not diverged}
+    reference = known[: len(requests)]
+    reference += [hf.generate_batch([r])[0] for r in requests[len(reference) :]]
+    diverged = {
+        index: next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
+        )
+        for index, (ours, theirs) in enumerate(zip(engine_tokens, reference, strict=True))
+        if ours != theirs
+    }
+    return {
+        "num_requests": len(requests),
+        "num_identical": len(requests) - len(diverged),
+        "first_divergence_by_request": diverged,
+        "passed": not diverged,
+    }
 
 
 def profile_engine(llm, requests: list[BenchRequest], top: int = 25) -> dict:
@@ -204,7 +231,8 @@ def profile_engine(llm, requests: list[BenchRequest], top: int = 25) -> dict:
 
 def self_time_by_file(stats: pstats.Stats) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
-    for (file, _, name), (_, _, self_s, _, callers) in stats.stats.items():
+    # Stats.stats is pstats' own table (undocumented, so typeshed leaves it out).
+    for (file, _, name), (_, _, self_s, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
         if file != "~":
             totals[_short(file)] += self_s
             continue
@@ -216,22 +244,30 @@ def self_time_by_file(stats: pstats.Stats) -> dict[str, float]:
 
 def _short(file: str) -> str:  # from the package root (engine/..., torch/...): same on every machine
     file = file.rsplit("site-packages/", 1)[-1]
-    return file[file.rfind("/engine/") + 1:] if "/engine/" in file else file
+    return file[file.rfind("/engine/") + 1 :] if "/engine/" in file else file
 
 
 def print_report(engine: Throughput, hf: Throughput, batch_size: int, calibration: dict) -> None:
     print(f"\n{'runner':<40}{'requests':>9}{'out tok':>9}{'wall s':>9}{'out tok/s':>11}{'total tok/s':>13}")
     for name, t in (("splitserve engine (continuous batching)", engine), (f"HF generate, B={batch_size}", hf)):
-        print(f"{name:<40}{t.num_requests:>9}{t.output_tokens:>9}{t.wall_s:>9.1f}"
-              f"{t.output_tokens_per_s:>11.1f}{t.total_tokens_per_s:>13.1f}")
+        print(
+            f"{name:<40}{t.num_requests:>9}{t.output_tokens:>9}{t.wall_s:>9.1f}"
+            f"{t.output_tokens_per_s:>11.1f}{t.total_tokens_per_s:>13.1f}"
+        )
     ratio = engine.output_tokens_per_s / hf.output_tokens_per_s
-    print(f"ratio engine / HF output tok/s: {ratio:.2f}x ({'meets' if ratio >= TARGET_RATIO else 'misses'} "
-          f"the {TARGET_RATIO:.0f}x target)")
-    print(f"\nHF calibration on the first {next(iter(calibration.values()))[0].num_requests} requests:\n"
-          f"{'B':>4}{'wall s':>9}{'useful tok/s':>14}{'decoded tok/s':>15}{'useful %':>10}")
+    print(
+        f"ratio engine / HF output tok/s: {ratio:.2f}x ({'meets' if ratio >= TARGET_RATIO else 'misses'} "
+        f"the {TARGET_RATIO:.0f}x target)"
+    )
+    print(
+        f"\nHF calibration on the first {next(iter(calibration.values()))[0].num_requests} requests:\n"
+        f"{'B':>4}{'wall s':>9}{'useful tok/s':>14}{'decoded tok/s':>15}{'useful %':>10}"
+    )
     for size, (t, _) in calibration.items():
-        print(f"{size:>4}{t.wall_s:>9.1f}{t.output_tokens_per_s:>14.1f}{t.computed_output_tokens / t.wall_s:>15.1f}"
-              f"{100 * t.output_tokens / t.computed_output_tokens:>10.1f}")
+        print(
+            f"{size:>4}{t.wall_s:>9.1f}{t.output_tokens_per_s:>14.1f}{t.computed_output_tokens / t.wall_s:>15.1f}"
+            f"{100 * t.output_tokens / t.computed_output_tokens:>10.1f}"
+        )
 
 
 def parse_args(argv: list[str] | None) -> BenchConfig:
@@ -241,8 +277,13 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
         if f.default is False:
             parser.add_argument(flag, dest=f.name, action="store_true")
         elif isinstance(f.default, tuple):
-            parser.add_argument(flag, dest=f.name, default=f.default, help="comma-separated",
-                                type=lambda text: tuple(int(item) for item in text.split(",")))
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                default=f.default,
+                help="comma-separated",
+                type=lambda text: tuple(int(item) for item in text.split(",")),
+            )
         else:
             parser.add_argument(flag, dest=f.name, default=f.default, type=str if f.default is None else int)
     return BenchConfig(**vars(parser.parse_args(argv)))
@@ -258,17 +299,20 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(cfg.threads)
     if cfg.model_dir is None:
         cfg = replace(cfg, model_dir=str(ensure_demo_model()))
+    assert cfg.model_dir is not None
     model = load_model_config(cfg.model_dir)
     if cfg.max_prompt + cfg.max_output > model.max_position_embeddings:
         raise ValueError(f"max prompt + output exceeds the model's {model.max_position_embeddings} positions")
-    requests = make_requests(cfg, model.vocab_size, {*model.eos_token_ids, model.bos_token_id})
-    summary = {"config": asdict(cfg), "torch": torch.__version__, "load_average_start": os.getloadavg()}
+    special = {*model.eos_token_ids, *(() if model.bos_token_id is None else (model.bos_token_id,))}
+    requests = make_requests(cfg, model.vocab_size, special)
+    summary: dict[str, Any] = {"config": asdict(cfg), "torch": torch.__version__, "load_average_start": os.getloadavg()}
     # num_threads is not passed: the bench sets torch's thread count once, for both sides.
-    llm = LLM(cfg.model_dir, progress=False, max_num_seqs=cfg.max_num_seqs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens)
+    llm = LLM(
+        cfg.model_dir, progress=False, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens
+    )
     run_engine(llm, [BenchRequest((5, 6, 7, 8), 2)], use_tqdm=False)  # warm-up, outside the timing
     if cfg.profile:
-        summary["profile"] = profile_engine(llm, requests[:cfg.profile_requests])
+        summary["profile"] = profile_engine(llm, requests[: cfg.profile_requests])
         return _finish(summary, cfg)
     _log(f"engine: {len(requests)} requests, {cfg.threads} threads")
     engine, engine_tokens = run_engine(llm, requests)
@@ -276,21 +320,29 @@ def main(argv: list[str] | None = None) -> dict:
     del llm  # frees the KV cache before HF allocates its own
     hf, calibration, best, hf_result = run_hf(cfg, requests)
     print_report(engine, hf_result, best, calibration)
-    summary.update(engine=engine.to_json(), hf={**hf_result.to_json(), "batch_size": best},
-                   ratio=engine.output_tokens_per_s / hf_result.output_tokens_per_s, target_ratio=TARGET_RATIO,
-                   calibration=[{"batch_size": b, **t.to_json()} for b, (t, _) in calibration.items()])
+    summary.update(
+        engine=engine.to_json(),
+        hf={**hf_result.to_json(), "batch_size": best},
+        ratio=engine.output_tokens_per_s / hf_result.output_tokens_per_s,
+        target_ratio=TARGET_RATIO,
+        calibration=[{"batch_size": b, **t.to_json()} for b, (t, _) in calibration.items()],
+    )
     if cfg.check:
         known = calibration[1][1] if 1 in calibration else []
-        check = summary["check"] = check_tokens(hf, requests[:cfg.check], engine_tokens, known)
-        print(f"check: {check['num_identical']}/{check['num_requests']} requests token-identical to unbatched HF"
-              + ("" if check["passed"] else f"; first divergence {check['first_divergence_by_request']}"))
+        check = summary["check"] = check_tokens(hf, requests[: cfg.check], engine_tokens, known)
+        print(
+            f"check: {check['num_identical']}/{check['num_requests']} requests token-identical to unbatched HF"
+            + ("" if check["passed"] else f"; first divergence {check['first_divergence_by_request']}")
+        )
     return _finish(summary, cfg)
 
 
 def _finish(summary: dict, cfg: BenchConfig) -> dict:
     summary["load_average_end"] = os.getloadavg()
-    print(f"load average (1 min) at start / end: {summary['load_average_start'][0]:.1f} / "
-          f"{summary['load_average_end'][0]:.1f} on {len(os.sched_getaffinity(0))} cores")
+    print(
+        f"load average (1 min) at start / end: {summary['load_average_start'][0]:.1f} / "
+        f"{summary['load_average_end'][0]:.1f} on {len(os.sched_getaffinity(0))} cores"
+    )
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary

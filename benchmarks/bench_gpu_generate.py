@@ -8,6 +8,7 @@ side gets one warm-up call first. Needs CUDA.
 
 `python -m benchmarks.bench_gpu_generate --out generate.json`
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,25 +26,31 @@ from engine import LLM, SamplingParams
 
 
 def hf_tokens_per_s(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> float:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()
+    # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(pad_token_id=0)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     ids, mask = ids.cuda(), mask.cuda()
 
-    def run(new_tokens: int) -> None:
+    def run(model, new_tokens: int) -> None:  # model passed in: `del model` below must free it
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+            )
 
-    run(4)
+    run(model, 4)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    run(max_tokens)
+    run(model, max_tokens)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     del model
@@ -52,8 +59,14 @@ def hf_tokens_per_s(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
 
 
 def engine_tokens_per_s(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> float:
-    llm = LLM(model_dir, progress=False, device="cuda", max_num_seqs=len(prompts), max_model_len=2048,
-              num_kv_blocks=len(prompts) * 2048 // 16 + 16)
+    llm = LLM(
+        model_dir,
+        progress=False,
+        device="cuda",
+        max_num_seqs=len(prompts),
+        max_model_len=2048,
+        num_kv_blocks=len(prompts) * 2048 // 16 + 16,
+    )
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     torch.cuda.synchronize()
@@ -77,11 +90,20 @@ def main() -> None:
         model_dir = build_checkpoint(Path(tmp) / "llama-1b")
         ours = engine_tokens_per_s(model_dir, prompts, args.max_tokens)
         hf = hf_tokens_per_s(model_dir, prompts, args.max_tokens)
-    result = {"device": torch.cuda.get_device_name(), "num_prompts": args.num_prompts,
-              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "engine_tokens_per_s": ours,
-              "hf_tokens_per_s": hf, "speedup": ours / hf}
-    print(f"generate {args.num_prompts}x({args.prompt_len}+{args.max_tokens}): engine {ours:.0f} tok/s, "
-          f"HF {hf:.0f} tok/s -> {ours / hf:.2f}x", flush=True)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "num_prompts": args.num_prompts,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "engine_tokens_per_s": ours,
+        "hf_tokens_per_s": hf,
+        "speedup": ours / hf,
+    }
+    print(
+        f"generate {args.num_prompts}x({args.prompt_len}+{args.max_tokens}): engine {ours:.0f} tok/s, "
+        f"HF {hf:.0f} tok/s -> {ours / hf:.2f}x",
+        flush=True,
+    )
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -13,6 +13,7 @@ GB/s = KV bytes of the sequence / receiver's wall time from its first recv to it
 (synchronized), median of the repetitions. Needs CUDA; starts a TCPStore (run sandboxed off-GPU
 boxes). `python -m benchmarks.bench_gpu_handoff --out handoff.json`
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,8 +40,7 @@ def _storage(num_blocks: int):
     return storage
 
 
-def _worker(role: str, mode: str, per_layer: bool, port: int, tokens_list: list[int], repeats: int,
-            results) -> None:
+def _worker(role: str, mode: str, per_layer: bool, port: int, tokens_list: list[int], repeats: int, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from kvtransfer.torch_dist import TorchDistTransport
 
@@ -55,7 +56,7 @@ def _worker(role: str, mode: str, per_layer: bool, port: int, tokens_list: list[
         for _ in range(repeats + 1):  # the first opens the channel: not timed
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for layers in ([[layer] for layer in range(LAYERS)] if per_layer else [list(range(LAYERS))]):
+            for layers in [[layer] for layer in range(LAYERS)] if per_layer else [list(range(LAYERS))]:
                 if role == "sender":
                     message = [t for layer in layers for t in storage.export_layer(layer, 0, KV_HEADS, blocks)]
                     transport.send(peer, [t.cpu() for t in message] if mode == "host-staged" else message, 30.0)
@@ -64,13 +65,16 @@ def _worker(role: str, mode: str, per_layer: bool, port: int, tokens_list: list[
                     flat = [t for message in staging for t in message]
                     landing = [t.cpu() for t in flat] if mode == "host-staged" else flat
                     transport.recv(peer, landing, 30.0)
-                    for layer, received in zip(layers, landing):
+                    for layer, received in zip(layers, landing, strict=True):
                         storage.import_layer(layer, target, [received.to("cuda")])
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         num_bytes = tokens * storage.bytes_per_token
-        figures[tokens] = {"bytes": num_bytes, "median_s": statistics.median(times[1:]),
-                           "gb_per_s": num_bytes / statistics.median(times[1:]) / 1e9}
+        figures[tokens] = {
+            "bytes": num_bytes,
+            "median_s": statistics.median(times[1:]),
+            "gb_per_s": num_bytes / statistics.median(times[1:]) / 1e9,
+        }
     transport.close()
     results.put((role, figures))
 
@@ -80,8 +84,10 @@ def run_mode(mode: str, per_layer: bool, tokens_list: list[int], repeats: int) -
 
     store = create_rendezvous_store()
     results = _SPAWN.Queue()
-    procs = [_SPAWN.Process(target=_worker, args=(role, mode, per_layer, store.port, tokens_list, repeats, results))
-             for role in ("sender", "receiver")]
+    procs = [
+        _SPAWN.Process(target=_worker, args=(role, mode, per_layer, store.port, tokens_list, repeats, results))
+        for role in ("sender", "receiver")
+    ]
     for proc in procs:
         proc.start()
     collected = dict(results.get(timeout=300) for _ in procs)
@@ -97,13 +103,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    result = {"device": torch.cuda.get_device_name()}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     for mode, per_layer in (("cuda_ipc", True), ("cuda_ipc", False), ("host-staged", True)):
         name = f"{mode}/{'per-layer' if per_layer else 'one-message'}"
         result[name] = run_mode(mode, per_layer, tokens_list, args.repeats)
         for tokens, row in result[name].items():
-            print(f"handoff {name:23s} {tokens:5d} tokens ({row['bytes'] / 2**20:.0f} MiB): "
-                  f"{row['median_s'] * 1e3:.2f} ms, {row['gb_per_s']:.1f} GB/s", flush=True)
+            print(
+                f"handoff {name:23s} {tokens:5d} tokens ({row['bytes'] / 2**20:.0f} MiB): "
+                f"{row['median_s'] * 1e3:.2f} ms, {row['gb_per_s']:.1f} GB/s",
+                flush=True,
+            )
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

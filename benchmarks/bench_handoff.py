@@ -8,6 +8,7 @@ prompt length: wall time from the first send to the ack (median of `--repeats`),
 and, for int8 / fp8, their scales, sent as stored) and its effective GB/s — next to a raw send/recv of
 one tensor of the same bytes, in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,12 @@ SENDER, RECEIVER = "bench-prefill", "bench-decode/rank0"
 
 
 def _cache(kv_cache_dtype: str, num_blocks: int) -> KVCacheStorage:
-    cache = KVCacheStorage(kv_format(kv_cache_dtype, torch.float32), LAYERS, KV_HEADS, num_blocks, BLOCK_SIZE,
-                           HEAD_DIM)
+    cache = KVCacheStorage(kv_format(kv_cache_dtype, torch.float32), LAYERS, KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM)
     slots = torch.arange(num_blocks * BLOCK_SIZE)
     for layer in range(LAYERS):
-        cache.layer(layer).write(torch.randn(len(slots), KV_HEADS, HEAD_DIM), torch.randn(len(slots), KV_HEADS, HEAD_DIM),
-                                 slots)
+        cache.layer(layer).write(
+            torch.randn(len(slots), KV_HEADS, HEAD_DIM), torch.randn(len(slots), KV_HEADS, HEAD_DIM), slots
+        )
     return cache
 
 
@@ -56,11 +57,10 @@ def _receiver(port: int, dtypes: list[str], lengths: list[int], repeats: int) ->
 def _sender(port: int, dtypes: list[str], lengths: list[int], repeats: int) -> list[dict]:
     transport = TorchDistTransport(SENDER, "127.0.0.1", port)
     transport.send(RECEIVER, [torch.zeros(1)], 60)
-    rows = []
+    rows: list[dict] = []
     for kv_cache_dtype in dtypes:
         cache = _cache(kv_cache_dtype, max(lengths) // BLOCK_SIZE + 1)
-        for length in lengths:
-            rows.append(_measure(transport, cache, kv_cache_dtype, length, repeats))
+        rows.extend(_measure(transport, cache, kv_cache_dtype, length, repeats) for length in lengths)
     transport.close()
     return rows
 
@@ -77,8 +77,13 @@ def _measure(transport, cache: KVCacheStorage, kv_cache_dtype: str, length: int,
         started_s = time.perf_counter()
         transport.send(RECEIVER, [raw], 60)
         raw_s.append(time.perf_counter() - started_s)
-    return {"kv_cache_dtype": kv_cache_dtype, "prompt_tokens": length, "bytes": num_bytes,
-            "handoff_ms": statistics.median(handoff_s) * 1e3, "raw_send_ms": statistics.median(raw_s) * 1e3}
+    return {
+        "kv_cache_dtype": kv_cache_dtype,
+        "prompt_tokens": length,
+        "bytes": num_bytes,
+        "handoff_ms": statistics.median(handoff_s) * 1e3,
+        "raw_send_ms": statistics.median(raw_s) * 1e3,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -105,15 +110,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _print(rows: list[dict]) -> None:
     auto = {row["prompt_tokens"]: row for row in rows if row["kv_cache_dtype"] == "auto"}
-    print(f"{'kv dtype':>9}{'prompt tokens':>14}{'KV MB':>9}{'x auto':>8}{'hand-off ms':>13}{'x auto':>8}{'GB/s':>7}"
-          f"{'raw send ms':>13}")
+    print(
+        f"{'kv dtype':>9}{'prompt tokens':>14}{'KV MB':>9}{'x auto':>8}{'hand-off ms':>13}{'x auto':>8}{'GB/s':>7}"
+        f"{'raw send ms':>13}"
+    )
     for row in rows:
         base = auto.get(row["prompt_tokens"])
         bytes_x = row["bytes"] / base["bytes"] if base else float("nan")
         time_x = row["handoff_ms"] / base["handoff_ms"] if base else float("nan")
         gbps = row["bytes"] / row["handoff_ms"] / 1e6
-        print(f"{row['kv_cache_dtype']:>9}{row['prompt_tokens']:>14}{row['bytes'] / 1e6:>9.1f}{bytes_x:>8.3f}"
-              f"{row['handoff_ms']:>13.1f}{time_x:>8.2f}{gbps:>7.2f}{row['raw_send_ms']:>13.1f}")
+        print(
+            f"{row['kv_cache_dtype']:>9}{row['prompt_tokens']:>14}{row['bytes'] / 1e6:>9.1f}{bytes_x:>8.3f}"
+            f"{row['handoff_ms']:>13.1f}{time_x:>8.2f}{gbps:>7.2f}{row['raw_send_ms']:>13.1f}"
+        )
 
 
 if __name__ == "__main__":

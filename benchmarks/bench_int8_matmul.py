@@ -12,6 +12,7 @@ so each pass streams them from memory as a decode step does; each figure is the 
 - `int_mm_w8a8`: `torch._int_mm` after quantizing activations per row to int8 (not weight-only:
   listed for the speed it would buy).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,15 @@ def _layers() -> list[dict]:
     for n, k in shapes:
         weight = torch.randn(n, k, generator=gen) * 0.02
         values, scale = quantize_per_channel(weight)
-        out.append({"fp32": weight, "int8": values, "scale": scale, "scale_bf16": scale.bfloat16(),
-                    "int8_t": values.t().contiguous()})
+        out.append(
+            {
+                "fp32": weight,
+                "int8": values,
+                "scale": scale,
+                "scale_bf16": scale.bfloat16(),
+                "int8_t": values.t().contiguous(),
+            }
+        )
     return out
 
 
@@ -78,15 +86,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     layers = _layers()
-    print(f"{len(layers)} demo-model linear layers, {args.threads} threads; median us per pass over all layers "
-          "(ratio: fp32 time / candidate time, > 1 is faster)")
+    print(
+        f"{len(layers)} demo-model linear layers, {args.threads} threads; median us per pass over all layers "
+        "(ratio: fp32 time / candidate time, > 1 is faster)"
+    )
     print(f"{'rows':>5}" + "".join(f"{name:>22}" for name in CANDIDATES))
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):
-        times = {name: (None if rows > SLOW_ABOVE_ROWS.get(name, rows) else _time_us(fn, layers, rows, args.repeats))
-                 for name, fn in CANDIDATES.items()}
+        times = {
+            name: (None if rows > SLOW_ABOVE_ROWS.get(name, rows) else _time_us(fn, layers, rows, args.repeats))
+            for name, fn in CANDIDATES.items()
+        }
         results[rows] = times
-        cells = [f"{'skipped':>22}" if t is None else f"{t:>11.0f} ({times['fp32'] / t:4.2f}x)  " for t in times.values()]
+        base = times["fp32"]
+        assert base is not None, "fp32 always runs"
+        cells = [f"{'skipped':>22}" if t is None else f"{t:>11.0f} ({base / t:4.2f}x)  " for t in times.values()]
         print(f"{rows:>5}" + "".join(cells))
     return results
 

@@ -11,6 +11,7 @@
    The auto row at 6 GiB is the routing benchmark's 16,384-block setting (6 GiB / 384 KiB a block).
 Hand-off latency and bytes per dtype: `benchmarks.bench_handoff --kv-cache-dtypes auto,int8,fp8`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,13 +21,13 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.bench_prefix_routing import (DEFAULT_TRACE, load_requests, oracle_cached_tokens, parse_args,
-                                             replay)
+from benchmarks.bench_prefix_routing import DEFAULT_TRACE, load_requests, oracle_cached_tokens, parse_args, replay
 from engine.config import EngineConfig, ModelConfig, RopeConfig
 from engine.kv_quant import kv_format
 
-DEMO = ModelConfig("LlamaForCausalLM", 4096, 768, 2048, 12, 12, 4, 64, 1e-6, 2048, RopeConfig(), False, False,
-                   False, "float32")
+DEMO = ModelConfig(
+    "LlamaForCausalLM", 4096, 768, 2048, 12, 12, 4, 64, 1e-6, 2048, RopeConfig(), False, False, False, "float32"
+)
 
 
 def blocks_for(kv_cache_dtype: str, memory_bytes: int) -> int:
@@ -45,15 +46,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     memory = int(args.memory_gib * 2**30)
     dtypes = args.kv_cache_dtypes.split(",")
-    per_token = {d: kv_format(d, torch.float32).bytes_per_token(DEMO.num_layers, DEMO.num_kv_heads, DEMO.head_dim)
-                 for d in dtypes}
+    per_token = {
+        d: kv_format(d, torch.float32).bytes_per_token(DEMO.num_layers, DEMO.num_kv_heads, DEMO.head_dim)
+        for d in dtypes
+    }
     blocks = {d: blocks_for(d, memory) for d in dtypes}
     print(f"demo model KV, {args.memory_gib:g} GiB per pool:")
     print(f"{'kv dtype':>9}{'bytes/token':>13}{'x fp32':>8}{'blocks':>10}{'x auto':>8}")
     for d in dtypes:
-        print(f"{d:>9}{per_token[d]:>13}{per_token[d] / per_token.get('auto', per_token[d]):>8.3f}{blocks[d]:>10}"
-              f"{blocks[d] / blocks.get('auto', blocks[d]):>8.2f}")
-    results = {"bytes_per_token": per_token, "blocks": blocks, "hit_rate": {}}
+        print(
+            f"{d:>9}{per_token[d]:>13}{per_token[d] / per_token.get('auto', per_token[d]):>8.3f}{blocks[d]:>10}"
+            f"{blocks[d] / blocks.get('auto', blocks[d]):>8.2f}"
+        )
+    results: dict[str, dict] = {"bytes_per_token": per_token, "blocks": blocks, "hit_rate": {}}
     requests = notes = None
     for d in dtypes:
         route_argv = ["--trace", args.trace, "--blocks-per-worker", str(blocks[d])]
@@ -63,19 +68,26 @@ def main(argv: list[str] | None = None) -> dict:
         config = replace(config, kv_bytes_per_token=per_token[d], prefix_pull="auto")
         if requests is None:  # the same requests (and speed-up) for every dtype
             requests, notes = load_requests(route_args)
-            print(f"\nreplay: {len(requests)} requests, {notes['prompt_tokens']} prompt tokens, speed-up "
-                  f"{notes['speedup']:.2f}; oracle hit rate {oracle_cached_tokens(requests, 16) / notes['prompt_tokens']:.3f}")
-            print(f"{'kv dtype':>9}{'policy':>14}{'blocks/worker':>15}{'hit rate':>10}{'x auto':>8}{'pulled':>8}"
-                  f"{'queue delay s':>15}{'wall s':>8}")
+            print(
+                f"\nreplay: {len(requests)} requests, {notes['prompt_tokens']} prompt tokens, speed-up "
+                f"{notes['speedup']:.2f}; oracle hit rate "
+                f"{oracle_cached_tokens(requests, 16) / notes['prompt_tokens']:.3f}"
+            )
+            print(
+                f"{'kv dtype':>9}{'policy':>14}{'blocks/worker':>15}{'hit rate':>10}{'x auto':>8}{'pulled':>8}"
+                f"{'queue delay s':>15}{'wall s':>8}"
+            )
         for policy in args.policies.split(","):
             started_s = time.perf_counter()
             result = asyncio.run(replay(policy, requests, config))
             results["hit_rate"][(d, policy)] = result.hit_rate
             base = results["hit_rate"].get(("auto", policy))
-            print(f"{d:>9}{policy:>14}{blocks[d]:>15}{result.hit_rate:>10.3f}"
-                  f"{(result.hit_rate / base if base else float('nan')):>8.2f}"
-                  f"{result.pulled_tokens / max(result.prompt_tokens, 1):>8.3f}{result.mean_queue_delay_s:>15.3f}"
-                  f"{time.perf_counter() - started_s:>8.1f}")
+            print(
+                f"{d:>9}{policy:>14}{blocks[d]:>15}{result.hit_rate:>10.3f}"
+                f"{(result.hit_rate / base if base else float('nan')):>8.2f}"
+                f"{result.pulled_tokens / max(result.prompt_tokens, 1):>8.3f}{result.mean_queue_delay_s:>15.3f}"
+                f"{time.perf_counter() - started_s:>8.1f}"
+            )
     return results
 
 

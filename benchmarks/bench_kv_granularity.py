@@ -14,6 +14,7 @@ Reported per scheme: relative RMS error of K and V, the worst head vector's rela
 of decode attention outputs (softmax(q·Kᵀ/√d)·V with the cached keys as queries, against fp32), and
 bytes per token relative to fp32.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,12 +53,12 @@ def per_block_offline(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def per_block_online(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Tokens arrive one by one; a larger scale re-quantizes what the block already stores."""
     out = torch.empty_like(x)
-    scale = torch.full(x.shape[:1] + (1, 1), 1e-30)
+    scale = torch.full((*x.shape[:1], 1, 1), 1e-30)
     for t in range(x.shape[1]):
-        new_scale = torch.maximum(scale, x[:, t:t + 1].abs().amax(-1, keepdim=True) / QMAX[fmt])
+        new_scale = torch.maximum(scale, x[:, t : t + 1].abs().amax(-1, keepdim=True) / QMAX[fmt])
         if t:
             out[:, :t] = _round(out[:, :t] / new_scale, fmt) * new_scale  # stored values, rescaled
-        out[:, t:t + 1] = _round(x[:, t:t + 1] / new_scale, fmt) * new_scale
+        out[:, t : t + 1] = _round(x[:, t : t + 1] / new_scale, fmt) * new_scale
         scale = new_scale
     return out
 
@@ -72,21 +73,30 @@ def _captured_kv(model_dir: str, num_prompts: int, seed: int) -> tuple[torch.Ten
     model, block_size = load_model_config(model_dir), engine.config.block_size
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
     original = LayerKV.write
-    LayerKV.write = lambda layer, k, v, slots: (writes.append((k.clone(), v.clone())), original(layer, k, v, slots))[1]
+
+    def recording_write(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        writes.append((k.clone(), v.clone()))
+        original(layer, k, v, slots)
+
+    LayerKV.write = recording_write  # type: ignore[method-assign,assignment]  # records the writes; restored below
     try:
         rng = random.Random(seed)
         vocab = [t for t in range(model.vocab_size) if t not in {*model.eos_token_ids, model.bos_token_id}]
         for index in range(num_prompts):
-            engine.add_request(f"p{index}", rng.choices(vocab, k=block_size * rng.randint(16, 64)),
-                               SamplingParams(temperature=0.0, max_tokens=1))
+            engine.add_request(
+                f"p{index}",
+                rng.choices(vocab, k=block_size * rng.randint(16, 64)),
+                SamplingParams(temperature=0.0, max_tokens=1),
+            )
             while engine.has_unfinished():
                 engine.step()
             engine.pop_finished(f"p{index}")
     finally:
-        LayerKV.write = original
+        LayerKV.write = original  # type: ignore[method-assign]
     layers = model.num_layers  # calls come layer by layer within each step
-    per_layer = [torch.stack([torch.cat([w[i] for w in writes[layer::layers]]) for i in (0, 1)])
-                 for layer in range(layers)]  # [2, tokens, heads, dim]
+    per_layer = [
+        torch.stack([torch.cat([w[i] for w in writes[layer::layers]]) for i in (0, 1)]) for layer in range(layers)
+    ]  # [2, tokens, heads, dim]
     kv = torch.stack(per_layer)  # [layers, 2, tokens, heads, dim]
     tokens, heads, dim = kv.shape[2:]
     return kv.view(layers, 2, tokens // block_size, block_size, heads, dim).permute(0, 1, 4, 2, 3, 5), block_size
@@ -101,8 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
     kv, block_size = _captured_kv(args.model or str(ensure_demo_model()), args.prompts, args.seed)
     layers, _, heads, blocks, _, dim = kv.shape
     print(f"{layers} layers x {heads} KV heads x {blocks} full blocks of {block_size} tokens, head_dim {dim}")
-    print(f"{'format':>7}{'scale per':>15}{'K rel RMS':>11}{'V rel RMS':>11}{'worst vector':>14}"
-          f"{'attn rel err':>14}{'bytes x fp32':>14}")
+    print(
+        f"{'format':>7}{'scale per':>15}{'K rel RMS':>11}{'V rel RMS':>11}{'worst vector':>14}"
+        f"{'attn rel err':>14}{'bytes x fp32':>14}"
+    )
     report = {}
     for fmt in QMAX:
         for name, scheme in SCHEMES.items():
@@ -110,8 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
             scale_bytes = 4 / (1 if name == "token" else block_size)
             row["bytes_x_fp32"] = (dim + scale_bytes) / (4 * dim)
             report[(fmt, name)] = row
-            print(f"{fmt:>7}{name:>15}{row['k_rel_rms']:>11.5f}{row['v_rel_rms']:>11.5f}{row['worst']:>14.4f}"
-                  f"{row['attn_rel_err']:>14.5f}{row['bytes_x_fp32']:>14.4f}")
+            print(
+                f"{fmt:>7}{name:>15}{row['k_rel_rms']:>11.5f}{row['v_rel_rms']:>11.5f}{row['worst']:>14.4f}"
+                f"{row['attn_rel_err']:>14.5f}{row['bytes_x_fp32']:>14.4f}"
+            )
     return report
 
 
@@ -125,10 +139,14 @@ def _measure(kv: torch.Tensor, fmt: str, scheme) -> dict:
     keys, values = kv[:, 0].reshape(layers, heads, -1, dim), kv[:, 1].reshape(layers, heads, -1, dim)
     keys_q, values_q = approx[:, 0].reshape_as(keys), approx[:, 1].reshape_as(values)
     queries = keys[:, :, ::7]  # real key vectors as queries: realistic directions and norms
-    exact = torch.softmax(queries @ keys.transpose(-1, -2) / dim ** 0.5, -1) @ values
-    quantized = torch.softmax(queries @ keys_q.transpose(-1, -2) / dim ** 0.5, -1) @ values_q
-    return {"k_rel_rms": rel(error[:, 0], kv[:, 0]), "v_rel_rms": rel(error[:, 1], kv[:, 1]),
-            "worst": vector_rel.max().item(), "attn_rel_err": rel(quantized - exact, exact)}
+    exact = torch.softmax(queries @ keys.transpose(-1, -2) / dim**0.5, -1) @ values
+    quantized = torch.softmax(queries @ keys_q.transpose(-1, -2) / dim**0.5, -1) @ values_q
+    return {
+        "k_rel_rms": rel(error[:, 0], kv[:, 0]),
+        "v_rel_rms": rel(error[:, 1], kv[:, 1]),
+        "worst": vector_rel.max().item(),
+        "attn_rel_err": rel(quantized - exact, exact),
+    }
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ what the gRPC hop alone costs on this machine, for reading the paired figure aga
 The streaming round sends `--stream-requests` sequential requests of `--stream-tokens` tokens each
 way and reports the difference in time per output token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ async def _open_loop(send, prompts, rate: float, seed: int) -> list[float]:
         await send(index, prompt)
         return time.perf_counter() - sent_s
 
-    return list(await asyncio.gather(*(one(i, o, p) for i, (o, p) in enumerate(zip(offsets, prompts)))))
+    return list(await asyncio.gather(*(one(i, o, p) for i, (o, p) in enumerate(zip(offsets, prompts, strict=True)))))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -79,8 +80,16 @@ async def client_main(args) -> None:
         stub = pb_grpc.RouterStub(channel)
 
         async def send(index: int, prompt) -> None:
-            call = stub.Generate(build_request(prompt, temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                                               request_id=f"{args.tag}-{index}"), timeout=60)
+            call = stub.Generate(
+                build_request(
+                    prompt,
+                    temperature=0.0,
+                    max_tokens=args.max_tokens,
+                    ignore_eos=True,
+                    request_id=f"{args.tag}-{index}",
+                ),
+                timeout=60,
+            )
             async for _ in call:
                 pass
             ms = dict(await call.trailing_metadata() or ()).get(UPSTREAM_MS_KEY)
@@ -92,9 +101,27 @@ async def client_main(args) -> None:
 
 
 async def _router_round(target: str, args, seed: int, tag: str, requests: int, max_tokens: int, rate: float):
-    command = [sys.executable, "-m", "benchmarks.bench_overhead", "--client", target, "--tag", tag,
-               "--seed", str(seed), "--requests", str(requests), "--rate", str(rate),
-               "--max-tokens", str(max_tokens), "--prompt-len", str(args.prompt_len), "--vocab", str(args.vocab)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_overhead",
+        "--client",
+        target,
+        "--tag",
+        tag,
+        "--seed",
+        str(seed),
+        "--requests",
+        str(requests),
+        "--rate",
+        str(rate),
+        "--max-tokens",
+        str(max_tokens),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--vocab",
+        str(args.vocab),
+    ]
     process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)
     out, _ = await asyncio.wait_for(process.communicate(), 600)
     if process.returncode != 0:
@@ -106,8 +133,7 @@ class _NullRouter(pb_grpc.RouterServicer):
     """The floor arm's server: answers every Generate with one final message, doing nothing else."""
 
     async def Generate(self, request, context):
-        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[0],
-                                  finish_reason=pb.FINISH_REASON_LENGTH)
+        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[0], finish_reason=pb.FINISH_REASON_LENGTH)
 
 
 async def _null_server():
@@ -133,12 +159,20 @@ async def run(cluster, target: str, args) -> dict:
     await _router_round(target, args, 0, "warm", 50, args.max_tokens, args.rate)
     for round_index in range(args.rounds):  # alternate arms: machine noise hits all alike
         seed = args.seed + round_index + 1
-        direct_s += await _open_loop(direct, _prompts(args.requests, args.prompt_len, args.vocab, seed),
-                                     args.rate, seed)
-        routed.update(await _router_round(target, args, seed, f"r{round_index}", args.requests,
-                                          args.max_tokens, args.rate))
-        floor_s += [latency for latency, _ in (await _router_round(
-            null_target, args, seed, f"f{round_index}", args.requests, args.max_tokens, args.rate)).values()]
+        direct_s += await _open_loop(
+            direct, _prompts(args.requests, args.prompt_len, args.vocab, seed), args.rate, seed
+        )
+        routed.update(
+            await _router_round(target, args, seed, f"r{round_index}", args.requests, args.max_tokens, args.rate)
+        )
+        floor_s += [
+            latency
+            for latency, _ in (
+                await _router_round(
+                    null_target, args, seed, f"f{round_index}", args.requests, args.max_tokens, args.rate
+                )
+            ).values()
+        ]
     await null_server.stop(1.0)
     paired = [seen_s - upstream_s for seen_s, upstream_s in routed.values()]
     per_token = await _streaming(direct, target, args)
@@ -147,7 +181,7 @@ async def run(cluster, target: str, args) -> dict:
 
 
 async def _streaming(direct, target: str, args) -> dict:
-    took = {"direct": [], "router": []}
+    took: dict[str, list[float]] = {"direct": [], "router": []}
     for index in range(args.stream_requests):
         prompt = _prompts(1, args.prompt_len, args.vocab, 1000 + index)[0]
         started_s = time.perf_counter()
@@ -181,9 +215,17 @@ def _small_model() -> str:
     from engine.demo_model import write_demo_model
 
     out = tempfile.mkdtemp(prefix="splitserve-bench-model-")
-    write_demo_model(out, progress=False, config_overrides={
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2})
+    write_demo_model(
+        out,
+        progress=False,
+        config_overrides={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    )
     return out
 
 
@@ -224,12 +266,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     row = asyncio.run(bench_main(args))
     print(json.dumps(row, indent=1))
-    print(f"router overhead at {args.rate:g} req/s, paired per request: +{row['paired_added_p50_ms']:.2f} ms p50, "
-          f"+{row['paired_added_p99_ms']:.2f} ms p99 (target p99 <= 2 ms); arm vs arm: "
-          f"+{row['added_p50_ms']:.2f} ms p50, +{row['added_p99_ms']:.2f} ms p99; "
-          f"gRPC floor (do-nothing handler): {row['grpc_floor_p50_ms']:.2f} ms p50, "
-          f"{row['grpc_floor_p99_ms']:.2f} ms p99; "
-          f"streaming: +{row['per_token_added_ms']:.3f} ms per token")
+    print(
+        f"router overhead at {args.rate:g} req/s, paired per request: +{row['paired_added_p50_ms']:.2f} ms p50, "
+        f"+{row['paired_added_p99_ms']:.2f} ms p99 (target p99 <= 2 ms); arm vs arm: "
+        f"+{row['added_p50_ms']:.2f} ms p50, +{row['added_p99_ms']:.2f} ms p99; "
+        f"gRPC floor (do-nothing handler): {row['grpc_floor_p50_ms']:.2f} ms p50, "
+        f"{row['grpc_floor_p99_ms']:.2f} ms p99; "
+        f"streaming: +{row['per_token_added_ms']:.3f} ms per token"
+    )
 
 
 if __name__ == "__main__":

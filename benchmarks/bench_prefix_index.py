@@ -9,6 +9,7 @@ lengths, as prefill workers behind a cache-aware router do. Lookups ask for a wh
 cached one, 20% one nobody holds. Each lookup is awaited alone (latency, not throughput).
 Without --redis-url a private redis-server is started (tests/redis_server.py: run from a checkout).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,20 @@ MISS_FRACTION = 0.2
 
 
 def make_documents(count: int, prompt_blocks: int, rng: random.Random) -> list[list[BlockHash]]:
-    return [hash_blocks(HASH_NS, [rng.randrange(32000) for _ in range(prompt_blocks * BLOCK_SIZE)])
-            for _ in range(count)]
+    return [
+        hash_blocks(HASH_NS, [rng.randrange(32000) for _ in range(prompt_blocks * BLOCK_SIZE)]) for _ in range(count)
+    ]
 
 
-def worker_caches(workers: int, blocks_per_worker: int, documents: list[list[BlockHash]],
-                  rng: random.Random) -> dict[str, set[BlockHash]]:
+def worker_caches(
+    workers: int, blocks_per_worker: int, documents: list[list[BlockHash]], rng: random.Random
+) -> dict[str, set[BlockHash]]:
     caches = {}
     for w in range(workers):
         cached: set[BlockHash] = set()
         while len(cached) < blocks_per_worker:
             doc = rng.choice(documents)
-            cached.update(doc[:rng.randint(1, len(doc))])
+            cached.update(doc[: rng.randint(1, len(doc))])
         caches[f"prefill-{w}"] = cached
     return caches
 
@@ -66,13 +69,24 @@ async def measure(index: PrefixIndex, caches: dict[str, set[BlockHash]], queries
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ("index", "workers", "blocks/worker", "prompt blocks", "lookups", "p50 us", "p99 us",
-              "mean best", "load s")
+    header = (
+        "index",
+        "workers",
+        "blocks/worker",
+        "prompt blocks",
+        "lookups",
+        "p50 us",
+        "p99 us",
+        "mean best",
+        "load s",
+    )
     print(" | ".join(header))
     print(" | ".join("-" * len(h) for h in header))
     for r in rows:
-        print(f"{r['index']} | {r['workers']} | {r['blocks']} | {r['prompt_blocks']} | {r['lookups']} | "
-              f"{r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['mean_best_blocks']:.1f} | {r['load_s']:.2f}")
+        print(
+            f"{r['index']} | {r['workers']} | {r['blocks']} | {r['prompt_blocks']} | {r['lookups']} | "
+            f"{r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['mean_best_blocks']:.1f} | {r['load_s']:.2f}"
+        )
 
 
 async def run(args: argparse.Namespace, redis_url: str) -> list[dict]:
@@ -84,14 +98,24 @@ async def run(args: argparse.Namespace, redis_url: str) -> list[dict]:
     rows = []
     for workers in args.workers:
         caches = worker_caches(workers, args.blocks_per_worker, documents, rng)
-        for name, index in (("in-process", InProcessPrefixIndex(lease_s=600)),
-                            ("redis", RedisPrefixIndex(redis_url, namespace, lease_s=600, timeout_s=5.0))):
+        for name, index in (
+            ("in-process", InProcessPrefixIndex(lease_s=600)),
+            ("redis", RedisPrefixIndex(redis_url, namespace, lease_s=600, timeout_s=5.0)),
+        ):
             try:
                 stats = await measure(index, caches, queries)
             finally:
                 await index.close()
-            rows.append({"index": name, "workers": workers, "blocks": args.blocks_per_worker,
-                         "prompt_blocks": args.prompt_blocks, "lookups": args.lookups, **stats})
+            rows.append(
+                {
+                    "index": name,
+                    "workers": workers,
+                    "blocks": args.blocks_per_worker,
+                    "prompt_blocks": args.prompt_blocks,
+                    "lookups": args.lookups,
+                    **stats,
+                }
+            )
     return rows
 
 
@@ -107,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         url = args.redis_url
         if url is None:
             from tests.redis_server import RedisServer  # a source checkout's helper; not shipped
+
             url = stack.enter_context(RedisServer()).url
         print_table(asyncio.run(run(args, url)))
 

@@ -26,6 +26,7 @@ Pool size: the default 16384 blocks a worker is where capacity stops being the w
 conversation trace the pooled reference reaches ~88% of the oracle, against ~44% at 4096 blocks (all
 policies starve there) and ~96% at 24576. State the size with every figure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ TARGET_X_ROUND_ROBIN = 2.0
 def load_requests(args: argparse.Namespace) -> tuple[list[SimRequest], dict]:
     """The replayed requests, arrival-sorted, and notes on how the trace was fitted and timed."""
     trace = read_trace(args.trace, "mooncake")
-    rows = trace.rows[:args.requests]
+    rows = trace.rows[: args.requests]
     lengths = [round(r.input_length * args.tokens_per_hash_id / MOONCAKE_BLOCK_TOKENS) for r in rows]
     clipped = sum(n > args.max_prompt_tokens for n in lengths)
     lengths = [max(1, min(n, args.max_prompt_tokens)) for n in lengths]
@@ -70,13 +71,26 @@ def load_requests(args: argparse.Namespace) -> tuple[list[SimRequest], dict]:
     requests = []
     for k, i in enumerate(order):
         n = lengths[i]
-        ids = rows[i].hash_ids[:-(-n // args.tokens_per_hash_id)]  # only the blocks the prompt keeps
+        ids = rows[i].hash_ids[: -(-n // args.tokens_per_hash_id)]  # only the blocks the prompt keeps
         token_ids = source.blocks(tokens.TRACE_BLOCK, ids, args.tokens_per_hash_id).reshape(-1)[:n]
-        requests.append(SimRequest(f"r{k}", float(arrivals_s[k]) / speedup, token_ids.astype(np.uint32),
-                                   tuple(hash_blocks(namespace, token_ids.tolist()))))
-    notes = {"rows_read": trace.rows_read, "rows_used": len(rows), "rows_dropped": trace.dropped,
-             "rows_clipped": clipped, "speedup": speedup, "span_s": requests[-1].arrival_s if requests else 0.0,
-             "prompt_tokens": sum(lengths), "max_prompt_tokens": args.max_prompt_tokens}
+        requests.append(
+            SimRequest(
+                f"r{k}",
+                float(arrivals_s[k]) / speedup,
+                token_ids.astype(np.uint32),
+                tuple(hash_blocks(namespace, token_ids.tolist())),
+            )
+        )
+    notes = {
+        "rows_read": trace.rows_read,
+        "rows_used": len(rows),
+        "rows_dropped": trace.dropped,
+        "rows_clipped": clipped,
+        "speedup": speedup,
+        "span_s": requests[-1].arrival_s if requests else 0.0,
+        "prompt_tokens": sum(lengths),
+        "max_prompt_tokens": args.max_prompt_tokens,
+    }
     return requests, notes
 
 
@@ -116,8 +130,9 @@ def pooled_cached_tokens(requests: list[SimRequest], num_blocks: int, block_size
     return cached_tokens
 
 
-async def replay(policy: str, requests: list[SimRequest], config: SimConfig,
-                 prefix_blocks: int | None = None) -> ReplayResult:
+async def replay(
+    policy: str, requests: list[SimRequest], config: SimConfig, prefix_blocks: int | None = None
+) -> ReplayResult:
     run = PrefillReplay(policy, config, prefix_blocks)
     result = await run.run(requests)
     await run.check_integrity()
@@ -132,32 +147,44 @@ def percentile(values: list[float], q: float) -> float:
 
 def print_report(results: list[ReplayResult], references: dict[str, float], notes: dict, config: SimConfig) -> None:
     """The setup, the table (references first, then the policies), the lookup latency and the targets."""
-    print(f"rows read {notes['rows_read']}, used {notes['rows_used']}, clipped to {notes['max_prompt_tokens']} "
-          f"tokens {notes['rows_clipped']}, dropped {sum(notes['rows_dropped'].values())} "
-          f"{notes['rows_dropped'] or ''}")
-    print(f"{config.num_workers} workers x {config.blocks_per_worker} blocks of {config.block_size} tokens "
-          f"({config.blocks_per_worker * config.block_size} tokens each); modelled prefill "
-          f"{config.prefill_tokens_per_s:g} tokens/s per worker; speed-up {notes['speedup']:.2f} "
-          f"(replay span {notes['span_s']:.1f} s, {notes['prompt_tokens']} prompt tokens); "
-          f"ring prefix blocks {notes['prefix_blocks'] or 'default'}; prefix pulls {config.prefix_pull}")
+    print(
+        f"rows read {notes['rows_read']}, used {notes['rows_used']}, clipped to {notes['max_prompt_tokens']} "
+        f"tokens {notes['rows_clipped']}, dropped {sum(notes['rows_dropped'].values())} "
+        f"{notes['rows_dropped'] or ''}"
+    )
+    print(
+        f"{config.num_workers} workers x {config.blocks_per_worker} blocks of {config.block_size} tokens "
+        f"({config.blocks_per_worker * config.block_size} tokens each); modelled prefill "
+        f"{config.prefill_tokens_per_s:g} tokens/s per worker; speed-up {notes['speedup']:.2f} "
+        f"(replay span {notes['span_s']:.1f} s, {notes['prompt_tokens']} prompt tokens); "
+        f"ring prefix blocks {notes['prefix_blocks'] or 'default'}; prefix pulls {config.prefix_pull}"
+    )
     by_name = {r.policy: r for r in results}
     baseline, oracle_rate = by_name.get("round_robin"), references["oracle (infinite cache)"]
-    print("policy | hit rate | % of oracle | x round_robin | of which pulled | load imbalance | "
-          "mean queue delay s | routed away")
+    print(
+        "policy | hit rate | % of oracle | x round_robin | of which pulled | load imbalance | "
+        "mean queue delay s | routed away"
+    )
     print("--- | ---: | ---: | ---: | ---: | ---: | ---: | ---:")
     for name, rate in references.items():
         print(f"{name} | {rate:.3f} | {_percent(rate, oracle_rate)} | {_ratio(rate, baseline)} | - | - | - | -")
     for r in results:
         pulled = r.pulled_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
-        print(f"{r.policy} | {r.hit_rate:.3f} | {_percent(r.hit_rate, oracle_rate)} | {_ratio(r.hit_rate, baseline)} | "
-              f"{pulled:.3f} | {r.load_imbalance:.2f} | {r.mean_queue_delay_s:.3f} | {r.routed_away_rate:.3f}")
-    print("(routed away: share of prompt tokens the index showed cached on a worker other than the chosen one; "
-          "pulled: share served by a prefix pull from that worker)")
+        print(
+            f"{r.policy} | {r.hit_rate:.3f} | {_percent(r.hit_rate, oracle_rate)} | {_ratio(r.hit_rate, baseline)} | "
+            f"{pulled:.3f} | {r.load_imbalance:.2f} | {r.mean_queue_delay_s:.3f} | {r.routed_away_rate:.3f}"
+        )
+    print(
+        "(routed away: share of prompt tokens the index showed cached on a worker other than the chosen one; "
+        "pulled: share served by a prefix pull from that worker)"
+    )
     aware = by_name.get("cache_aware")
     if aware is not None and aware.match_latencies_us:
-        print(f"index match latency (cache_aware, {len(aware.match_latencies_us)} lookups): "
-              f"p50 {percentile(aware.match_latencies_us, 0.5):.1f} us, "
-              f"p99 {percentile(aware.match_latencies_us, 0.99):.1f} us")
+        print(
+            f"index match latency (cache_aware, {len(aware.match_latencies_us)} lookups): "
+            f"p50 {percentile(aware.match_latencies_us, 0.5):.1f} us, "
+            f"p99 {percentile(aware.match_latencies_us, 0.99):.1f} us"
+        )
     for line in target_lines(by_name, oracle_rate):
         print(line)
 
@@ -176,10 +203,16 @@ def target_lines(by_name: dict[str, ReplayResult], oracle_rate: float) -> list[s
         return ["targets: need both cache_aware and round_robin"]
     of_oracle = aware.hit_rate / oracle_rate if oracle_rate else 0.0
     x_rr = aware.hit_rate / baseline.hit_rate if baseline.hit_rate else math.inf
-    return [f"target cache_aware >= {TARGET_OF_ORACLE:.0%} of oracle: {of_oracle:.1%} -> "
-            f"{'met' if of_oracle >= TARGET_OF_ORACLE else 'NOT met'}",
+    return [
+        (
+            f"target cache_aware >= {TARGET_OF_ORACLE:.0%} of oracle: {of_oracle:.1%} -> "
+            f"{'met' if of_oracle >= TARGET_OF_ORACLE else 'NOT met'}"
+        ),
+        (
             f"target cache_aware >= {TARGET_X_ROUND_ROBIN:g}x round_robin: {x_rr:.2f}x -> "
-            f"{'met' if x_rr >= TARGET_X_ROUND_ROBIN else 'NOT met'}"]
+            f"{'met' if x_rr >= TARGET_X_ROUND_ROBIN else 'NOT met'}"
+        ),
+    ]
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
@@ -193,24 +226,39 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
     p.add_argument("--max-prompt-tokens", type=int, default=2000, help="clip longer prompts to this")
     p.add_argument("--vocab-size", type=int, default=4000)
     p.add_argument("--prefill-tokens-per-s", type=float, default=SimConfig.prefill_tokens_per_s)
-    p.add_argument("--offered-load", type=float, default=0.8,
-                   help="prompt tokens/s over the fleet's prefill tokens/s, before hits (sets the speed-up)")
-    p.add_argument("--speedup", type=float, default=None,
-                   help="divide trace time by this (overrides --offered-load)")
-    p.add_argument("--spread-s", type=float, default=3.0,
-                   help="spread each ~3 s trace bucket uniformly over this many trace seconds (0: as recorded)")
+    p.add_argument(
+        "--offered-load",
+        type=float,
+        default=0.8,
+        help="prompt tokens/s over the fleet's prefill tokens/s, before hits (sets the speed-up)",
+    )
+    p.add_argument("--speedup", type=float, default=None, help="divide trace time by this (overrides --offered-load)")
+    p.add_argument(
+        "--spread-s",
+        type=float,
+        default=3.0,
+        help="spread each ~3 s trace bucket uniformly over this many trace seconds (0: as recorded)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    p.add_argument("--prefix-pull", default="auto", choices=("never", "auto", "always"),
-                   help="peer-to-peer prefix pulls for cache_aware (router.prefix_pull); pulled tokens count "
-                        "as hits, as the engine counts them, and are shown in their own column")
-    p.add_argument("--prefix-blocks", type=int, default=None,
-                   help="key prefix_hash's ring (and cache_aware's tie-break) on K leading blocks "
-                        "(default: the policy's own)")
+    p.add_argument(
+        "--prefix-pull",
+        default="auto",
+        choices=("never", "auto", "always"),
+        help="peer-to-peer prefix pulls for cache_aware (router.prefix_pull); pulled tokens count "
+        "as hits, as the engine counts them, and are shown in their own column",
+    )
+    p.add_argument(
+        "--prefix-blocks",
+        type=int,
+        default=None,
+        help="key prefix_hash's ring (and cache_aware's tie-break) on K leading blocks (default: the policy's own)",
+    )
     args = p.parse_args(argv)
     _validate(p, args)
-    config = SimConfig(args.workers, args.blocks_per_worker, args.block_size, args.prefill_tokens_per_s,
-                       prefix_pull=args.prefix_pull)
+    config = SimConfig(
+        args.workers, args.blocks_per_worker, args.block_size, args.prefill_tokens_per_s, prefix_pull=args.prefix_pull
+    )
     return args, config
 
 
@@ -237,9 +285,11 @@ def main(argv: list[str] | None = None) -> None:
     requests, notes = load_requests(args)
     prompt_tokens = max(notes["prompt_tokens"], 1)
     fleet_blocks = config.num_workers * config.blocks_per_worker
-    references = {"oracle (infinite cache)": oracle_cached_tokens(requests, config.block_size) / prompt_tokens,
-                  f"pooled ({fleet_blocks} blocks, one LRU)":
-                      pooled_cached_tokens(requests, fleet_blocks, config.block_size) / prompt_tokens}
+    references = {
+        "oracle (infinite cache)": oracle_cached_tokens(requests, config.block_size) / prompt_tokens,
+        f"pooled ({fleet_blocks} blocks, one LRU)": pooled_cached_tokens(requests, fleet_blocks, config.block_size)
+        / prompt_tokens,
+    }
     results = [asyncio.run(replay(policy, requests, config, args.prefix_blocks)) for policy in args.policies]
     print_report(results, references, {**notes, "prefix_blocks": args.prefix_blocks}, config)
     print(f"wall time {time.perf_counter() - started_s:.1f} s")

@@ -9,6 +9,7 @@ and the time to the first token as the prefill worker reports it (queue + pull +
 (median, same run). Also printed: the pull alone (ms, GB/s) and what the router's prior would have
 estimated for it (router/prefix_pull_planner.py PULL_PRIOR); the router refits it from real pulls.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ async def _ttft_s(client: ClusterClient, cluster, request: GenerateRequest, work
     async with contextlib.aclosing(client.generate(request, prefill=cluster.prefill[worker])) as chunks:
         async for chunk in chunks:  # max_tokens 1: the first chunk is the last; closing runs its cleanup
             return time.perf_counter() - started_s, chunk
+    raise RuntimeError(f"{request.request_id}: the stream ended without a token")
 
 
 async def _measure(client: ClusterClient, cluster, length: int, repeats: int, rng: random.Random) -> dict:
@@ -46,20 +48,26 @@ async def _measure(client: ClusterClient, cluster, length: int, repeats: int, rn
     pulled_s, computed_s, pulls = [], [], []
     for i in range(repeats):  # a fresh prefix each time: worker 1 must not hold it from a previous pull
         prefix = _tokens(rng, length, vocab)
-        await _ttft_s(client, cluster, GenerateRequest(f"seed-{length}-{i}", tuple(prefix + [11]), ONE_TOKEN), 0)
+        await _ttft_s(client, cluster, GenerateRequest(f"seed-{length}-{i}", (*prefix, 11), ONE_TOKEN), 0)
         pull = PrefixPull(cluster.prefill[0].worker_id, length // block)
         prompt = tuple(prefix + _tokens(rng, TAIL_TOKENS, vocab))
-        seconds, chunk = await _ttft_s(client, cluster, GenerateRequest(f"pull-{length}-{i}", prompt, ONE_TOKEN,
-                                                                        prefix_pull=pull), 1)
+        seconds, chunk = await _ttft_s(
+            client, cluster, GenerateRequest(f"pull-{length}-{i}", prompt, ONE_TOKEN, prefix_pull=pull), 1
+        )
         if chunk.pull.num_blocks != length // block:
             raise RuntimeError(f"pull of {length} tokens moved {chunk.pull.num_blocks} blocks: {chunk.pull}")
         pulled_s.append(seconds)
         pulls.append(chunk.pull)
         fresh = tuple(_tokens(rng, length + TAIL_TOKENS, vocab))
-        computed_s.append((await _ttft_s(client, cluster, GenerateRequest(f"full-{length}-{i}", fresh, ONE_TOKEN),
-                                         1))[0])
-    return {"pulled_s": statistics.median(pulled_s), "computed_s": statistics.median(computed_s),
-            "pull_s": statistics.median(p.duration_s for p in pulls), "num_bytes": pulls[0].num_bytes}
+        computed_s.append(
+            (await _ttft_s(client, cluster, GenerateRequest(f"full-{length}-{i}", fresh, ONE_TOKEN), 1))[0]
+        )
+    return {
+        "pulled_s": statistics.median(pulled_s),
+        "computed_s": statistics.median(computed_s),
+        "pull_s": statistics.median(p.duration_s for p in pulls),
+        "num_bytes": pulls[0].num_bytes,
+    }
 
 
 async def _run(cluster, lengths: list[int], repeats: int, seed: int) -> list[dict]:
@@ -72,13 +80,18 @@ async def _run(cluster, lengths: list[int], repeats: int, seed: int) -> list[dic
 
 
 def _print(rows: list[dict]) -> None:
-    print("prefix tokens | KV MB | TTFT with pull ms | TTFT recomputed ms | ratio | pull alone ms | pull GB/s | "
-          "prior estimate ms")
+    print(
+        "prefix tokens | KV MB | TTFT with pull ms | TTFT recomputed ms | ratio | pull alone ms | pull GB/s | "
+        "prior estimate ms"
+    )
     print("---: | ---: | ---: | ---: | ---: | ---: | ---: | ---:")
     for r in rows:
-        print(f"{r['length']} | {r['num_bytes'] / 1e6:.1f} | {1000 * r['pulled_s']:.1f} | {1000 * r['computed_s']:.1f} | "
-              f"{r['pulled_s'] / r['computed_s']:.2f} | {1000 * r['pull_s']:.1f} | "
-              f"{r['num_bytes'] / r['pull_s'] / 1e9:.2f} | {1000 * PULL_PRIOR.time_s(r['num_bytes']):.1f}")
+        print(
+            f"{r['length']} | {r['num_bytes'] / 1e6:.1f} | {1000 * r['pulled_s']:.1f} | "
+            f"{1000 * r['computed_s']:.1f} | "
+            f"{r['pulled_s'] / r['computed_s']:.2f} | {1000 * r['pull_s']:.1f} | "
+            f"{r['num_bytes'] / r['pull_s'] / 1e9:.2f} | {1000 * PULL_PRIOR.time_s(r['num_bytes']):.1f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,11 +16,13 @@ goes through a decode step over the paged cache, as in generation) and compared 
 serving engine uses by default costs on the same checkpoint. Targets are printed beside the figures;
 nothing is clipped or hidden.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import random
+from typing import Any
 
 import torch
 
@@ -31,7 +33,7 @@ from engine.model_loader import load_model_config
 from engine.sampling_params import SamplingParams
 from engine.teacher_forcing import teacher_forced_logits
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "int8-kv": {"kv_cache_dtype": "int8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "int8-weights": {"quantization": "int8"},
@@ -56,21 +58,27 @@ def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict:
     error = (logits - reference).abs()
     log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    return {"mean_abs_logit_error": error.mean().item(), "max_abs_logit_error": error.max().item(),
-            "top1_agreement": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
-            "kl_mean": kl.mean().item(), "kl_max": kl.max().item()}
+    return {
+        "mean_abs_logit_error": error.mean().item(),
+        "max_abs_logit_error": error.max().item(),
+        "top1_agreement": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+        "kl_mean": kl.mean().item(),
+        "kl_max": kl.max().item(),
+    }
 
 
 def agreement_lengths(reference: list[list[int]], generated: list[list[int]]) -> list[int]:
     lengths = []
-    for ours, theirs in zip(generated, reference):
-        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    for ours, theirs in zip(generated, reference, strict=True):
+        same = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
+        )
         lengths.append(same)
     return lengths
 
 
 def evaluate(model_dir: str, config_names: list[str], prompts: list[list[int]], max_tokens: int) -> dict:
-    engine_args = dict(model_dir=model_dir, num_kv_blocks=2048, max_num_seqs=len(prompts))
+    engine_args: dict[str, Any] = {"model_dir": model_dir, "num_kv_blocks": 2048, "max_num_seqs": len(prompts)}
     reference = LLMEngine(EngineConfig(**engine_args))
     continuations = greedy(reference, prompts, max_tokens)
     expected = torch.cat(teacher_forced_logits(reference, prompts, continuations))
@@ -80,8 +88,9 @@ def evaluate(model_dir: str, config_names: list[str], prompts: list[list[int]], 
         engine = LLMEngine(EngineConfig(**engine_args, **CONFIGS[name]))
         row = compare(expected, torch.cat(teacher_forced_logits(engine, prompts, continuations)).float())
         lengths = agreement_lengths(continuations, greedy(engine, prompts, max_tokens))
-        row.update(greedy_agreement_mean=sum(lengths) / len(lengths),
-                   greedy_full_matches=sum(n == max_tokens for n in lengths))
+        row.update(
+            greedy_agreement_mean=sum(lengths) / len(lengths), greedy_full_matches=sum(n == max_tokens for n in lengths)
+        )
         report[name] = row
         del engine
     return report
@@ -89,15 +98,20 @@ def evaluate(model_dir: str, config_names: list[str], prompts: list[list[int]], 
 
 def print_report(report: dict, num_prompts: int, max_tokens: int) -> None:
     print(f"\n{num_prompts} prompts x {max_tokens} teacher-forced steps; reference: fp32 weights, kv auto")
-    print(f"{'config':<24}{'mean|dlogit|':>13}{'max|dlogit|':>12}{'top-1':>9}{'KL mean':>10}{'KL max':>9}"
-          f"{'greedy agree':>14}{'full':>6}  top-1 target")
+    print(
+        f"{'config':<24}{'mean|dlogit|':>13}{'max|dlogit|':>12}{'top-1':>9}{'KL mean':>10}{'KL max':>9}"
+        f"{'greedy agree':>14}{'full':>6}  top-1 target"
+    )
     for name, row in report.items():
-        verdict = "yardstick" if name == "bf16-weights" else (
-            "meets" if row["top1_agreement"] >= TOP1_TARGET else "MISSES")
-        print(f"{name:<24}{row['mean_abs_logit_error']:>13.5f}{row['max_abs_logit_error']:>12.4f}"
-              f"{row['top1_agreement']:>9.4f}{row['kl_mean']:>10.2e}{row['kl_max']:>9.2e}"
-              f"{row['greedy_agreement_mean']:>10.1f}/{max_tokens:<3}{row['greedy_full_matches']:>6}"
-              f"  {verdict} >= {TOP1_TARGET}")
+        verdict = (
+            "yardstick" if name == "bf16-weights" else ("meets" if row["top1_agreement"] >= TOP1_TARGET else "MISSES")
+        )
+        print(
+            f"{name:<24}{row['mean_abs_logit_error']:>13.5f}{row['max_abs_logit_error']:>12.4f}"
+            f"{row['top1_agreement']:>9.4f}{row['kl_mean']:>10.2e}{row['kl_max']:>9.2e}"
+            f"{row['greedy_agreement_mean']:>10.1f}/{max_tokens:<3}{row['greedy_full_matches']:>6}"
+            f"  {verdict} >= {TOP1_TARGET}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -8,6 +8,7 @@ steps are timed one by one: decode tok/s = tokens of steps that only decode / th
 tok/s = all output tokens / wall time (prefill included). Configurations alternate order per round
 (`--rounds`) and the median is kept, so drift on a shared machine hits every configuration alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ import os
 import random
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -24,7 +26,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model_config
 from engine.sampling_params import SamplingParams
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "int8-weights": {"quantization": "int8"},
     "int8-kv": {"kv_cache_dtype": "int8"},
@@ -74,8 +76,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ensure_demo_model())
     names = args.configs.split(",")
-    engines = {name: LLMEngine(EngineConfig(model_dir=model_dir, max_num_seqs=max(map(int, args.batch_sizes.split(","))),
-                                            num_kv_blocks=4096, **CONFIGS[name])) for name in names}
+    max_num_seqs = max(map(int, args.batch_sizes.split(",")))
+    engines = {
+        name: LLMEngine(
+            EngineConfig(model_dir=model_dir, max_num_seqs=max_num_seqs, num_kv_blocks=4096, **CONFIGS[name])
+        )
+        for name in names
+    }
     for engine in engines.values():
         _run(engine, [[5, 6, 7, 8]], 2)  # warm-up (kernels compiled, buffers sized), outside the timing
     results: dict = {}
@@ -86,7 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
             order = names if round_index % 2 == 0 else names[::-1]
             for name in order:
                 runs[name].append(_run(engines[name], prompts, args.output))
-        results[batch] = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+        results[batch] = {
+            name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()
+        }
         _print(batch, results[batch], args)
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
     return results
@@ -94,13 +103,17 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _print(batch: int, result: dict, args) -> None:
     base = result.get("fp32")
-    print(f"\nbatch {batch}: {batch} requests, prompts {args.min_prompt}-{args.max_prompt}, {args.output} output "
-          f"tokens each, {args.threads} threads, median of {args.rounds} rounds")
+    print(
+        f"\nbatch {batch}: {batch} requests, prompts {args.min_prompt}-{args.max_prompt}, {args.output} output "
+        f"tokens each, {args.threads} threads, median of {args.rounds} rounds"
+    )
     print(f"{'config':<24}{'decode tok/s':>14}{'x fp32':>8}{'output tok/s':>14}{'x fp32':>8}")
     for name, row in result.items():
-        ratio = (lambda key: row[key] / base[key]) if base else (lambda key: float("nan"))
-        print(f"{name:<24}{row['decode_tok_s']:>14.1f}{ratio('decode_tok_s'):>8.2f}{row['output_tok_s']:>14.1f}"
-              f"{ratio('output_tok_s'):>8.2f}")
+        ratio = (lambda key, row=row: row[key] / base[key]) if base else (lambda key: float("nan"))
+        print(
+            f"{name:<24}{row['decode_tok_s']:>14.1f}{ratio('decode_tok_s'):>8.2f}{row['output_tok_s']:>14.1f}"
+            f"{ratio('output_tok_s'):>8.2f}"
+        )
 
 
 if __name__ == "__main__":

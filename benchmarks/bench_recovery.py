@@ -9,6 +9,7 @@ is read from a router's own `ClusterView` (the membership a router routes by), s
 the controller's detection and the watch round trip. "Serving" is when the replacement is in
 membership; "answered" adds one greedy request through it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,11 @@ async def _run(launched, kills: int) -> list[dict]:
         for role in ("prefill", "decode"):
             for index in range(kills):
                 result = await _kill_once(view, client, role, index)
-                print(f"{role:<8} kill {index + 1}: out of membership {result['dropped_s'] * 1e3:7.0f} ms, "
-                      f"replacement serving {result['serving_s']:6.2f} s, answered {result['answered_s']:6.2f} s",
-                      flush=True)
+                print(
+                    f"{role:<8} kill {index + 1}: out of membership {result['dropped_s'] * 1e3:7.0f} ms, "
+                    f"replacement serving {result['serving_s']:6.2f} s, answered {result['answered_s']:6.2f} s",
+                    flush=True,
+                )
                 results.append(result)
     finally:
         await client.close()
@@ -77,8 +80,10 @@ def _summary(results: list[dict]) -> dict:
     summary = {}
     for role in ("prefill", "decode"):
         rows = [r for r in results if r["role"] == role]
-        summary[role] = {key: {"mean": statistics.fmean(r[key] for r in rows), "max": max(r[key] for r in rows)}
-                         for key in ("dropped_s", "serving_s", "answered_s")}
+        summary[role] = {
+            key: {"mean": statistics.fmean(r[key] for r in rows), "max": max(r[key] for r in rows)}
+            for key in ("dropped_s", "serving_s", "answered_s")
+        }
     return summary
 
 
@@ -94,10 +99,12 @@ def main(argv: list[str] | None = None) -> None:
         launched.shutdown()
     summary = _summary(results)
     for role, figures in summary.items():
-        print(f"{role:<8} mean/max: out of membership {figures['dropped_s']['mean'] * 1e3:.0f}/"
-              f"{figures['dropped_s']['max'] * 1e3:.0f} ms, serving {figures['serving_s']['mean']:.2f}/"
-              f"{figures['serving_s']['max']:.2f} s, answered {figures['answered_s']['mean']:.2f}/"
-              f"{figures['answered_s']['max']:.2f} s")
+        print(
+            f"{role:<8} mean/max: out of membership {figures['dropped_s']['mean'] * 1e3:.0f}/"
+            f"{figures['dropped_s']['max'] * 1e3:.0f} ms, serving {figures['serving_s']['mean']:.2f}/"
+            f"{figures['serving_s']['max']:.2f} s, answered {figures['answered_s']['mean']:.2f}/"
+            f"{figures['answered_s']['max']:.2f} s"
+        )
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"kills": results, "summary": summary}, out, indent=2)

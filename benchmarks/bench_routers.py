@@ -11,6 +11,7 @@ Router-side overhead is paired per request: the latency its client saw minus the
 spent waiting on the cluster for it (the router's `splitserve-upstream-ms` trailer). An arm's doubling
 rate is the lowest R whose p99 overhead is at least twice the arm's p99 at the lowest rate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,27 @@ CLUSTER = "routers-bench"
 
 
 def _start_router(gcs_address: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "router", "--ray-address", gcs_address,
-                                "--cluster-name", CLUSTER, "--port", "0", "--http-port", "0"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.cli",
+            "router",
+            "--ray-address",
+            gcs_address,
+            "--cluster-name",
+            CLUSTER,
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline_s = time.monotonic() + 120
+    assert process.stdout is not None, "stdout=PIPE"
     for line in process.stdout:
         match = re.search(r"router listening on (\S+)", line)
         if match:
@@ -48,8 +66,12 @@ def _start_router(gcs_address: str) -> tuple[subprocess.Popen, str]:
 async def _arms(targets: list[str], rate: float, args) -> dict:
     seed = int(rate * 1000)
     one = await _router_round(targets[0], args, seed, f"one{seed}", args.requests, 1, rate)
-    halves = await asyncio.gather(*(_router_round(t, args, seed + k, f"two{k}-{seed}", args.requests // 2, 1,
-                                                  rate / 2) for k, t in enumerate(targets)))
+    halves = await asyncio.gather(
+        *(
+            _router_round(t, args, seed + k, f"two{k}-{seed}", args.requests // 2, 1, rate / 2)
+            for k, t in enumerate(targets)
+        )
+    )
     two = {rid: pair for half in halves for rid, pair in half.items()}
     row = {"rate_rps": rate}
     for arm, pairs in (("one", one), ("two", two)):
@@ -75,8 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     pool = PoolConfig(num_cpus=1.0, threads=1)
-    launched = launch(ClusterConfig(cluster_name=CLUSTER, prefill=pool, decode=pool, ray_num_cpus=4),
-                      _small_model())
+    launched = launch(ClusterConfig(cluster_name=CLUSTER, prefill=pool, decode=pool, ray_num_cpus=4), _small_model())
     routers = []
     try:
         routers = [_start_router(ray.get_runtime_context().gcs_address) for _ in range(2)]
@@ -91,10 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         launched.shutdown()
     print(f"{'rate':>6} {'1 router: overhead p50 / p99':>30} {'2 routers: overhead p50 / p99':>31}  (ms)")
     for r in rows:
-        print(f"{r['rate_rps']:>6g} {r['one_overhead_p50_ms']:>20.2f} / {r['one_overhead_p99_ms']:<8.2f}"
-              f"{r['two_overhead_p50_ms']:>21.2f} / {r['two_overhead_p99_ms']:<8.2f}")
-    print(f"p99 overhead doubles at: one router {_doubling_rate(rows, 'one')} req/s, "
-          f"two routers {_doubling_rate(rows, 'two')} req/s (None: not within the rates run)")
+        print(
+            f"{r['rate_rps']:>6g} {r['one_overhead_p50_ms']:>20.2f} / {r['one_overhead_p99_ms']:<8.2f}"
+            f"{r['two_overhead_p50_ms']:>21.2f} / {r['two_overhead_p99_ms']:<8.2f}"
+        )
+    print(
+        f"p99 overhead doubles at: one router {_doubling_rate(rows, 'one')} req/s, "
+        f"two routers {_doubling_rate(rows, 'two')} req/s (None: not within the rates run)"
+    )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)

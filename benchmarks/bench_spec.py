@@ -18,6 +18,7 @@ the batch; tokens/s: output tokens of the batch / wall time of its `generate`. A
 accepted / proposed during that arm. `--handoff-prompt N` also times the draft's catch-up over an
 N-token prompt (what a decode instance computes after a hand-off) against the target's prefill of it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.model_runner import build_step_input
+from engine.sequence import Sequence
 from engine.speculative.draft_model import DraftChunk
 
 
@@ -63,17 +66,19 @@ def repeat_workload(llm: LLM, count: int, text_tokens: int, seed: int) -> list[l
     texts = [torch.randint(10, vocab, (text_tokens,), generator=generator).tolist() for _ in range(count)]
     params = SamplingParams(temperature=0.0, max_tokens=text_tokens, ignore_eos=True)
     continuations = [list(o.token_ids) for o in llm.generate(texts, params, use_tqdm=False)]
-    return [x + g + x for x, g in zip(texts, continuations)]
+    return [x + g + x for x, g in zip(texts, continuations, strict=True)]
 
 
-def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     before = llm.engine.spec.counters if llm.engine.spec is not None else None
     started_s = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall_s = time.perf_counter() - started_s
-    row = {"tpot_ms": statistics.mean(o.metrics.tpot_s for o in outs) * 1e3,
-           "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall_s}
+    row = {
+        "tpot_ms": statistics.mean(o.metrics.tpot_s for o in outs) * 1e3,
+        "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall_s,
+    }
     if before is not None:
         after = llm.engine.spec.counters
         drafts, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
@@ -89,7 +94,7 @@ def handoff_catch_up(llm: LLM, prompt_tokens: int, repeats: int = 3) -> dict:
     engine, prompt = llm.engine, list(range(10, 10 + prompt_tokens))
     engine.kv.allocate("handoff-probe", prompt_tokens)
     try:
-        chunk = DraftChunk(SimpleNamespace(seq_id="handoff-probe"), 0, prompt)
+        chunk = DraftChunk(cast(Sequence, SimpleNamespace(seq_id="handoff-probe")), 0, prompt)  # only seq_id is read
         step = build_step_input([chunk], engine.kv.block_table, engine.config.block_size)
         timed = {}
         for name, runner in (("target_prefill_ms", engine.runner), ("draft_catch_up_ms", engine.spec.draft.runner)):
@@ -100,25 +105,30 @@ def handoff_catch_up(llm: LLM, prompt_tokens: int, repeats: int = 3) -> dict:
             timed[name] = (time.perf_counter() - started_s) / repeats * 1e3
     finally:
         engine.kv.free("handoff-probe")
-    return {"prompt_tokens": prompt_tokens, **timed,
-            "draft_kv_bytes": engine.spec.draft.runner.kv_cache.bytes_per_token * prompt_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        **timed,
+        "draft_kv_bytes": engine.spec.draft.runner.kv_cache.bytes_per_token * prompt_tokens,
+    }
 
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else None
-    common = dict(progress=False, num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(args.batches))
+    common = {"progress": False, "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": max(args.batches)}
     plain = LLM(model_dir, **common)
     model_dir = Path(plain.config.model_dir)
     draft_dir = truncated_copy(model_dir, args.draft_layers, Path(tempfile.mkdtemp(prefix="spec-draft-")))
     k = args.k
     ngram = {"method": "ngram", "num_speculative_tokens": k}
     draft = {"model": str(draft_dir), "num_speculative_tokens": k}
-    arms = {"plain": plain,
-            "ngram": LLM(model_dir, **common, speculative_config=ngram),
-            "ngram-forced": LLM(model_dir, **common, speculative_config={**ngram, "adaptive": False}),
-            "draft": LLM(model_dir, **common, speculative_config=draft),
-            "draft-forced": LLM(model_dir, **common, speculative_config={**draft, "adaptive": False})}
+    arms = {
+        "plain": plain,
+        "ngram": LLM(model_dir, **common, speculative_config=ngram),
+        "ngram-forced": LLM(model_dir, **common, speculative_config={**ngram, "adaptive": False}),
+        "draft": LLM(model_dir, **common, speculative_config=draft),
+        "draft-forced": LLM(model_dir, **common, speculative_config={**draft, "adaptive": False}),
+    }
     prompts = repeat_workload(plain, max(args.batches), args.text_tokens, args.seed)
     for llm in arms.values():  # warm-up: first-call costs, and the adaptive switch's first measurements
         measure(llm, prompts[:1], 8)
@@ -129,7 +139,7 @@ def run(args) -> dict:
             rows[name], tokens = measure(llm, prompts[:batch], args.max_tokens)
             reference = tokens if reference is None else reference
             rows[name]["exact"] = tokens == reference
-        for name, row in rows.items():
+        for row in rows.values():
             row["tpot_ratio"] = rows["plain"]["tpot_ms"] / row["tpot_ms"]  # > 1: lower TPOT than plain
             row["throughput_ratio"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
         results["batches"][batch] = rows
@@ -143,12 +153,17 @@ def run(args) -> dict:
 
 def _print(batch: int, rows: dict) -> None:
     print(f"batch {batch}")
-    print(f"  {'arm':14s} {'TPOT ms':>9s} {'x plain':>8s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} "
-          f"{'spec steps':>10s} exact")
+    print(
+        f"  {'arm':14s} {'TPOT ms':>9s} {'x plain':>8s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} "
+        f"{'spec steps':>10s} exact"
+    )
     for name, r in rows.items():
-        print(f"  {name:14s} {r['tpot_ms']:9.2f} {r['tpot_ratio']:8.2f} {r['tokens_per_s']:8.1f} "
-              f"{r['throughput_ratio']:8.2f} {r.get('acceptance', float('nan')):7.2f} "
-              f"{r.get('spec_step_share', float('nan')):10.2f} {r['exact']}", flush=True)
+        print(
+            f"  {name:14s} {r['tpot_ms']:9.2f} {r['tpot_ratio']:8.2f} {r['tokens_per_s']:8.1f} "
+            f"{r['throughput_ratio']:8.2f} {r.get('acceptance', float('nan')):7.2f} "
+            f"{r.get('spec_step_share', float('nan')):10.2f} {r['exact']}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -160,8 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (2 oversubscribes a shared 2-core box)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (2 oversubscribes a shared 2-core box)")
     parser.add_argument("--handoff-prompt", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results here")

@@ -16,10 +16,12 @@ after the first; it meets the SLO when both are within it (a one-token request h
 requests meeting the SLO per second of the run (first arrival to last token); attainment the share
 of requests meeting it. The ratios compare arms of the same run (the box is shared and noisy).
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -34,10 +36,9 @@ from engine.llm_engine import LLMEngine
 def _workload(args) -> list[tuple[float, list[int], SamplingParams]]:
     rng = random.Random(args.seed)
     vocab = 4000
-    items = []
+    items: list[tuple[float, list[int], SamplingParams]] = []
     stream = SamplingParams(temperature=0.0, max_tokens=args.stream_tokens, ignore_eos=True)
-    for _ in range(args.streams):
-        items.append((0.0, [rng.randrange(10, vocab) for _ in range(32)], stream))
+    items.extend((0.0, [rng.randrange(10, vocab) for _ in range(32)], stream) for _ in range(args.streams))
     long_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     at_s = args.long_every_s
     while at_s < args.duration_s:
@@ -62,19 +63,28 @@ def slo_report(timings: list[Timing], ttft_slo_ms: float, tpot_slo_ms: float) ->
         met += (first - t.due_s) * 1e3 <= ttft_slo_ms and tpot_ms <= tpot_slo_ms
     span_s = max(t.token_times_s[-1] for t in timings) - min(t.due_s for t in timings)
     pick = lambda q: ttfts_ms[min(len(ttfts_ms) - 1, int(q * len(ttfts_ms)))]  # noqa: E731
-    return {"ttft_p50_ms": pick(0.50), "ttft_p99_ms": pick(0.99), "goodput_per_s": met / span_s,
-            "slo_attainment": met / len(timings), "num_requests": len(timings)}
+    return {
+        "ttft_p50_ms": pick(0.50),
+        "ttft_p99_ms": pick(0.99),
+        "goodput_per_s": met / span_s,
+        "slo_attainment": met / len(timings),
+        "num_requests": len(timings),
+    }
 
 
 def _gaps_s(timings: list[Timing]) -> list[float]:
-    return [b - a for t in timings if t.stream for a, b in zip(t.token_times_s, t.token_times_s[1:])]
+    return [b - a for t in timings if t.stream for a, b in itertools.pairwise(t.token_times_s)]
 
 
 def _percentiles(gaps_s: list[float]) -> dict:
     ordered = sorted(gaps_s)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
-    return {"tpot_p50_ms": pick(0.50), "tpot_p99_ms": pick(0.99), "tpot_mean_ms": statistics.mean(ordered) * 1e3,
-            "num_gaps": len(ordered)}
+    return {
+        "tpot_p50_ms": pick(0.50),
+        "tpot_p99_ms": pick(0.99),
+        "tpot_mean_ms": statistics.mean(ordered) * 1e3,
+        "num_gaps": len(ordered),
+    }
 
 
 def run_colocated(model_dir: str, items, threads: int) -> list[Timing]:
@@ -131,8 +141,10 @@ def run_disaggregated(model_dir: str, items) -> list[Timing]:
 
 
 def _rows(timings: dict[str, list[Timing]], args) -> dict:
-    return {arm: {**_percentiles(_gaps_s(t)), **slo_report(t, args.ttft_slo_ms, args.tpot_slo_ms)}
-            for arm, t in timings.items()}
+    return {
+        arm: {**_percentiles(_gaps_s(t)), **slo_report(t, args.ttft_slo_ms, args.tpot_slo_ms)}
+        for arm, t in timings.items()
+    }
 
 
 def _print(summary: dict, args) -> None:
@@ -140,12 +152,19 @@ def _print(summary: dict, args) -> None:
     print(f"{'':14}{'TPOT p50':>9}{'p99':>8}{'mean':>8}{'TTFT p50':>10}{'p99':>8}{'goodput/s':>10}{'attain':>8}")
     for name in ("colocated", "disaggregated"):
         r = summary[name]
-        print(f"{name:14}{r['tpot_p50_ms']:9.1f}{r['tpot_p99_ms']:8.1f}{r['tpot_mean_ms']:8.1f}{r['ttft_p50_ms']:10.0f}"
-              f"{r['ttft_p99_ms']:8.0f}{r['goodput_per_s']:10.2f}{r['slo_attainment']:8.0%}")
-    print(f"disaggregated/colocated TPOT p99 ratio: {summary['p99_ratio']:.2f} (target <= 0.5), "
-          f"p50 ratio: {summary['p50_ratio']:.2f}; goodput ratio: "
-          + ("n/a (no colocated request met the SLO)" if summary["goodput_ratio"] is None
-             else f"{summary['goodput_ratio']:.2f}"))
+        print(
+            f"{name:14}{r['tpot_p50_ms']:9.1f}{r['tpot_p99_ms']:8.1f}{r['tpot_mean_ms']:8.1f}{r['ttft_p50_ms']:10.0f}"
+            f"{r['ttft_p99_ms']:8.0f}{r['goodput_per_s']:10.2f}{r['slo_attainment']:8.0%}"
+        )
+    print(
+        f"disaggregated/colocated TPOT p99 ratio: {summary['p99_ratio']:.2f} (target <= 0.5), "
+        f"p50 ratio: {summary['p50_ratio']:.2f}; goodput ratio: "
+        + (
+            "n/a (no colocated request met the SLO)"
+            if summary["goodput_ratio"] is None
+            else f"{summary['goodput_ratio']:.2f}"
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -168,15 +187,24 @@ def main(argv: list[str] | None = None) -> dict:
 
         model_dir = str(ensure_demo_model())
     items = _workload(args)
-    rows = _rows({"colocated": run_colocated(model_dir, items, args.threads),
-                  "disaggregated": run_disaggregated(model_dir, items)}, args)
+    rows = _rows(
+        {
+            "colocated": run_colocated(model_dir, items, args.threads),
+            "disaggregated": run_disaggregated(model_dir, items),
+        },
+        args,
+    )
     colocated, disaggregated = rows["colocated"], rows["disaggregated"]
-    summary = {**rows, "p99_ratio": disaggregated["tpot_p99_ms"] / colocated["tpot_p99_ms"],
-               "p50_ratio": disaggregated["tpot_p50_ms"] / colocated["tpot_p50_ms"],
-               # None when no colocated request met the SLO: any goodput is infinitely many times none
-               "goodput_ratio": (disaggregated["goodput_per_s"] / colocated["goodput_per_s"]
-                                 if colocated["goodput_per_s"] > 0 else None),
-               "args": {**vars(args), "model": args.model or "demo"}}  # no local paths in reports
+    summary = {
+        **rows,
+        "p99_ratio": disaggregated["tpot_p99_ms"] / colocated["tpot_p99_ms"],
+        "p50_ratio": disaggregated["tpot_p50_ms"] / colocated["tpot_p50_ms"],
+        # None when no colocated request met the SLO: any goodput is infinitely many times none
+        "goodput_ratio": (
+            disaggregated["goodput_per_s"] / colocated["goodput_per_s"] if colocated["goodput_per_s"] > 0 else None
+        ),
+        "args": {**vars(args), "model": args.model or "demo"},
+    }  # no local paths in reports
     _print(summary, args)
     if args.json:
         with open(args.json, "w") as handle:

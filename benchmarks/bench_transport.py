@@ -102,7 +102,9 @@ def _worker(role: str, host: str, port: int, cases: list[Case], reps: int, resul
     me, peer = ("bench-sender", "bench-receiver") if role == "send" else ("bench-receiver", "bench-sender")
     transport = TorchDistTransport(me, host, port, backend="gloo", connect_timeout_s=_TIMEOUT_S)
     raw = ProcessGroupGloo(
-        PrefixStore("bench/raw", connect_store(host, port)), 0 if role == "send" else 1, 2,
+        PrefixStore("bench/raw", connect_store(host, port)),
+        0 if role == "send" else 1,
+        2,
         datetime.timedelta(seconds=_TIMEOUT_S),
     )
     rows = []
@@ -111,9 +113,9 @@ def _worker(role: str, host: str, port: int, cases: list[Case], reps: int, resul
         flat = torch.empty(case.num_bytes, dtype=torch.uint8)
         transport_s, raw_s = [], []
         # Small cases repeat more (same bytes per case): their medians are the noisiest otherwise.
-        for rep in range(min(4 * reps, reps * max(1, (256 << 20) // case.num_bytes)) + 1):  # rep 0 warms up
-            transport_s.append(_timed(role, raw, lambda: _move(transport, role, peer, tensors)))
-            raw_s.append(_timed(role, raw, lambda: _raw_move(raw, role, flat)))
+        for _rep in range(min(4 * reps, reps * max(1, (256 << 20) // case.num_bytes)) + 1):  # rep 0 warms up
+            transport_s.append(_timed(role, raw, lambda tensors=tensors: _move(transport, role, peer, tensors)))
+            raw_s.append(_timed(role, raw, lambda flat=flat: _raw_move(raw, role, flat)))
         if role == "recv":
             _check(case, kv)
             gb = case.num_bytes / 1e9
@@ -149,14 +151,20 @@ def _print_table(rows: list[Row]) -> None:
     """GB/s as median / best repetition; ratio = transport / raw of the medians (and of the bests)."""
     columns = ("dtype", "MiB", "tensors", "tensor shape", "transport GB/s", "raw GB/s", "ratio med", "best")
     widths = (6, 6, 9, 30, 16, 12, 11, 7)
-    print("".join(f"{name:>{width}}" for name, width in zip(columns, widths)))
+    print("".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True)))
     for row in rows:
         case = row.case
-        cells = (case.dtype_name, f"{case.num_bytes / 2**20:.0f}", case.num_tensors, str(list(case.tensor_shape)),
-                 f"{row.transport_gb_s:.2f} / {row.transport_best_gb_s:.2f}",
-                 f"{row.raw_gb_s:.2f} / {row.raw_best_gb_s:.2f}", f"{row.transport_gb_s / row.raw_gb_s:.2f}",
-                 f"{row.transport_best_gb_s / row.raw_best_gb_s:.2f}")
-        print("".join(f"{cell:>{width}}" for cell, width in zip(cells, widths)))
+        cells = (
+            case.dtype_name,
+            f"{case.num_bytes / 2**20:.0f}",
+            case.num_tensors,
+            str(list(case.tensor_shape)),
+            f"{row.transport_gb_s:.2f} / {row.transport_best_gb_s:.2f}",
+            f"{row.raw_gb_s:.2f} / {row.raw_best_gb_s:.2f}",
+            f"{row.transport_gb_s / row.raw_gb_s:.2f}",
+            f"{row.transport_best_gb_s / row.raw_best_gb_s:.2f}",
+        )
+        print("".join(f"{cell:>{width}}" for cell, width in zip(cells, widths, strict=True)))
 
 
 def _await_rows(results: Any, procs: list[Any], budget_s: float) -> list[Row]:

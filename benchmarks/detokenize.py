@@ -8,6 +8,7 @@ exercised, and byte tokens that split UTF-8 characters), plus the tokenization o
 decoder's deltas are joined and checked against `tokenizer.decode(all ids)`; the time per token is
 the best of `--repeats` passes. The hand-written decoder is re-implemented here as it was, as the baseline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,11 @@ class WindowDetokenizer:
     def append(self, token_id: int) -> str:
         self.token_ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix_text = decode(self.token_ids[self._prefix_offset:self._read_offset], skip_special_tokens=self.skip)
-        full_text = decode(self.token_ids[self._prefix_offset:], skip_special_tokens=self.skip)
+        prefix_text = decode(self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip)
+        full_text = decode(self.token_ids[self._prefix_offset :], skip_special_tokens=self.skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = full_text[len(prefix_text):]
+        delta = full_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         self.text += delta
         return delta
@@ -87,15 +88,19 @@ def main() -> None:
         args.model = str(ensure_demo_model())
     tokenizer = load_tokenizer(args.model)
     streams = _streams(tokenizer, args.streams, args.tokens, seed=0)
-    arms = {"hand-written window decoder": lambda: WindowDetokenizer(tokenizer),
-            "DecodeStream (engine.tokenizer)": lambda: IncrementalDetokenizer(tokenizer)}
+    arms = {
+        "hand-written window decoder": lambda: WindowDetokenizer(tokenizer),
+        "DecodeStream (engine.tokenizer)": lambda: IncrementalDetokenizer(tokenizer),
+    }
     base = None
     print(f"{args.streams} streams x {args.tokens} tokens, {args.model}")
     for name, make in arms.items():
         us = _time_per_token_us(make, streams, args.repeats)
         base = base or us
-        print(f"{name:<34}{us:>8.2f} µs/token  x{us / base:.2f}  prefix mismatches: "
-              f"{_mismatches(make, tokenizer, streams)}/{len(streams)}")
+        print(
+            f"{name:<34}{us:>8.2f} µs/token  x{us / base:.2f}  prefix mismatches: "
+            f"{_mismatches(make, tokenizer, streams)}/{len(streams)}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@
 Every point is one Poisson run of at most `--duration-s` seconds and `--max-requests` requests; then
 the router drains before the next. Writes eval_admission.json and two PNGs under --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,20 +38,52 @@ def _small_model(layers: int, hidden: int) -> str:
     from engine.demo_model import write_demo_model
 
     out = tempfile.mkdtemp(prefix="splitserve-eval-model-")
-    write_demo_model(out, progress=False, config_overrides={
-        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2})
+    write_demo_model(
+        out,
+        progress=False,
+        config_overrides={
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    )
     return out
 
 
 async def _bench(target: str, rate: float, args, seed: int, out_dir: Path) -> dict:
     """One `splitserve bench` run in a subprocess; its summary.json."""
     requests = max(1, min(args.max_requests, math.ceil(rate * args.duration_s)))
-    flags = ["--target", target, "--workload", "poisson", "--rate", f"{rate:.4f}", "--num-requests", str(requests),
-             "--duration-s", str(args.duration_s), "--grace-s", str(args.grace_s), "--prompt-len", PROMPT_LEN,
-             "--output-len", f"fixed:{OUTPUT_TOKENS}", "--ttft-ms", f"{args.ttft_ms:.1f}",
-             "--tpot-ms", f"{args.tpot_ms:.1f}", "--max-concurrency", "1024", "--seed", str(seed),
-             "--no-progress", "--out", str(out_dir)]
+    flags = [
+        "--target",
+        target,
+        "--workload",
+        "poisson",
+        "--rate",
+        f"{rate:.4f}",
+        "--num-requests",
+        str(requests),
+        "--duration-s",
+        str(args.duration_s),
+        "--grace-s",
+        str(args.grace_s),
+        "--prompt-len",
+        PROMPT_LEN,
+        "--output-len",
+        f"fixed:{OUTPUT_TOKENS}",
+        "--ttft-ms",
+        f"{args.ttft_ms:.1f}",
+        "--tpot-ms",
+        f"{args.tpot_ms:.1f}",
+        "--max-concurrency",
+        "1024",
+        "--seed",
+        str(seed),
+        "--no-progress",
+        "--out",
+        str(out_dir),
+    ]
     command = [sys.executable, "-c", "from loadtest.cli import main; main()", *flags]
     process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.DEVNULL)
     if await asyncio.wait_for(process.wait(), args.duration_s + args.grace_s + 120) != 0:
@@ -61,7 +94,7 @@ async def _bench(target: str, rate: float, args, seed: int, out_dir: Path) -> di
 async def _drain(service, timeout_s: float = 60.0) -> None:
     """Waits until the router has nothing in flight (cancelled requests included), bounded."""
     deadline_s = time.monotonic() + timeout_s
-    while service.inflight_requests and time.monotonic() < deadline_s:
+    while service.inflight_requests and time.monotonic() < deadline_s:  # noqa: ASYNC110 - no idle event to wait on
         await asyncio.sleep(0.1)
     await service.monitor.probe_all()  # the cost models see the steps of the run just ended
 
@@ -87,11 +120,22 @@ class Evaluation:
         folder = Path(self.args.work_dir) / f"{policy}-{self.seed:02d}-rate-{rate:.2f}"
         s = await _bench(self.target, rate, self.args, self.seed, folder)
         await _drain(self.service)
-        point = Point(policy, rate, rate / self.saturation_per_s, s["goodput_per_s"] or 0.0,
-                      s["slo_attainment"] or 0.0, s["rejection_rate"] or 0.0, s["request_throughput_per_s"] or 0.0,
-                      s["ttft_ms"]["p99"], _failed(s))
-        print(f"  {policy:>10} {rate:6.2f} req/s: goodput {point.goodput_per_s:.2f}/s, attainment "
-              f"{point.attainment:.0%}, rejected {point.rejection_rate:.0%}, failed {point.failed}", flush=True)
+        point = Point(
+            policy,
+            rate,
+            rate / self.saturation_per_s,
+            s["goodput_per_s"] or 0.0,
+            s["slo_attainment"] or 0.0,
+            s["rejection_rate"] or 0.0,
+            s["request_throughput_per_s"] or 0.0,
+            s["ttft_ms"]["p99"],
+            _failed(s),
+        )
+        print(
+            f"  {policy:>10} {rate:6.2f} req/s: goodput {point.goodput_per_s:.2f}/s, attainment "
+            f"{point.attainment:.0%}, rejected {point.rejection_rate:.0%}, failed {point.failed}",
+            flush=True,
+        )
         return point
 
     async def find_saturation(self) -> tuple[float, list[tuple[float, float]]]:
@@ -109,8 +153,7 @@ class Evaluation:
         points = []
         for i, load in enumerate(self.args.loads):
             order = ("always", "predictive") if i % 2 == 0 else ("predictive", "always")
-            for policy in order:
-                points.append(await self.point(policy, load * self.saturation_per_s))
+            points.extend([await self.point(policy, load * self.saturation_per_s) for policy in order])
         return points
 
 
@@ -125,9 +168,13 @@ async def _solo(target: str, args) -> tuple[float, float]:
     async with AsyncClient(target, max_retries=0) as client:
         for _ in range(args.solo_requests):
             prompt = [rng.randrange(10, 4000) for _ in range(256)]
-            started_s, times = time.perf_counter(), []
-            async for _ in client.generate_stream(prompt, temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True):
-                times.append(time.perf_counter() - started_s)
+            started_s = time.perf_counter()
+            times = [
+                time.perf_counter() - started_s
+                async for _ in client.generate_stream(
+                    prompt, temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True
+                )
+            ]
             ttfts.append(times[0])
             tpots.append((times[-1] - times[0]) / max(len(times) - 1, 1))
     return statistics.median(ttfts) * 1e3, statistics.median(tpots) * 1e3
@@ -137,19 +184,31 @@ async def _evaluate(service, target: str, args) -> dict:
     solo_ttft_ms, solo_tpot_ms = await _solo(target, args)
     args.ttft_ms = args.ttft_ms or args.ttft_slo_x * solo_ttft_ms
     args.tpot_ms = args.tpot_ms or args.tpot_slo_x * solo_tpot_ms
-    print(f"solo TTFT {solo_ttft_ms:.1f} ms, TPOT {solo_tpot_ms:.2f} ms -> SLO TTFT {args.ttft_ms:.0f} ms, "
-          f"TPOT {args.tpot_ms:.1f} ms", flush=True)
+    print(
+        f"solo TTFT {solo_ttft_ms:.1f} ms, TPOT {solo_tpot_ms:.2f} ms -> SLO TTFT {args.ttft_ms:.0f} ms, "
+        f"TPOT {args.tpot_ms:.1f} ms",
+        flush=True,
+    )
     evaluation = Evaluation(service, target, args)
     await evaluation.point("predictive", args.start_rate)  # warm-up: cost models and observed TTFTs
     print("finding the saturation rate under always:", flush=True)
     evaluation.saturation_per_s, climb = await evaluation.find_saturation()
     print(f"saturation: {evaluation.saturation_per_s:.2f} req/s; sweeping loads {list(args.loads)}", flush=True)
     points = await evaluation.sweep()
-    return {"solo_ttft_ms": solo_ttft_ms, "solo_tpot_ms": solo_tpot_ms, "ttft_slo_ms": args.ttft_ms,
-            "tpot_slo_ms": args.tpot_ms, "saturation_per_s": evaluation.saturation_per_s, "climb": climb,
-            "points": [p.to_dict() for p in points], "targets": targets(points),
-            "model": {"layers": args.layers, "hidden": args.hidden}, "prompt_len": PROMPT_LEN,
-            "output_tokens": OUTPUT_TOKENS, "duration_s": args.duration_s}
+    return {
+        "solo_ttft_ms": solo_ttft_ms,
+        "solo_tpot_ms": solo_tpot_ms,
+        "ttft_slo_ms": args.ttft_ms,
+        "tpot_slo_ms": args.tpot_ms,
+        "saturation_per_s": evaluation.saturation_per_s,
+        "climb": climb,
+        "points": [p.to_dict() for p in points],
+        "targets": targets(points),
+        "model": {"layers": args.layers, "hidden": args.hidden},
+        "prompt_len": PROMPT_LEN,
+        "output_tokens": OUTPUT_TOKENS,
+        "duration_s": args.duration_s,
+    }
 
 
 async def _serve_and_evaluate(args) -> dict:
@@ -160,8 +219,14 @@ async def _serve_and_evaluate(args) -> dict:
 
     pool = PoolConfig(num_cpus=1.0, threads=1)
     admission = AdmissionConfig(policy="predictive")
-    config = ClusterConfig(prefill=pool, decode=pool, router=RouterConfig(port=0, http_port=None), ray_num_cpus=4,
-                           admission=admission, ready_timeout_s=180.0)
+    config = ClusterConfig(
+        prefill=pool,
+        decode=pool,
+        router=RouterConfig(port=0, http_port=None),
+        ray_num_cpus=4,
+        admission=admission,
+        ready_timeout_s=180.0,
+    )
     loop = asyncio.get_running_loop()
     cluster = await loop.run_in_executor(None, launch, config, args.model or _small_model(args.layers, args.hidden))
     try:
@@ -188,8 +253,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--step", type=float, default=1.5, help="rate factor per climb step")
     parser.add_argument("--min-gain", type=float, default=0.1, help="relative goodput gain that counts as growth")
     parser.add_argument("--max-climb-steps", type=int, default=8)
-    parser.add_argument("--loads", type=lambda s: tuple(float(v) for v in s.split(",")), default=(0.5, 1, 1.5, 2, 3),
-                        help="offered loads to sweep, as multiples of the saturation rate")
+    parser.add_argument(
+        "--loads",
+        type=lambda s: tuple(float(v) for v in s.split(",")),
+        default=(0.5, 1, 1.5, 2, 3),
+        help="offered loads to sweep, as multiples of the saturation rate",
+    )
     parser.add_argument("--duration-s", type=float, default=8.0, help="issuing time per point")
     parser.add_argument("--grace-s", type=float, default=5.0, help="then cancel what is still open")
     parser.add_argument("--max-requests", type=int, default=400, help="requests per point at most")

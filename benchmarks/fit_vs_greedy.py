@@ -7,6 +7,7 @@ each predicts for a short prompt. Numbers only, no cluster:
 Windows: a prefill worker busy with long prompts (`--min-tokens`..`--max-tokens` per step), step time
 = 10 ms + 50 µs/token times lognormal noise; the fit's prior is the cost model's (PREFILL_PRIOR).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,17 +53,22 @@ def run(args) -> dict:
         y = (TRUTH.intercept_s + TRUTH.per_token_s * tokens) * rng.lognormal(0, args.noise, args.steps)
         x = np.stack([np.ones_like(tokens), tokens, tokens**2], axis=1)
         fit = WindowedLinearFit(tuple(prior), window=args.steps, min_samples=1)
-        for features, target in zip(x, y):
+        for features, target in zip(x, y, strict=True):
             fit.add(tuple(features), float(target))
         exact, old = np.array(fit.coefficients()), greedy(x, y, prior)
         missed += _cost(x, y, old) > _cost(x, y, exact) * (1 + 1e-9)
         truth = TRUTH.time_s(args.short_tokens)
         ratios_exact.append(PrefillTimeFit(*exact).time_s(args.short_tokens) / truth)
         ratios_greedy.append(PrefillTimeFit(*old).time_s(args.short_tokens) / truth)
-    return {"windows": args.windows, "greedy_missed_share": missed / args.windows,
-            "short_prompt_ratio_min": {"exact": min(ratios_exact), "greedy": min(ratios_greedy)},
-            "short_prompt_within_10pct": {"exact": float(np.mean(np.abs(np.array(ratios_exact) - 1) <= 0.1)),
-                                          "greedy": float(np.mean(np.abs(np.array(ratios_greedy) - 1) <= 0.1))}}
+    return {
+        "windows": args.windows,
+        "greedy_missed_share": missed / args.windows,
+        "short_prompt_ratio_min": {"exact": min(ratios_exact), "greedy": min(ratios_greedy)},
+        "short_prompt_within_10pct": {
+            "exact": float(np.mean(np.abs(np.array(ratios_exact) - 1) <= 0.1)),
+            "greedy": float(np.mean(np.abs(np.array(ratios_greedy) - 1) <= 0.1)),
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,15 +81,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--short-tokens", type=int, default=64, help="the short prompt predicted")
     p.add_argument("--seed", type=int, default=0)
     result = run(p.parse_args(argv))
-    print(f"{result['windows']} windows: the greedy active set missed the optimum in "
-          f"{result['greedy_missed_share']:.1%} (the exact fit in none, by construction)")
+    print(
+        f"{result['windows']} windows: the greedy active set missed the optimum in "
+        f"{result['greedy_missed_share']:.1%} (the exact fit in none, by construction)"
+    )
     for name in ("exact", "greedy"):
         print(f"  {name:>6}: {args_short(result, name)}")
 
 
 def args_short(result: dict, name: str) -> str:
-    return (f"short prompt predicted/true min {result['short_prompt_ratio_min'][name]:.2f}, "
-            f"within 10% in {result['short_prompt_within_10pct'][name]:.1%} of windows")
+    return (
+        f"short prompt predicted/true min {result['short_prompt_ratio_min'][name]:.2f}, "
+        f"within 10% in {result['short_prompt_within_10pct'][name]:.1%} of windows"
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 Each serves `POST /stream?n=N` (N server-sent events of a completion chunk's size, yielding to the loop
 between chunks), `POST /unary` (a small JSON body) and `GET /cpu` (this process's CPU seconds).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,19 @@ import socket
 import sys
 import time
 
-CHUNK = ("data: " + json.dumps({"id": "cmpl-0123456789abcdef", "object": "text_completion", "created": 1700000000,
-                                "model": "demo-model", "choices": [{"index": 0, "text": " token", "logprobs": None,
-                                                                    "finish_reason": None}]}) + "\n\n").encode()
+CHUNK = (
+    "data: "
+    + json.dumps(
+        {
+            "id": "cmpl-0123456789abcdef",
+            "object": "text_completion",
+            "created": 1700000000,
+            "model": "demo-model",
+            "choices": [{"index": 0, "text": " token", "logprobs": None, "finish_reason": None}],
+        }
+    )
+    + "\n\n"
+).encode()
 REPLY = json.dumps({"object": "list", "data": [{"id": "demo-model", "object": "model"}]}).encode()
 
 
@@ -56,17 +67,28 @@ def _asgi_app():
             pass
         if path == "/stream":
             n = int(scope["query_string"].decode().split("=")[1])
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+                }
+            )
             for _ in range(n):
                 await asyncio.sleep(0)
                 await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
         body = REPLY if path == "/unary" else repr(time.process_time()).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
+
     return app
 
 
@@ -84,6 +106,7 @@ def _starlette_app():
                 await asyncio.sleep(0)
                 yield CHUNK
             yield b"data: [DONE]\n\n"
+
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
     async def unary(request):
@@ -92,15 +115,22 @@ def _starlette_app():
 
     async def cpu(request):
         return PlainTextResponse(repr(time.process_time()))
-    return Starlette(routes=[Route("/stream", stream, methods=["POST"]), Route("/unary", unary, methods=["POST"]),
-                             Route("/cpu", cpu)])
+
+    return Starlette(
+        routes=[
+            Route("/stream", stream, methods=["POST"]),
+            Route("/unary", unary, methods=["POST"]),
+            Route("/cpu", cpu),
+        ]
+    )
 
 
 def _serve_uvicorn(app, sock: socket.socket) -> None:
     import uvicorn
 
-    config = uvicorn.Config(app, http="httptools", loop="asyncio", lifespan="off", access_log=False,
-                            log_level="warning")
+    config = uvicorn.Config(
+        app, http="httptools", loop="asyncio", lifespan="off", access_log=False, log_level="warning"
+    )
     asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
 
 
@@ -124,19 +154,25 @@ def serve_grpc(sock: socket.socket) -> None:
 
     async def main():
         server = grpc.aio.server()
-        handlers = {"Stream": grpc.unary_stream_rpc_method_handler(stream),
-                    "Unary": grpc.unary_unary_rpc_method_handler(unary),
-                    "Cpu": grpc.unary_unary_rpc_method_handler(cpu)}
+        handlers: dict[str, grpc.RpcMethodHandler] = {
+            "Stream": grpc.unary_stream_rpc_method_handler(stream),
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Cpu": grpc.unary_unary_rpc_method_handler(cpu),
+        }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench", handlers),))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
+
     asyncio.run(main())
 
 
-SERVERS = {"grpc.aio (baseline)": serve_grpc, "aiohttp": serve_aiohttp,
-           "uvicorn+httptools, bare ASGI": lambda sock: _serve_uvicorn(_asgi_app(), sock),
-           "uvicorn+httptools, Starlette": lambda sock: _serve_uvicorn(_starlette_app(), sock)}
+SERVERS = {
+    "grpc.aio (baseline)": serve_grpc,
+    "aiohttp": serve_aiohttp,
+    "uvicorn+httptools, bare ASGI": lambda sock: _serve_uvicorn(_asgi_app(), sock),
+    "uvicorn+httptools, Starlette": lambda sock: _serve_uvicorn(_starlette_app(), sock),
+}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ bytes message) runs as the baseline, same run: ratios are against it.
 Candidates: aiohttp's web server; uvicorn (httptools parser) with a bare ASGI app; uvicorn with
 Starlette's StreamingResponse (what FastAPI streams with).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,14 @@ BODY = json.dumps({"model": "demo-model", "prompt": "Hello there", "max_tokens":
 
 # The client: raw HTTP/1.1 over asyncio streams (or the grpc channel for the baseline).
 
+
 async def _http(port: int, method: str, path: str, body: bytes = b"") -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+    writer.write(
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
     data = await reader.read()  # the server closes: Connection: close
     writer.close()
     return data
@@ -45,8 +50,11 @@ async def _http(port: int, method: str, path: str, body: bytes = b"") -> bytes:
 async def _http_stream(port: int, n: int) -> list[float]:
     """Chunk arrival gaps of one stream (seconds)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"POST /stream?n={n} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(BODY)}\r\nConnection: close\r\n\r\n".encode() + BODY)
+    writer.write(
+        f"POST /stream?n={n} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(BODY)}\r\nConnection: close\r\n\r\n".encode()
+        + BODY
+    )
     seen, times = 0, []
     while True:
         data = await reader.read(65536)
@@ -78,14 +86,17 @@ async def client_http(port: int, args) -> dict:
 async def _keepalive_calls(port: int, count: int) -> None:
     """`count` unary calls one after another on one kept-alive connection (as HTTP clients pool them)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    request = (f"POST /unary HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(BODY)}\r\n\r\n").encode() + BODY
+    request = (
+        f"POST /unary HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
+    ).encode() + BODY
     for _ in range(count):
         writer.write(request)
         head = await reader.readuntil(b"\r\n\r\n")
         if b" 200 " not in head.split(b"\r\n", 1)[0]:
             raise RuntimeError(head[:200])
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        length = int(
+            next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        )
         await reader.readexactly(length)
     writer.close()
 
@@ -101,9 +112,9 @@ async def client_grpc(port: int, args) -> dict:
     import grpc
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stream = channel.unary_stream("/bench/Stream")
-        unary = channel.unary_unary("/bench/Unary")
-        cpu = channel.unary_unary("/bench/Cpu")
+        stream: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/bench/Stream")
+        unary: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/bench/Unary")
+        cpu: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/bench/Cpu")
         cpu0 = float(await cpu(b""))
 
         async def one_stream():
@@ -111,13 +122,16 @@ async def client_grpc(port: int, args) -> dict:
             async for _ in stream(str(args.chunks).encode()):
                 got += 1
             assert got == args.chunks
+
         started = time.perf_counter()
         await asyncio.gather(*(one_stream() for _ in range(args.streams)))
         stream_wall_s = time.perf_counter() - started
         cpu1 = float(await cpu(b""))
+
         async def calls(count: int):
             for _ in range(count):
                 await unary(BODY)
+
         started = time.perf_counter()
         await asyncio.gather(*(calls(args.requests // 32) for _ in range(32)))
         unary_wall_s = time.perf_counter() - started
@@ -128,8 +142,12 @@ async def client_grpc(port: int, args) -> dict:
 def _figures(args, stream_cpu_s, unary_cpu_s, stream_wall_s, unary_wall_s) -> dict:
     chunks = args.streams * args.chunks
     requests = args.requests // 32 * 32
-    return {"server_cpu_us_per_chunk": stream_cpu_s / chunks * 1e6, "wall_us_per_chunk": stream_wall_s / chunks * 1e6,
-            "server_cpu_us_per_request": unary_cpu_s / requests * 1e6, "requests_per_s": requests / unary_wall_s}
+    return {
+        "server_cpu_us_per_chunk": stream_cpu_s / chunks * 1e6,
+        "wall_us_per_chunk": stream_wall_s / chunks * 1e6,
+        "server_cpu_us_per_request": unary_cpu_s / requests * 1e6,
+        "requests_per_s": requests / unary_wall_s,
+    }
 
 
 def _run_one(name: str, args) -> dict:
@@ -137,8 +155,11 @@ def _run_one(name: str, args) -> dict:
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "benchmarks.http_stack_servers", name],
-                              pass_fds=(sock.fileno(),), env={**os.environ, "BENCH_FD": str(sock.fileno())})
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.http_stack_servers", name],
+        pass_fds=(sock.fileno(),),
+        env={**os.environ, "BENCH_FD": str(sock.fileno())},
+    )
     sock.close()
     try:
         time.sleep(3.0)  # imports and start-up
@@ -163,16 +184,22 @@ def main() -> None:
         for name in SERVERS:
             results[name].append(_run_one(name, args))
     base = _best(results["grpc.aio (baseline)"])
-    print(f"{args.streams} streams x {args.chunks} chunks, {args.requests} unary requests; best of {args.rounds} rounds")
-    print(f"{'stack':<32}{'CPU µs/chunk':>14}{'x grpc':>8}{'wall µs/chunk':>15}{'CPU µs/req':>12}{'x grpc':>8}"
-          f"{'req/s':>9}")
+    print(
+        f"{args.streams} streams x {args.chunks} chunks, {args.requests} unary requests; best of {args.rounds} rounds"
+    )
+    print(
+        f"{'stack':<32}{'CPU µs/chunk':>14}{'x grpc':>8}{'wall µs/chunk':>15}{'CPU µs/req':>12}{'x grpc':>8}"
+        f"{'req/s':>9}"
+    )
     for name, runs in results.items():
         best = _best(runs)
-        print(f"{name:<32}{best['server_cpu_us_per_chunk']:>14.1f}"
-              f"{best['server_cpu_us_per_chunk'] / base['server_cpu_us_per_chunk']:>8.2f}"
-              f"{best['wall_us_per_chunk']:>15.1f}{best['server_cpu_us_per_request']:>12.1f}"
-              f"{best['server_cpu_us_per_request'] / base['server_cpu_us_per_request']:>8.2f}"
-              f"{best['requests_per_s']:>9.0f}")
+        print(
+            f"{name:<32}{best['server_cpu_us_per_chunk']:>14.1f}"
+            f"{best['server_cpu_us_per_chunk'] / base['server_cpu_us_per_chunk']:>8.2f}"
+            f"{best['wall_us_per_chunk']:>15.1f}{best['server_cpu_us_per_request']:>12.1f}"
+            f"{best['server_cpu_us_per_request'] / base['server_cpu_us_per_request']:>8.2f}"
+            f"{best['requests_per_s']:>9.0f}"
+        )
 
 
 def _best(runs: list[dict]) -> dict:

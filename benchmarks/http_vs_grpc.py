@@ -15,6 +15,7 @@ Prints each backend's figures over all its rounds and HTTP minus gRPC, with the 
 (the router, and the cluster client it drives: the same work for both) spent per request and per
 streamed token while each backend's runs went on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,29 +37,71 @@ def _small_model() -> str:
     from engine.demo_model import write_demo_model
 
     out = tempfile.mkdtemp(prefix="splitserve-bench-model-")
-    write_demo_model(out, progress=False, config_overrides={
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2})
+    write_demo_model(
+        out,
+        progress=False,
+        config_overrides={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    )
     return out
 
 
 async def _bench(backend: str, target: str, flags: list[str], out: Path, seed: int) -> list:
-    command = [sys.executable, "-c", "from loadtest.cli import main; main()", "--backend", backend, "--target",
-               target, "--seed", str(seed), "--no-progress", "--out", str(out), *flags]
+    command = [
+        sys.executable,
+        "-c",
+        "from loadtest.cli import main; main()",
+        "--backend",
+        backend,
+        "--target",
+        target,
+        "--seed",
+        str(seed),
+        "--no-progress",
+        "--out",
+        str(out),
+        *flags,
+    ]
     process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.DEVNULL)
     if await asyncio.wait_for(process.wait(), 900) != 0:
         raise RuntimeError(f"splitserve bench failed: {' '.join(command)}")
     return read_jsonl(out / "records.jsonl")
 
 
-async def _measure(targets: dict, args, scratch: Path) -> dict:
+async def _measure(targets: dict, args, scratch: Path) -> tuple[dict, dict]:
     workloads = {
-        "request": ["--rate", str(args.request_rate), "--num-requests", str(args.requests), "--prompt-len", "fixed:8",
-                    "--output-len", "fixed:1", "--max-concurrency", "256"],
-        "stream": ["--rate", str(args.stream_rate), "--num-requests", str(args.streams), "--prompt-len", "fixed:8",
-                   "--output-len", f"fixed:{args.stream_tokens}", "--max-concurrency", "256"]}
-    records = {(w, b): [] for w in workloads for b in targets}
-    cpu_s = {key: 0.0 for key in records}
+        "request": [
+            "--rate",
+            str(args.request_rate),
+            "--num-requests",
+            str(args.requests),
+            "--prompt-len",
+            "fixed:8",
+            "--output-len",
+            "fixed:1",
+            "--max-concurrency",
+            "256",
+        ],
+        "stream": [
+            "--rate",
+            str(args.stream_rate),
+            "--num-requests",
+            str(args.streams),
+            "--prompt-len",
+            "fixed:8",
+            "--output-len",
+            f"fixed:{args.stream_tokens}",
+            "--max-concurrency",
+            "256",
+        ],
+    }
+    records: dict[tuple[str, str], list] = {(w, b): [] for w in workloads for b in targets}
+    cpu_s = dict.fromkeys(records, 0.0)
     for name, flags in workloads.items():  # warm-up, not measured
         for backend, target in targets.items():
             await _bench(backend, target, [*flags[:2], "--num-requests", "20", *flags[4:]], scratch / f"warm-{name}", 0)
@@ -82,18 +125,28 @@ def _figures(records: dict, cpu_s: dict) -> dict:
         if workload == "request":
             ttft = [r.ttft_s * 1e3 for r in done]
             e2e = [r.e2e_s * 1e3 for r in done]
-            table[f"{backend}_request"] = {"n": len(done), "failed": failed,
-                                           "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-                                           "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
-                                           "router_cpu_per_request_ms": router_cpu_ms / len(rows)}
+            table[f"{backend}_request"] = {
+                "n": len(done),
+                "failed": failed,
+                "ttft_p50_ms": percentile(ttft, 50),
+                "ttft_p99_ms": percentile(ttft, 99),
+                "e2e_p50_ms": percentile(e2e, 50),
+                "e2e_p99_ms": percentile(e2e, 99),
+                "router_cpu_per_request_ms": router_cpu_ms / len(rows),
+            }
         else:
             tpot = [r.tpot_s * 1e3 for r in done]
             itl = [x * 1e3 for r in done for x in r.itl_s]
             tokens = sum(r.output_tokens for r in rows)
-            table[f"{backend}_stream"] = {"n": len(done), "failed": failed, "tpot_mean_ms": sum(tpot) / len(tpot),
-                                          "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
-                                          "ttft_p50_ms": percentile([r.ttft_s * 1e3 for r in done], 50),
-                                          "router_cpu_per_token_ms": router_cpu_ms / tokens}
+            table[f"{backend}_stream"] = {
+                "n": len(done),
+                "failed": failed,
+                "tpot_mean_ms": sum(tpot) / len(tpot),
+                "itl_p50_ms": percentile(itl, 50),
+                "itl_p99_ms": percentile(itl, 99),
+                "ttft_p50_ms": percentile([r.ttft_s * 1e3 for r in done], 50),
+                "router_cpu_per_token_ms": router_cpu_ms / tokens,
+            }
     for kind in ("request", "stream"):
         grpc, http = table[f"splitserve_{kind}"], table[f"openai_{kind}"]
         table[f"http_minus_grpc_{kind}"] = {k: http[k] - grpc[k] for k in grpc if k.endswith("_ms")}
@@ -132,11 +185,13 @@ def main() -> None:
     table = asyncio.run(main_async(args))
     print(json.dumps(table, indent=1))
     request, stream = table["http_minus_grpc_request"], table["http_minus_grpc_stream"]
-    print(f"HTTP minus gRPC at {args.request_rate:g} req/s, 1 token: TTFT p50 {request['ttft_p50_ms']:+.2f} ms, "
-          f"p99 {request['ttft_p99_ms']:+.2f} ms; at {args.stream_rate:g} req/s x {args.stream_tokens} tokens: "
-          f"TPOT {stream['tpot_mean_ms']:+.3f} ms, ITL p50 {stream['itl_p50_ms']:+.3f} ms; router CPU "
-          f"{request['router_cpu_per_request_ms']:+.3f} ms per request, {stream['router_cpu_per_token_ms']:+.4f} ms "
-          "per token")
+    print(
+        f"HTTP minus gRPC at {args.request_rate:g} req/s, 1 token: TTFT p50 {request['ttft_p50_ms']:+.2f} ms, "
+        f"p99 {request['ttft_p99_ms']:+.2f} ms; at {args.stream_rate:g} req/s x {args.stream_tokens} tokens: "
+        f"TPOT {stream['tpot_mean_ms']:+.3f} ms, ITL p50 {stream['itl_p50_ms']:+.3f} ms; router CPU "
+        f"{request['router_cpu_per_request_ms']:+.3f} ms per request, {stream['router_cpu_per_token_ms']:+.4f} ms "
+        "per token"
+    )
 
 
 if __name__ == "__main__":

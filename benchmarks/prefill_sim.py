@@ -24,6 +24,7 @@ the chosen worker's real pool (cached, pinned until the request starts) and take
 time, which delays the request's start if it has not waited that long anyway.
 Time never reads a wall clock, so a replay is deterministic; only `match` latencies are wall-timed.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -34,11 +35,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from benchmarks.prefill_sim_worker import SimWorker
 from cluster.kv_events import KVEventBuffer
+from cluster.messages import PullOutcome
 from cluster.prefix_index.memory import InProcessPrefixIndex
 from engine.block_hash import BlockHash
-from cluster.messages import PullOutcome
-from benchmarks.prefill_sim_worker import SimWorker
 from router.admission import PrefillStep
 from router.index_feeder import IndexFeeder
 from router.prefix_pull_planner import PullPlanner
@@ -49,8 +50,10 @@ from router.routing import CacheAwarePolicy, PrefixHashPolicy, RouteQuery, Routi
 _DONE, _FEED, _ARRIVE = 0, 1, 2
 
 # The policies that key a consistent-hash ring on the prompt's leading blocks, given that ring.
-_RING_POLICIES = {"prefix_hash": lambda index, ring: ring,
-                  "cache_aware": lambda index, ring: CacheAwarePolicy(index, fallback=ring)}
+_RING_POLICIES = {
+    "prefix_hash": lambda index, ring: ring,
+    "cache_aware": lambda index, ring: CacheAwarePolicy(index, fallback=ring),
+}
 
 
 def build_policy(name: str, index, prefix_blocks: int | None = None) -> RoutingPolicy:
@@ -169,13 +172,16 @@ class PrefillReplay:
         self.now_s = 0.0
         self.workers = {worker_id: SimWorker(worker_id, config) for worker_id in config.worker_ids()}
         self.index = InProcessPrefixIndex(config.index_lease_s, clock=lambda: self.now_s)
-        handles = [SimpleNamespace(worker_id=w.worker_id, role="prefill",
-                                   actor=SimpleNamespace(read_kv_events=_BufferMethod(w.events)))
-                   for w in self.workers.values()]
-        self.feeder = IndexFeeder(SimpleNamespace(members=handles, listeners=[]), self.index)
+        handles = [
+            SimpleNamespace(
+                worker_id=w.worker_id, role="prefill", actor=SimpleNamespace(read_kv_events=_BufferMethod(w.events))
+            )
+            for w in self.workers.values()
+        ]
+        # A stand-in holding the two attributes IndexFeeder reads of a ClusterView.
+        self.feeder = IndexFeeder(SimpleNamespace(members=handles, listeners=[]), self.index)  # type: ignore[arg-type]
         self.result = ReplayResult(policy_name, computed_tokens_by_worker=dict.fromkeys(self.workers, 0))
-        self.policy = build_policy(policy_name, _TimedIndex(self.index, self.result.match_latencies_us),
-                                   prefix_blocks)
+        self.policy = build_policy(policy_name, _TimedIndex(self.index, self.result.match_latencies_us), prefix_blocks)
         self.planner = PullPlanner(config.prefix_pull, config.kv_bytes_per_token)
         self._pending: list[tuple] = []  # heap of (time_s, kind, order, payload)
         self._order = itertools.count()
@@ -243,8 +249,9 @@ class PrefillReplay:
         # Its prompt KV then goes to decode over the same modelled link: the router learns pull costs from it.
         self.planner.observe_transfer(*self._modelled_transfer(request.num_prompt_tokens))
         # A pull still in flight when the request's turn comes delays it (charged to the worker: conservative).
-        self._push(self.now_s + max(pull_s - (self.now_s - request.arrival_s), 0.0) + compute_s, _DONE,
-                   worker.worker_id)
+        self._push(
+            self.now_s + max(pull_s - (self.now_s - request.arrival_s), 0.0) + compute_s, _DONE, worker.worker_id
+        )
 
     def _modelled_transfer(self, num_tokens: int) -> tuple[int, float]:
         num_bytes = num_tokens * self.config.kv_bytes_per_token

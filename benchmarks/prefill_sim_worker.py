@@ -1,4 +1,5 @@
 """One simulated prefill worker of `benchmarks.prefill_sim`: a real KV cache manager, modelled compute."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -34,7 +35,7 @@ class SimWorker:
         self.waiting.append((request, estimate_tokens, pull_s))
         self.queued_prompt_tokens += estimate_tokens
 
-    def pull_from(self, holder: "SimWorker", request: SimRequest, num_blocks: int) -> int:
+    def pull_from(self, holder: SimWorker, request: SimRequest, num_blocks: int) -> int:
         """A prefix pull (prefill_worker/prefix_pull.py) at arrival: copies the leading blocks the holder
         still holds beyond the local ones into this pool, cached and pinned until the request starts.
         Returns the blocks pulled (0: nothing to pull or no room)."""
@@ -65,6 +66,7 @@ class SimWorker:
 
     def finish(self) -> None:
         """The prefill is done: cache its full blocks (BlockStored events), then release them."""
+        assert self.running is not None, "finish() follows start()"
         request, estimate_tokens, tokens = self.running
         self.kv.cache_blocks(request.request_id, tokens, request.block_hashes, len(tokens))
         self.kv.free(request.request_id)

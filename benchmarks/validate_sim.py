@@ -16,6 +16,7 @@ The machine is shared (2 cores, other jobs): every worker is a process with one 
 times one engine alone; contention the simulator does not model shows up as error, and the figures
 vary between runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,20 @@ from loadtest.runner import run_bench
 from loadtest.sim_report import sim_summary
 from loadtest.sim_workload import limits_of, sim_requests
 
-METRICS = (("ttft_p50", "ttft_ms", "p50", 0.15), ("ttft_p99", "ttft_ms", "p99", 0.30),
-           ("tpot_p50", "tpot_ms", "p50", 0.15), ("tpot_p99", "tpot_ms", "p99", 0.30),
-           ("goodput", "goodput_per_s", None, 0.15))
-VALIDATION_MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-                    "num_attention_heads": 8, "num_key_value_heads": 2}
+METRICS = (
+    ("ttft_p50", "ttft_ms", "p50", 0.15),
+    ("ttft_p99", "ttft_ms", "p99", 0.30),
+    ("tpot_p50", "tpot_ms", "p50", 0.15),
+    ("tpot_p99", "tpot_ms", "p99", 0.30),
+    ("goodput", "goodput_per_s", None, 0.15),
+)
+VALIDATION_MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+}
 
 
 def validation_model() -> str:
@@ -70,8 +80,7 @@ def compare(measured: dict, predicted: dict) -> dict:
     for name, key, stat, bound in METRICS:
         m, p = figure(measured, key, stat), figure(predicted, key, stat)
         error = None if not m or p is None else (p - m) / m
-        row[name] = {"measured": m, "predicted": p, "error": error,
-                     "within": error is not None and abs(error) <= bound}
+        row[name] = {"measured": m, "predicted": p, "error": error, "within": error is not None and abs(error) <= bound}
     return row
 
 
@@ -83,9 +92,12 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
     """(profile, rows): the bench and the simulation at every rate on one cluster shape."""
     prefill, decode = shape
     pool = PoolConfig(num_cpus=1.0, threads=1)
-    config = ClusterConfig(prefill=PoolConfig(replicas=prefill, num_cpus=1.0, threads=1),
-                           decode=pool if decode == 1 else PoolConfig(replicas=decode, num_cpus=1.0, threads=1),
-                           router=RouterConfig(port=0, http_port=None), ray_num_cpus=8)
+    config = ClusterConfig(
+        prefill=PoolConfig(replicas=prefill, num_cpus=1.0, threads=1),
+        decode=pool if decode == 1 else PoolConfig(replicas=decode, num_cpus=1.0, threads=1),
+        router=RouterConfig(port=0, http_port=None),
+        ray_num_cpus=8,
+    )
     from router.server import RouterServer
 
     loop = asyncio.get_running_loop()
@@ -99,8 +111,7 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
                 measured = await measure(server.address, [(64, 256)[i % 2] for i in range(12)], vocab)
                 overheads, _ = fit_overheads(profile, measured[2:])
                 profile = profile.with_overheads(overheads)
-            for rate in args.rates:
-                rows.append(await _one_rate(server.address, shape, profile, rate, args))
+            rows.extend([await _one_rate(server.address, shape, profile, rate, args) for rate in args.rates])
         finally:
             await server.stop(1.0)
     finally:
@@ -111,13 +122,24 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
 async def _one_rate(target: str, shape, profile: Profile, rate: float, args) -> dict:
     spec = spec_for(args, rate)
     slo = Slo(args.ttft_ms, args.tpot_ms)
-    bench = BenchConfig(target=target, workload="poisson", spec=spec, seed=args.seed,
-                        driver=DriverConfig(max_concurrency=args.max_concurrency), defaults=RequestDefaults(slo))
+    bench = BenchConfig(
+        target=target,
+        workload="poisson",
+        spec=spec,
+        seed=args.seed,
+        driver=DriverConfig(max_concurrency=args.max_concurrency),
+        defaults=RequestDefaults(slo),
+    )
     (measured,) = await run_bench(bench, echo=lambda _: None)
     requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, args.seed)
-    sim_config = SimConfig(prefill=shape[0], decode=shape[1], limits=EngineLimits(),
-                           ttft_slo_s=args.ttft_ms / 1e3, tpot_slo_s=args.tpot_ms / 1e3,
-                           max_concurrency=args.max_concurrency)
+    sim_config = SimConfig(
+        prefill=shape[0],
+        decode=shape[1],
+        limits=EngineLimits(),
+        ttft_slo_s=args.ttft_ms / 1e3,
+        tpot_slo_s=args.tpot_ms / 1e3,
+        max_concurrency=args.max_concurrency,
+    )
     predicted = sim_summary(simulate(sim_config, profile, requests), profile, workload="poisson", notes=notes)
     row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured.to_dict(), predicted.to_dict())}
     print(format_row(row), flush=True)
@@ -138,8 +160,12 @@ def format_row(row: dict) -> str:
 
 async def main_async(args) -> dict:
     model_dir = args.model or validation_model()
-    profile = measure_profile(model_dir, threads=1, grid=Grid.quick() if args.quick_profile else Grid(),
-                              say=lambda line: print(line, flush=True))
+    profile = measure_profile(
+        model_dir,
+        threads=1,
+        grid=Grid.quick() if args.quick_profile else Grid(),
+        say=lambda line: print(line, flush=True),
+    )
     print(f"profile: {profile.label} (fit RMS error {profile.source['fit_rms_relative_error']:.1%})")
     rows = []
     for i, shape in enumerate(args.shapes):

@@ -7,13 +7,15 @@
 It owns an event loop on a background thread where the asyncio `ClusterClient` runs; asyncio code
 (the router) uses `ClusterClient` directly instead.
 """
+
 from __future__ import annotations
 
 import asyncio
 import itertools
 import queue
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Self
 
 from cluster.client import ClusterClient, TokenChunk
 from cluster.config import ClusterConfig
@@ -34,11 +36,23 @@ class Cluster:
         self.client = ClusterClient(self.launched)
         self._ids = itertools.count()
 
-    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, priority: int = 0, tenant: str = "") -> Iterator[TokenChunk]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "",
+    ) -> Iterator[TokenChunk]:
         """Streams the request's tokens; raises RequestFailed (with the reason) if it fails."""
-        request = GenerateRequest(request_id or f"sync-{next(self._ids)}", tuple(prompt_token_ids),
-                                  params or SamplingParams(), priority, tenant)
+        request = GenerateRequest(
+            request_id or f"sync-{next(self._ids)}",
+            tuple(prompt_token_ids),
+            params or SamplingParams(),
+            priority,
+            tenant,
+        )
         chunks: queue.Queue = queue.Queue()
 
         async def pump() -> None:
@@ -46,7 +60,7 @@ class Cluster:
                 async for chunk in self.client.generate(request):
                     chunks.put(chunk)
                 chunks.put(_END)
-            except BaseException as err:  # delivered to the caller's thread below
+            except BaseException as err:  # noqa: BLE001 - delivered to the caller's thread below
                 chunks.put(err)
 
         future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
@@ -61,8 +75,9 @@ class Cluster:
         finally:
             future.cancel()
 
-    def generate_tokens(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                        **kwargs) -> list[int]:
+    def generate_tokens(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, **kwargs
+    ) -> list[int]:
         return [token for chunk in self.generate(prompt_token_ids, params, **kwargs) for token in chunk.token_ids]
 
     def shutdown(self) -> None:
@@ -71,7 +86,7 @@ class Cluster:
         self._thread.join(10)
         self.launched.shutdown()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

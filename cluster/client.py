@@ -10,16 +10,18 @@ One request's lifecycle (DESIGN.md steps 4–6), every wait bounded by the reque
 Failures end the stream with `RequestFailed` naming the reason; leaving early (cancel, deadline,
 error) aborts the request on both workers.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import secrets
 import time
 from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -36,8 +38,16 @@ class RequestFailed(RuntimeError):
     token); `timed_out` its deadline passing; otherwise the request itself was refused (`field` names
     the bad input, if any)."""
 
-    def __init__(self, reason: str, *, unavailable: bool = False, field: str | None = None,
-                 timed_out: bool = False, out_of_capacity: bool = False, lost_worker: tuple[str, int] | None = None):
+    def __init__(
+        self,
+        reason: str,
+        *,
+        unavailable: bool = False,
+        field: str | None = None,
+        timed_out: bool = False,
+        out_of_capacity: bool = False,
+        lost_worker: tuple[str, int] | None = None,
+    ):
         super().__init__(reason)
         self.reason, self.unavailable, self.field, self.timed_out = reason, unavailable, field, timed_out
         self.out_of_capacity = out_of_capacity  # a worker's KV pool is full now: retry later
@@ -81,8 +91,13 @@ class ClusterClient:
         """Requests this client has in flight on a decode instance."""
         return self._load[worker_id]
 
-    async def generate(self, request: GenerateRequest, prefill: Member | None = None, decode: Member | None = None,
-                       deadline_s: float | None = None) -> AsyncIterator[TokenChunk]:
+    async def generate(
+        self,
+        request: GenerateRequest,
+        prefill: Member | None = None,
+        decode: Member | None = None,
+        deadline_s: float | None = None,
+    ) -> AsyncGenerator[TokenChunk, None]:
         """Streams the request's tokens. `deadline_s` (time.monotonic) bounds it, and so does the
         config's request_timeout_s. Leaving early (cancel, deadline, error) aborts it on both workers."""
         prefill = prefill or self._next_prefill()
@@ -99,13 +114,19 @@ class ClusterClient:
         try:
             stream = prefill.actor.prefill.options(num_returns="streaming").remote(request, decode, self.client_id)
             first = await _next(stream, deadline_s, f"prefill worker {prefill.worker_id}", prefill)
-            yield TokenChunk((first.token_id,), (first.logprobs,) if first.logprobs else (), first.finish_reason,
-                             first.num_cached_tokens, first.pull)
+            yield TokenChunk(
+                (first.token_id,),
+                (first.logprobs,) if first.logprobs else (),
+                first.finish_reason,
+                first.num_cached_tokens,
+                first.pull,
+            )
             if not first.handoff:  # done at prefill: nothing was reserved on decode
                 finished = True
                 return
-            stats: HandoffStats = await _next(stream, deadline_s, f"KV hand-off {prefill.worker_id} -> "
-                                                                  f"{decode.worker_id}", prefill)
+            stats: HandoffStats = await _next(
+                stream, deadline_s, f"KV hand-off {prefill.worker_id} -> {decode.worker_id}", prefill
+            )
             prefill_holds = False  # adopted: the prefill worker holds nothing of it any more
             for listener in self.handoff_listeners:
                 listener(stats)
@@ -132,7 +153,7 @@ class ClusterClient:
             left_s = deadline_s - time.monotonic()
             try:
                 update: TokenUpdate | RequestFailed = await asyncio.wait_for(queue.get(), max(left_s, 0.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RequestFailed("the request's deadline passed while decoding", timed_out=True) from None
             if isinstance(update, RequestFailed):  # its decode instance failed (see _fail_instance)
                 raise update
@@ -149,10 +170,8 @@ class ClusterClient:
         if prefill is not None:  # first: its hand-off session then stops before reserving anything
             calls.insert(0, prefill.actor.abort.remote(request_id))
         for call in calls:
-            try:
+            with contextlib.suppress(Exception):  # a dead worker has nothing left to free
                 await asyncio.wait_for(call, self.cluster.config.handoff_lease_s + 5.0)
-            except Exception:  # a dead worker has nothing left to free
-                pass
 
     def _ensure_poller(self, decode: Member) -> None:
         key = (decode.worker_id, decode.epoch)
@@ -167,8 +186,11 @@ class ClusterClient:
             try:
                 updates = await decode.actor.poll.remote(self.client_id, POLL_WAIT_S)
             except (RayActorError, RayTaskError) as err:
-                self._fail_instance(key, f"decode instance {decode.worker_id} is unavailable: {type(err).__name__}",
-                                    dead=isinstance(err, RayActorError))
+                self._fail_instance(
+                    key,
+                    f"decode instance {decode.worker_id} is unavailable: {type(err).__name__}",
+                    dead=isinstance(err, RayActorError),
+                )
                 self._pollers.pop(key, None)
                 return
             for update in updates:  # an idle instance's poll blocks server-side up to POLL_WAIT_S
@@ -196,11 +218,12 @@ async def _next(stream, deadline_s: float, what: str, prefill: Member):
         return await ref
     except StopAsyncIteration:
         raise RequestFailed(f"{what} ended the stream early", unavailable=True) from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise RequestFailed(f"{what} did not answer before the request deadline", timed_out=True) from None
     except RayActorError as err:
-        raise RequestFailed(f"{what} died: {err.__class__.__name__}", unavailable=True,
-                            lost_worker=(prefill.worker_id, prefill.epoch)) from None
+        raise RequestFailed(
+            f"{what} died: {err.__class__.__name__}", unavailable=True, lost_worker=(prefill.worker_id, prefill.epoch)
+        ) from None
     except RayTaskError as err:
         cause = err.cause if hasattr(err, "cause") else err
         if isinstance(cause, InvalidRequestError):

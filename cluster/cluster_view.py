@@ -7,11 +7,12 @@ the prefix-index feeder, the router's own bookkeeping) about every new version. 
 keep their own handles. When the controller restarts, pending watches are retried by Ray and the
 restarted controller answers with the same version, so nothing moves.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 
@@ -33,7 +34,8 @@ class ClusterView:
         self.membership: Membership = launched.membership
         self.listeners: list[Callable[[Membership, Membership], None]] = []  # (old, new)
         self._task: asyncio.Task | None = None
-        self._watch = None  # the long-poll in flight (cancelled on close: the controller may outlive us)
+        # The long-poll in flight (cancelled on close: the controller may outlive us).
+        self._watch: ray.ObjectRef | None = None
         self._waiters: set[asyncio.Future] = set()
 
     @property
@@ -73,7 +75,7 @@ class ClusterView:
         self._waiters.add(waiter)
         try:
             await asyncio.wait_for(waiter, max(timeout_s, 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             self._waiters.discard(waiter)
@@ -87,7 +89,7 @@ class ClusterView:
                 failing = False
             except asyncio.CancelledError:
                 raise
-            except Exception as err:  # controller restarting or gone: keep the last membership, retry
+            except Exception as err:  # noqa: BLE001 - controller restarting or gone: keep the last membership, retry
                 if not failing:
                     log.warning("cannot watch the cluster controller: %s", type(err).__name__)
                 failing = True

@@ -3,6 +3,7 @@
 `ClusterConfig.from_dict` is the single loader for every source (CLI flags, a YAML file, the config
 the Helm chart renders): unknown keys and bad values fail naming the key. Defaults live here only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.planner_config import PlannerConfig
 from engine.config import DTYPES, EngineConfig
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
@@ -126,6 +128,7 @@ class ClusterConfig:
     prefix_pull_timeout_s: float = 5.0  # a prefix pull not done by then is abandoned (the prompt is computed)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # router admission control
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # the controller's online planner
 
     def __post_init__(self):
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -135,8 +138,11 @@ class ClusterConfig:
         for name in ("prefill", "decode"):
             _check_pool(name, getattr(self, name))
         _check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
-        _check(self.prefill.speculative_config is None, "prefill.speculative_config",
-               "speculative decoding runs on the decode pool (prefill samples one token and hands off)")
+        _check(
+            self.prefill.speculative_config is None,
+            "prefill.speculative_config",
+            "speculative decoding runs on the decode pool (prefill samples one token and hands off)",
+        )
         _check(self.decode.tp_size in (1, 2, 4, 8), "decode.tp_size", "must be 1, 2, 4 or 8")
         _check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
         _check(self.handoff_lease_s > 0, "handoff_lease_s", "must be > 0")
@@ -144,17 +150,26 @@ class ClusterConfig:
         _check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
         _check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
         _check(self.prefix_pull_timeout_s > 0, "prefix_pull_timeout_s", "must be > 0")
-        _check(self.rendezvous_host is None or bool(self.rendezvous_host), "rendezvous_host",
-               "must be None or a non-empty host name or address")
-        _check(self.cluster_name is None or _NAME.fullmatch(self.cluster_name) is not None, "cluster_name",
-               "must be 1-64 letters, digits, '.', '_' or '-'")
+        _check(
+            self.rendezvous_host is None or bool(self.rendezvous_host),
+            "rendezvous_host",
+            "must be None or a non-empty host name or address",
+        )
+        _check(
+            self.cluster_name is None or _NAME.fullmatch(self.cluster_name) is not None,
+            "cluster_name",
+            "must be 1-64 letters, digits, '.', '_' or '-'",
+        )
         _check_controller(self.controller)
-        _check(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
-               "redis_url", "must start with redis://, rediss:// or unix://")
+        _check(
+            self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            "redis_url",
+            "must start with redis://, rediss:// or unix://",
+        )
         _check_router(self.router)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ClusterConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
         """Builds a config from plain data (YAML, JSON, CLI); rejects unknown keys by name."""
         if not isinstance(raw, dict):
             raise ConfigError(f"cluster config must be a mapping, got {type(raw).__name__}")
@@ -166,9 +181,11 @@ class ClusterConfig:
                 if not isinstance(section, dict):
                     raise ConfigError(f"{name}: must be a mapping")
                 if name in ("prefill", "decode") and "kv_cache_dtype" in section:
-                    raise ConfigError(f"{name}.kv_cache_dtype: the KV cache dtype is cluster-wide (top-level "
-                                      "kv_cache_dtype): prefill and decode pools must store KV alike, since "
-                                      "blocks move between them as stored")
+                    raise ConfigError(
+                        f"{name}.kv_cache_dtype: the KV cache dtype is cluster-wide (top-level "
+                        "kv_cache_dtype): prefill and decode pools must store KV alike, since "
+                        "blocks move between them as stored"
+                    )
                 _reject_unknown(section, section_cls, f"{name}.")
                 values[name] = _build(section_cls, _with_speculative(name, section), f"{name}.")
         if "admission" in values:  # its own loader: per-priority SLOs are a nested mapping
@@ -186,19 +203,31 @@ class ClusterConfig:
 
     def engine_config(self, role: str, model_dir: str) -> EngineConfig:
         pool = self.prefill if role == "prefill" else self.decode
-        return EngineConfig(model_dir=model_dir, role=role, dtype=self.dtype, block_size=self.block_size,
-                            kv_cache_dtype=self.kv_cache_dtype, quantization=pool.quantization or self.quantization,
-                            num_kv_blocks=pool.num_kv_blocks, kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
-                            max_num_seqs=pool.max_num_seqs, max_num_batched_tokens=pool.max_num_batched_tokens,
-                            prefill_chunk_tokens=pool.prefill_chunk_tokens,
-                            enable_prefix_caching=self.enable_prefix_caching and role == "prefill",
-                            seed=self.seed, num_threads=pool.threads, tp_size=pool.tp_size,
-                            speculative_config=pool.speculative_config if role == "decode" else None)
+        return EngineConfig(
+            model_dir=model_dir,
+            role=role,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=pool.quantization or self.quantization,
+            num_kv_blocks=pool.num_kv_blocks,
+            kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
+            max_num_seqs=pool.max_num_seqs,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            prefill_chunk_tokens=pool.prefill_chunk_tokens,
+            enable_prefix_caching=self.enable_prefix_caching and role == "prefill",
+            seed=self.seed,
+            num_threads=pool.threads,
+            tp_size=pool.tp_size,
+            speculative_config=pool.speculative_config if role == "decode" else None,
+        )
 
     @property
     def num_cpus_needed(self) -> float:
-        return (self.prefill.replicas * self.prefill.num_cpus
-                + self.decode.replicas * self.decode.tp_size * self.decode.num_cpus)
+        return (
+            self.prefill.replicas * self.prefill.num_cpus
+            + self.decode.replicas * self.decode.tp_size * self.decode.num_cpus
+        )
 
 
 def _check_pool(name: str, pool: PoolConfig) -> None:
@@ -212,10 +241,16 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
     _check(pool.max_num_seqs >= 1, f"{name}.max_num_seqs", "must be >= 1")
     _check(pool.max_num_batched_tokens >= 1, f"{name}.max_num_batched_tokens", "must be >= 1")
     _check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
-    _check(pool.metrics_port is None or 0 <= pool.metrics_port <= 65535, f"{name}.metrics_port",
-           "must be None or in [0, 65535]")
-    _check(pool.quantization is None or pool.quantization in QUANTIZATIONS, f"{name}.quantization",
-           f"must be None or one of {list(QUANTIZATIONS)}")
+    _check(
+        pool.metrics_port is None or 0 <= pool.metrics_port <= 65535,
+        f"{name}.metrics_port",
+        "must be None or in [0, 65535]",
+    )
+    _check(
+        pool.quantization is None or pool.quantization in QUANTIZATIONS,
+        f"{name}.quantization",
+        f"must be None or one of {list(QUANTIZATIONS)}",
+    )
 
 
 def _with_speculative(pool_name: str, section: dict) -> dict:
@@ -240,17 +275,26 @@ def _check_router(router: RouterConfig) -> None:
     _check(0 <= router.port <= 65535, "router.port", "must be in [0, 65535]")
     _check(router.policy in ROUTING_POLICIES, "router.policy", f"must be one of {list(ROUTING_POLICIES)}")
     _check(router.max_concurrent_requests >= 1, "router.max_concurrent_requests", "must be >= 1")
-    _check(router.http_port is None or 0 <= router.http_port <= 65535, "router.http_port",
-           "must be null (off) or in [0, 65535]")
-    _check(router.metrics_port is None or 0 <= router.metrics_port <= 65535, "router.metrics_port",
-           "must be None or in [0, 65535]")
+    _check(
+        router.http_port is None or 0 <= router.http_port <= 65535,
+        "router.http_port",
+        "must be null (off) or in [0, 65535]",
+    )
+    _check(
+        router.metrics_port is None or 0 <= router.metrics_port <= 65535,
+        "router.metrics_port",
+        "must be None or in [0, 65535]",
+    )
     _check(router.index_poll_interval_s > 0, "router.index_poll_interval_s", "must be > 0")
     _check(router.prefix_pull in PREFIX_PULL_MODES, "router.prefix_pull", f"must be one of {list(PREFIX_PULL_MODES)}")
     _check(router.migration_limit >= 0, "router.migration_limit", "must be >= 0")
     _check(router.worker_wait_s >= 0, "router.worker_wait_s", "must be >= 0")
     _check_tls(router)
-    _check(router.health_port is None or 0 <= router.health_port <= 65535, "router.health_port",
-           "must be None or in [0, 65535]")
+    _check(
+        router.health_port is None or 0 <= router.health_port <= 65535,
+        "router.health_port",
+        "must be None or in [0, 65535]",
+    )
     for other in ("port", "metrics_port"):
         clash = router.health_port not in (None, 0) and router.health_port == getattr(router, other)
         _check(not clash, "router.health_port", f"must differ from router.{other}")
@@ -260,10 +304,16 @@ def _check_tls(router: RouterConfig) -> None:
     for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
         value = getattr(router, key)
         _check(value is None or bool(value), f"router.{key}", "must be None or a non-empty path")
-    _check((router.tls_cert_file is None) == (router.tls_key_file is None), "router.tls_key_file",
-           "tls_cert_file and tls_key_file go together (a certificate and its private key)")
-    _check(router.tls_client_ca_file is None or router.tls_cert_file is not None, "router.tls_client_ca_file",
-           "mutual TLS needs the router's own certificate: set tls_cert_file and tls_key_file too")
+    _check(
+        (router.tls_cert_file is None) == (router.tls_key_file is None),
+        "router.tls_key_file",
+        "tls_cert_file and tls_key_file go together (a certificate and its private key)",
+    )
+    _check(
+        router.tls_client_ca_file is None or router.tls_cert_file is not None,
+        "router.tls_client_ca_file",
+        "mutual TLS needs the router's own certificate: set tls_cert_file and tls_key_file too",
+    )
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -271,7 +321,13 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-_SECTIONS = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig, "controller": ControllerConfig}
+_SECTIONS = {
+    "prefill": PoolConfig,
+    "decode": PoolConfig,
+    "router": RouterConfig,
+    "controller": ControllerConfig,
+    "planner": PlannerConfig,
+}
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # What a cluster's controller owns: a command joining a running cluster may not ask for other values.
 # The rest (router, admission, where Ray is) belongs to each process.
@@ -306,9 +362,7 @@ def _build(cls, values: dict, prefix: str):
         _check_type(value, str(hints[key]), f"{prefix}{key}")
     try:
         return cls(**values)
-    except ConfigError as err:
-        raise ConfigError(f"{prefix}{err}") from None
-    except TypeError as err:
+    except (ValueError, TypeError) as err:  # ConfigError, or a section's own ValueError naming its key
         raise ConfigError(f"{prefix}{err}") from None
 
 

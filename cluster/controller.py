@@ -13,13 +13,18 @@ ping at once; `health_failures` pings in a row unanswered within `health_timeout
 killed); an engine loop that died means broken. Any of these removes the worker from membership at
 once (and its prefix-index entries, with Redis), ends all its ranks, and starts a replacement.
 
+With `planner.enabled` it also runs the online planner (cluster/planner_loop.py: why here, and how):
+routers report their traffic through `report_traffic`, and the planner calls this controller's `scale`.
+
 The controller is not a single point of failure: Ray restarts it (`max_restarts`), and the restarted
 process re-adopts the workers still alive from the record it keeps in Ray's GCS
 (`cluster/controller_state.py`), publishing the same membership and version; no worker restarts.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -33,6 +38,8 @@ from cluster.controller_slots import Slot, SlotStarter
 from cluster.controller_state import ControllerState
 from cluster.membership import DRAINING, ROLES, SERVING, Member, Membership
 from cluster.messages import Liveness
+from cluster.planner_loop import PlannerLoop
+from cluster.traffic import TrafficCounts
 
 log = logging.getLogger(__name__)
 CONTROLLER_PREFIX = "splitserve-controller:"
@@ -58,6 +65,9 @@ class ClusterController:
         self._changed = asyncio.get_running_loop().create_future()
         self._ready = asyncio.Event()  # set once re-adoption (or the first reconcile) is done
         self._stopping = False
+        self.planner: PlannerLoop | None = None
+        self.planner_error: str | None = None
+        self._planner_task: asyncio.Task | None = None
         self._task = asyncio.get_running_loop().create_task(self._supervise())
 
     # ---- API ---------------------------------------------------------------------------------------
@@ -70,10 +80,8 @@ class ClusterController:
         `timeout_s` (long-poll: routers call it in a loop)."""
         await asyncio.wait_for(self._ready.wait(), timeout_s)
         if self._membership.version == known_version:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._changed), timeout_s)
-            except asyncio.TimeoutError:
-                pass
         return self._membership
 
     async def wait_ready(self, timeout_s: float) -> Membership:
@@ -88,8 +96,11 @@ class ClusterController:
 
     async def progress(self) -> str:
         """One line: how many workers of each pool serve, and the latest start error if any."""
-        counts = [f"{role} {sum(s.role == role and s.state == SERVING for s in self.slots.values())}/"
-                  f"{getattr(self.config, role).replicas} serving" for role in ROLES]
+        counts = [
+            f"{role} {sum(s.role == role and s.state == SERVING for s in self.slots.values())}/"
+            f"{getattr(self.config, role).replicas} serving"
+            for role in ROLES
+        ]
         errors = [f"{s.worker_id}: {s.last_error}" for s in self.slots.values() if s.last_error and s.state != SERVING]
         return ", ".join(counts) + (f" (last error: {errors[0]})" if errors else " (loading)")
 
@@ -101,8 +112,9 @@ class ClusterController:
         """Raises ConfigError naming every key a joining command gave that differs from this cluster's."""
         conflicts = config_conflicts(given, self.state.config)
         if conflicts:
-            raise ConfigError(f"cluster {self.state.cluster_name!r} is running with another config: "
-                              + "; ".join(conflicts))
+            raise ConfigError(
+                f"cluster {self.state.cluster_name!r} is running with another config: " + "; ".join(conflicts)
+            )
 
     async def scale(self, role: str, replicas: int) -> None:
         """Grow or shrink a pool. Shrinking drains the highest slots: they leave membership (no new
@@ -114,6 +126,20 @@ class ClusterController:
         self.state.config = raw
         self.state.save()
         await self._reconcile()
+
+    async def report_traffic(self, router_id: str, counts: TrafficCounts) -> bool:
+        """A router's cumulative traffic counters (cluster/traffic.py). False: no planner runs here."""
+        if self.planner is None:
+            return False
+        self.planner.report(router_id, counts)
+        return True
+
+    async def planner_status(self) -> dict | None:
+        """The planner's pools and recent rounds (observation, decision); {"error": ...} when it could not
+        start; None when it is off."""
+        if self.planner is None:
+            return {"error": self.planner_error} if self.planner_error else None
+        return self.planner.status()
 
     async def kill_worker(self, worker_id: str, rank: int = 0) -> bool:
         """Chaos: SIGKILL the process of one rank of a worker (no polite stop). False: no such worker."""
@@ -127,6 +153,8 @@ class ClusterController:
         """Ends every worker and forgets the cluster (the caller then kills this actor)."""
         self._stopping = True
         self._task.cancel()
+        if self._planner_task is not None:
+            self._planner_task.cancel()
         for slot in list(self.slots.values()):
             self.starter.end(slot)
         await self.starter.close()
@@ -150,6 +178,7 @@ class ClusterController:
             await self._reconcile()
         finally:
             self._ready.set()
+        self._start_planner()
         while not self._stopping:
             await asyncio.sleep(self.config.controller.health_interval_s)
             try:
@@ -159,10 +188,27 @@ class ClusterController:
             except Exception:  # never let one bad round end supervision
                 log.exception("controller supervision round failed")
 
+    def _start_planner(self) -> None:
+        planner = self.config.planner
+        if not planner.enabled:
+            return
+        try:  # an unreadable profile or no service-account token: the pools keep serving as they are
+            actuator = None
+            if planner.raycluster_name is not None:
+                from cluster.k8s_actuator import in_cluster
+
+                actuator = in_cluster(planner.raycluster_name, planner.raycluster_namespace, self.config.decode.tp_size)
+            self.planner = PlannerLoop(self, actuator)
+        except Exception as err:
+            self.planner_error = f"{type(err).__name__}: {err}"
+            log.exception("the planner could not start")
+            return
+        self._planner_task = asyncio.get_running_loop().create_task(self.planner.run())
+
     async def _check_health(self) -> None:
         watched = [s for s in self.slots.values() if s.ranks is not None and s.state in (SERVING, DRAINING)]
         verdicts = await asyncio.gather(*(self._probe(slot) for slot in watched))
-        for slot, verdict in zip(watched, verdicts):
+        for slot, verdict in zip(watched, verdicts, strict=True):
             if verdict is not None:
                 log.warning("worker %s (epoch %d) is %s", slot.worker_id, slot.epoch, verdict)
                 await self.starter.replace(slot, verdict)
@@ -170,13 +216,14 @@ class ClusterController:
     async def _probe(self, slot: Slot) -> str | None:
         """None while healthy; else why the worker must go."""
         timeout_s = self.config.controller.health_timeout_s
+        assert slot.ranks is not None, "only running slots are probed"
         try:
             answers = await asyncio.wait_for(asyncio.gather(*(r.ping.remote() for r in slot.ranks)), timeout_s)
         except (ActorDiedError, RayActorError) as err:
             if isinstance(err, ActorDiedError) or "died" in str(err).lower():
                 return f"dead ({type(err).__name__})"
             slot.strikes += 1
-        except asyncio.TimeoutError:
+        except TimeoutError:
             slot.strikes += 1
         else:
             broken = [a.error for a in answers if isinstance(a, Liveness) and not a.engine_ok]
@@ -201,8 +248,11 @@ class ClusterController:
                     self.record()
 
     def _at_strength(self) -> bool:
-        return all(sum(s.role == role and s.state == SERVING for s in self.slots.values())
-                   >= getattr(self.config, role).replicas for role in ROLES)
+        return all(
+            sum(s.role == role and s.state == SERVING for s in self.slots.values())
+            >= getattr(self.config, role).replicas
+            for role in ROLES
+        )
 
     # ---- publishing --------------------------------------------------------------------------------
     def record(self, *, publish: bool = True) -> None:
@@ -214,8 +264,11 @@ class ClusterController:
 
     def _members(self) -> tuple[Member, ...]:
         ordered = sorted(self.slots.values(), key=lambda s: (ROLES.index(s.role), s.index))
-        return tuple(slot.member() for slot in ordered
-                     if slot.info is not None and slot.ranks is not None and slot.state in (SERVING, DRAINING))
+        return tuple(
+            slot.member()
+            for slot in ordered
+            if slot.info is not None and slot.ranks is not None and slot.state in (SERVING, DRAINING)
+        )
 
     def _publish(self, force: bool = False) -> None:
         if not self._ready.is_set():
@@ -236,4 +289,3 @@ class ClusterController:
 def _same(a: tuple[Member, ...], b: tuple[Member, ...]) -> bool:
     key = lambda m: (m.worker_id, m.epoch, m.state)  # noqa: E731
     return [key(m) for m in a] == [key(m) for m in b]
-

@@ -7,9 +7,11 @@ or dead (removed from membership at once, all ranks ended, a new start begun if 
 A start that fails (cannot be placed, crashes while loading) is retried with backoff, forever: the
 desired state stands until someone scales it away.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -51,10 +53,20 @@ class Slot:
     task: asyncio.Task | None = None
 
     def record(self) -> SlotRecord:
-        return SlotRecord(self.worker_id, self.role, self.index, self.epoch, list(self.actor_names),
-                          self.placement_group, self.state, self.restarts)
+        assert self.epoch is not None, "only started slots are recorded"
+        return SlotRecord(
+            self.worker_id,
+            self.role,
+            self.index,
+            self.epoch,
+            list(self.actor_names),
+            self.placement_group,
+            self.state,
+            self.restarts,
+        )
 
     def member(self) -> Member:
+        assert self.epoch is not None and self.ranks is not None and self.info is not None, "a member is running"
         return Member(self.worker_id, self.role, self.epoch, self.ranks, self.info, self.state, self.restarts)
 
 
@@ -75,7 +87,7 @@ class SlotStarter:
             try:
                 await self._start_once(slot)
                 return
-            except Exception as err:  # placement, loading, spec mismatch: say it, end the start, retry
+            except Exception as err:  # noqa: BLE001 - placement, loading, spec mismatch: say it, end the start, retry
                 slot.last_error = f"{type(err).__name__}: {err}"
                 log.error("starting %s failed: %s", slot.worker_id, slot.last_error)
                 end_worker(slot.ranks or (), slot.placement_group)
@@ -94,20 +106,25 @@ class SlotStarter:
         slot.actor_names, slot.placement_group = planned_names(name, config, slot.worker_id, slot.role, slot.epoch)
         slot.state, slot.info = STARTING, None
         controller.record(publish=False)
-        started = start_worker(name, config, controller.state.model_dir, slot.worker_id, slot.role, slot.epoch,
-                               host, port)
+        started = start_worker(
+            name, config, controller.state.model_dir, slot.worker_id, slot.role, slot.epoch, host, port
+        )
         slot.ranks = started.ranks
         await self._until_ready(slot, config.ready_timeout_s)
 
     async def _until_ready(self, slot: Slot, timeout_s: float) -> None:
+        assert slot.ranks is not None, "ranks started"
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)), timeout_s)
-        except asyncio.TimeoutError:
-            raise ClusterStartError(f"{slot.worker_id} was not ready within {timeout_s:.0f} s; "
-                                    + self._capacity_hint()) from None
+        except TimeoutError:
+            raise ClusterStartError(
+                f"{slot.worker_id} was not ready within {timeout_s:.0f} s; " + self._capacity_hint()
+            ) from None
         if infos[0].hash_spec != spec_fingerprint():
-            raise ClusterStartError(f"worker {slot.worker_id} uses block-hash spec {infos[0].hash_spec!r}, "
-                                    f"the controller {spec_fingerprint()!r}; refusing to mix them")
+            raise ClusterStartError(
+                f"worker {slot.worker_id} uses block-hash spec {infos[0].hash_spec!r}, "
+                f"the controller {spec_fingerprint()!r}; refusing to mix them"
+            )
         slot.info, slot.state, slot.strikes, slot.last_error = infos[0], SERVING, 0, None
         self.controller.record()
 
@@ -117,14 +134,28 @@ class SlotStarter:
         adopted_all = True
         waits = []
         for record in self.controller.state.slots:
-            slot = Slot(record.worker_id, record.role, record.index, record.epoch, None, tuple(record.actor_names),
-                        record.placement_group, None, record.state, record.restarts)
+            slot = Slot(
+                record.worker_id,
+                record.role,
+                record.index,
+                record.epoch,
+                None,
+                tuple(record.actor_names),
+                record.placement_group,
+                None,
+                record.state,
+                record.restarts,
+            )
             self.controller.slots[slot.worker_id] = slot
             ranks = [find_actor(name) for name in record.actor_names]
             if any(rank is None for rank in ranks):
                 adopted_all &= record.state == STARTING
-                await self.replace(slot, "gone while the controller was down", publish=False,
-                                   ranks=tuple(r for r in ranks if r is not None))
+                await self.replace(
+                    slot,
+                    "gone while the controller was down",
+                    publish=False,
+                    ranks=tuple(r for r in ranks if r is not None),
+                )
                 continue
             slot.ranks = tuple(ranks)
             waits.append(self._readopt(slot, record.state))
@@ -132,10 +163,12 @@ class SlotStarter:
         return adopted_all and all(results)
 
     async def _readopt(self, slot: Slot, recorded_state: str) -> bool:
+        assert slot.ranks is not None, "ranks found"
         try:
-            infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)),
-                                           self.controller.config.ready_timeout_s)
-        except Exception as err:
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(r.ready.remote() for r in slot.ranks)), self.controller.config.ready_timeout_s
+            )
+        except Exception as err:  # noqa: BLE001 - dead, slow or erroring rank: replace the instance, as at start
             await self.replace(slot, f"not ready after the controller restart: {type(err).__name__}", publish=False)
             return recorded_state == STARTING
         slot.info, slot.state = infos[0], DRAINING if recorded_state == DRAINING else SERVING
@@ -167,7 +200,7 @@ class SlotStarter:
         for slot in [s for s in self.controller.slots.values() if s.state == DRAINING and s.ranks]:
             try:
                 stats = await asyncio.wait_for(slot.ranks[0].stats.remote(), quiet_s)
-            except Exception:  # dead or slow: the health check decides; keep it draining
+            except Exception:  # noqa: BLE001 - dead or slow: the health check decides; keep it draining
                 continue
             busy = stats.waiting or stats.running or stats.in_flight
             now_s = time.monotonic()
@@ -210,30 +243,35 @@ class SlotStarter:
                 namespace = IndexNamespace(info.model_identity, info.block_size)
                 self._index = make_prefix_index(config.redis_url, namespace, config.index_lease_s)
             await self._index.remove_worker(worker_id)
-        except Exception as err:  # no live worker to learn the namespace from, or Redis down: entries expire
+        except Exception as err:  # noqa: BLE001 - no live worker to ask the namespace, or Redis down: entries expire
             log.warning("could not drop prefix-index entries of %s: %s", worker_id, err)
 
     def start_error(self, timeout_s: float) -> ClusterStartError:
         pending = [s for s in self.controller.slots.values() if s.state != SERVING]
         errors = "; ".join(f"{s.worker_id}: {s.last_error}" for s in pending if s.last_error)
-        return ClusterStartError(f"{len(pending)} worker(s) not serving within {timeout_s:.0f} s"
-                                 + (f" ({errors})" if errors else "") + ". " + self._capacity_hint())
+        return ClusterStartError(
+            f"{len(pending)} worker(s) not serving within {timeout_s:.0f} s"
+            + (f" ({errors})" if errors else "")
+            + ". "
+            + self._capacity_hint()
+        )
 
     def _capacity_hint(self) -> str:
         cfg, available = self.controller.config, ray.cluster_resources()
-        gpus = (cfg.prefill.replicas * cfg.prefill.num_gpus
-                + cfg.decode.replicas * cfg.decode.tp_size * cfg.decode.num_gpus)
-        return (f"The pools ask for {cfg.num_cpus_needed:g} CPUs (prefill {cfg.prefill.replicas} x "
-                f"{cfg.prefill.num_cpus:g}, decode {cfg.decode.replicas} x {cfg.decode.tp_size} ranks x "
-                f"{cfg.decode.num_cpus:g}) and {gpus:g} GPUs; the Ray cluster has CPU={available.get('CPU', 0):g}, "
-                f"GPU={available.get('GPU', 0):g}"
-                + ("; all ranks of a decode instance must fit on one node" if cfg.decode.tp_size > 1 else "")
-                + ". Lower the pools' num_cpus/num_gpus or add capacity (or raise ready_timeout_s if loading is slow).")
+        gpus = (
+            cfg.prefill.replicas * cfg.prefill.num_gpus + cfg.decode.replicas * cfg.decode.tp_size * cfg.decode.num_gpus
+        )
+        return (
+            f"The pools ask for {cfg.num_cpus_needed:g} CPUs (prefill {cfg.prefill.replicas} x "
+            f"{cfg.prefill.num_cpus:g}, decode {cfg.decode.replicas} x {cfg.decode.tp_size} ranks x "
+            f"{cfg.decode.num_cpus:g}) and {gpus:g} GPUs; the Ray cluster has CPU={available.get('CPU', 0):g}, "
+            f"GPU={available.get('GPU', 0):g}"
+            + ("; all ranks of a decode instance must fit on one node" if cfg.decode.tp_size > 1 else "")
+            + ". Lower the pools' num_cpus/num_gpus or add capacity (or raise ready_timeout_s if loading is slow)."
+        )
 
     async def close(self) -> None:
         if self._index is not None:
             await self._index.close()
-        try:
+        with contextlib.suppress(Exception):  # never created, or already gone
             ray.kill(ray.get_actor(rendezvous_name(self.controller.state.cluster_name)), no_restart=True)
-        except Exception:  # never created, or already gone
-            pass

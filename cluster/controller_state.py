@@ -8,6 +8,7 @@ Names are the controller's own bookkeeping for finding its actors again; nobody 
 
 The record is JSON under one key per cluster name, rewritten whole on every change (a few KB).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,11 +46,12 @@ class ControllerState:
     def save(self) -> None:
         raw = dataclasses.asdict(self)
         raw["state_version"] = STATE_VERSION
-        internal_kv._internal_kv_put(_key(self.cluster_name), json.dumps(raw).encode(), overwrite=True,
-                                     namespace=KV_NAMESPACE)
+        internal_kv._internal_kv_put(
+            _key(self.cluster_name), json.dumps(raw).encode(), overwrite=True, namespace=KV_NAMESPACE
+        )
 
     @classmethod
-    def load(cls, cluster_name: str) -> "ControllerState | None":
+    def load(cls, cluster_name: str) -> ControllerState | None:
         blob = internal_kv._internal_kv_get(_key(cluster_name), namespace=KV_NAMESPACE)
         if blob is None:
             return None

@@ -8,6 +8,7 @@ applied and get one `KVEventBatch`. A reader that fell further behind than the b
 knew. `epoch` changes on every worker start, so a reader can tell a restarted worker (whose old
 entries are all gone) from one it is following.
 """
+
 from __future__ import annotations
 
 import itertools

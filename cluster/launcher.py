@@ -10,26 +10,30 @@ process set explicitly disagree with the running cluster's config — and waits 
 that joined leaves them serving. The returned handle's `prefill` / `decode` are the membership as of
 launch (or the last `refresh`); routers follow membership live (`cluster/cluster_view.py`).
 """
+
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from cluster.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
 from cluster.controller import ClusterController, controller_name
-from cluster.controller_slots import ClusterStartError  # noqa: F401  (re-exported: callers catch it here)
+from cluster.controller_slots import ClusterStartError  # re-exported: callers catch it here
 from cluster.membership import Member, Membership
 
 RAY_NAMESPACE = "splitserve"
 JOIN_TIMEOUT_S = 10.0  # a controller that does not answer this fast is not there (or broken)
 PROGRESS_EVERY_S = 3.0
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
 class ClusterNotFound(RuntimeError):
@@ -68,11 +72,14 @@ class LaunchedCluster:
         while not predicate(self.membership):
             left_s = deadline_s - time.monotonic()
             if left_s <= 0:
-                raise TimeoutError(f"membership did not reach the expected state within {timeout_s:.0f} s "
-                                   f"(version {self.membership.version}: "
-                                   f"{[(m.worker_id, m.epoch, m.state) for m in self.membership.members]})")
-            self.membership = ray.get(self.controller.watch.remote(self.membership.version, min(left_s, 5.0)),
-                                      timeout=left_s + 10.0)
+                raise TimeoutError(
+                    f"membership did not reach the expected state within {timeout_s:.0f} s "
+                    f"(version {self.membership.version}: "
+                    f"{[(m.worker_id, m.epoch, m.state) for m in self.membership.members]})"
+                )
+            self.membership = ray.get(
+                self.controller.watch.remote(self.membership.version, min(left_s, 5.0)), timeout=left_s + 10.0
+            )
         return self.membership
 
     def scale(self, role: str, replicas: int) -> None:
@@ -80,20 +87,22 @@ class LaunchedCluster:
 
     def shutdown(self) -> None:
         if self.owns_controller:
-            try:
+            with contextlib.suppress(Exception):  # already gone: nothing left to stop
                 ray.get(self.controller.shutdown.remote(), timeout=30)
-            except Exception:  # already gone: nothing left to stop
-                pass
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(self.controller, no_restart=True)
-            except Exception:
-                pass
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 
 
-def launch(config: ClusterConfig, model_dir: str | None = None, *, given: dict | None = None,
-           join_only: bool = False, on_progress: Callable[[str], None] | None = None) -> LaunchedCluster:
+def launch(
+    config: ClusterConfig,
+    model_dir: str | None = None,
+    *,
+    given: dict | None = None,
+    join_only: bool = False,
+    on_progress: Callable[[str], None] | None = None,
+) -> LaunchedCluster:
     """Start or join the cluster `config.cluster_name` (None: a new one). `given`: the plain-data keys the
     caller set explicitly (CLI flags, YAML), checked against a running cluster; default: all of `config`.
     `join_only`: raise ClusterNotFound instead of starting a controller. `on_progress` hears what happens."""
@@ -102,8 +111,10 @@ def launch(config: ClusterConfig, model_dir: str | None = None, *, given: dict |
     try:
         name = config.cluster_name or f"c{secrets.token_hex(4)}"
         if join_only and connect_controller(name) is None:
-            raise ClusterNotFound(f"no controller runs for cluster {name!r} in this Ray cluster; start one "
-                                  "with `splitserve controller` or `splitserve serve`")
+            raise ClusterNotFound(
+                f"no controller runs for cluster {name!r} in this Ray cluster; start one "
+                "with `splitserve controller` or `splitserve serve`"
+            )
         controller, owns = _start_or_join(name, config, model_dir, given, say)
     except BaseException:
         if started_ray and ray.is_initialized():
@@ -117,6 +128,7 @@ def launch(config: ClusterConfig, model_dir: str | None = None, *, given: dict |
         raise
     mine = {key: getattr(config, key) for key in ("router", "admission", "ray_address", "ray_num_cpus")}
     merged = ClusterConfig(**{**{f: getattr(running, f) for f in running.__dataclass_fields__}, **mine})
+    assert running.model_dir is not None, "the controller records the model it serves"
     return LaunchedCluster(merged, running.model_dir, controller, membership, owns, started_ray)
 
 
@@ -143,10 +155,21 @@ def _start_or_join(name: str, config: ClusterConfig, model_dir: str | None, give
         return controller, False
     say(f"starting the controller of cluster {name!r}")
     model_dir = str(model_dir or config.model_dir or _demo_model_dir())
+    # A planner that patches the RayCluster needs the service-account token, which the chart mounts on
+    # the Ray head only: the controller is pinned there (a sliver of the head's own resource).
+    head = {HEAD_RESOURCE: 0.001} if config.planner.enabled and config.planner.raycluster_name else {}
     options = ray.remote(ClusterController).options(
-        name=controller_name(name), namespace=RAY_NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=1000,
-        runtime_env={"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}})
+        name=controller_name(name),
+        namespace=RAY_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        resources=head,
+        max_restarts=-1,
+        max_task_retries=-1,
+        max_concurrency=1000,
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}},
+    )
     return options.remote(name, config.to_dict(), model_dir), True
 
 
@@ -166,16 +189,17 @@ def _wait_ready(controller, timeout_s: float, say) -> Membership:
                 raise cause from None
         except GetTimeoutError:
             raise ClusterStartError(f"the cluster controller did not answer within {timeout_s:.0f} s") from None
-        try:
+        with contextlib.suppress(GetTimeoutError):
             say(ray.get(controller.progress.remote(), timeout=JOIN_TIMEOUT_S))
-        except GetTimeoutError:
-            pass
 
 
 def _non_null(raw: dict) -> dict:
     """Keys with a value (None means "whatever the cluster has"), minus per-process ones."""
-    return {k: (_non_null(v) if isinstance(v, dict) else v) for k, v in raw.items()
-            if v is not None and k not in PER_PROCESS_KEYS}
+    return {
+        k: (_non_null(v) if isinstance(v, dict) else v)
+        for k, v in raw.items()
+        if v is not None and k not in PER_PROCESS_KEYS
+    }
 
 
 def _ensure_ray(config: ClusterConfig) -> bool:
@@ -184,8 +208,14 @@ def _ensure_ray(config: ClusterConfig) -> bool:
     num_cpus = None
     if config.ray_address is None:
         num_cpus = config.ray_num_cpus or max(2, math.ceil(config.num_cpus_needed))
-    ray.init(address=config.ray_address, num_cpus=num_cpus, include_dashboard=False, namespace=RAY_NAMESPACE,
-             log_to_driver=True, configure_logging=False)
+    ray.init(
+        address=config.ray_address,
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        namespace=RAY_NAMESPACE,
+        log_to_driver=True,
+        configure_logging=False,
+    )
     return True
 
 

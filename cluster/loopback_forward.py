@@ -8,10 +8,13 @@ ways as they come (server-sent events and gRPC streams are not buffered), and a 
 side is passed to the other. Only loopback addresses may be bound: this exposes nothing beyond the
 machine. A socket that is not there yet (the router still starting) closes the client's connection.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import ipaddress
 import signal
 import sys
@@ -70,9 +73,9 @@ async def serve(routes: list[Route], ready=None) -> None:
     """Listens on every route until cancelled; `ready(list of (host, port))` once all listen."""
     servers = []
     try:
-        for route in routes:
-            servers.append(await asyncio.start_server(lambda r, w, route=route: _relay(route, r, w),
-                                                      route.host, route.port))
+        for route in routes:  # one at a time: the finally closes those already listening
+            server = await asyncio.start_server(functools.partial(_relay, route), route.host, route.port)
+            servers.append(server)
         if ready is not None:
             ready([s.sockets[0].getsockname()[:2] for s in servers])
         await asyncio.gather(*(s.serve_forever() for s in servers))
@@ -91,18 +94,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
 
     def ready(addresses) -> None:
-        for (host, port), route in zip(addresses, routes):
+        for (host, port), route in zip(addresses, routes, strict=True):
             print(f"forwarding {host}:{port} -> unix:{route.socket_path}", flush=True)
 
     async def run() -> None:
         task = asyncio.current_task()
+        assert task is not None, "run() runs as a task"
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await serve(routes, ready)
-        except asyncio.CancelledError:
-            pass
+
     try:
         asyncio.run(run())
     except OSError as err:

@@ -10,6 +10,7 @@ Worker ids are stable per pool slot ("<cluster>/prefill-0", "<cluster>/decode-1"
 slot gets a new `epoch`, and everything that must not outlive one start (actor, transport peer ids,
 tensor-parallel group, prefix-index entries) is keyed by it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """The messages that cross process boundaries between the client side and the workers: ids and
 numbers only (token ids, block ids, params), never model objects."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,12 +10,13 @@ thread; in 0.26 it returns the server and its thread). It binds 127.0.0.1 unless
 metrics reveal load and model identity, so publishing them beyond the host (`host="0.0.0.0"` in a
 pod) is an explicit choice of whoever starts it.
 """
+
 from __future__ import annotations
 
 import urllib.request
 from dataclasses import dataclass, field
 from threading import Thread
-from typing import Any
+from typing import Any, Self
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,7 +47,7 @@ class MetricsServer:
             self._thread.join(timeout_s)
         self._httpd.server_close()
 
-    def __enter__(self) -> "MetricsServer":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -59,7 +60,7 @@ def start_metrics_server(registry: CollectorRegistry, port: int = 0, host: str =
     if not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be in [0, 65535], got {port}")
     httpd, thread = start_http_server(port, addr=host, registry=registry)
-    return MetricsServer(httpd.server_address[0], httpd.server_port, httpd, thread)
+    return MetricsServer(str(httpd.server_address[0]), httpd.server_port, httpd, thread)  # IPv4/6: a str already
 
 
 def sample_values(metric, suffix: str = "", skip_labels: int = 0) -> dict[tuple[str, ...], float]:
@@ -95,5 +96,8 @@ def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, LabelKey], float
     """Fetches an exporter's page and parses it: (sample name, sorted labels) → value."""
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         text = response.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

@@ -7,6 +7,7 @@ workers) nor by the controller (whose restart would move it), but by this small 
 does nothing else. The controller creates it once per cluster, finds it again after a restart, and
 publishes its address to the workers it starts. Like the controller it asks for no CPU.
 """
+
 from __future__ import annotations
 
 import ray
@@ -29,6 +30,12 @@ def rendezvous_name(cluster_name: str) -> str:
 
 async def ensure_rendezvous(cluster_name: str, host: str | None) -> tuple[object, tuple[str, int]]:
     """The cluster's rendezvous host (created if it does not exist yet) and its store's address."""
-    actor = ray.remote(RendezvousHost).options(name=rendezvous_name(cluster_name), get_if_exists=True,
-                                                lifetime="detached", num_cpus=0, max_restarts=0).remote(host)
-    return actor, tuple(await actor.address.remote())
+    actor = (
+        ray.remote(RendezvousHost)
+        .options(
+            name=rendezvous_name(cluster_name), get_if_exists=True, lifetime="detached", num_cpus=0, max_restarts=0
+        )
+        .remote(host)
+    )
+    # Ray's stubs type a handle's methods as the class's plain methods, without .remote().
+    return actor, tuple(await actor.address.remote())  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ incomplete (a certificate already swapped, its key not yet) or invalid.
 
 Standard library only: no grpc here (cluster types must not need the router's dependencies).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,11 @@ def load_server_tls(router: RouterConfig) -> ServerTls | None:
     if not tls_enabled(router):
         return None
     server_ssl_context(router)  # parses and pairs them: a wrong file fails here, naming it
-    return ServerTls(_read(router, "tls_cert_file"), _read(router, "tls_key_file"),
-                     _read(router, "tls_client_ca_file") if router.tls_client_ca_file else None)
+    return ServerTls(
+        _read(router, "tls_cert_file"),
+        _read(router, "tls_key_file"),
+        _read(router, "tls_client_ca_file") if router.tls_client_ca_file else None,
+    )
 
 
 def server_ssl_context(router: RouterConfig) -> ssl.SSLContext | None:
@@ -58,18 +62,22 @@ def server_ssl_context(router: RouterConfig) -> ssl.SSLContext | None:
             _read(router, key)  # unreadable files are named before ssl's less specific errors
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    assert router.tls_cert_file is not None, "tls_enabled"
     try:
         context.load_cert_chain(router.tls_cert_file, router.tls_key_file)
     except (ssl.SSLError, ValueError) as err:
-        raise ConfigError(f"router.tls_cert_file / router.tls_key_file: {router.tls_cert_file} and "
-                          f"{router.tls_key_file} are not a PEM certificate chain and its private key "
-                          f"({_reason(err)})") from None
+        raise ConfigError(
+            f"router.tls_cert_file / router.tls_key_file: {router.tls_cert_file} and "
+            f"{router.tls_key_file} are not a PEM certificate chain and its private key "
+            f"({_reason(err)})"
+        ) from None
     if router.tls_client_ca_file is not None:
         try:
             context.load_verify_locations(cafile=router.tls_client_ca_file)
         except (ssl.SSLError, ValueError) as err:
-            raise ConfigError(f"router.tls_client_ca_file: {router.tls_client_ca_file} holds no PEM CA "
-                              f"certificate ({_reason(err)})") from None
+            raise ConfigError(
+                f"router.tls_client_ca_file: {router.tls_client_ca_file} holds no PEM CA certificate ({_reason(err)})"
+            ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
@@ -98,6 +106,7 @@ class TlsFiles:
             except ConfigError as err:
                 log.warning("TLS files changed but are not usable yet; serving the previous ones: %s", err)
                 return None
+            assert material is not None, "a reloader exists only while TLS is on"
             self._stamp, self.current = stamp, material
             log.info("TLS certificate reloaded from %s", self.router.tls_cert_file)
             return material

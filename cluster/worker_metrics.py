@@ -30,6 +30,7 @@ switch's share of speculating steps = rate(spec_engine_steps_total{switch="on"})
 Label values that come from code (phase, direction) are checked: a typo raises ValueError rather
 than silently starting a new series.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -69,31 +70,44 @@ class WorkerMetrics:
         self._waiting = self._gauge("waiting_requests", "Requests waiting in the worker's scheduler.")
         self._running = self._gauge("running_requests", "Requests in the worker's running batch.")
         self._prompt = self._counter("prompt_tokens_total", "Prompt tokens of requests prefilled here.")
-        self._hits = self._counter("prefix_cache_hit_tokens_total", "Of those, tokens found in the local "
-                                   "prefix cache (not computed).")
+        self._hits = self._counter(
+            "prefix_cache_hit_tokens_total", "Of those, tokens found in the local prefix cache (not computed)."
+        )
         self._steps = self._counter("steps_total", "Engine steps run.", ("phase",))
         self._step_tokens = self._counter("step_tokens_total", "Tokens computed by engine steps.", ("phase",))
-        self._step_s = self._histogram("step_duration_seconds", "Wall time of one engine step.", ("phase",),
-                                       STEP_BUCKETS_S)
-        self._transfer_bytes = self._counter("kv_transfer_bytes_total", "KV payload bytes moved in hand-offs.",
-                                             ("direction",))
-        self._transfer_s = self._histogram("kv_transfer_duration_seconds", "Wall time of one sequence's KV "
-                                           "transfer (send: until every rank acked).", ("direction",),
-                                           TRANSFER_BUCKETS_S)
+        self._step_s = self._histogram(
+            "step_duration_seconds", "Wall time of one engine step.", ("phase",), STEP_BUCKETS_S
+        )
+        self._transfer_bytes = self._counter(
+            "kv_transfer_bytes_total", "KV payload bytes moved in hand-offs.", ("direction",)
+        )
+        self._transfer_s = self._histogram(
+            "kv_transfer_duration_seconds",
+            "Wall time of one sequence's KV transfer (send: until every rank acked).",
+            ("direction",),
+            TRANSFER_BUCKETS_S,
+        )
         self._handoffs = self._counter("handoffs_total", "KV hand-offs ended, by result.", ("result",))
         for result in HANDOFF_RESULTS:  # both series exist from the start, so rate(failed) is 0, not absent
             self._handoffs.labels(worker_id, role, result)
-        self._pulls = self._counter("prefix_pulls_total", "Prefix pulls asked of this worker by the router, by "
-                                    "result (skipped: nothing to pull or no room).", ("result",))
+        self._pulls = self._counter(
+            "prefix_pulls_total",
+            "Prefix pulls asked of this worker by the router, by result (skipped: nothing to pull or no room).",
+            ("result",),
+        )
         self._pulled_blocks = self._counter("prefix_pull_blocks_total", "KV blocks received by prefix pulls.")
         for result in PULL_RESULTS:
             self._pulls.labels(worker_id, role, result)
         self._spec_drafts = self._counter("spec_draft_tokens_total", "Speculative draft tokens proposed.")
         self._spec_accepted = self._counter("spec_accepted_tokens_total", "Of those, drafts the target accepted.")
-        self._spec_verify = self._counter("spec_verify_steps_total", "Verify steps, summed over sequences "
-                                          "(one per sequence per step it had drafts).")
-        self._spec_steps = self._counter("spec_engine_steps_total", "Engine steps with decoding sequences, by "
-                                         "whether the adaptive switch had speculation on.", ("switch",))
+        self._spec_verify = self._counter(
+            "spec_verify_steps_total", "Verify steps, summed over sequences (one per sequence per step it had drafts)."
+        )
+        self._spec_steps = self._counter(
+            "spec_engine_steps_total",
+            "Engine steps with decoding sequences, by whether the adaptive switch had speculation on.",
+            ("switch",),
+        )
         for switch in SPEC_SWITCH:
             self._spec_steps.labels(worker_id, role, switch)
         self._spec_seen = SpecCounters()
@@ -152,9 +166,12 @@ class WorkerMetrics:
             return plain(sample_values(metric, suffix, skip))
 
         return {
-            "worker": self.worker_id, "role": self.role,
-            "kv_capacity_blocks": value(self._kv_capacity), "kv_used_blocks": value(self._kv_used),
-            "waiting_requests": value(self._waiting), "running_requests": value(self._running),
+            "worker": self.worker_id,
+            "role": self.role,
+            "kv_capacity_blocks": value(self._kv_capacity),
+            "kv_used_blocks": value(self._kv_used),
+            "waiting_requests": value(self._waiting),
+            "running_requests": value(self._running),
             "prompt_tokens_total": value(self._prompt, "_total"),
             "prefix_cache_hit_tokens_total": value(self._hits, "_total"),
             "steps_total": value(self._steps, "_total"),
@@ -178,12 +195,20 @@ class WorkerMetrics:
         return gauge
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-        counter = Counter(name, doc, _IDENTITY + labels, namespace=NAMESPACE, subsystem=SUBSYSTEM,
-                          registry=self.registry)
+        counter = Counter(
+            name, doc, _IDENTITY + labels, namespace=NAMESPACE, subsystem=SUBSYSTEM, registry=self.registry
+        )
         if not labels:
             counter.labels(self.worker_id, self.role)
         return counter
 
     def _histogram(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(name, doc, _IDENTITY + labels, namespace=NAMESPACE, subsystem=SUBSYSTEM,
-                         buckets=buckets, registry=self.registry)
+        return Histogram(
+            name,
+            doc,
+            _IDENTITY + labels,
+            namespace=NAMESPACE,
+            subsystem=SUBSYSTEM,
+            buckets=buckets,
+            registry=self.registry,
+        )

@@ -1,5 +1,6 @@
 """What a worker reports about itself: Prometheus metrics (optionally on its own endpoint) and the
 recent engine steps the router's cost models are fitted from. Shared by prefill and decode workers."""
+
 from __future__ import annotations
 
 from cluster.config import ClusterConfig
@@ -18,8 +19,11 @@ class WorkerTelemetry:
         self.role = role
         self.metrics = WorkerMetrics(worker_id, role)
         # Bound like the router (loopback unless the deployment opens it): one endpoint per actor.
-        self.exporter = (start_metrics_server(self.metrics.registry, pool.metrics_port, config.router.host)
-                         if pool.metrics_port is not None else None)
+        self.exporter = (
+            start_metrics_server(self.metrics.registry, pool.metrics_port, config.router.host)
+            if pool.metrics_port is not None
+            else None
+        )
 
     def on_step(self, record: StepRecord) -> None:
         """Engine-loop hook (engine thread)."""
@@ -32,9 +36,16 @@ class WorkerTelemetry:
         self.metrics.set_load(load.waiting, load.running, load.num_blocks - load.num_free_blocks, load.num_blocks)
         if load.spec is not None:
             self.metrics.set_speculation(load.spec)
-        return WorkerStats(load.waiting, load.running, load.num_free_blocks, load.num_blocks,
-                           loop.step_log.recent(RECENT_STEPS), in_flight,
-                           self.exporter.port if self.exporter is not None else None, load.spec)
+        return WorkerStats(
+            load.waiting,
+            load.running,
+            load.num_free_blocks,
+            load.num_blocks,
+            loop.step_log.recent(RECENT_STEPS),
+            in_flight,
+            self.exporter.port if self.exporter is not None else None,
+            load.spec,
+        )
 
     def close(self) -> None:
         if self.exporter is not None:

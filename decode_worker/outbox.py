@@ -10,6 +10,7 @@ Owners are routers: each polls every instance it has requests on, continuously. 
 not polled for a while is gone (its process died): `stale_owners` names them so that the instance
 can drop their requests instead of decoding for nobody.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,9 +64,13 @@ class Outbox:
             pending = self._pending.setdefault(owner, {})
             earlier = pending.get(update.request_id)
             if earlier is not None:
-                update = TokenUpdate(update.request_id, earlier.token_ids + update.token_ids,
-                                     earlier.logprobs + update.logprobs, update.finish_reason,
-                                     update.error or earlier.error)
+                update = TokenUpdate(
+                    update.request_id,
+                    earlier.token_ids + update.token_ids,
+                    earlier.logprobs + update.logprobs,
+                    update.finish_reason,
+                    update.error or earlier.error,
+                )
             pending[update.request_id] = update
             loop, event = self._loop, self._events.get(owner)
         if loop is not None and event is not None:
@@ -101,7 +106,7 @@ class Outbox:
         if wait:
             try:
                 await asyncio.wait_for(event.wait(), max_wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return []
         with self._lock:
             updates = list(self._pending.pop(owner, {}).values())

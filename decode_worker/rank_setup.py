@@ -1,11 +1,12 @@
 """Builds what one decode rank runs: its transport endpoint, its model shard and KV cache, and on
 rank 0 the engine loop (scheduler + sampler) that drives the instance."""
+
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from cluster.config import ClusterConfig
 from engine.config import ModelConfig
@@ -33,15 +34,20 @@ def build_rank(owner, config: ClusterConfig, model_dir: str, store_host: str, st
     transport = TorchDistTransport(owner.peer_id, store_host, store_port)
     if config.decode.tp_size == 1:
         engine = LLMEngine(engine_cfg)
-        loop = EngineLoop(engine, lambda updates: owner.outbox.push_step(engine, updates),
-                          name=f"{owner.peer_id}-engine", on_step=owner.telemetry.on_step).start()
+        loop = EngineLoop(
+            engine,
+            lambda updates: owner.outbox.push_step(engine, updates),
+            name=f"{owner.peer_id}-engine",
+            on_step=owner.telemetry.on_step,
+        ).start()
 
         def close() -> None:
             loop.stop()
             transport.close()
 
-        return RankSetup(transport, engine.runner, engine.model_config, engine.num_blocks, engine.max_model_len,
-                         loop, close)
+        return RankSetup(
+            transport, engine.runner, engine.model_config, engine.num_blocks, engine.max_model_len, loop, close
+        )
     return _build_tp_rank(owner, config, engine_cfg, transport, store_host, store_port)
 
 
@@ -49,37 +55,55 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
     """Rank 0 drives the step loop and broadcasts each step; ranks > 0 follow on a thread."""
     from decode_worker.tp_group import StepFollower, TensorParallelEngine, build_follower_runner, create_tp_group
 
-    tp = create_tp_group(owner.group_id, owner.rank, config.decode.tp_size, store_host, store_port,
-                         timeout_s=config.ready_timeout_s)
+    tp = create_tp_group(
+        owner.group_id, owner.rank, config.decode.tp_size, store_host, store_port, timeout_s=config.ready_timeout_s
+    )
     if owner.rank == 0:
         engine = TensorParallelEngine(engine_cfg, tp)
-        loop = EngineLoop(engine, lambda updates: owner.outbox.push_step(engine, updates),
-                          name=f"{owner.peer_id}-engine", on_step=owner.telemetry.on_step).start()
+        loop = EngineLoop(
+            engine,
+            lambda updates: owner.outbox.push_step(engine, updates),
+            name=f"{owner.peer_id}-engine",
+            on_step=owner.telemetry.on_step,
+        ).start()
 
         def close() -> None:
             loop.stop()
             engine.shutdown()
             transport.close()
 
-        return RankSetup(transport, engine.runner, engine.model_config, engine.num_blocks, engine.max_model_len,
-                         loop, close)
+        return RankSetup(
+            transport, engine.runner, engine.model_config, engine.num_blocks, engine.max_model_len, loop, close
+        )
     runner = build_follower_runner(engine_cfg, tp)
     stop = threading.Event()
-    thread = threading.Thread(target=_follow, args=(StepFollower(tp), runner, stop, owner.peer_id), daemon=True,
-                              name=f"{owner.peer_id}-follower")
+    thread = threading.Thread(
+        target=_follow,
+        args=(StepFollower(tp), runner, stop, owner.peer_id),
+        daemon=True,
+        name=f"{owner.peer_id}-follower",
+    )
     thread.start()
     model_cfg = runner.model.config
 
-    def close() -> None:
+    def close_follower() -> None:
         stop.set()
         transport.close()
 
-    return RankSetup(transport, runner, model_cfg, runner.kv_cache.num_blocks,
-                     engine_cfg.max_len_for(model_cfg), None, close, thread.is_alive)
+    return RankSetup(
+        transport,
+        runner,
+        model_cfg,
+        runner.kv_cache.num_blocks,
+        engine_cfg.max_len_for(model_cfg),
+        None,
+        close_follower,
+        thread.is_alive,
+    )
 
 
 def _follow(follower, runner, stop: threading.Event, name: str) -> None:
     try:
         follower.run(runner, stop)
-    except Exception as err:  # the instance is lost without its rank 0; say so in the worker's log
+    except Exception as err:  # noqa: BLE001 - the instance is lost without its rank 0; say so in the worker's log
         logging.getLogger(__name__).error("%s stopped following rank 0: %s", name, err)

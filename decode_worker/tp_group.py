@@ -16,6 +16,7 @@ Liveness: a heartbeat thread on rank 0 sends IDLE whenever nothing went out for
 proves rank 0's process is alive, not that its loop makes progress: that is the supervisor's check.
 Any `CollectiveError` is fatal to the instance: every rank is torn down and the group re-formed.
 """
+
 from __future__ import annotations
 
 import enum
@@ -31,9 +32,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput
+from engine.parallel import BACKENDS, CollectiveError, TensorParallelGroup, new_process_group
 from engine.speculative.draft_model import speculative_draft_config
 from engine.step_wire import decode_step, encode_step
-from engine.parallel import BACKENDS, CollectiveError, TensorParallelGroup, new_process_group
 from kvtransfer.store import connect_store
 
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
@@ -49,8 +50,9 @@ class MessageKind(enum.IntEnum):
 
 
 # ---- forming the group ---------------------------------------------------------------------------
-def create_tp_group(instance_id: str, rank: int, size: int, store_host: str, store_port: int,
-                    timeout_s: float, backend: str = "gloo") -> TensorParallelGroup:
+def create_tp_group(
+    instance_id: str, rank: int, size: int, store_host: str, store_port: int, timeout_s: float, backend: str = "gloo"
+) -> TensorParallelGroup:
     """Join instance `instance_id`'s TP group as `rank` of `size`, under `tp/<instance_id>` in the
     launcher's store; never torch.distributed's default group. Waits at most `timeout_s` for all
     ranks; that timeout also bounds every later collective. Every incarnation of an instance needs a
@@ -66,12 +68,16 @@ def create_tp_group(instance_id: str, rank: int, size: int, store_host: str, sto
     try:
         store = PrefixStore(f"tp/{quote(instance_id, safe='')}", connect_store(store_host, store_port, timeout_s))
         if int(store.add(f"joined/{rank}", 1)) != 1:
-            raise ValueError(f"rank {rank} already joined tensor-parallel group {instance_id!r}: "
-                             "give every incarnation of an instance a new id")
+            raise ValueError(
+                f"rank {rank} already joined tensor-parallel group {instance_id!r}: "
+                "give every incarnation of an instance a new id"
+            )
         group, device = new_process_group(backend, store, rank, size, timeout_s)
     except RuntimeError as exc:  # store unreachable, or the other ranks did not join in time
-        raise CollectiveError(f"could not form tensor-parallel group {instance_id!r} as rank {rank} of {size} "
-                              f"within {timeout_s:g} s: {str(exc).strip().splitlines()[0][:300]}") from None
+        raise CollectiveError(
+            f"could not form tensor-parallel group {instance_id!r} as rank {rank} of {size} "
+            f"within {timeout_s:g} s: {str(exc).strip().splitlines()[0][:300]}"
+        ) from None
     return TensorParallelGroup(rank, size, group, timeout_s, device)
 
 
@@ -127,8 +133,7 @@ class StepBroadcaster:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         if self.tp.size > 1 and self._heartbeat is None:
-            self._heartbeat = threading.Thread(target=self._beat, args=(interval_s,), name="tp-heartbeat",
-                                               daemon=True)
+            self._heartbeat = threading.Thread(target=self._beat, args=(interval_s,), name="tp-heartbeat", daemon=True)
             self._heartbeat.start()
 
     def stop_heartbeat(self) -> None:
@@ -160,7 +165,7 @@ class StepBroadcaster:
             header = _ints([_MAGIC, self._sequence, kind, length]).to(self.tp.device)
             try:
                 self.tp.broadcast(header, 0)
-                if length:
+                if payload is not None and length:
                     self.tp.broadcast(payload.to(self.tp.device), 0)
             except CollectiveError as exc:
                 self.mark_failed(str(exc))
@@ -174,9 +179,15 @@ class TensorParallelEngine(LLMEngine):
     ranks, then runs this rank's shard of the forward. Heartbeats start once the weights are loaded;
     `shutdown()` releases the followers."""
 
-    def __init__(self, config: EngineConfig, tp: TensorParallelGroup, *,
-                 heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S, progress: bool = False,
-                 on_kv_event=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TensorParallelGroup,
+        *,
+        heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        progress: bool = False,
+        on_kv_event=None,
+    ):
         _check_tp_size(config, tp)
         self.broadcaster = StepBroadcaster(tp)
         super().__init__(config, tp=tp, progress=progress, on_kv_event=on_kv_event)
@@ -228,8 +239,12 @@ class StepFollower:
     rank 0 may still be loading its weights; `heartbeat_timeout_s` bounds every later wait.
     """
 
-    def __init__(self, tp: TensorParallelGroup, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 startup_timeout_s: float | None = None):
+    def __init__(
+        self,
+        tp: TensorParallelGroup,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        startup_timeout_s: float | None = None,
+    ):
         if tp.rank == 0:
             raise ValueError("rank 0 drives the group; followers are ranks > 0")
         self.tp = tp
@@ -253,6 +268,7 @@ class StepFollower:
                     break
                 heartbeats += kind is MessageKind.IDLE
                 if kind is MessageKind.STEP:
+                    assert payload is not None, "a STEP message carries the step's inputs"
                     runner.forward(decode_step(payload))
                     steps += 1
         except BaseException:
@@ -265,14 +281,20 @@ class StepFollower:
         try:
             self.tp.broadcast(header, 0, timeout_s)
         except CollectiveError as exc:
-            why = (f"heard nothing (no step, no heartbeat) for {timeout_s:g} s: rank 0 is hung or unreachable"
-                   if "timed out" in str(exc).lower() else "the connection to rank 0 failed: it probably crashed")
-            raise CollectiveError(f"rank {self.tp.rank} lost rank 0 after message {self._sequence}: {why} "
-                                  f"({exc})") from None
+            why = (
+                f"heard nothing (no step, no heartbeat) for {timeout_s:g} s: rank 0 is hung or unreachable"
+                if "timed out" in str(exc).lower()
+                else "the connection to rank 0 failed: it probably crashed"
+            )
+            raise CollectiveError(
+                f"rank {self.tp.rank} lost rank 0 after message {self._sequence}: {why} ({exc})"
+            ) from None
         magic, sequence, kind, length = header.tolist()
         if magic != _MAGIC or sequence != self._sequence or kind not in tuple(MessageKind):
-            raise CollectiveError(f"rank {self.tp.rank}: protocol violated: header {[magic, sequence, kind, length]},"
-                                  f" expected magic {_MAGIC:#x} and message {self._sequence}")
+            raise CollectiveError(
+                f"rank {self.tp.rank}: protocol violated: header {[magic, sequence, kind, length]},"
+                f" expected magic {_MAGIC:#x} and message {self._sequence}"
+            )
         self._sequence += 1
         if not length:
             return MessageKind(kind), None

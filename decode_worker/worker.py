@@ -12,6 +12,7 @@ Rank 0 sweeps in the background: a reservation whose KV did not arrive within it
 so no block outlives the caller that asked for it. Liveness (`ping`) and load (`stats`) never wait
 for an engine step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ from cluster.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
 from engine.block_hash import spec_fingerprint
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from kvtransfer.handoff import HandoffTarget, RankTarget
 from kvtransfer.receiver import KVReceiver
@@ -38,8 +40,17 @@ FORGET_OWNER_FACTOR = 10
 
 
 class DecodeRank:
-    def __init__(self, instance_id: str, epoch: int, rank: int, config: dict, model_dir: str, store_host: str,
-                 store_port: int, followers: tuple = ()):
+    def __init__(
+        self,
+        instance_id: str,
+        epoch: int,
+        rank: int,
+        config: dict,
+        model_dir: str,
+        store_host: str,
+        store_port: int,
+        followers: tuple = (),
+    ):
         self.config = ClusterConfig.from_dict(config)
         self.instance_id, self.epoch, self.rank = instance_id, epoch, rank
         self.group_id = f"{instance_id}@{epoch}"  # this start's id: its TP group and transport ids
@@ -57,13 +68,25 @@ class DecodeRank:
         self.membership = Membership("", 0)
         self.owner_timeout_s = min(OWNER_TIMEOUT_MAX_S, self.config.handoff_lease_s)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep()) if rank == 0 else None
+        self._cancels: set[asyncio.Task] = set()  # the loop holds tasks weakly: these must not vanish mid-way
 
     async def ready(self) -> WorkerInfo:
         cfg = self.setup.model_config
         peers = tuple(rank_peer_id(self.group_id, r) for r in range(self.config.decode.tp_size))
-        return WorkerInfo(self.instance_id, "decode", peers, self.setup.num_blocks, self.config.block_size,
-                          cfg.num_kv_heads, spec_fingerprint(), cfg.identity, self.setup.max_model_len,
-                          cfg.vocab_size, cfg.eos_token_ids, epoch=self.epoch)
+        return WorkerInfo(
+            self.instance_id,
+            "decode",
+            peers,
+            self.setup.num_blocks,
+            self.config.block_size,
+            cfg.num_kv_heads,
+            spec_fingerprint(),
+            cfg.identity,
+            self.setup.max_model_len,
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+            epoch=self.epoch,
+        )
 
     async def ping(self) -> Liveness:
         loop = self.setup.loop
@@ -91,7 +114,8 @@ class DecodeRank:
 
     async def cancel_expected(self, request_id: str) -> None:
         await asyncio.get_running_loop().run_in_executor(
-            None, self.receiver.cancel, request_id, self.config.handoff_lease_s + LEASE_GRACE_S)
+            None, self.receiver.cancel, request_id, self.config.handoff_lease_s + LEASE_GRACE_S
+        )
         self.receiver.forget(request_id)
 
     # ---- rank 0 ---------------------------------------------------------------------------------
@@ -112,8 +136,9 @@ class DecodeRank:
         self._leases[request_id] = deadline_s
         self.receiver.expect(request_id, block_ids, deadline_s)
         await asyncio.gather(*(f.expect.remote(request_id, block_ids, deadline_s) for f in self._followers))
-        return HandoffTarget(self.instance_id, self._rank_targets(), block_ids, deadline_s,
-                             self.setup.runner.kv_cache.layout)
+        return HandoffTarget(
+            self.instance_id, self._rank_targets(), block_ids, deadline_s, self.setup.runner.kv_cache.layout
+        )
 
     async def adopt(self, request: GenerateRequest, first_token_id: int) -> None:
         """Continues a request whose prompt KV arrived (every rank acked the prefill worker)."""
@@ -123,8 +148,16 @@ class DecodeRank:
             raise HandoffFailed("adopt", f"{rid!r} was cancelled or its lease ended")
         self.receiver.forget(rid)
         tokens = tuple(request.prompt_token_ids) + tuple(request.output_token_ids) + (first_token_id,)
-        await self._call(lambda engine: engine.adopt(rid, tokens, len(request.prompt_token_ids), request.params,
-                                                     priority=request.priority, tenant_salt=request.tenant))
+        await self._call(
+            lambda engine: engine.adopt(
+                rid,
+                tokens,
+                len(request.prompt_token_ids),
+                request.params,
+                priority=request.priority,
+                tenant_salt=request.tenant,
+            )
+        )
         await asyncio.gather(*(f.cancel_expected.remote(rid) for f in self._followers))
 
     async def cancel(self, request_id: str) -> None:
@@ -132,8 +165,9 @@ class DecodeRank:
         reserve for the id that arrives later (it was overtaken) is refused for the lease's length."""
         self._leases.pop(request_id, None)
         self._cancelled[request_id] = time.time() + self.config.handoff_lease_s + LEASE_GRACE_S
-        await asyncio.gather(self.cancel_expected(request_id),
-                             *(f.cancel_expected.remote(request_id) for f in self._followers))
+        await asyncio.gather(
+            self.cancel_expected(request_id), *(f.cancel_expected.remote(request_id) for f in self._followers)
+        )
         await self._call(lambda engine: _abort_or_release(engine, request_id))
         self.outbox.forget(request_id)
 
@@ -145,18 +179,27 @@ class DecodeRank:
         """Rank 0: the block pool's integrity check and what it still holds. Ranks > 0 hold no pool of
         their own (rank 0 allocates for all): their `num_sequences` is the transfers still expected."""
         if self.setup.loop is None:
-            return {"num_blocks": self.setup.num_blocks, "num_free_blocks": self.setup.num_blocks,
-                    "num_sequences": self.receiver.num_expected}
+            return {
+                "num_blocks": self.setup.num_blocks,
+                "num_free_blocks": self.setup.num_blocks,
+                "num_sequences": self.receiver.num_expected,
+            }
 
         def check(engine: LLMEngine) -> dict:
             engine.kv.check_integrity()
-            return {"num_blocks": engine.num_blocks, "num_free_blocks": engine.kv.num_free_blocks,
-                    "num_sequences": len(engine.seqs)}
+            return {
+                "num_blocks": engine.num_blocks,
+                "num_free_blocks": engine.kv.num_free_blocks,
+                "num_sequences": len(engine.seqs),
+            }
+
         return await self._call(check)
 
     async def stats(self) -> WorkerStats:
         """Rank 0: load, recent engine steps and reservations waiting for their KV (see WorkerTelemetry)."""
-        return self.telemetry.stats(self.setup.loop, len(self._leases))
+        if self.telemetry is None:
+            raise RuntimeError(f"{self.peer_id}: only rank 0 keeps statistics")
+        return self.telemetry.stats(self._loop, len(self._leases))
 
     async def debug_signal(self, signum: int) -> None:
         """Fault injection (chaos, tests): send `signum` to this actor's own process (SIGKILL: no cleanup)."""
@@ -164,7 +207,7 @@ class DecodeRank:
 
     async def debug_set_step_delay(self, seconds: float) -> None:
         """Fault injection for tests (rank 0): sleep `seconds` before each engine step."""
-        self.setup.loop.step_delay_s = seconds
+        self._loop.step_delay_s = seconds
 
     async def debug_set_receive_delay(self, seconds: float) -> None:
         """Fault injection for tests: stall each KV receive by `seconds`."""
@@ -182,8 +225,14 @@ class DecodeRank:
         cfg, size = self.setup.model_config, self.config.decode.tp_size
         heads_per_rank = max(1, cfg.num_kv_heads // size)
         replicas = max(1, size // cfg.num_kv_heads)  # KV heads replicated when ranks outnumber them
-        return tuple(RankTarget(rank_peer_id(self.group_id, r), (r // replicas) * heads_per_rank,
-                                (r // replicas) * heads_per_rank + heads_per_rank) for r in range(size))
+        return tuple(
+            RankTarget(
+                rank_peer_id(self.group_id, r),
+                (r // replicas) * heads_per_rank,
+                (r // replicas) * heads_per_rank + heads_per_rank,
+            )
+            for r in range(size)
+        )
 
     async def _sweep(self) -> None:
         """Rank 0: drop expired reservations and the requests of routers that are gone."""
@@ -192,9 +241,15 @@ class DecodeRank:
             now_s = time.time()
             for rid in [rid for rid, deadline in self._leases.items() if now_s > deadline + LEASE_GRACE_S]:
                 self._leases.pop(rid, None)
-                self.outbox.push(TokenUpdate(rid, (), (), error=f"the KV of {rid!r} did not arrive within the "
-                                                                f"{self.config.handoff_lease_s:.0f} s lease"))
-                asyncio.ensure_future(self.cancel(rid))
+                self.outbox.push(
+                    TokenUpdate(
+                        rid,
+                        (),
+                        (),
+                        error=f"the KV of {rid!r} did not arrive within the {self.config.handoff_lease_s:.0f} s lease",
+                    )
+                )
+                self._cancel_soon(rid)
             for rid in [rid for rid, until in self._cancelled.items() if now_s > until]:
                 del self._cancelled[rid]
             self._drop_gone_owners()
@@ -206,12 +261,23 @@ class DecodeRank:
         for rid in self.outbox.requests_of(stale):
             self.outbox.push(TokenUpdate(rid, (), (), error="its router stopped polling this decode instance"))
             self._leases.pop(rid, None)
-            asyncio.ensure_future(self.cancel(rid))
+            self._cancel_soon(rid)
         for owner in self.outbox.stale_owners(self.owner_timeout_s * FORGET_OWNER_FACTOR):
             self.outbox.drop_owner(owner)
 
+    def _cancel_soon(self, request_id: str) -> None:
+        task = asyncio.ensure_future(self.cancel(request_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    @property
+    def _loop(self) -> EngineLoop:
+        if self.setup.loop is None:
+            raise RuntimeError(f"{self.peer_id}: only rank 0 runs the engine loop")
+        return self.setup.loop
+
     async def _call(self, fn):
-        return await asyncio.wrap_future(self.setup.loop.call(fn))
+        return await asyncio.wrap_future(self._loop.call(fn))
 
 
 def rank_peer_id(group_id: str, rank: int) -> str:

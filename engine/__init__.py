@@ -1,4 +1,5 @@
 """The shared model runtime. Offline use: `from engine import LLM, SamplingParams`."""
+
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]

@@ -6,6 +6,7 @@ buffers in again (measured: 1-3 M minor faults and 5-8 s of system time per 100 
 benchmark). Raising the trim threshold and top pad, and the mmap threshold to its maximum, removes
 most of that. glibc-only; elsewhere it does nothing.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,7 +30,10 @@ def keep_freed_memory(top_pad_bytes: int = 1 << 30) -> bool:
         _tuned.append(False)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    accepted = [mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX_BYTES),
-                mallopt(M_TRIM_THRESHOLD, 2**31 - 1), mallopt(M_TOP_PAD, top_pad_bytes)]
+    accepted = [
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX_BYTES),
+        mallopt(M_TRIM_THRESHOLD, 2**31 - 1),
+        mallopt(M_TOP_PAD, top_pad_bytes),
+    ]
     _tuned.append(all(accepted))
     return _tuned[0]

@@ -15,6 +15,7 @@ A step's tokens are laid out decode-first: the first `num_decode_tokens` rows ar
 queries (one per sequence), then each prefill chunk's rows. A GPU kernel can replace this module by
 keeping `AttentionMetadata` and the function's signature.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,8 @@ class PrefillSegment:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of every new token
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with block 0
-    decode_context_lens: torch.Tensor | None  # [num_decode] int64
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor  # [num_decode] int64
     # PyTorch path only (None when the native kernel runs): padded token slots and their mask.
     decode_slots: torch.Tensor | None  # [num_decode, max_context] int64 cache slots (padded)
     decode_padding_mask: torch.Tensor | None  # [num_decode, max_context] bool, True = padding
@@ -53,8 +54,9 @@ class AttentionMetadata:
         return self.num_decode_tokens > 0 and self.decode_slots is None
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for the step's new tokens.
     Writes k/v into the cache, then returns attention outputs [tokens, heads * head_dim]."""
     cache.write(k, v, meta.slot_mapping)
@@ -67,8 +69,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: La
         elif meta.uses_kernel:
             out[:n_dec] = _decode_attention_native(q[:n_dec], cache, meta, scale)
         elif cache.fmt.quantized:
-            out[:n_dec] = quantized_decode_attention(q[:n_dec], cache, meta.decode_block_tables,
-                                                     meta.decode_context_lens, scale)
+            out[:n_dec] = quantized_decode_attention(
+                q[:n_dec], cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
         else:
             out[:n_dec] = _decode_attention(q[:n_dec], cache.k, cache.v, meta, scale)
     for seg in meta.prefills:
@@ -93,9 +96,26 @@ def _decode_attention_native(q, cache: LayerKV, meta: AttentionMetadata, scale: 
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     k_scale, v_scale = (0 if s is None else s.data_ptr() for s in (cache.k_scale, cache.v_scale))
     status = decode_attention_kernel()(
-        q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), k_scale, v_scale, out.data_ptr(),
-        tables.data_ptr(), lens.data_ptr(), cache.fmt.kernel_code, batch, num_heads, num_kv_heads, head_dim,
-        num_blocks, block_size, tables.shape[1], tables.shape[1] * block_size, scale, torch.get_num_threads())
+        q.data_ptr(),
+        cache.k.data_ptr(),
+        cache.v.data_ptr(),
+        k_scale,
+        v_scale,
+        out.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        cache.fmt.kernel_code,
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        num_blocks,
+        block_size,
+        tables.shape[1],
+        tables.shape[1] * block_size,
+        scale,
+        torch.get_num_threads(),
+    )
     if status:
         raise RuntimeError(f"paged decode attention kernel failed with status {status}")
     return out.view(batch, num_heads * head_dim)
@@ -106,21 +126,24 @@ def _decode_attention_triton(q, cache: LayerKV, meta: AttentionMetadata, scale: 
     processes never need triton."""
     from engine.kernels.triton_decode import paged_decode_attention
 
-    return paged_decode_attention(q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_block_tables,
-                                  meta.decode_context_lens, scale)
+    return paged_decode_attention(
+        q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    max_context = meta.decode_slots.shape[1]
-    keys = _gather(k_cache, meta.decode_slots).view(num_kv_heads, batch, max_context, head_dim)
-    values = _gather(v_cache, meta.decode_slots).view(num_kv_heads, batch, max_context, head_dim)
+    slots, padding = meta.decode_slots, meta.decode_padding_mask
+    assert slots is not None and padding is not None, "the PyTorch decode path needs the padded slots"
+    max_context = slots.shape[1]
+    keys = _gather(k_cache, slots).view(num_kv_heads, batch, max_context, head_dim)
+    values = _gather(v_cache, slots).view(num_kv_heads, batch, max_context, head_dim)
     # [kv_heads, batch, group, head_dim]: each KV head serves `group` query heads (GQA/MQA).
     queries = q.view(batch, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
-    scores.masked_fill_(meta.decode_padding_mask[None, :, None, :], float("-inf"))
+    scores.masked_fill_(padding[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, values)  # [kv_heads, batch, group, head_dim]
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads * head_dim)
@@ -133,15 +156,15 @@ def _prefill_attention(q, k, v, cache: LayerKV, seg: PrefillSegment, scale: floa
         return quantized_prefill_attention(q, cache, seg.context_slots, seg.context_len, scale)
     if seg.context_slots is None:
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
         keys = _gather(cache.k, seg.context_slots).unsqueeze(0)
         values = _gather(cache.v, seg.context_slots).unsqueeze(0)
         # Query i sits at absolute position (context_len - query_len + i) and sees keys up to it.
         offset = seg.context_len - query_len
-        allowed = (torch.arange(seg.context_len, device=q.device)[None, :]
-                   <= torch.arange(offset, seg.context_len, device=q.device)[:, None])
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale,
-                                             enable_gqa=True)
+        allowed = (
+            torch.arange(seg.context_len, device=q.device)[None, :]
+            <= torch.arange(offset, seg.context_len, device=q.device)[:, None]
+        )
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1).reshape(query_len, num_heads * head_dim)

@@ -33,6 +33,7 @@ Python's ``hash()`` is salted per process and would break the "identical everywh
 class because they are hashable, cheap, and cross every boundary as-is (proto ``bytes``, Redis keys);
 ``.hex()`` is the printable form. Use `as_block_hash` to accept one from the wire.
 """
+
 from __future__ import annotations
 
 import functools
@@ -99,13 +100,15 @@ def as_block_hash(raw: bytes) -> BlockHash:
 @functools.lru_cache(maxsize=256)
 def root_hash(ns: HashNamespace) -> BlockHash:
     """The parent of a sequence's first block. Cached: namespaces are few and frozen."""
-    data = b"".join((
-        _DOMAIN_TAG,
-        _U32.pack(HASH_SPEC_VERSION),
-        _U32.pack(ns.block_size),
-        _length_prefixed(ns.model_identity.encode("utf-8")),
-        _length_prefixed(ns.tenant_salt.encode("utf-8")),
-    ))
+    data = b"".join(
+        (
+            _DOMAIN_TAG,
+            _U32.pack(HASH_SPEC_VERSION),
+            _U32.pack(ns.block_size),
+            _length_prefixed(ns.model_identity.encode("utf-8")),
+            _length_prefixed(ns.tenant_salt.encode("utf-8")),
+        )
+    )
     return _digest(data)
 
 
@@ -113,12 +116,14 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") 
     """Hash of one block given its parent's hash (the root for a sequence's first block)."""
     if not isinstance(parent, bytes) or len(parent) != BLOCK_HASH_BYTES:
         raise ValueError(f"parent must be a {BLOCK_HASH_BYTES}-byte BlockHash, got {parent!r}")
-    return _digest(b"".join((parent, _U32.pack(len(token_ids)), _pack_tokens(token_ids),
-                             _length_prefixed(bytes(extra)))))
+    return _digest(
+        b"".join((parent, _U32.pack(len(token_ids)), _pack_tokens(token_ids), _length_prefixed(bytes(extra))))
+    )
 
 
-def hash_blocks(ns: HashNamespace, token_ids: Sequence[int], *,
-                start_parent: BlockHash | None = None) -> list[BlockHash]:
+def hash_blocks(
+    ns: HashNamespace, token_ids: Sequence[int], *, start_parent: BlockHash | None = None
+) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, chained from `start_parent` (default: the root).
 
     With `start_parent` set, `token_ids` are the tokens that follow the block that hash belongs to.
@@ -127,13 +132,14 @@ def hash_blocks(ns: HashNamespace, token_ids: Sequence[int], *,
     size = ns.block_size
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - size + 1, size):
-        parent = hash_block(parent, token_ids[start:start + size])
+        parent = hash_block(parent, token_ids[start : start + size])
         hashes.append(parent)
     return hashes
 
 
-def extend_block_hashes(ns: HashNamespace, token_ids: Sequence[int],
-                        existing_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+def extend_block_hashes(
+    ns: HashNamespace, token_ids: Sequence[int], existing_hashes: Sequence[BlockHash]
+) -> list[BlockHash]:
     """Full hash list of `token_ids`, reusing `existing_hashes` (those of its leading blocks).
 
     Only the blocks after the existing ones are hashed, so a growing sequence pays O(new blocks).
@@ -143,7 +149,7 @@ def extend_block_hashes(ns: HashNamespace, token_ids: Sequence[int],
     if done > len(token_ids) // ns.block_size:
         raise ValueError(f"{done} existing hashes but only {len(token_ids) // ns.block_size} full blocks")
     parent = existing_hashes[-1] if done else None
-    tail = hash_blocks(ns, token_ids[done * ns.block_size:], start_parent=parent)
+    tail = hash_blocks(ns, token_ids[done * ns.block_size :], start_parent=parent)
     return [*existing_hashes, *tail]
 
 

@@ -7,12 +7,12 @@ queue keeps its contents and its hash, so a later prefix hit can revive it for f
 
 Single-threaded by contract: one scheduler loop owns a pool; nothing here locks.
 """
+
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from engine.block_hash import BlockHash
 
@@ -46,7 +46,7 @@ class BlockRemoved:
 
 
 # Events carry hashes and token ids only; the publisher adds worker identity and sequence numbers.
-KVCacheEvent = Union[BlockStored, BlockRemoved]
+KVCacheEvent = BlockStored | BlockRemoved
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,9 @@ class BlockPool:
             if self._ref_counts[block_id] == 0:
                 self._free[block_id] = None
 
-    def mark_cached(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], *,
-                    parent_hash: BlockHash | None = None) -> None:
+    def mark_cached(
+        self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], *, parent_hash: BlockHash | None = None
+    ) -> None:
         """Register a full, computed, in-use block under `block_hash` and emit BlockStored.
 
         If the hash already maps to another block (two sequences computed the same prefix at once), the
@@ -189,14 +190,18 @@ class BlockPool:
         _require(len(self._ref_counts) == self.num_blocks, "ref count table has the wrong size")
         for block_id, ref in enumerate(self._ref_counts):
             _require(ref >= 0, f"block {block_id} has negative ref count {ref}")
-            _require((ref == 0) == (block_id in self._free),
-                     f"block {block_id} (ref {ref}) must be in the free queue iff its ref count is 0")
+            _require(
+                (ref == 0) == (block_id in self._free),
+                f"block {block_id} (ref {ref}) must be in the free queue iff its ref count is 0",
+            )
         _require(all(0 <= b < self.num_blocks for b in self._free), "free queue holds an unknown block id")
         _require(len(self._free) == self._ref_counts.count(0), "free count disagrees with ref counts")
         _require(len(self._hash_to_block) == len(self._entries), "hash map and cache entries differ in size")
         for block_id, entry in self._entries.items():
-            _require(self._hash_to_block.get(entry.block_hash) == block_id,
-                     f"block {block_id}'s hash does not map back to it")
+            _require(
+                self._hash_to_block.get(entry.block_hash) == block_id,
+                f"block {block_id}'s hash does not map back to it",
+            )
 
     def _check_id(self, block_id: int) -> None:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:

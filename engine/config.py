@@ -2,6 +2,7 @@
 
 `EngineConfig` is validated once at construction; cross-field rules live here, not in callers.
 """
+
 from __future__ import annotations
 
 import re
@@ -85,8 +86,10 @@ class EngineConfig:
 
     def __post_init__(self):
         _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
-        _require(self.dtype == "auto" or self.dtype in DTYPES,
-                 f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _require(
+            self.dtype == "auto" or self.dtype in DTYPES,
+            f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}",
+        )
         _require(self.block_size >= 1, "block_size must be >= 1")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
@@ -96,18 +99,28 @@ class EngineConfig:
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         _require(self.tp_size >= 1, "tp_size must be >= 1")
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
-                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        _require(self.quantization in QUANTIZATIONS,
-                 f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
-        _require(not self.quantize_lm_head or self.quantization != "none",
-                 "quantize_lm_head needs a weight quantization")
-        _require(_DEVICE_PATTERN.fullmatch(self.device) is not None,
-                 f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
+        _require(
+            self.quantization in QUANTIZATIONS,
+            f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}",
+        )
+        _require(
+            not self.quantize_lm_head or self.quantization != "none", "quantize_lm_head needs a weight quantization"
+        )
+        _require(
+            _DEVICE_PATTERN.fullmatch(self.device) is not None,
+            f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
+        )
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
-            _require(self.role != "prefill", "speculative_config: the prefill role samples one token and "
-                                             "hands off; speculation belongs to decode and colocated engines")
+            _require(
+                self.role != "prefill",
+                "speculative_config: the prefill role samples one token and "
+                "hands off; speculation belongs to decode and colocated engines",
+            )
 
     def kv_format(self, model: ModelConfig) -> KVFormat:
         return kv_format(self.kv_cache_dtype, model.torch_dtype)
@@ -122,7 +135,8 @@ class EngineConfig:
         block_bytes = bytes_per_token * self.block_size // self.tp_size
         if draft is not None:
             block_bytes += self.block_size * self.kv_format(draft).bytes_per_token(
-                draft.num_layers, draft.num_kv_heads, draft.head_dim)
+                draft.num_layers, draft.num_kv_heads, draft.head_dim
+            )
         by_memory = max(1, self.kv_cache_memory_bytes // block_bytes)
         # More than every sequence at full length (twice over, for the prefix cache) is never used.
         blocks_per_seq = -(-self.max_len_for(model) // self.block_size)
@@ -132,8 +146,10 @@ class EngineConfig:
         limit = model.max_position_embeddings
         if self.max_model_len is None:
             return limit
-        _require(self.max_model_len <= limit,
-                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        _require(
+            self.max_model_len <= limit,
+            f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}",
+        )
         return self.max_model_len
 
 

@@ -11,10 +11,11 @@ KV into a scratch block that no sequence owns (the storage's last block, outside
 and attend to that block alone, so they never touch real KV. Graphs are captured lazily, the first
 time a padded batch size is needed, each with its own memory pool.
 """
+
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -27,18 +28,27 @@ _FIELDS = 4  # input_ids, positions, slot_mapping, context_lens; then the block 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     sizes = tuple(b for b in _BUCKETS if b < max_num_seqs)
-    return sizes + (min(max_num_seqs, _BUCKETS[-1]),)
+    return (*sizes, min(max_num_seqs, _BUCKETS[-1]))
 
 
 def unpack(buffer: torch.Tensor, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of a flat step buffer: fields [4, batch] (ids, positions, slots, context lengths, each row
     contiguous, as the kernels read them) and the block table [batch, width]."""
-    return buffer[:_FIELDS * batch].view(_FIELDS, batch), buffer[_FIELDS * batch:].view(batch, width)
+    return buffer[: _FIELDS * batch].view(_FIELDS, batch), buffer[_FIELDS * batch :].view(batch, width)
 
 
-def pack_decode_rows(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     context_lens: torch.Tensor, tables: torch.Tensor, out: torch.Tensor, batch: int, width: int,
-                     scratch_block: int, block_size: int) -> None:
+def pack_decode_rows(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    tables: torch.Tensor,
+    out: torch.Tensor,
+    batch: int,
+    width: int,
+    scratch_block: int,
+    block_size: int,
+) -> None:
     """Writes a decode step's rows into the flat int64 buffer `out` (see `unpack`), padding the rest:
     padding rows use token 0 at position 0, write to slot 0 of `scratch_block` and attend to it."""
     fields, table = unpack(out, batch, width)
@@ -55,13 +65,15 @@ def pack_decode_rows(input_ids: torch.Tensor, positions: torch.Tensor, slots: to
 class _Graph:
     """One captured decode step for `batch` rows: its input buffer and output logits."""
 
-    def __init__(self, batch: int, width: int, device: torch.device, run: Callable, scratch_block: int,
-                 block_size: int):
+    def __init__(
+        self, batch: int, width: int, device: torch.device, run: Callable, scratch_block: int, block_size: int
+    ):
         self.batch, self.width = batch, width
         self.host = torch.empty(batch * (_FIELDS + width), dtype=torch.int64, pin_memory=True)
         nothing = torch.empty(0, dtype=torch.int64)
-        pack_decode_rows(nothing, nothing, nothing, nothing, nothing.view(0, 0), self.host, batch, width,
-                         scratch_block, block_size)
+        pack_decode_rows(
+            nothing, nothing, nothing, nothing, nothing.view(0, 0), self.host, batch, width, scratch_block, block_size
+        )
         self.inputs = self.host.to(device)
         (ids, positions, slots, lens), tables = unpack(self.inputs, batch, width)
         meta = AttentionMetadata(slots, batch, tables, lens, None, None, ())
@@ -82,8 +94,15 @@ class DecodeGraphs:
     logits it returns for a step stay valid until the next step replays the same graph.
     """
 
-    def __init__(self, run: Callable, device: torch.device, max_num_seqs: int, max_model_len: int,
-                 block_size: int, scratch_block: int):
+    def __init__(
+        self,
+        run: Callable,
+        device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        scratch_block: int,
+    ):
         self._run, self._device = run, device
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.width = -(-max_model_len // block_size)
@@ -97,20 +116,37 @@ class DecodeGraphs:
     def padded_size(self, rows: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, rows)]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            context_lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        context_lens: torch.Tensor,
+        tables: torch.Tensor,
+    ) -> torch.Tensor:
         """One decode step from host tensors (the step's own); returns logits [rows, vocab]."""
         rows = input_ids.shape[0]
         graph = self._graph(self.padded_size(rows))
         # The pinned buffer is rewritten only after the previous step's logits were read (a sync).
-        pack_decode_rows(input_ids, positions, slots, context_lens, tables, graph.host, graph.batch, graph.width,
-                         self.scratch_block, self.block_size)
+        pack_decode_rows(
+            input_ids,
+            positions,
+            slots,
+            context_lens,
+            tables,
+            graph.host,
+            graph.batch,
+            graph.width,
+            self.scratch_block,
+            self.block_size,
+        )
         graph.inputs.copy_(graph.host, non_blocking=True)
         graph.graph.replay()
         return graph.logits[:rows]
 
     def _graph(self, batch: int) -> _Graph:
         if batch not in self._graphs:
-            self._graphs[batch] = _Graph(batch, self.width, self._device, self._run, self.scratch_block,
-                                         self.block_size)
+            self._graphs[batch] = _Graph(
+                batch, self.width, self._device, self._run, self.scratch_block, self.block_size
+            )
         return self._graphs[batch]

@@ -2,6 +2,7 @@
 
 What `make run` does until the router serves requests (it generates the demo model on first use).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     for out in outputs:
         tpot = out.metrics.tpot_s
         print(f"\n> {out.prompt}\n{out.text!r}")
-        print(f"  {len(out.token_ids)} tokens, finish={out.finish_reason}, TTFT {out.ttft_s * 1e3:.0f} ms, "
-              f"TPOT {'-' if tpot is None else f'{tpot * 1e3:.1f} ms'}")
+        print(
+            f"  {len(out.token_ids)} tokens, finish={out.finish_reason}, TTFT {out.ttft_s * 1e3:.0f} ms, "
+            f"TPOT {'-' if tpot is None else f'{tpot * 1e3:.1f} ms'}"
+        )
     total = sum(len(o.token_ids) for o in outputs)
     print(f"\n{total} tokens in {wall_s:.2f} s ({total / wall_s:.1f} tokens/s)")
 

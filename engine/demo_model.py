@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -100,7 +101,7 @@ def train_tokenizer(vocab_size: int, model_max_length: int = 2048) -> PreTrained
 
 def demo_config(vocab_size: int, shape: DemoShape = DemoShape(), **overrides) -> LlamaConfig:
     padded_vocab = -(-vocab_size // _VOCAB_ALIGN) * _VOCAB_ALIGN
-    fields = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=padded_vocab,
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_hidden_layers,

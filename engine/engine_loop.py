@@ -9,13 +9,15 @@ the step's updates to `on_updates` (on the loop thread). While idle it waits for
 and command batch: other threads read it without waiting for the engine (a long step must never
 make a live worker look hung).
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 from engine.llm_engine import LLMEngine, SequenceUpdate
 from engine.speculative.counters import SpecCounters
@@ -36,9 +38,15 @@ class EngineLoad(NamedTuple):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_updates: Callable[[list[SequenceUpdate]], None],
-                 on_idle: Callable[[], None] | None = None, idle_interval_s: float = 0.5,
-                 name: str = "engine-loop", on_step: Callable[[StepRecord], None] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_updates: Callable[[list[SequenceUpdate]], None],
+        on_idle: Callable[[], None] | None = None,
+        idle_interval_s: float = 0.5,
+        name: str = "engine-loop",
+        on_step: Callable[[StepRecord], None] | None = None,
+    ):
         self.engine = engine
         self.step_log = StepLog()
         self._on_step = on_step
@@ -57,7 +65,7 @@ class EngineLoop:
         """The loop thread is alive and has not failed."""
         return self.error is None and self._thread.is_alive() and not self._stopping.is_set()
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -103,9 +111,13 @@ class EngineLoop:
 
     def _measure_load(self) -> EngineLoad:
         engine = self.engine
-        return EngineLoad(len(engine.scheduler.waiting), len(engine.scheduler.running),
-                          engine.kv.num_free_blocks, engine.num_blocks,
-                          engine.spec.counters if engine.spec is not None else None)
+        return EngineLoad(
+            len(engine.scheduler.waiting),
+            len(engine.scheduler.running),
+            engine.kv.num_free_blocks,
+            engine.num_blocks,
+            engine.spec.counters if engine.spec is not None else None,
+        )
 
     def _run_commands(self, block_s: float) -> None:
         try:
@@ -117,7 +129,7 @@ class EngineLoop:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(self.engine))
-                except Exception as err:  # the caller gets its own error; the loop goes on
+                except Exception as err:  # noqa: BLE001 - the caller gets its own error; the loop goes on
                     future.set_exception(err)
             try:
                 item = self._commands.get_nowait()

@@ -10,6 +10,7 @@ A CachedPrefix is valid only until the pool changes (another sequence's `allocat
 blocks), so ask and act for one sequence before moving to the next. `allocate` rejects a prefix whose
 blocks are no longer cached.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -33,8 +34,13 @@ EMPTY_PREFIX = CachedPrefix((), 0)
 class KVCacheManager:
     """Maps sequence ids (str) to block tables and keeps the pool's ref counts equal to table holdings."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 on_event: Callable[[KVCacheEvent], None] | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_event: Callable[[KVCacheEvent], None] | None = None,
+    ):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
@@ -77,7 +83,7 @@ class KVCacheManager:
         for i in range(max_blocks):
             block_id = self._pool.lookup(block_hashes[i])
             # Token equality guards against a hash collision (or a caller's wrong hash) reusing wrong KV.
-            if block_id is None or self._pool.cached_tokens(block_id) != tuple(token_ids[i * size:(i + 1) * size]):
+            if block_id is None or self._pool.cached_tokens(block_id) != tuple(token_ids[i * size : (i + 1) * size]):
                 break
             hits.append(block_id)
         return CachedPrefix(tuple(hits), len(hits) * size)
@@ -110,8 +116,9 @@ class KVCacheManager:
             table.extend(self._pool.allocate(missing))
         return tuple(table)
 
-    def cache_blocks(self, seq_id: str, token_ids: Sequence[int], block_hashes: Sequence[BlockHash],
-                     num_computed_tokens: int) -> None:
+    def cache_blocks(
+        self, seq_id: str, token_ids: Sequence[int], block_hashes: Sequence[BlockHash], num_computed_tokens: int
+    ) -> None:
         """Register every block of the sequence that is full and computed and not registered yet."""
         if not self.enable_prefix_caching:
             return
@@ -120,13 +127,13 @@ class KVCacheManager:
             raise ValueError(f"{num_computed_tokens} computed tokens but only {len(token_ids)} tokens")
         num_ready = num_computed_tokens // self.block_size
         if num_ready > len(block_hashes) or num_ready > len(table):
-            raise ValueError(f"{num_ready} computed full blocks but {len(block_hashes)} hashes and "
-                             f"{len(table)} blocks in the table")
+            raise ValueError(
+                f"{num_ready} computed full blocks but {len(block_hashes)} hashes and {len(table)} blocks in the table"
+            )
         size = self.block_size
         for i in range(self._num_registered[seq_id], num_ready):
             parent = block_hashes[i - 1] if i > 0 else None
-            self._pool.mark_cached(table[i], block_hashes[i], token_ids[i * size:(i + 1) * size],
-                                   parent_hash=parent)
+            self._pool.mark_cached(table[i], block_hashes[i], token_ids[i * size : (i + 1) * size], parent_hash=parent)
         self._num_registered[seq_id] = max(self._num_registered[seq_id], num_ready)
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
@@ -159,13 +166,17 @@ class KVCacheManager:
         holders: Counter[int] = Counter()
         for seq_id, table in self._tables.items():
             _require(len(set(table)) == len(table), f"sequence {seq_id!r} holds a block twice")
-            _require(0 <= self._num_registered[seq_id] <= len(table),
-                     f"sequence {seq_id!r} has an impossible registered-block count")
+            _require(
+                0 <= self._num_registered[seq_id] <= len(table),
+                f"sequence {seq_id!r} has an impossible registered-block count",
+            )
             holders.update(table)
         for block_id in range(self._pool.num_blocks):
-            _require(self._pool.ref_count(block_id) == holders[block_id],
-                     f"block {block_id} has ref count {self._pool.ref_count(block_id)} "
-                     f"but {holders[block_id]} tables hold it")
+            _require(
+                self._pool.ref_count(block_id) == holders[block_id],
+                f"block {block_id} has ref count {self._pool.ref_count(block_id)} "
+                f"but {holders[block_id]} tables hold it",
+            )
 
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -179,10 +190,12 @@ class KVCacheManager:
             if cached.block_ids:
                 raise ValueError(f"sequence {seq_id!r} already has blocks; a cached prefix applies only first")
             return max(self._num_blocks_for(num_tokens) - len(table), 0)
-        if (cached.num_tokens != len(cached.block_ids) * self.block_size or num_tokens < cached.num_tokens
-                or len(set(cached.block_ids)) != len(cached.block_ids)):
-            raise ValueError(f"cached prefix {cached} does not fit {num_tokens} tokens of block size "
-                             f"{self.block_size}")
+        if (
+            cached.num_tokens != len(cached.block_ids) * self.block_size
+            or num_tokens < cached.num_tokens
+            or len(set(cached.block_ids)) != len(cached.block_ids)
+        ):
+            raise ValueError(f"cached prefix {cached} does not fit {num_tokens} tokens of block size {self.block_size}")
         revived = sum(1 for block_id in cached.block_ids if self._pool.is_free(block_id))
         return self._num_blocks_for(num_tokens) - len(cached.block_ids) + revived
 

@@ -14,6 +14,7 @@ Error bounds (tests/engine/test_kv_quant.py checks them): int8 rounds to the nea
 `|x - x'| <= scale / 2`; fp8 e4m3 keeps 3 mantissa bits, `|x - x'| <= max(|x| / 16, scale / 1024)`
 (relative half-ulp for normal values, absolute for subnormals).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,17 +48,19 @@ class KVFormat:
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [..., head_dim] → (values in storage dtype, fp32 scales [...] or None)."""
-        if not self.quantized:
+        qmax = self.qmax
+        if qmax is None:
             return x.to(self.storage_dtype), None
         x = x.float()
-        scale = x.abs().amax(dim=-1).clamp_min(_TINY) / self.qmax
+        scale = x.abs().amax(dim=-1).clamp_min(_TINY) / qmax
         scaled = x / scale.unsqueeze(-1)
         if self.storage_dtype == torch.int8:
-            return scaled.round_().clamp_(-self.qmax, self.qmax).to(torch.int8), scale
-        return scaled.clamp_(-self.qmax, self.qmax).to(self.storage_dtype), scale
+            return scaled.round_().clamp_(-qmax, qmax).to(torch.int8), scale
+        return scaled.clamp_(-qmax, qmax).to(self.storage_dtype), scale
 
-    def dequantize(self, values: torch.Tensor, scale: torch.Tensor | None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(
+        self, values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         if scale is None:
             return values.to(dtype)
         return (values.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)

@@ -11,9 +11,11 @@ Per-layer transfer message: `[values [2, heads, blocks, block_size, head_dim]]`,
 `scales [2, heads, blocks, block_size]` for quantized formats. `layout` names the format and shape, so
 two sides can compare before any byte moves.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -38,13 +40,21 @@ class LayerKV(NamedTuple):
             # fp8 has no index_copy kernel on CPU: move its bytes through a uint8 view.
             flat = _bytes(cache).view(heads, blocks * block_size, dim)
             flat.index_copy_(1, slot_mapping, _bytes(values).transpose(0, 1))
-            if scales is not None:
+            if scales is not None and scale is not None:  # both or neither: the format decides
                 scales.view(heads, blocks * block_size).index_copy_(1, slot_mapping, scale.transpose(0, 1))
 
 
 class KVCacheStorage:
-    def __init__(self, fmt: KVFormat, num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
-                 head_dim: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        fmt: KVFormat,
+        num_layers: int,
+        num_kv_heads: int,
+        num_blocks: int,
+        block_size: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+    ):
         self.fmt = fmt
         self.num_layers, self.num_kv_heads, self.num_blocks = num_layers, num_kv_heads, num_blocks
         self.block_size, self.head_dim = block_size, head_dim
@@ -54,9 +64,13 @@ class KVCacheStorage:
 
     def layer(self, index: int) -> LayerKV:
         scales = self.scales
-        return LayerKV(self.values[index, 0], self.values[index, 1],
-                       None if scales is None else scales[index, 0], None if scales is None else scales[index, 1],
-                       self.fmt)
+        return LayerKV(
+            self.values[index, 0],
+            self.values[index, 1],
+            None if scales is None else scales[index, 0],
+            None if scales is None else scales[index, 1],
+            self.fmt,
+        )
 
     # ---- sizes and identity ---------------------------------------------------------------------
     @property
@@ -72,12 +86,13 @@ class KVCacheStorage:
     def layout(self) -> str:
         """What both ends of a KV transfer must agree on, in words: format, block size, head_dim,
         layers. (KV heads are not in it: a decode TP rank holds a slice of the sender's heads.)"""
-        return (f"kv {self.fmt.describe()}, block_size {self.block_size}, head_dim {self.head_dim}, "
-                f"layers {self.num_layers}")
+        return (
+            f"kv {self.fmt.describe()}, block_size {self.block_size}, head_dim {self.head_dim}, "
+            f"layers {self.num_layers}"
+        )
 
     # ---- transfer -------------------------------------------------------------------------------
-    def export_layer(self, layer: int, head_start: int, head_end: int,
-                     block_ids: torch.Tensor) -> list[torch.Tensor]:
+    def export_layer(self, layer: int, head_start: int, head_end: int, block_ids: torch.Tensor) -> list[torch.Tensor]:
         """Layer `layer`'s KV heads [head_start, head_end) of `block_ids` (int64), as sent."""
         heads = slice(head_start, head_end)
         block_ids = block_ids.to(self.values.device)
@@ -101,7 +116,7 @@ class KVCacheStorage:
         if self.scales is not None:
             self.scales[layer].index_copy_(2, block_ids, tensors[1])
 
-    def copy_blocks_from(self, other: "KVCacheStorage", source: Sequence[int], target: Sequence[int]) -> None:
+    def copy_blocks_from(self, other: KVCacheStorage, source: Sequence[int], target: Sequence[int]) -> None:
         """Every layer's KV of `other`'s blocks `source` into our blocks `target` (same layout and heads)."""
         src, dst = (torch.tensor(list(ids), dtype=torch.int64, device=self.values.device) for ids in (source, target))
         for layer in range(self.num_layers):

@@ -1,9 +1,10 @@
 """The offline API in the ecosystem's shape: `LLM(model_dir, **engine_args).generate(prompts, params)`."""
+
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Sequence as Seq
 
 from tqdm import tqdm
 
@@ -37,8 +38,14 @@ class LLM:
             self._tokenizer = load_tokenizer(self.config.model_dir)
         return self._tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
-                 priorities: Seq[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        priorities: Seq[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """One output per prompt, in order, each holding `params.n` completions. Prompts: a string, a
         token-id list, or a list of either. A bad prompt or parameter raises InvalidRequestError before
         any of these requests runs."""
@@ -47,20 +54,22 @@ class LLM:
         prios = _broadcast(0, len(items), "priorities") if priorities is None else list(priorities)
         # Every completion is a sequence of its own: (prompt index, choice index) per sequence.
         owners = [(i, choice) for i, p in enumerate(params) for choice in range(p.n)]
-        ids = self._add_all([items[i] for i, _ in owners], [params[i].for_choice(c) for i, c in owners],
-                            [prios[i] for i, _ in owners])
+        ids = self._add_all(
+            [items[i] for i, _ in owners], [params[i].for_choice(c) for i, c in owners], [prios[i] for i, _ in owners]
+        )
         finished = self._run(ids, use_tqdm)
         seqs: list[list[Sequence]] = [[] for _ in items]
-        for request_id, (i, _) in zip(ids, owners):
+        for request_id, (i, _) in zip(ids, owners, strict=True):
             seqs[i].append(finished[request_id])
-        return [self._output(item, p, s) for item, p, s in zip(items, params, seqs)]
+        return [self._output(item, p, s) for item, p, s in zip(items, params, seqs, strict=True)]
 
     def chat(self, conversations, sampling_params=None, **kwargs) -> list[RequestOutput]:
         """Applies the checkpoint's chat template to one conversation or a list of them."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True)
-                   for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True) for c in conversations
+        ]
         prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
         return self.generate(prompts, sampling_params, **kwargs)
 
@@ -74,7 +83,7 @@ class LLM:
     def _add_all(self, items, params, prios) -> list[str]:
         ids: list[str] = []
         try:
-            for (_, tokens), sampling, priority in zip(items, params, prios):
+            for (_, tokens), sampling, priority in zip(items, params, prios, strict=True):
                 request_id = f"offline-{next(self._request_ids)}"
                 self.engine.add_request(request_id, tokens, sampling, priority=priority)
                 ids.append(request_id)
@@ -96,24 +105,44 @@ class LLM:
                         bar.update()
         return finished
 
-    def _output(self, item: tuple[str | None, list[int]], params: SamplingParams,
-                seqs: list[Sequence]) -> RequestOutput:
+    def _output(
+        self, item: tuple[str | None, list[int]], params: SamplingParams, seqs: list[Sequence]
+    ) -> RequestOutput:
         completions = []
         for index, seq in enumerate(seqs):
-            text = (seq.stop_text if seq.stop_text is not None
-                    else self._decode(seq.output_token_ids, params.skip_special_tokens))
-            metrics = RequestMetrics(seq.arrival_time_s, seq.first_token_time_s, tuple(seq.token_times_s),
-                                     seq.num_spec_steps, seq.num_draft_tokens, seq.num_accepted_tokens)
-            completions.append(CompletionOutput(index, text, tuple(seq.output_token_ids), seq.finish_reason.value,
-                                                metrics, tuple(seq.logprobs) if params.logprobs is not None else None))
+            text = (
+                seq.stop_text
+                if seq.stop_text is not None
+                else self._decode(seq.output_token_ids, params.skip_special_tokens)
+            )
+            assert seq.finish_reason is not None, "_run returns finished sequences only"
+            metrics = RequestMetrics(
+                seq.arrival_time_s,
+                seq.first_token_time_s,
+                tuple(seq.token_times_s),
+                seq.num_spec_steps,
+                seq.num_draft_tokens,
+                seq.num_accepted_tokens,
+            )
+            completions.append(
+                CompletionOutput(
+                    index,
+                    text,
+                    tuple(seq.output_token_ids),
+                    seq.finish_reason.value,
+                    metrics,
+                    tuple(seq.logprobs) if params.logprobs is not None else None,
+                )
+            )
         first = seqs[0]
-        return RequestOutput(first.seq_id, item[0], tuple(first.prompt_token_ids), tuple(completions),
-                             first.num_cached_tokens)
+        return RequestOutput(
+            first.seq_id, item[0], tuple(first.prompt_token_ids), tuple(completions), first.num_cached_tokens
+        )
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         try:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        except Exception:  # a checkpoint without a tokenizer still serves token ids
+        except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer still serves token ids
             return ""
 
 

@@ -7,12 +7,13 @@ One engine serves three roles from the same code:
 - decode: `reserve` allocates blocks for KV that will arrive from a prefill worker, `adopt` then adds
   the sequence (prompt computed, first token sampled) to the running batch.
 """
+
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import torch
 
@@ -55,8 +56,9 @@ class Handoff:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tp: TensorParallelGroup = SINGLE_RANK,
-                 progress: bool = False, on_kv_event=None):
+    def __init__(
+        self, config: EngineConfig, tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False, on_kv_event=None
+    ):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         keep_freed_memory()  # process-wide: an engine's process is there to run the engine
@@ -65,31 +67,46 @@ class LLMEngine:
         self.max_model_len = config.max_len_for(self.model_config)
         draft_model_config = speculative_draft_config(config, self.model_config)
         self.num_blocks = config.num_blocks_for(self.model_config, draft_model_config)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 on_event=on_kv_event)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.prefill_chunk_tokens), self.kv)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.num_blocks, tp,
-                                  progress)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, on_event=on_kv_event)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_tokens), self.kv
+        )
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.num_blocks, tp, progress)
         self.sampler = Sampler(config.seed)
-        self.spec = build_speculative_decoder(config, self.model_config, draft_model_config, self.max_model_len,
-                                              self.num_blocks, self.sampler, progress)
+        self.spec = build_speculative_decoder(
+            config, self.model_config, draft_model_config, self.max_model_len, self.num_blocks, self.sampler, progress
+        )
         self.stops = StopChecker(config.model_dir, self.model_config.eos_token_ids, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, seq_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    priority: int = 0, tenant_salt: str = "", arrival_time_s: float | None = None,
-                    output_token_ids: Seq[int] = ()) -> Sequence:
+    def add_request(
+        self,
+        seq_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        tenant_salt: str = "",
+        arrival_time_s: float | None = None,
+        output_token_ids: Seq[int] = (),
+    ) -> Sequence:
         """Queue a request; raises InvalidRequestError naming the bad field (nothing else changes).
         `output_token_ids`: tokens the request already generated elsewhere (a migrated request resumes
         after them): they are output for penalties, seeded draws (by position), stop strings, min/max
         tokens, and the next token sampled is output number len(output_token_ids)."""
         seq = self._new_sequence(seq_id, prompt_token_ids, params, priority, tenant_salt, arrival_time_s)
         if output_token_ids:
-            check_resumed_outputs(output_token_ids, seq.num_prompt_tokens, params, self.model_config.vocab_size,
-                                  self.max_model_len, self.num_blocks, self.config.block_size)
+            check_resumed_outputs(
+                output_token_ids,
+                seq.num_prompt_tokens,
+                params,
+                self.model_config.vocab_size,
+                self.max_model_len,
+                self.num_blocks,
+                self.config.block_size,
+            )
             seq.token_ids.extend(output_token_ids)
         self.scheduler.add(seq)
         self.seqs[seq_id] = seq
@@ -109,12 +126,26 @@ class LLMEngine:
     def _new_sequence(self, seq_id, prompt_token_ids, params, priority, tenant_salt, arrival_time_s):
         if seq_id in self.seqs:
             raise InvalidRequestError("request_id", f"{seq_id!r} is already in use")
-        tokens = check_new_request(prompt_token_ids, params, priority, self.model_config.vocab_size,
-                                   self.max_model_len, self.num_blocks, self.config.block_size)
+        tokens = check_new_request(
+            prompt_token_ids,
+            params,
+            priority,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.num_blocks,
+            self.config.block_size,
+        )
         namespace = HashNamespace(self.model_config.identity, self.config.block_size, tenant_salt)
-        return Sequence(seq_id=seq_id, token_ids=tokens, num_prompt_tokens=len(tokens), params=params,
-                        hash_namespace=namespace, priority=priority, arrival_order=next(self._arrivals),
-                        arrival_time_s=time.perf_counter() if arrival_time_s is None else arrival_time_s)
+        return Sequence(
+            seq_id=seq_id,
+            token_ids=tokens,
+            num_prompt_tokens=len(tokens),
+            params=params,
+            hash_namespace=namespace,
+            priority=priority,
+            arrival_order=next(self._arrivals),
+            arrival_time_s=time.perf_counter() if arrival_time_s is None else arrival_time_s,
+        )
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[SequenceUpdate]:
@@ -123,13 +154,17 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(lookahead)
         if not scheduled.chunks:
             return self._fail_unschedulable()
-        chunks, drafts = list(scheduled.chunks), {}
-        if lookahead:
+        chunks = list(scheduled.chunks)
+        drafts: dict = {}  # seq id -> Drafts, when speculating
+        if lookahead and self.spec is not None:
             chunks, drafts = self.spec.propose(chunks, self.kv.block_table, self._sampling_row)
         chunks = order_chunks(chunks)
         # (tokens computed, sequences, KV tokens attended) of this step: the step log records it
-        self.last_step_shape = (sum(c.num_new_tokens for c in chunks), len(chunks),
-                                sum(c.start + c.num_new_tokens for c in chunks))
+        self.last_step_shape = (
+            sum(c.num_new_tokens for c in chunks),
+            len(chunks),
+            sum(c.start + c.num_new_tokens for c in chunks),
+        )
         step_input = build_step_input(chunks, self.kv.block_table, self.config.block_size)
         logits = self.execute(step_input)
         updates = self._postprocess(chunks, logits, drafts)
@@ -148,9 +183,9 @@ class LLMEngine:
             if not chunk.samples:
                 self._mark_computed(chunk.seq, chunk.start + chunk.num_new_tokens)
         updates = []
-        for chunk, (tokens, logprobs) in zip(sampling, self._sample(sampling, logits, drafts)):
+        for chunk, (tokens, logprobs) in zip(sampling, self._sample(sampling, logits, drafts), strict=True):
             seq, reason, emitted = chunk.seq, None, []
-            for token, logprob in zip(tokens, logprobs):  # never past a stop: the rest is dropped
+            for token, logprob in zip(tokens, logprobs, strict=True):  # never past a stop: the rest is dropped
                 self._append_token(seq, token, logprob, now)
                 emitted.append(token)
                 reason = self.stops.check(seq, token)
@@ -161,7 +196,7 @@ class LLMEngine:
                 reason = FinishReason.HANDOFF
             if reason is not None:
                 self._finish(seq, reason)
-            elif chunk.num_lookahead_slots:
+            elif chunk.num_lookahead_slots and self.spec is not None:
                 self.spec.rollback(seq, self.kv.truncate)
             updates.append(SequenceUpdate(seq.seq_id, tuple(emitted), reason))
         return updates
@@ -170,8 +205,10 @@ class LLMEngine:
         rows = [self._sampling_row(c.seq, c.draft_token_ids[:j]) for c in chunks for j in range(c.num_logits_rows)]
         if self.spec is not None:
             return self.spec.sample(chunks, logits, rows, drafts)
-        result = self.sampler(logits, rows) if rows else None
-        return [([token], [logprob]) for token, logprob in zip(result.token_ids, result.logprobs)] if rows else []
+        if not rows:
+            return []
+        result = self.sampler(logits, rows)
+        return [([token], [logprob]) for token, logprob in zip(result.token_ids, result.logprobs, strict=True)]
 
     def _fail_unschedulable(self) -> list[SequenceUpdate]:
         # Nothing runs and the head of the queue still does not fit: it grew (prompt + output, after a
@@ -187,8 +224,7 @@ class LLMEngine:
     def _mark_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
         seq.num_computed_tokens = num_computed_tokens
         if self.kv.enable_prefix_caching:
-            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.refresh_block_hashes(),
-                                 seq.num_computed_tokens)
+            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.refresh_block_hashes(), seq.num_computed_tokens)
 
     def _sampling_row(self, seq: Sequence, drafts: Seq[int] = ()) -> SamplingRow:
         """The row sampling `seq`'s next token, or the token after `drafts` (speculative decoding)."""
@@ -222,8 +258,13 @@ class LLMEngine:
     def handoff_blocks(self, seq_id: str) -> Handoff:
         seq = self.seqs[seq_id]
         num_blocks = (seq.num_computed_tokens + self.config.block_size - 1) // self.config.block_size
-        return Handoff(seq_id, tuple(seq.token_ids), seq.num_computed_tokens,
-                       tuple(self.kv.block_table(seq_id)[:num_blocks]), tuple(seq.block_hashes))
+        return Handoff(
+            seq_id,
+            tuple(seq.token_ids),
+            seq.num_computed_tokens,
+            tuple(self.kv.block_table(seq_id)[:num_blocks]),
+            tuple(seq.block_hashes),
+        )
 
     def release(self, seq_id: str) -> None:
         """Drop a sequence's pins after a hand-off (or a reservation that will not be used)."""
@@ -239,11 +280,19 @@ class LLMEngine:
             raise MemoryError(f"no room for {num_tokens} tokens of KV ({self.kv.num_free_blocks} free blocks)")
         return tuple(self.kv.allocate(seq_id, num_tokens))
 
-    def adopt(self, seq_id: str, token_ids: Seq[int], num_prompt_tokens: int, params: SamplingParams, *,
-              priority: int = 0, tenant_salt: str = "", arrival_time_s: float | None = None) -> Sequence:
+    def adopt(
+        self,
+        seq_id: str,
+        token_ids: Seq[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        tenant_salt: str = "",
+        arrival_time_s: float | None = None,
+    ) -> Sequence:
         """Continue a sequence whose first `len(token_ids) - 1` tokens' KV fills its reserved blocks."""
-        seq = self._new_sequence(seq_id, token_ids[:num_prompt_tokens], params, priority, tenant_salt,
-                                 arrival_time_s)
+        seq = self._new_sequence(seq_id, token_ids[:num_prompt_tokens], params, priority, tenant_salt, arrival_time_s)
         seq.token_ids = list(token_ids)
         seq.num_computed_tokens = len(token_ids) - 1
         seq.num_cached_tokens = 0

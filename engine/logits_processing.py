@@ -22,6 +22,7 @@ least likely token up), so kept sets and values match HF's processors bit for bi
 Token ids outside [0, vocab) are ignored everywhere: an embedding table may be padded wider than the LM
 head, and the model cannot produce those ids, so there is nothing to penalise or mask.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -109,8 +110,9 @@ def _apply_repetition_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> N
 
 
 def _apply_presence_frequency_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    penalised = [i for i, row in enumerate(rows)
-                 if row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0]
+    penalised = [
+        i for i, row in enumerate(rows) if row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0
+    ]
     if not penalised:
         return
     index = _index(penalised, x)
@@ -158,8 +160,9 @@ def _apply_min_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> None
     scores[index] = rows.masked_fill(probs < threshold, float("-inf"))
 
 
-def _owned_token_ids(token_id_seqs: Sequence[Sequence[Sequence[int]]],
-                     like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _owned_token_ids(
+    token_id_seqs: Sequence[Sequence[Sequence[int]]], like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten ids into (owner, token_id) index tensors: owner r owns every id in token_id_seqs[r].
 
     Ids outside [0, vocab) are dropped (see the module docstring).

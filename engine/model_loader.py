@@ -4,12 +4,14 @@ Supported architectures are a registry (`ARCHITECTURES`); anything else fails na
 Single-file and sharded (`model.safetensors.index.json`) checkpoints load the same way: every tensor is
 routed to the parameter that owns it, whose `weight_loader` keeps this rank's tensor-parallel slice.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -77,11 +79,15 @@ def load_engine_model_config(engine_cfg: EngineConfig) -> ModelConfig:
     return replace(model, identity=f"{model.identity}/kv-{engine_cfg.kv_format(model).name}")
 
 
-def load_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, max_positions: int,
-               tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False) -> DecoderForCausalLM:
+def load_model(
+    engine_cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    max_positions: int,
+    tp: TensorParallelGroup = SINGLE_RANK,
+    progress: bool = False,
+) -> DecoderForCausalLM:
     with torch.device("cpu"):
-        model = DecoderForCausalLM(model_cfg, max_positions, tp, engine_cfg.quantization,
-                                   engine_cfg.quantize_lm_head)
+        model = DecoderForCausalLM(model_cfg, max_positions, tp, engine_cfg.quantization, engine_cfg.quantize_lm_head)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _weight_files(Path(engine_cfg.model_dir))
@@ -89,13 +95,13 @@ def load_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, max_positions: 
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             with safe_open(path, framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - a safetensors handle has keys() but no __iter__
                     bar.update()
                     if _skipped(name, model_cfg):
                         continue
                     loaded.add(_load_tensor(params, name, handle.get_tensor(name)))
     if model_cfg.tie_word_embeddings and not model.lm_head_shares_embedding:  # a quantized copy of the embedding
-        head = model.lm_head.weight
+        head: Any = model.lm_head.weight  # a Parameter its LinearMethod gave a weight_loader (undeclared)
         head.weight_loader(head, model.model.embed_tokens.weight.to(getattr(head, "load_dtype", head.dtype)))
     derived = {name for name, param in params.items() if hasattr(param, "filled_by")}
     missing = sorted(set(params) - loaded - _tied_names(model_cfg) - derived)
@@ -115,8 +121,7 @@ def _load_tensor(params: dict, name: str, tensor: torch.Tensor) -> str:
     loader = getattr(param, "weight_loader", None)
     if loader is None:
         if param.shape != tensor.shape:
-            raise UnsupportedModelError(f"tensor {name} has shape {tuple(tensor.shape)}, "
-                                        f"expected {tuple(param.shape)}")
+            raise UnsupportedModelError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(tensor.to(param.dtype))
     else:
         loader(param, tensor.to(_load_dtype(param)))
@@ -149,16 +154,18 @@ def _architecture(raw: dict) -> str:
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
-    raise UnsupportedModelError(f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                                f"supported: {known}")
+    raise UnsupportedModelError(f"unsupported architecture {archs or raw.get('model_type')!r}; supported: {known}")
 
 
 def _rope_config(raw: dict) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                     "original_max_position_embeddings") if k in params}
+    fields = {
+        k: params[k]
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if k in params
+    }
     return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
 
 

@@ -4,10 +4,12 @@
 `StepInput` of plain int64 tensors — the one message a tensor-parallel driver sends to its other ranks.
 `ModelRunner.execute` runs the forward pass on any rank and returns logits for the sampling rows.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Protocol, TypeVar, cast
 
 import torch
 
@@ -17,8 +19,8 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kernels import decode_attention_kernel
 from engine.kv_storage import KVCacheStorage
 from engine.model_loader import load_model
+from engine.models.decoder import Attention
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
-from engine.scheduler import ScheduledChunk
 
 
 @dataclass(frozen=True)
@@ -38,29 +40,61 @@ class StepInput:
     def is_decode_only(self) -> bool:
         return not self.prefill_query_lens
 
-    def to(self, device: torch.device) -> "StepInput":
+    def to(self, device: torch.device) -> StepInput:
         """The same step with its tensors on `device` (itself when they are there already)."""
         if self.input_ids.device == device:
             return self
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return replace(self, input_ids=move(self.input_ids), positions=move(self.positions),
-                       slot_mapping=move(self.slot_mapping), decode_context_lens=move(self.decode_context_lens),
-                       decode_block_tables=move(self.decode_block_tables),
-                       prefill_block_tables=tuple(move(t) for t in self.prefill_block_tables),
-                       logits_indices=move(self.logits_indices))
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            positions=move(self.positions),
+            slot_mapping=move(self.slot_mapping),
+            decode_context_lens=move(self.decode_context_lens),
+            decode_block_tables=move(self.decode_block_tables),
+            prefill_block_tables=tuple(move(t) for t in self.prefill_block_tables),
+            logits_indices=move(self.logits_indices),
+        )
 
 
-def order_chunks(chunks: Sequence[ScheduledChunk]) -> list[ScheduledChunk]:
+class _HasSeqId(Protocol):
+    @property
+    def seq_id(self) -> str: ...
+
+
+class StepChunk(Protocol):
+    """What `build_step_input` reads of a chunk: a `ScheduledChunk`, or a draft model's chunk."""
+
+    @property
+    def seq(self) -> _HasSeqId: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def input_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_logits_rows(self) -> int: ...
+
+
+ChunkT = TypeVar("ChunkT", bound=StepChunk)
+
+
+def order_chunks(chunks: Sequence[ChunkT]) -> list[ChunkT]:
     """Single-token chunks first (the batched decode path), then multi-token chunks."""
     return [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens > 1]
 
 
-def build_step_input(chunks: Sequence[ScheduledChunk], block_table: Callable[[str], Sequence[int]],
-                     block_size: int) -> StepInput:
+def build_step_input(
+    chunks: Sequence[StepChunk], block_table: Callable[[str], Sequence[int]], block_size: int
+) -> StepInput:
     """`chunks` must already be in `order_chunks` order. A chunk is anything with `seq`, `start`,
     `num_new_tokens`, `input_token_ids` and `num_logits_rows` (its last rows whose logits are
     returned, in order): a `ScheduledChunk`, or a draft model's chunk (engine/speculative)."""
-    ids, positions, slots, logits_rows = [], [], [], []
+    positions: list[int] = []
+    slots: list[int] = []
+    ids: list[int] = []
+    logits_rows: list[int] = []
     decode_tables, decode_lens = [], []
     prefill_q, prefill_ctx, prefill_tables = [], [], []
     for chunk in chunks:
@@ -105,40 +139,74 @@ def attention_metadata(step: StepInput, block_size: int, native_decode: bool = F
     if step.num_decode_tokens and not native_decode:
         tables = step.decode_block_tables
         decode_slots = (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)
-        padding = torch.arange(decode_slots.shape[1], device=offsets.device)[None, :] >= step.decode_context_lens[:, None]
+        columns = torch.arange(decode_slots.shape[1], device=offsets.device)
+        padding = columns[None, :] >= step.decode_context_lens[:, None]
     segments, start = [], step.num_decode_tokens
-    for q_len, ctx_len, table in zip(step.prefill_query_lens, step.prefill_context_lens,
-                                     step.prefill_block_tables):
+    for q_len, ctx_len, table in zip(
+        step.prefill_query_lens, step.prefill_context_lens, step.prefill_block_tables, strict=True
+    ):
         slots = None
         if ctx_len > q_len:  # attends to earlier KV in the cache (prefix hit or an earlier chunk)
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
         segments.append(PrefillSegment(start, q_len, ctx_len, slots))
         start += q_len
-    return AttentionMetadata(step.slot_mapping, step.num_decode_tokens, step.decode_block_tables,
-                             step.decode_context_lens, decode_slots, padding, tuple(segments))
+    return AttentionMetadata(
+        step.slot_mapping,
+        step.num_decode_tokens,
+        step.decode_block_tables,
+        step.decode_context_lens,
+        decode_slots,
+        padding,
+        tuple(segments),
+    )
 
 
 class ModelRunner:
     """Owns the model weights and this rank's KV cache storage, on the engine's device."""
 
-    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
-                 num_blocks: int, tp: TensorParallelGroup = SINGLE_RANK, progress: bool = False):
+    def __init__(
+        self,
+        engine_cfg: EngineConfig,
+        model_cfg: ModelConfig,
+        max_model_len: int,
+        num_blocks: int,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        progress: bool = False,
+    ):
         self.block_size = engine_cfg.block_size
         self.device = resolve_device(engine_cfg.device)
         self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress).to(self.device)
-        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        # cast: nn.ModuleList's items are typed as plain Modules.
+        kv_heads = cast(Attention, self.model.model.layers[0].self_attn).num_kv_heads
         use_graphs = self.device.type == "cuda" and engine_cfg.cuda_graphs
         # With graphs, one more block than the pool owns: the scratch block padding rows write to.
-        self.kv_cache = KVCacheStorage(engine_cfg.kv_format(model_cfg), model_cfg.num_layers, kv_heads,
-                                       num_blocks + use_graphs, self.block_size, model_cfg.head_dim, self.device)
+        self.kv_cache = KVCacheStorage(
+            engine_cfg.kv_format(model_cfg),
+            model_cfg.num_layers,
+            kv_heads,
+            num_blocks + use_graphs,
+            self.block_size,
+            model_cfg.head_dim,
+            self.device,
+        )
         # A kernel reads the paged cache in place: on CPU the C kernel (fp32 models; other dtypes take
         # the PyTorch path), on CUDA the Triton kernel (every dtype and KV format).
         if self.device.type == "cuda":
             self.native_decode = True
         else:
             self.native_decode = model_cfg.torch_dtype == torch.float32 and decode_attention_kernel() is not None
-        self.graphs = DecodeGraphs(self._decode_logits, self.device, engine_cfg.max_num_seqs, max_model_len,
-                                   self.block_size, scratch_block=num_blocks) if use_graphs else None
+        self.graphs = (
+            DecodeGraphs(
+                self._decode_logits,
+                self.device,
+                engine_cfg.max_num_seqs,
+                max_model_len,
+                self.block_size,
+                scratch_block=num_blocks,
+            )
+            if use_graphs
+            else None
+        )
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
@@ -152,17 +220,20 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor:
         """Runs one step; returns fp32 logits `[len(step.logits_indices), vocab]` on the device."""
         graphs = self.graphs
-        if graphs is not None and step.is_decode_only and graphs.can_run(step.num_decode_tokens,
-                                                                         step.decode_block_tables.shape[1]):
-            logits = graphs.run(step.input_ids, step.positions, step.slot_mapping, step.decode_context_lens,
-                                step.decode_block_tables)
+        if (
+            graphs is not None
+            and step.is_decode_only
+            and graphs.can_run(step.num_decode_tokens, step.decode_block_tables.shape[1])
+        ):
+            logits = graphs.run(
+                step.input_ids, step.positions, step.slot_mapping, step.decode_context_lens, step.decode_block_tables
+            )
             if torch.equal(step.logits_indices, torch.arange(logits.shape[0])):
                 return logits  # every row samples (the usual decode step): no gather
             return logits[step.logits_indices.to(self.device)]
         return self.model.compute_logits(self.forward(step)[step.logits_indices.to(self.device)])
 
-    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata) -> torch.Tensor:
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """What a captured decode graph runs: the forward pass and the logits of every row."""
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta))
 

@@ -1,6 +1,8 @@
 """What the offline API returns per prompt."""
+
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 
@@ -32,7 +34,7 @@ class RequestMetrics:
     @property
     def inter_token_latencies_s(self) -> tuple[float, ...]:
         times = self.token_times_s
-        return tuple(later - earlier for earlier, later in zip(times, times[1:]))
+        return tuple(later - earlier for earlier, later in itertools.pairwise(times))
 
     @property
     def tpot_s(self) -> float | None:

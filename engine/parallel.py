@@ -8,6 +8,7 @@ through `torch.distributed.all_reduce`: that needs a global default group, and a
 holds several independent per-pair groups for KV transfer, so none of them may be "the" default.
 Every collective is bounded by a timeout: a dead or hung peer raises `CollectiveError`, never hangs.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -63,8 +64,14 @@ class TensorParallelGroup:
     every collective that does not pass its own.
     """
 
-    def __init__(self, rank: int = 0, size: int = 1, process_group=None,
-                 timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        rank: int = 0,
+        size: int = 1,
+        process_group=None,
+        timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+        device: torch.device | str = "cpu",
+    ):
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} is outside [0, {size})")
         if size > 1 and process_group is None:
@@ -90,8 +97,9 @@ class TensorParallelGroup:
         lets a receiver wait less than a collective may take, e.g. for heartbeats.
         """
         if self.size > 1:
-            self._collective("broadcast", tensor, lambda pg, buf, timeout: pg.broadcast(buf, src_rank, timeout),
-                             timeout_s)
+            self._collective(
+                "broadcast", tensor, lambda pg, buf, timeout: pg.broadcast(buf, src_rank, timeout), timeout_s
+            )
         return tensor
 
     def shard(self, total: int, what: str) -> int:
@@ -118,8 +126,10 @@ class TensorParallelGroup:
             # carries it too (NCCL's wait is where a stuck kernel is noticed).
             post(self._process_group, buffer, timeout).wait(timeout)
         except RuntimeError as exc:  # DistError and backend errors (timeouts, closed connections)
-            raise CollectiveError(f"tensor-parallel {what} failed on rank {self.rank} of {self.size} "
-                                  f"(timeout {timeout_s:g} s): {_first_line(exc)}") from None
+            raise CollectiveError(
+                f"tensor-parallel {what} failed on rank {self.rank} of {self.size} "
+                f"(timeout {timeout_s:g} s): {_first_line(exc)}"
+            ) from None
         if buffer is not tensor:
             tensor.copy_(buffer)
 

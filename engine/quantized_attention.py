@@ -9,6 +9,7 @@ are the query heads sharing a KV head, and a prefill chunk's rows are (token, he
 sees key positions `<= limit[batch, row]`; position 0 is always visible, so the first chunk makes
 every row's running max finite and later all-masked chunks add exact zeros.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ from engine.kv_storage import LayerKV
 CHUNK_BLOCKS = 16  # blocks per sequence dequantized at once
 
 
-def quantized_decode_attention(q: torch.Tensor, cache: LayerKV, block_tables: torch.Tensor,
-                               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def quantized_decode_attention(
+    q: torch.Tensor, cache: LayerKV, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [batch, heads, head_dim] (one query per sequence) → [batch, heads * head_dim]."""
     batch, num_heads, head_dim = q.shape
     kv_heads = cache.k.shape[0]
@@ -29,8 +31,9 @@ def quantized_decode_attention(q: torch.Tensor, cache: LayerKV, block_tables: to
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads * head_dim).to(q.dtype)
 
 
-def quantized_prefill_attention(q: torch.Tensor, cache: LayerKV, context_slots: torch.Tensor,
-                                context_len: int, scale: float) -> torch.Tensor:
+def quantized_prefill_attention(
+    q: torch.Tensor, cache: LayerKV, context_slots: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
     """One sequence's chunk: q [query_len, heads, head_dim], attending causally to its `context_len`
     cached tokens (its own new ones included) → [query_len, heads * head_dim]."""
     query_len, num_heads, head_dim = q.shape
@@ -41,12 +44,17 @@ def quantized_prefill_attention(q: torch.Tensor, cache: LayerKV, context_slots: 
     first = context_len - query_len  # absolute position of the chunk's first token
     limits = torch.arange(first, context_len, device=q.device).repeat_interleave(group)[None, :]
     out = _attend(queries, cache, table[None, :], limits, scale)  # [kv_heads, 1, query_len * group, dim]
-    return out.view(kv_heads, query_len, group, head_dim).permute(1, 0, 2, 3).reshape(
-        query_len, num_heads * head_dim).to(q.dtype)
+    return (
+        out.view(kv_heads, query_len, group, head_dim)
+        .permute(1, 0, 2, 3)
+        .reshape(query_len, num_heads * head_dim)
+        .to(q.dtype)
+    )
 
 
-def _attend(queries: torch.Tensor, cache: LayerKV, tables: torch.Tensor, limits: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _attend(
+    queries: torch.Tensor, cache: LayerKV, tables: torch.Tensor, limits: torch.Tensor, scale: float
+) -> torch.Tensor:
     """queries [kv_heads, batch, rows, dim]; tables [batch, blocks]; limits [batch, rows] → like queries."""
     block_size = cache.k.shape[2]
     queries = queries.float() * scale
@@ -56,7 +64,7 @@ def _attend(queries: torch.Tensor, cache: LayerKV, tables: torch.Tensor, limits:
     running_sum = torch.zeros(kv_heads, batch, rows, 1, device=device)
     acc = torch.zeros(kv_heads, batch, rows, dim, device=device)
     for start in range(0, tables.shape[1], CHUNK_BLOCKS):
-        blocks = tables[:, start:start + CHUNK_BLOCKS]
+        blocks = tables[:, start : start + CHUNK_BLOCKS]
         keys, values = _dequantized(cache, blocks)  # [kv_heads, batch, tokens, dim]
         positions = start * block_size + torch.arange(keys.shape[2], device=device)
         hidden = positions[None, None, :] > limits[:, :, None]  # [batch, rows, tokens]
@@ -76,6 +84,7 @@ def _dequantized(cache: LayerKV, blocks: torch.Tensor) -> tuple[torch.Tensor, to
     batch, count = blocks.shape
     out = []
     for values, scales in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        assert scales is not None, "a quantized format stores scales"
         chunk = cache.fmt.dequantize(values[:, blocks], scales[:, blocks])  # [kv_heads, batch, n, block, dim]
         out.append(chunk.view(kv_heads, batch, count * block_size, dim))
     return out[0], out[1]

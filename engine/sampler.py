@@ -22,6 +22,7 @@ Per row, in order:
 When every row is greedy with no penalties, no min_tokens masking in effect and no logprobs, the step is
 one batched argmax with no per-row tensor work: the common case for evaluation and benchmarks.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -31,8 +32,15 @@ import torch
 
 from engine.logits_processing import SamplingRow, check_batch_shape, processed_logits
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "processed_logits",
-           "row_generator_seed", "token_logprobs"]
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRow",
+    "TokenLogprobs",
+    "processed_logits",
+    "row_generator_seed",
+    "token_logprobs",
+]
 
 _MASK_64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / golden ratio, made odd
@@ -141,12 +149,12 @@ class Sampler:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    return (row.params.greedy and not row.has_penalties and not row.masks_stop_ids
-            and row.params.logprobs is None)
+    return row.params.greedy and not row.has_penalties and not row.masks_stop_ids and row.params.logprobs is None
 
 
-def token_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
-                   token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
+def token_logprobs(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+) -> list[TokenLogprobs | None]:
     """Step 5's logprobs of `token_ids` (one per row) under the raw `logits`; None where not asked."""
     result: list[TokenLogprobs | None] = [None] * len(rows)
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
@@ -155,12 +163,12 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
     index = _index(wanted, logits)
     raw = logits[index].to(torch.float32).log_softmax(dim=-1)
     sampled = raw.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
-    top_n = min(max(rows[i].params.logprobs for i in wanted), raw.shape[1])
-    top_values, top_ids = raw.topk(top_n, dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_n = min(max(rows[i].params.logprobs or 0 for i in wanted), raw.shape[1])
+    best = raw.topk(top_n, dim=-1)
+    top_values, top_ids = best.values.tolist(), best.indices.tolist()
     for j, i in enumerate(wanted):
         n = rows[i].params.logprobs
-        top = tuple(zip(top_ids[j][:n], top_values[j][:n]))
+        top = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
         result[i] = TokenLogprobs(sampled_logprob=sampled[j], top=top)
     return result
 

@@ -5,6 +5,7 @@ Defaults follow the ecosystem (vLLM / OpenAI): `temperature == 0` means greedy; 
 `n` is for whoever fans a prompt out (the offline `LLM`, the OpenAI front): one engine sequence
 always generates one completion.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def for_choice(self, index: int) -> "SamplingParams":
+    def for_choice(self, index: int) -> SamplingParams:
         """The params of completion `index` of n: one sequence, seed + index when seeded (so the
         choices differ, and each is reproducible)."""
         seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
@@ -55,28 +56,49 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-               "min_tokens", "must be an integer in [0, max_tokens]")
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be an integer in [0, max_tokens]",
+        )
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature", "must be finite and >= 0")
-        _check(self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
-               "top_k", "must be None (disabled) or an integer >= 1")
+        _check(
+            self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
+            "top_k",
+            "must be None (disabled) or an integer >= 1",
+        )
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
-               "repetition_penalty", "must be finite and > 0")
-        _check(_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-               "presence_penalty", "must be in [-2, 2]")
-        _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-               "frequency_penalty", "must be in [-2, 2]")
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
-               "seed", f"must be None or an integer in [0, {MAX_SEED}]")
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            "must be finite and > 0",
+        )
+        _check(
+            _finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+            "seed",
+            f"must be None or an integer in [0, {MAX_SEED}]",
+        )
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be None or an integer in [0, {MAX_LOGPROBS}]",
+        )
 
 
 def _is_int(value) -> bool:

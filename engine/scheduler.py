@@ -11,6 +11,7 @@ Each step:
 The scheduler asks the KV manager (`can_allocate`) before it acts (`allocate`); it never touches
 block lists itself.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -53,8 +54,8 @@ class ScheduledChunk:
     def input_token_ids(self) -> list[int]:
         end = self.start + self.num_new_tokens
         if not self.draft_token_ids:
-            return self.seq.token_ids[self.start:end]
-        return (self.seq.token_ids + list(self.draft_token_ids))[self.start:end]
+            return self.seq.token_ids[self.start : end]
+        return (self.seq.token_ids + list(self.draft_token_ids))[self.start : end]
 
     @property
     def num_logits_rows(self) -> int:

@@ -4,13 +4,18 @@ The one rule behind chunked prefill, prefix hits, preemption and prefill-here/de
 computes some of the tokens in `[num_computed_tokens, num_tokens)`; once a sequence has computed all
 its tokens, the step's logits sample the next token. Everything else is derived from the counters.
 """
+
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, HashNamespace, extend_block_hashes
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -19,7 +24,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and format() of members
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's length limit
     ABORT = "abort"  # cancelled by the caller
@@ -52,7 +57,7 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     stop_text: str | None = None  # output text when a stop string ended the sequence (cut before it)
-    detokenizer: object | None = field(default=None, repr=False)  # only for stop strings
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)  # only for stop strings
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +73,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -4,6 +4,7 @@ The engine loop appends one `StepRecord` per step (on its thread); workers hand 
 the router with their stats, which fits prefill time against tokens and decode step time against
 batch size and context (admission control), and exports them as metrics.
 """
+
 from __future__ import annotations
 
 import threading
@@ -12,7 +13,8 @@ from typing import NamedTuple
 
 
 class StepRecord(NamedTuple):
-    index: int  # 1, 2, ... per engine: readers skip what they have seen
+    # A field named like tuple.index, which it shadows (mypy: assignment); only ever read as a field.
+    index: int  # type: ignore[assignment]  # 1, 2, ... per engine: readers skip what they have seen
     duration_s: float
     num_tokens: int  # tokens computed this step (prefill chunks + one per decoding sequence)
     num_seqs: int  # sequences in the batch

@@ -1,4 +1,5 @@
 """Decides, after each sampled token, whether a sequence is done and why."""
+
 from __future__ import annotations
 
 from engine.sequence import FinishReason, Sequence
@@ -46,5 +47,5 @@ class StopChecker:
             return False
         index, stop = hit
         # The stop string itself is not part of the output unless the request asked for it.
-        seq.stop_text = seq.detokenizer.text[:index + len(stop) * seq.params.include_stop_str_in_output]
+        seq.stop_text = seq.detokenizer.text[: index + len(stop) * seq.params.include_stop_str_in_output]
         return True

@@ -6,9 +6,10 @@ reads every earlier token's KV from the paged cache, exactly as generation does,
 cache or quantized weights are measured where they act. Sequences decode together in one batch.
 Used by the quantization accuracy report (benchmarks/quant_accuracy.py) and its tests.
 """
+
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -21,10 +22,11 @@ from engine.sequence import Sequence
 
 
 @torch.inference_mode()
-def teacher_forced_logits(engine: LLMEngine, prompts: Seq[Seq[int]],
-                          continuations: Seq[Seq[int]]) -> list[torch.Tensor]:
+def teacher_forced_logits(
+    engine: LLMEngine, prompts: Seq[Seq[int]], continuations: Seq[Seq[int]]
+) -> list[torch.Tensor]:
     """fp32 logits `[len(continuation), vocab]` per sequence; the engine must be idle (its blocks free)."""
-    if len(prompts) != len(continuations) or any(not p or not c for p, c in zip(prompts, continuations)):
+    if len(prompts) != len(continuations) or any(not p or not c for p, c in zip(prompts, continuations, strict=True)):
         raise ValueError("teacher forcing needs one non-empty continuation per non-empty prompt")
     seqs = [_sequence(engine, f"teacher-forced-{i}", p) for i, p in enumerate(prompts)]
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -48,9 +50,15 @@ def teacher_forced_logits(engine: LLMEngine, prompts: Seq[Seq[int]],
 
 def _sequence(engine: LLMEngine, seq_id: str, prompt: Seq[int]) -> Sequence:
     namespace = HashNamespace(engine.model_config.identity, engine.config.block_size)
-    return Sequence(seq_id=seq_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                    params=SamplingParams(temperature=0.0), hash_namespace=namespace, arrival_time_s=0.0,
-                    arrival_order=0)
+    return Sequence(
+        seq_id=seq_id,
+        token_ids=list(prompt),
+        num_prompt_tokens=len(prompt),
+        params=SamplingParams(temperature=0.0),
+        hash_namespace=namespace,
+        arrival_time_s=0.0,
+        arrival_order=0,
+    )
 
 
 def _prefill(engine: LLMEngine, seq: Sequence) -> torch.Tensor:

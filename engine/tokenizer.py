@@ -1,4 +1,5 @@
 """Tokenizer loading and incremental detokenization (for streaming text and stop strings)."""
+
 from __future__ import annotations
 
 from pathlib import Path

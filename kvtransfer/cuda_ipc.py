@@ -13,10 +13,11 @@ the layout alone): the storage's IPC handle, size and offset in its allocation, 
 counter and event handles PyTorch's sharing needs, and the tensor's byte offset and length. The
 event makes the receiver's copy wait for the sender's writes to the tensor.
 """
+
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,7 +33,9 @@ def export_handles(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         raw = json.dumps(record).encode()
         if len(raw) > RECORD_BYTES:
             raise ValueError(f"CUDA IPC record of {len(raw)} bytes exceeds {RECORD_BYTES}")
-        out[index * RECORD_BYTES:index * RECORD_BYTES + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out[index * RECORD_BYTES : index * RECORD_BYTES + len(raw)] = torch.frombuffer(
+            bytearray(raw), dtype=torch.uint8
+        )
     return out
 
 
@@ -49,11 +52,13 @@ def copy_from_handles(records: torch.Tensor, out: Sequence[torch.Tensor]) -> Non
     # allocation, and PyTorch maps an allocation once while a reference to it is alive.
     sources = []
     for index, target in enumerate(targets):
-        raw = bytes(records[index * RECORD_BYTES:(index + 1) * RECORD_BYTES].numpy()).rstrip(b"\0")
+        raw = bytes(records[index * RECORD_BYTES : (index + 1) * RECORD_BYTES].numpy()).rstrip(b"\0")
         sources.append(_open(json.loads(raw), target.device))
         if sources[-1].numel() != target.numel() * target.element_size():
-            raise ValueError(f"CUDA IPC record {index} holds {sources[-1].numel()} bytes, expected "
-                             f"{target.numel() * target.element_size()}")
+            raise ValueError(
+                f"CUDA IPC record {index} holds {sources[-1].numel()} bytes, expected "
+                f"{target.numel() * target.element_size()}"
+            )
         target.view(-1).view(torch.uint8).copy_(sources[-1], non_blocking=True)
     if targets:
         torch.cuda.current_stream(targets[0].device).synchronize()
@@ -64,19 +69,34 @@ def _record(tensor: torch.Tensor) -> dict:
     if not tensor.is_cuda or not tensor.is_contiguous():
         raise ValueError("CUDA IPC moves contiguous CUDA tensors only")
     flat = tensor.view(-1).view(torch.uint8)
-    (device, handle, size_bytes, offset_bytes, counter_handle, counter_offset, event_handle,
-     event_sync) = flat.untyped_storage()._share_cuda_()
-    return {"device": device, "handle": handle.hex(), "size": size_bytes, "offset": offset_bytes,
-            "counter": counter_handle.hex(), "counter_offset": counter_offset,
-            "event": event_handle.hex() if event_handle else "", "event_sync": bool(event_sync),
-            "start": flat.storage_offset(), "bytes": flat.numel()}
+    (device, handle, size_bytes, offset_bytes, counter_handle, counter_offset, event_handle, event_sync) = (
+        flat.untyped_storage()._share_cuda_()
+    )
+    return {
+        "device": device,
+        "handle": handle.hex(),
+        "size": size_bytes,
+        "offset": offset_bytes,
+        "counter": counter_handle.hex(),
+        "counter_offset": counter_offset,
+        "event": event_handle.hex() if event_handle else "",
+        "event_sync": bool(event_sync),
+        "start": flat.storage_offset(),
+        "bytes": flat.numel(),
+    }
 
 
 def _open(record: dict, device: torch.device) -> torch.Tensor:
     """Maps the sender's memory on `device` (the same GPU, whatever its index in this process)."""
     storage = torch.UntypedStorage._new_shared_cuda(
-        device.index, bytes.fromhex(record["handle"]), record["size"], record["offset"],
-        bytes.fromhex(record["counter"]), record["counter_offset"],
-        bytes.fromhex(record["event"]) if record["event"] else None, record["event_sync"])
+        device.index,
+        bytes.fromhex(record["handle"]),
+        record["size"],
+        record["offset"],
+        bytes.fromhex(record["counter"]),
+        record["counter_offset"],
+        bytes.fromhex(record["event"]) if record["event"] else None,
+        record["event_sync"],
+    )
     view = torch.empty(0, dtype=torch.uint8, device=device)
-    return view.set_(storage, record["start"], (record["bytes"],))
+    return view.set_(storage, record["start"], (record["bytes"],), (1,))  # contiguous bytes

@@ -20,11 +20,12 @@ Lifecycle of one hand-off (every step bounded by the lease deadline):
 Both sides read and write their caches only through `KVCacheStorage` (its transfer methods and
 `layout`), never its tensors.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -65,18 +66,23 @@ class HandoffHeader:
     kv_layout: str  # the sender's KVCacheStorage.layout: the receiver stores nothing unless it is its own
 
     def encode(self) -> list[torch.Tensor]:
-        name, layout = _text(self.request_id, REQUEST_ID_BYTES, "request id"), _text(self.kv_layout, KV_LAYOUT_BYTES,
-                                                                                      "KV layout")
+        name, layout = (
+            _text(self.request_id, REQUEST_ID_BYTES, "request id"),
+            _text(self.kv_layout, KV_LAYOUT_BYTES, "KV layout"),
+        )
         lengths = [len(self.request_id.encode()), len(self.kv_layout.encode())]
         return [torch.tensor([*lengths, self.num_tokens, self.num_blocks], dtype=torch.int64), name, layout]
 
     @staticmethod
     def buffers() -> list[torch.Tensor]:
-        return [torch.zeros(4, dtype=torch.int64), torch.zeros(REQUEST_ID_BYTES, dtype=torch.uint8),
-                torch.zeros(KV_LAYOUT_BYTES, dtype=torch.uint8)]
+        return [
+            torch.zeros(4, dtype=torch.int64),
+            torch.zeros(REQUEST_ID_BYTES, dtype=torch.uint8),
+            torch.zeros(KV_LAYOUT_BYTES, dtype=torch.uint8),
+        ]
 
     @classmethod
-    def decode(cls, buffers: list[torch.Tensor]) -> "HandoffHeader":
+    def decode(cls, buffers: list[torch.Tensor]) -> HandoffHeader:
         id_length, layout_length, num_tokens, num_blocks = (int(v) for v in buffers[0])
         request_id = bytes(buffers[1][:id_length].tolist()).decode()
         return cls(request_id, num_tokens, num_blocks, bytes(buffers[2][:layout_length].tolist()).decode())
@@ -95,8 +101,10 @@ def layout_mismatch(sender: str, receiver: str, sender_layout: str, receiver_lay
     """Why two KV layouts cannot exchange blocks (naming both sides), or None when they can."""
     if sender_layout == receiver_layout:
         return None
-    return (f"KV layout mismatch: {sender} stores [{sender_layout}], {receiver} stores [{receiver_layout}]; "
-            "blocks move as stored, so both sides need the same kv_cache_dtype")
+    return (
+        f"KV layout mismatch: {sender} stores [{sender_layout}], {receiver} stores [{receiver_layout}]; "
+        "blocks move as stored, so both sides need the same kv_cache_dtype"
+    )
 
 
 def remaining_s(deadline_s: float) -> float:
@@ -118,8 +126,14 @@ def call_timeout_s(deadline_s: float) -> float:
     return max(deadline_s - time.time(), CONVERSATION_GRACE_S)
 
 
-def send_sequence_kv(transport: KVTransport, kv: KVCacheStorage, block_ids: Sequence[int],
-                     num_tokens: int, request_id: str, target: HandoffTarget) -> int:
+def send_sequence_kv(
+    transport: KVTransport,
+    kv: KVCacheStorage,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    request_id: str,
+    target: HandoffTarget,
+) -> int:
     """Prefill side: send one sequence's KV to every rank of the target and collect their acks.
     Returns the payload bytes sent; raises TransferError (caller releases its pins either way)."""
     header = HandoffHeader(request_id, num_tokens, len(block_ids), kv.layout)
@@ -153,13 +167,20 @@ def recv_header(transport: KVTransport, peer: PeerId, deadline_s: float) -> Hand
     return HandoffHeader.decode(buffers)
 
 
-def recv_sequence_kv(transport: KVTransport, kv: KVCacheStorage, peer: PeerId, header: HandoffHeader,
-                     block_ids: Sequence[int], deadline_s: float) -> None:
+def recv_sequence_kv(
+    transport: KVTransport,
+    kv: KVCacheStorage,
+    peer: PeerId,
+    header: HandoffHeader,
+    block_ids: Sequence[int],
+    deadline_s: float,
+) -> None:
     """Decode rank side, after `recv_header` (and the layout check): receive every layer into the
     reserved blocks, then ack. `kv` is this rank's cache (its own KV heads)."""
     if header.num_blocks != len(block_ids):
-        raise TransferError(peer, f"{header.request_id!r}: sender has {header.num_blocks} blocks, "
-                                  f"the reservation {len(block_ids)}")
+        raise TransferError(
+            peer, f"{header.request_id!r}: sender has {header.num_blocks} blocks, the reservation {len(block_ids)}"
+        )
     index = torch.tensor(list(block_ids), dtype=torch.int64)
     staging = kv.staging(len(block_ids))
     for layer in range(kv.num_layers):

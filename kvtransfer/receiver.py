@@ -4,11 +4,13 @@ Two users. A decode rank: rank 0 reserves blocks for a request and registers the
 rank (`expect`); the prefill worker, right before it sends, asks each rank to `receive` (so no rank
 ever blocks on an idle channel). A prefill worker pulling a cached prefix from a peer: it reserves
 blocks for the prefix and expects them with `allow_fewer_blocks` (the holder may have lost some of
-the tail since the router looked; the header says how many come). A transfer is accepted only while its expectation is pending and its lease has time left;
+the tail since the router looked; the header says how many come). A transfer is accepted only while
+its expectation is pending and its lease has time left;
 one that arrives for a cancelled or unknown request is drained into scratch space and refused, so
 blocks that may already belong to another sequence are never written. `cancel` waits for a receive
 in progress to end, which is what lets rank 0 free a reservation safely.
 """
+
 from __future__ import annotations
 
 import enum
@@ -21,7 +23,6 @@ import torch
 from engine.kv_storage import KVCacheStorage
 from kvtransfer.handoff import HandoffHeader, call_timeout_s, layout_mismatch, recv_header, recv_sequence_kv
 from kvtransfer.transport import KVTransport, PeerId, TransferError
-
 
 REFUSED_DEADLINE_S = 10.0  # how long a refused transfer may take to drain
 PEER_WAIT_S = 120.0  # bound on waiting for the previous conversation with the same peer
@@ -57,8 +58,9 @@ class KVReceiver:
         self._peer_locks: dict[PeerId, threading.Lock] = {}
         self.delay_s = 0.0  # fault injection for tests: stall before receiving
 
-    def expect(self, request_id: str, block_ids: tuple[int, ...], deadline_s: float, *,
-               allow_fewer_blocks: bool = False) -> None:
+    def expect(
+        self, request_id: str, block_ids: tuple[int, ...], deadline_s: float, *, allow_fewer_blocks: bool = False
+    ) -> None:
         with self._lock:
             self._expected[request_id] = Expected(tuple(block_ids), deadline_s, allow_fewer_blocks)
 
@@ -79,10 +81,12 @@ class KVReceiver:
     def _receive(self, peer: PeerId, request_id: str) -> None:
         with self._lock:
             entry = self._expected.get(request_id)
-            accepted = entry is not None and entry.state is TransferState.PENDING and time.time() < entry.deadline_s
-            if accepted:
+            if entry is not None and not (entry.state is TransferState.PENDING and time.time() < entry.deadline_s):
+                entry = None  # cancelled, already receiving, or its lease is over: refused below
+            accepted = entry is not None
+            if entry is not None:
                 entry.state = TransferState.RECEIVING
-        deadline_s = entry.deadline_s if accepted else time.time() + REFUSED_DEADLINE_S
+        deadline_s = entry.deadline_s if entry is not None else time.time() + REFUSED_DEADLINE_S
         if self.delay_s:
             time.sleep(self.delay_s)
         try:
@@ -91,11 +95,12 @@ class KVReceiver:
             if mismatch is not None:
                 self._refuse_layout(peer, header, deadline_s)
                 raise TransferError(peer, mismatch)
-            block_ids, problem = self._fit(entry if accepted else None, request_id, header)
+            block_ids, problem = self._fit(entry, request_id, header)
             if problem is not None:
                 self._drain(peer, header, deadline_s)
                 raise TransferError(peer, problem)
             recv_sequence_kv(self.transport, self.kv, peer, header, block_ids, deadline_s)
+            assert entry is not None, "_fit refuses a transfer nobody expects"
             entry.num_blocks_received = len(block_ids)
             self._finish(request_id, TransferState.DONE, None)
         except TransferError as err:
@@ -112,9 +117,10 @@ class KVReceiver:
             return (), f"{request_id!r} is not expected here (cancelled or lease over)"
         fewer = entry.allow_fewer_blocks and 0 < header.num_blocks <= len(entry.block_ids)
         if header.num_blocks != len(entry.block_ids) and not fewer:
-            return (), (f"{request_id!r}: sender has {header.num_blocks} blocks, the reservation "
-                        f"{len(entry.block_ids)}")
-        return entry.block_ids[:header.num_blocks], None
+            return (), (
+                f"{request_id!r}: sender has {header.num_blocks} blocks, the reservation {len(entry.block_ids)}"
+            )
+        return entry.block_ids[: header.num_blocks], None
 
     def _peer_lock(self, peer: PeerId) -> threading.Lock:
         with self._lock:

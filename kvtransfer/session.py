@@ -4,8 +4,9 @@ A `HandoffSession` starts once the prefill worker sampled the sequence's first t
 pinned) and runs (DESIGN.md lifecycle step 5):
 
 1. **reserve** — ask the decode instance for blocks (its reply names how it stores KV: a pair whose
-   layouts differ — another kv_cache_dtype — stops here, naming both, and drops the reservation). The reservation (and its lease) starts here, not
-   when the request arrived, so a request still queued for prefill never holds decode memory. A full
+   layouts differ — another kv_cache_dtype — stops here, naming both, and drops the reservation).
+   The reservation (and its lease) starts here,
+   not when the request arrived, so a request still queued for prefill never holds decode memory. A full
    decode pool is not a failure: the session retries with backoff until the request's own deadline;
    meanwhile the prefill side keeps its pins, which back-pressures prefill instead of failing anyone.
 2. **announce** — every decode rank posts a receive for this sender (so no rank ever waits on an idle
@@ -20,14 +21,16 @@ nothing left to free, and a live one's lease frees it anyway) and raises `Handof
 step. `cancel()` (the request was aborted) stops the session at its next step the same way.
 Workers are thin adapters around it: the decode instance is reached through a `DecodeEndpoint`.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s, layout_mismatch
 
@@ -108,10 +111,18 @@ class HandoffSession:
     `deadline_s` (time.time()) is the request's: no step outlives it. `kv_layout` (the sender's
     `KVCacheStorage.layout`, and who it is) is compared with the reservation's before anything moves."""
 
-    def __init__(self, request_id: str, num_tokens: int, endpoint: DecodeEndpoint,
-                 send: Callable[[HandoffTarget], int], release: Callable[[], None], sender: KVSender,
-                 deadline_s: float, timeouts: HandoffTimeouts = HandoffTimeouts(),
-                 kv_layout: tuple[str, str] | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        num_tokens: int,
+        endpoint: DecodeEndpoint,
+        send: Callable[[HandoffTarget], int],
+        release: Callable[[], object],
+        sender: KVSender,
+        deadline_s: float,
+        timeouts: HandoffTimeouts = HandoffTimeouts(),
+        kv_layout: tuple[str, str] | None = None,
+    ):
         self.request_id, self.num_tokens, self.endpoint = request_id, num_tokens, endpoint
         self._send, self._release, self._sender = send, release, sender
         self._kv_layout = kv_layout
@@ -154,8 +165,9 @@ class HandoffSession:
             except DecodeFull:
                 left_s = self.deadline_s - time.time()
                 if left_s <= 0:
-                    raise HandoffFailed("reserve", "the decode instance stayed full until the request's "
-                                                   "deadline") from None
+                    raise HandoffFailed(
+                        "reserve", "the decode instance stayed full until the request's deadline"
+                    ) from None
                 await self._sleep_unless_cancelled(min(wait_s, left_s))
                 wait_s = min(wait_s * 2, self.timeouts.full_backoff_max_s)
 
@@ -184,7 +196,7 @@ class HandoffSession:
             wait_s = call_timeout_s(target.lease_deadline_s)
             try:
                 await asyncio.wait_for(asyncio.gather(*confirmations), wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise HandoffFailed("ack", f"decode ranks did not confirm within {wait_s:.1f} s") from None
             except Exception as err:
                 raise HandoffFailed("ack", f"{type(err).__name__}: {err}", decode_lost=True) from err
@@ -199,24 +211,21 @@ class HandoffSession:
             return await asyncio.wait_for(call, timeout_s)
         except (DecodeFull, HandoffFailed):
             raise
-        except asyncio.TimeoutError:
-            raise HandoffFailed(step, f"the decode instance did not answer within {timeout_s:.1f} s",
-                                decode_lost=True) from None
+        except TimeoutError:
+            raise HandoffFailed(
+                step, f"the decode instance did not answer within {timeout_s:.1f} s", decode_lost=True
+            ) from None
         except Exception as err:
             raise HandoffFailed(step, f"{type(err).__name__}: {err}", decode_lost=True) from err
 
     async def _cancel_reservation(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # dead or slow: its lease frees the blocks; nothing more to do here
             await asyncio.wait_for(self.endpoint.cancel(), self.timeouts.call_s)
-        except Exception:  # dead or slow: its lease frees the blocks; nothing more to do here
-            pass
 
     def _check_cancelled(self, step: str) -> None:
         if self._cancelled.is_set():
             raise HandoffFailed(step, f"{self.request_id!r} was aborted")
 
     async def _sleep_unless_cancelled(self, seconds: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._cancelled.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass

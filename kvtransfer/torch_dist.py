@@ -29,8 +29,9 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed import DistError
@@ -86,7 +87,8 @@ class _Channel:
         error = _post_and_wait(self, [] if posted else [("recv", header, _DATA)], deadline_s, [early] if posted else [])
         if error is None and header[:3].tolist() != [_MAGIC, self.generation, sequence]:
             error = f"protocol violated: header {header[:3].tolist()}, expected {[_MAGIC, self.generation, sequence]}"
-        error = error or layout.mismatch(MessageLayout(*header[3:].tolist(), description="?"))
+        num_tensors, num_bytes, digest = header[3:].tolist()
+        error = error or layout.mismatch(MessageLayout(num_tensors, num_bytes, digest, description="?"))
         if error is not None:
             return error
         staged = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format) for t in out]
@@ -99,7 +101,7 @@ class _Channel:
             error = _copy_from_peer(records, staged)
         if error is not None:
             return error
-        for target, buffer in zip(out, staged):
+        for target, buffer in zip(out, staged, strict=True):
             if target is not buffer:
                 target.copy_(buffer)
         self.messages_received += 1
@@ -140,8 +142,16 @@ class TorchDistTransport(KVTransport):
     channel creation; each call's ``timeout_s`` bounds the whole call further.
     """
 
-    def __init__(self, local_id: PeerId, store_host: str, store_port: int, *, backend: str = "auto",
-                 max_pairs: int = 16, connect_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        local_id: PeerId,
+        store_host: str,
+        store_port: int,
+        *,
+        backend: str = "auto",
+        max_pairs: int = 16,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
         if backend not in _BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_BACKENDS)}")
         if max_pairs < 1 or connect_timeout_s <= 0:
@@ -219,8 +229,9 @@ class TorchDistTransport(KVTransport):
         if not followed:
             raise TransferError(peer, error if peer_reason is None else f"the peer reset the channel: {peer_reason}")
 
-    def _channel_for(self, peer: PeerId, rendezvous: PairRendezvous, device: torch.device,
-                     deadline_s: float) -> _Channel:
+    def _channel_for(
+        self, peer: PeerId, rendezvous: PairRendezvous, device: torch.device, deadline_s: float
+    ) -> _Channel:
         """The channel with ``peer``, checked to still be the pair's newest generation, or a new one."""
         backend = self._backend if self._backend != "auto" else ("cuda" if device.type == "cuda" else "gloo")
         with self._lock:
@@ -230,8 +241,7 @@ class TorchDistTransport(KVTransport):
             self.close_peer(peer)  # other device: the peer follows as after any clean close
             channel = None
         # gloo reports a peer's close on the socket itself (see _handle_failure); NCCL asks the store.
-        ask_store = channel is not None and channel.backend == "nccl"
-        if ask_store and rendezvous.current_generation() > channel.generation:
+        if channel is not None and channel.backend == "nccl" and rendezvous.current_generation() > channel.generation:
             self._discard(peer, channel)
             reason = rendezvous.failure_reason(channel.generation)
             if reason is not None:  # the message this call expects may be lost: say so, once
@@ -239,8 +249,9 @@ class TorchDistTransport(KVTransport):
             channel = None
         return channel or self._join(peer, rendezvous, backend, device, deadline_s)
 
-    def _join(self, peer: PeerId, rendezvous: PairRendezvous, backend: str, device: torch.device,
-              deadline_s: float) -> _Channel:
+    def _join(
+        self, peer: PeerId, rendezvous: PairRendezvous, backend: str, device: torch.device, deadline_s: float
+    ) -> _Channel:
         """Open a channel of the pair's newest fresh generation (protocol steps in kvtransfer.store)."""
         generation = rendezvous.join()
         timeout_s = min(self._connect_timeout_s, max(deadline_s - time.monotonic(), _MIN_WAIT_S))
@@ -287,8 +298,9 @@ class TorchDistTransport(KVTransport):
             self._busy.add(peer)
 
 
-def _post_and_wait(channel: _Channel, posts: list[tuple[str, torch.Tensor, int]], deadline_s: float,
-                   works: list[Any] | None = None) -> str | None:
+def _post_and_wait(
+    channel: _Channel, posts: list[tuple[str, torch.Tensor, int]], deadline_s: float, works: list[Any] | None = None
+) -> str | None:
     """Post (op, buffer, tag) after the posted ``works``; wait for all, the last (tiny) one first (see
     module docstring; then all are done: one socket, FIFO). Returns why not, or None: no raise, so no
     traceback keeps the works (hence the sockets) alive after a failure; the peer must see EOF."""
@@ -329,7 +341,7 @@ def _wire_buffers(tensors: list[torch.Tensor], backend: str) -> list[torch.Tenso
     if backend == "cuda_ipc":
         records = cuda_ipc.export_handles(tensors)
         return [records] if records.numel() else []
-    buffers = []
+    buffers: list[torch.Tensor] = []
     for tensor in tensors:
         if tensor.numel() == 0:
             continue  # both sides skip it: the header already proved they agree on the shape

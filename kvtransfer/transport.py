@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -37,14 +38,14 @@ class MessageLayout(NamedTuple):
     description: str  # e.g. "[float32[2, 3], bfloat16[4]]", for error messages
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> "MessageLayout":
+    def of(cls, tensors: Sequence[torch.Tensor]) -> MessageLayout:
         parts = (f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
         description = "[" + ", ".join(parts) + "]"
         digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=8).digest(), "little", signed=True)
         num_bytes = sum(t.numel() * t.element_size() for t in tensors)
         return cls(len(tensors), num_bytes, digest, description)
 
-    def mismatch(self, sent: "MessageLayout") -> str | None:
+    def mismatch(self, sent: MessageLayout) -> str | None:
         """Why a message with layout ``sent`` (description may be unknown) cannot fill ours, or None."""
         if (sent.num_tensors, sent.num_bytes, sent.digest) == (self.num_tensors, self.num_bytes, self.digest):
             return None

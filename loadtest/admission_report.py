@@ -9,10 +9,11 @@ Definitions:
 - targets (issue 6): at the highest load swept (3x saturation), `predictive` keeps >= 80% of its own
   peak goodput, and has >= 3x the goodput of `always` there.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 KEEP_SHARE_TARGET = 0.8  # predictive's goodput at the highest load / its peak
 VS_ALWAYS_TARGET = 3.0  # predictive's goodput / always's, at the highest load
@@ -53,20 +54,31 @@ def targets(points: Sequence[Point]) -> dict:
     predictive, always = at_top["predictive"].goodput_per_s, at_top["always"].goodput_per_s
     keep = predictive / peak if peak > 0 else 0.0
     vs_always = predictive / always if always > 0 else float("inf") if predictive > 0 else 0.0
-    return {"load": top_load, "predictive_peak_goodput_per_s": peak, "predictive_goodput_per_s": predictive,
-            "always_goodput_per_s": always, "keep_share": keep, "keep_share_met": keep >= KEEP_SHARE_TARGET,
-            "vs_always": vs_always, "vs_always_met": vs_always >= VS_ALWAYS_TARGET}
+    return {
+        "load": top_load,
+        "predictive_peak_goodput_per_s": peak,
+        "predictive_goodput_per_s": predictive,
+        "always_goodput_per_s": always,
+        "keep_share": keep,
+        "keep_share_met": keep >= KEEP_SHARE_TARGET,
+        "vs_always": vs_always,
+        "vs_always_met": vs_always >= VS_ALWAYS_TARGET,
+    }
 
 
 def format_table(points: Sequence[Point]) -> str:
     """One row per (load, policy), loads ascending, `always` first."""
-    header = (f"{'load':>5} {'rate/s':>7} {'policy':>10} {'goodput/s':>9} {'attain':>7} {'reject':>7} "
-              f"{'done/s':>7} {'TTFT p99 ms':>11} {'failed':>6}")
+    header = (
+        f"{'load':>5} {'rate/s':>7} {'policy':>10} {'goodput/s':>9} {'attain':>7} {'reject':>7} "
+        f"{'done/s':>7} {'TTFT p99 ms':>11} {'failed':>6}"
+    )
     rows = [header]
     for p in sorted(points, key=lambda p: (p.load, p.policy != "always")):
         ttft = "-" if p.ttft_p99_ms is None else f"{p.ttft_p99_ms:.0f}"
-        rows.append(f"{p.load:5.2f} {p.rate_per_s:7.2f} {p.policy:>10} {p.goodput_per_s:9.2f} "
-                    f"{p.attainment:7.0%} {p.rejection_rate:7.0%} {p.throughput_per_s:7.2f} {ttft:>11} {p.failed:6d}")
+        rows.append(
+            f"{p.load:5.2f} {p.rate_per_s:7.2f} {p.policy:>10} {p.goodput_per_s:9.2f} "
+            f"{p.attainment:7.0%} {p.rejection_rate:7.0%} {p.throughput_per_s:7.2f} {ttft:>11} {p.failed:6d}"
+        )
     return "\n".join(rows)
 
 
@@ -74,8 +86,10 @@ def format_targets(result: dict) -> str:
     def verdict(met: bool) -> str:
         return "met" if met else "NOT met"
 
-    return (f"at {result['load']:.1f}x saturation: predictive keeps {result['keep_share']:.0%} of its peak goodput "
-            f"({result['predictive_goodput_per_s']:.2f} of {result['predictive_peak_goodput_per_s']:.2f} req/s; "
-            f"target >= {KEEP_SHARE_TARGET:.0%}: {verdict(result['keep_share_met'])}) and has "
-            f"{result['vs_always']:.1f}x the goodput of always ({result['always_goodput_per_s']:.2f} req/s; "
-            f"target >= {VS_ALWAYS_TARGET:g}x: {verdict(result['vs_always_met'])})")
+    return (
+        f"at {result['load']:.1f}x saturation: predictive keeps {result['keep_share']:.0%} of its peak goodput "
+        f"({result['predictive_goodput_per_s']:.2f} of {result['predictive_peak_goodput_per_s']:.2f} req/s; "
+        f"target >= {KEEP_SHARE_TARGET:.0%}: {verdict(result['keep_share_met'])}) and has "
+        f"{result['vs_always']:.1f}x the goodput of always ({result['always_goodput_per_s']:.2f} req/s; "
+        f"target >= {VS_ALWAYS_TARGET:g}x: {verdict(result['vs_always_met'])})"
+    )

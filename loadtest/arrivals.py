@@ -5,6 +5,7 @@ standard exponentials and then divided by the rate, so the same seed at another 
 pattern stretched in time: a rate sweep compares like with like. An infinite rate puts every request
 at 0 (a burst; the concurrency cap then paces it).
 """
+
 from __future__ import annotations
 
 import math

@@ -10,9 +10,12 @@ way whatever the backend.
 - `splitserve`: the SDK's `AsyncClient` over gRPC (`--target HOST:PORT` or `unix:PATH`).
 - `openai`: any OpenAI-compatible server over HTTP (`--target http://HOST:PORT`), `loadtest.openai_backend`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Self
 
 from loadtest.plan import ModelLimits, PlannedRequest
 from router.channel import ClientTls
@@ -60,7 +63,7 @@ class GrpcBackend:
         self.target = target
         self.client = AsyncClient(target, token=token, tls=tls, timeout_s=timeout_s)
 
-    async def __aenter__(self) -> "GrpcBackend":
+    async def __aenter__(self) -> Self:
         await self.client.__aenter__()
         return self
 
@@ -81,14 +84,31 @@ class GrpcBackend:
         slo = planned.slo
         try:
             async for chunk in self.client.generate_stream(
-                    list(planned.prompt_token_ids), timeout_s=options.timeout_s, max_tokens=planned.max_tokens,
-                    ignore_eos=True, temperature=options.temperature, ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms,
-                    priority=planned.priority, tenant=planned.tenant or None, request_id=options.request_id):
-                cached = chunk.usage.cached_prompt_tokens if chunk.usage is not None else (
-                    chunk.route.cached_prompt_tokens if chunk.route is not None else None)
+                list(planned.prompt_token_ids),
+                timeout_s=options.timeout_s,
+                max_tokens=planned.max_tokens,
+                ignore_eos=True,
+                temperature=options.temperature,
+                ttft_ms=slo.ttft_ms,
+                tpot_ms=slo.tpot_ms,
+                priority=planned.priority,
+                tenant=planned.tenant or None,
+                request_id=options.request_id,
+            ):
+                cached = (
+                    chunk.usage.cached_prompt_tokens
+                    if chunk.usage is not None
+                    else (chunk.route.cached_prompt_tokens if chunk.route is not None else None)
+                )
                 completion = chunk.usage.completion_tokens if chunk.usage is not None else None
-                yield StreamEvent(len(chunk.token_ids), cached, completion, chunk.finish_reason, tuple(chunk.token_ids),
-                                  chunk.migrations)
+                yield StreamEvent(
+                    len(chunk.token_ids),
+                    cached,
+                    completion,
+                    chunk.finish_reason,
+                    tuple(chunk.token_ids),
+                    chunk.migrations,
+                )
         except SplitserveError as err:
             raise RequestError(err.code.name, err.reason) from None
 
@@ -99,7 +119,7 @@ def _openai(**kwargs):
     return OpenAIBackend(**kwargs)
 
 
-BACKENDS = {"splitserve": GrpcBackend, "openai": _openai}
+BACKENDS: dict[str, Callable[..., Any]] = {"splitserve": GrpcBackend, "openai": _openai}
 
 
 def make_backend(name: str, **kwargs):

@@ -12,6 +12,7 @@ each alone on 1P1D with the profile, and sets, in this order:
 first_token and token stay 0: only their difference would show in TPOT, and both trips are lumped
 into route and adopt above. The figures are printed beside what was measured.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -32,16 +33,18 @@ class Probe(NamedTuple):
     per_token_s: float  # mean interval after the second token
 
 
-async def measure(target: str, prompt_lens: list[int], vocab: tuple[int, ...], token: str | None = None,
-                  output_tokens: int = 16) -> list[Probe]:
+async def measure(
+    target: str, prompt_lens: list[int], vocab: tuple[int, ...], token: str | None = None, output_tokens: int = 16
+) -> list[Probe]:
     """One sequential request per length, prompts sharing no prefix."""
     out = []
     async with AsyncClient(target, token=token, max_retries=0) as client:
         for i, length in enumerate(prompt_lens):
             prompt = [vocab[(i * 7919 + j * 104729) % len(vocab)] for j in range(length)]
             started_s, times = time.perf_counter(), []
-            async for chunk in client.generate_stream(prompt, max_tokens=output_tokens, temperature=0.0,
-                                                      ignore_eos=True):
+            async for chunk in client.generate_stream(
+                prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True
+            ):
                 times += [time.perf_counter() - started_s] * len(chunk.token_ids)
             out.append(Probe(length, times[0], times[1] - times[0], (times[-1] - times[1]) / (len(times) - 2)))
     return out
@@ -50,8 +53,12 @@ async def measure(target: str, prompt_lens: list[int], vocab: tuple[int, ...], t
 def _alone(profile: Profile, probe: Probe, output_tokens: int) -> Probe:
     record = simulate(SimConfig(), profile, [SimRequest(0.0, probe.prompt_tokens, output_tokens)]).records[0]
     second = simulate(SimConfig(), profile, [SimRequest(0.0, probe.prompt_tokens, 2)]).records[0]
-    per_token = (record.last_token_s - second.last_token_s) / (output_tokens - 2)
-    return Probe(probe.prompt_tokens, record.ttft_s, second.last_token_s - second.first_token_s, per_token)
+    ttft_s, last_s = record.ttft_s, record.last_token_s
+    second_first_s, second_last_s = second.first_token_s, second.last_token_s
+    if ttft_s is None or last_s is None or second_first_s is None or second_last_s is None:
+        raise ValueError(f"the simulator did not finish a {probe.prompt_tokens}-token probe alone")
+    per_token = (last_s - second_last_s) / (output_tokens - 2)
+    return Probe(probe.prompt_tokens, ttft_s, second_last_s - second_first_s, per_token)
 
 
 def fit_overheads(profile: Profile, measured: list[Probe], output_tokens: int = 16) -> tuple[Overheads, list[dict]]:
@@ -65,18 +72,32 @@ def fit_overheads(profile: Profile, measured: list[Probe], output_tokens: int = 
         sim = _alone(stepped, m, output_tokens)
         ttft_extra.append(m.ttft_s - sim.ttft_s)
         gap_extra.append(m.gap_s - sim.gap_s)
-        rows.append({"prompt_tokens": m.prompt_tokens, "ttft_ms": m.ttft_s * 1e3, "sim_ttft_ms": sim.ttft_s * 1e3,
-                     "gap_ms": m.gap_s * 1e3, "sim_gap_ms": sim.gap_s * 1e3,
-                     "per_token_ms": m.per_token_s * 1e3, "sim_per_token_ms": sim.per_token_s * 1e3})
-    overheads = Overheads(route_s=max(statistics.median(ttft_extra), 0.0),
-                          adopt_s=max(statistics.median(gap_extra), 0.0), step_s=step_s)
+        rows.append(
+            {
+                "prompt_tokens": m.prompt_tokens,
+                "ttft_ms": m.ttft_s * 1e3,
+                "sim_ttft_ms": sim.ttft_s * 1e3,
+                "gap_ms": m.gap_s * 1e3,
+                "sim_gap_ms": sim.gap_s * 1e3,
+                "per_token_ms": m.per_token_s * 1e3,
+                "sim_per_token_ms": sim.per_token_s * 1e3,
+            }
+        )
+    overheads = Overheads(
+        route_s=max(statistics.median(ttft_extra), 0.0), adopt_s=max(statistics.median(gap_extra), 0.0), step_s=step_s
+    )
     return overheads, rows
 
 
 def format_rows(rows: list[dict], overheads: Overheads) -> str:
     lines = [f"{'prompt':>7} {'TTFT ms':>9} {'sim':>9} {'gap ms':>8} {'sim':>8} {'tok ms':>8} {'sim':>8}"]
-    lines += [f"{r['prompt_tokens']:>7} {r['ttft_ms']:>9.1f} {r['sim_ttft_ms']:>9.1f} {r['gap_ms']:>8.1f} "
-              f"{r['sim_gap_ms']:>8.1f} {r['per_token_ms']:>8.2f} {r['sim_per_token_ms']:>8.2f}" for r in rows]
-    lines.append(f"overheads: route {overheads.route_s * 1e3:.1f} ms, adopt {overheads.adopt_s * 1e3:.1f} ms, "
-                 f"step {overheads.step_s * 1e3:.2f} ms")
+    lines += [
+        f"{r['prompt_tokens']:>7} {r['ttft_ms']:>9.1f} {r['sim_ttft_ms']:>9.1f} {r['gap_ms']:>8.1f} "
+        f"{r['sim_gap_ms']:>8.1f} {r['per_token_ms']:>8.2f} {r['sim_per_token_ms']:>8.2f}"
+        for r in rows
+    ]
+    lines.append(
+        f"overheads: route {overheads.route_s * 1e3:.1f} ms, adopt {overheads.adopt_s * 1e3:.1f} ms, "
+        f"step {overheads.step_s * 1e3:.2f} ms"
+    )
     return "\n".join(lines)

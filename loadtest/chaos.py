@@ -14,11 +14,13 @@
    migrations per request, and the recovery time of each kill. Exit status 0 only when nothing was
    lost, failed, hung, duplicated, missing or diverged.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import random
 import sys
@@ -26,12 +28,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from loadtest.backends import GrpcBackend
 from loadtest.chaos_killer import Killer
 from loadtest.cli import build_parser, config_from_args
 from loadtest.config import BenchConfig, read_token
 from loadtest.driver import drive
 from loadtest.records import RequestRecord, read_jsonl
-from loadtest.backends import GrpcBackend
 from loadtest.runner import BenchError, _limits, _plan
 
 ROLES = ("prefill", "decode", "any")
@@ -69,8 +71,7 @@ class ChaosReport:
 
     @property
     def clean(self) -> bool:
-        return not (self.lost or self.failed_by_status or self.hung or self.duplicated or self.missing
-                    or self.diverged)
+        return not (self.lost or self.failed_by_status or self.hung or self.duplicated or self.missing or self.diverged)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "clean": self.clean}
@@ -79,26 +80,38 @@ class ChaosReport:
 def compare(chaos: list[RequestRecord], reference: list[RequestRecord], kills: list[dict]) -> ChaosReport:
     """The report of a chaos run against its fault-free reference (matched by plan index)."""
     ref = {r.index: r for r in reference if r.ok}
-    failed = Counter(r.error_code for r in chaos if r.error_code not in (None, "CANCELLED", "DEADLINE_EXCEEDED")
-                     and not _lost(r))
+    failed = Counter(
+        r.error_code for r in chaos if r.error_code not in (None, "CANCELLED", "DEADLINE_EXCEEDED") and not _lost(r)
+    )
     compared = [r for r in chaos if r.ok and r.index in ref]
     return ChaosReport(
-        requests=len(chaos), completed=sum(r.ok for r in chaos), lost=sum(_lost(r) for r in chaos),
-        failed_by_status=dict(failed), hung=sum(r.error_code == "DEADLINE_EXCEEDED" for r in chaos),
+        requests=len(chaos),
+        completed=sum(r.ok for r in chaos),
+        lost=sum(_lost(r) for r in chaos),
+        failed_by_status=dict(failed),
+        hung=sum(r.error_code == "DEADLINE_EXCEEDED" for r in chaos),
         duplicated=sum(r.ok and len(r.token_ids) > r.max_tokens for r in chaos),
         missing=sum(r.ok and r.finish_reason == "length" and len(r.token_ids) < r.max_tokens for r in chaos),
-        diverged=sum(r.token_ids != ref[r.index].token_ids for r in compared), compared=len(compared),
-        migrations_per_request=dict(sorted(Counter(r.migrations for r in chaos if r.ok).items())), kills=kills,
+        diverged=sum(r.token_ids != ref[r.index].token_ids for r in compared),
+        compared=len(compared),
+        migrations_per_request=dict(sorted(Counter(r.migrations for r in chaos if r.ok).items())),
+        kills=kills,
         stalls=[_stall(r, ref[r.index]) for r in compared if r.migrations],
-        extra_e2e_unmigrated_s=_median([r.e2e_s - ref[r.index].e2e_s for r in compared if not r.migrations]))
+        extra_e2e_unmigrated_s=_median([r.e2e_s - ref[r.index].e2e_s for r in compared if not r.migrations]),
+    )
 
 
 def _stall(record: RequestRecord, reference: RequestRecord) -> dict:
-    times = (0.0,) + record.token_times_s
-    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    times = (0.0, *record.token_times_s)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     at = max(range(len(gaps)), key=gaps.__getitem__)
-    return {"index": record.index, "migrations": record.migrations, "stall_s": round(gaps[at], 4),
-            "context_tokens": record.prompt_tokens + at, "extra_e2e_s": round(record.e2e_s - reference.e2e_s, 4)}
+    return {
+        "index": record.index,
+        "migrations": record.migrations,
+        "stall_s": round(gaps[at], 4),
+        "context_tokens": record.prompt_tokens + at,
+        "extra_e2e_s": round(record.e2e_s - reference.e2e_s, 4),
+    }
 
 
 def _median(values: list[float]) -> float | None:
@@ -106,21 +119,24 @@ def _median(values: list[float]) -> float | None:
 
 
 def _lost(record: RequestRecord) -> bool:
-    return record.error_code == "CANCELLED" or (record.error_code == "CLIENT_ERROR"
-                                                and "without a finish reason" in (record.error_reason or ""))
+    return record.error_code == "CANCELLED" or (
+        record.error_code == "CLIENT_ERROR" and "without a finish reason" in (record.error_reason or "")
+    )
 
 
 async def run_chaos(config: ChaosConfig, controller, echo=print) -> ChaosReport:
     """Runs the reference (unless given) and the chaos replay; `controller` is the cluster's actor."""
     bench = config.bench
-    async with GrpcBackend(bench.target, read_token(bench.auth_token_file), bench.driver.request_timeout_s,
-                           tls=bench.tls) as client:
+    async with GrpcBackend(
+        bench.target, read_token(bench.auth_token_file), bench.driver.request_timeout_s, tls=bench.tls
+    ) as client:
         plan = _plan(bench, await _limits(client), None, 0)
         if config.reference is not None:
             reference = read_jsonl(config.reference)
         else:
             echo(f"reference: {len(plan.requests)} requests planned, no kills")
-            reference = (await drive(client, plan, dataclasses.replace(bench.driver, run_tag=_tag("ref")))).records
+            run = await drive(client, plan, dataclasses.replace(bench.driver, run_tag=_tag("ref")))
+            reference = list(run.records)
         pool = "any pool" if config.kill == "any" else f"the {config.kill} pool"
         echo(f"chaos: the same requests, one worker of {pool} SIGKILLed every {config.every_s:g} s")
         killer = Killer(controller, config.kill, config.every_s, random.Random(bench.seed), echo)
@@ -140,18 +156,21 @@ def _tag(kind: str) -> str:
 def format_report(report: ChaosReport) -> str:
     recoveries = [k["recovered_s"] for k in report.kills if k.get("recovered_s") is not None]
     replaced = [k["replaced_s"] for k in report.kills if k.get("replaced_s") is not None]
-    lines = [f"requests {report.requests}, completed {report.completed}, compared with the reference "
-             f"{report.compared}",
-             f"lost {report.lost}, hung {report.hung}, duplicated {report.duplicated}, missing {report.missing}, "
-             f"diverged {report.diverged}, failed by status {report.failed_by_status or 'none'}",
-             f"migrations per request {report.migrations_per_request}",
-             f"kills {len(report.kills)}; the victim's replacement serving after "
-             + (f"{min(replaced):.1f}-{max(replaced):.1f} s" if replaced else "(none)")
-             + "; every pool at full strength again after "
-             + (f"{min(recoveries):.1f}-{max(recoveries):.1f} s" if recoveries else "(none recovered)")
-             + f" ({sum(k.get('recovered_s') is None for k in report.kills)} not recovered)",
-             _stall_line(report),
-             "CLEAN" if report.clean else "NOT CLEAN"]
+    lines = [
+        (f"requests {report.requests}, completed {report.completed}, compared with the reference {report.compared}"),
+        (
+            f"lost {report.lost}, hung {report.hung}, duplicated {report.duplicated}, missing {report.missing}, "
+            f"diverged {report.diverged}, failed by status {report.failed_by_status or 'none'}"
+        ),
+        f"migrations per request {report.migrations_per_request}",
+        f"kills {len(report.kills)}; the victim's replacement serving after "
+        + (f"{min(replaced):.1f}-{max(replaced):.1f} s" if replaced else "(none)")
+        + "; every pool at full strength again after "
+        + (f"{min(recoveries):.1f}-{max(recoveries):.1f} s" if recoveries else "(none recovered)")
+        + f" ({sum(k.get('recovered_s') is None for k in report.kills)} not recovered)",
+        _stall_line(report),
+        "CLEAN" if report.clean else "NOT CLEAN",
+    ]
     return "\n".join(lines)
 
 
@@ -161,9 +180,11 @@ def _stall_line(report: ChaosReport) -> str:
     stalls = sorted(s["stall_s"] for s in report.stalls)
     extra = sorted(s["extra_e2e_s"] for s in report.stalls)
     unmigrated = report.extra_e2e_unmigrated_s
-    return (f"migrated requests {len(stalls)}: stall p50 {stalls[len(stalls) // 2] * 1e3:.0f} ms, max "
-            f"{stalls[-1] * 1e3:.0f} ms; end-to-end over the fault-free run p50 {extra[len(extra) // 2] * 1e3:+.0f} ms"
-            + (f" (requests that did not migrate: {unmigrated * 1e3:+.0f} ms)" if unmigrated is not None else ""))
+    return (
+        f"migrated requests {len(stalls)}: stall p50 {stalls[len(stalls) // 2] * 1e3:.0f} ms, max "
+        f"{stalls[-1] * 1e3:.0f} ms; end-to-end over the fault-free run p50 {extra[len(extra) // 2] * 1e3:+.0f} ms"
+        + (f" (requests that did not migrate: {unmigrated * 1e3:+.0f} ms)" if unmigrated is not None else "")
+    )
 
 
 def build_chaos_parser() -> argparse.ArgumentParser:
@@ -200,8 +221,9 @@ def main(argv: list[str] | None = None) -> None:
 
     config = parse_chaos(sys.argv[1:] if argv is None else argv)
     if not ray.is_initialized():
-        ray.init(address=config.ray_address or "auto", namespace=RAY_NAMESPACE, configure_logging=False,
-                 log_to_driver=False)
+        ray.init(
+            address=config.ray_address or "auto", namespace=RAY_NAMESPACE, configure_logging=False, log_to_driver=False
+        )
     controller = connect_controller(config.cluster_name)
     if controller is None:
         sys.exit(f"splitserve chaos: no controller runs for cluster {config.cluster_name!r}")

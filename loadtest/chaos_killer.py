@@ -1,5 +1,6 @@
 """The killing half of `splitserve chaos`: every `every_s`, SIGKILL one serving worker through the
 controller, and time each kill until the pools are back to full strength."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,14 @@ class Killer:
         killed_s = time.monotonic()
         if not await self.controller.kill_worker.remote(victim.worker_id):
             return
-        kill = {"worker_id": victim.worker_id, "role": victim.role, "epoch": victim.epoch,
-                "at_s": round(killed_s - self._started_s, 3), "replaced_s": None, "recovered_s": None}
+        kill = {
+            "worker_id": victim.worker_id,
+            "role": victim.role,
+            "epoch": victim.epoch,
+            "at_s": round(killed_s - self._started_s, 3),
+            "replaced_s": None,
+            "recovered_s": None,
+        }
         self.kills.append(kill)
         self.echo(f"chaos: SIGKILL {victim.worker_id} (epoch {victim.epoch}) at {kill['at_s']:.1f} s")
         self._watchers.append(asyncio.ensure_future(self._until_recovered(kill, killed_s)))
@@ -70,5 +77,6 @@ def _replaced(membership, kill: dict) -> bool:
 
 def _full_strength(membership, desired: dict[str, int], kill: dict) -> bool:
     """Every pool at its desired size and the victim replaced (later kills may delay this)."""
-    return all(len(membership.serving(role)) >= count for role, count in desired.items()) and _replaced(membership,
-                                                                                                           kill)
+    return all(len(membership.serving(role)) >= count for role, count in desired.items()) and _replaced(
+        membership, kill
+    )

@@ -10,6 +10,7 @@ figures mean).
 Exit status: 0 after a run (whatever the server answered), 2 on a bad flag, 1 when the server cannot
 be reached or the workload cannot be built for the served model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,22 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     # Workload flags default to None so that "given to the wrong workload" can be told (workloads.py).
     g = parser.add_argument_group("workload (defaults apply to the workloads that take the flag)")
     g.add_argument("--workload", default="poisson", choices=tuple(WORKLOADS), help="default poisson")
-    g.add_argument("--rate", type=float, help="request rate in req/s, 'inf' = all at once (default 1; "
-                   "trace: the mean rate to rescale the trace to)")
-    g.add_argument("--num-requests", type=int, help=f"requests to plan (poisson default {DEFAULTS['num_requests']}; "
-                   "shared-prefix: all groups x prompts; trace: every row that fits)")
-    g.add_argument("--prompt-len", help="poisson prompt tokens: fixed:N | uniform:LO,HI | lognormal:MEAN,SIGMA "
-                   f"(default {DEFAULTS['prompt_len']})")
+    g.add_argument(
+        "--rate",
+        type=float,
+        help="request rate in req/s, 'inf' = all at once (default 1; trace: the mean rate to rescale the trace to)",
+    )
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        help=f"requests to plan (poisson default {DEFAULTS['num_requests']}; "
+        "shared-prefix: all groups x prompts; trace: every row that fits)",
+    )
+    g.add_argument(
+        "--prompt-len",
+        help="poisson prompt tokens: fixed:N | uniform:LO,HI | lognormal:MEAN,SIGMA "
+        f"(default {DEFAULTS['prompt_len']})",
+    )
     g.add_argument("--output-len", help=f"output tokens, same forms (default {DEFAULTS['output_len']})")
     g.add_argument("--groups", type=int, help=f"shared-prefix groups (default {DEFAULTS['groups']})")
     g.add_argument("--prompts-per-group", type=int, help=f"default {DEFAULTS['prompts_per_group']}")
@@ -46,34 +57,58 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="FILE", help="Mooncake .jsonl or Azure .csv trace to replay")
     g.add_argument("--trace-format", choices=("auto", *FORMATS), help="default auto (from the content)")
     g.add_argument("--trace-speedup", type=float, help="divide trace times by this (default 1)")
-    g.add_argument("--trace-prompt-scale", type=float, help="multiply prompt lengths (default: Mooncake "
-                   "block_size/512, one KV block per trace block; Azure 1)")
+    g.add_argument(
+        "--trace-prompt-scale",
+        type=float,
+        help="multiply prompt lengths (default: Mooncake block_size/512, one KV block per trace block; Azure 1)",
+    )
     g.add_argument("--trace-output-scale", type=float, help="multiply output lengths (default 1)")
     g.add_argument("--trace-overflow", choices=OVERFLOW_POLICIES, help="rows over max_model_len (default drop)")
-    g.add_argument("--trace-spread-s", type=float, help="spread arrivals uniformly over this window "
-                   "(Mooncake conversation: 3 smooths its 3 s buckets; default 0 = as recorded)")
+    g.add_argument(
+        "--trace-spread-s",
+        type=float,
+        help="spread arrivals uniformly over this window "
+        "(Mooncake conversation: 3 smooths its 3 s buckets; default 0 = as recorded)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve bench", description="Load-test a running splitserve "
-                                     "router over gRPC, or any OpenAI-compatible server over HTTP: open-loop "
-                                     "arrivals, latency, SLO attainment, goodput.",
-                                     epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="splitserve", choices=tuple(DEFAULT_TARGETS),
-                        help="splitserve (gRPC) or openai (HTTP /v1/completions) (default %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="splitserve bench",
+        description="Load-test a running splitserve "
+        "router over gRPC, or any OpenAI-compatible server over HTTP: open-loop "
+        "arrivals, latency, SLO attainment, goodput.",
+        epilog=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--backend",
+        default="splitserve",
+        choices=tuple(DEFAULT_TARGETS),
+        help="splitserve (gRPC) or openai (HTTP /v1/completions) (default %(default)s)",
+    )
     add_connection_flags(parser)  # --target, --auth-token-file, --tls-*: as every client command
     parser.set_defaults(target=None)  # the default depends on --backend
     next(a for a in parser._actions if a.dest == "target").help = (
         "splitserve: HOST:PORT, [V6]:PORT, unix:PATH or a gRPC URI (default 127.0.0.1:50051); "
-        "openai: http(s)://HOST:PORT (default http://127.0.0.1:8000)")
+        "openai: http(s)://HOST:PORT (default http://127.0.0.1:8000)"
+    )
     parser.add_argument("--model", help="openai: the served model to ask for (default: the first it lists)")
-    parser.add_argument("--tokenizer", metavar="DIR", help="openai: the model's tokenizer folder, for servers "
-                        "whose /v1/models does not state the vocabulary (splitserve's does)")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="openai: the model's tokenizer folder, for servers "
+        "whose /v1/models does not state the vocabulary (splitserve's does)",
+    )
     add_workload_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--duration-s", type=float, help="stop issuing after this many seconds")
-    run.add_argument("--grace-s", type=float, default=10.0, help="after --duration-s, wait this long, then "
-                     "cancel what is still running (default %(default)s)")
+    run.add_argument(
+        "--grace-s",
+        type=float,
+        default=10.0,
+        help="after --duration-s, wait this long, then cancel what is still running (default %(default)s)",
+    )
     run.add_argument("--max-concurrency", type=int, default=64, help="open streams at most (default %(default)s)")
     run.add_argument("--request-timeout-s", type=float, default=600.0, help="per request (default %(default)s)")
     run.add_argument("--ttft-ms", type=float, help="TTFT SLO sent with every request (default: router's)")
@@ -88,8 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="DIR", help="write records.jsonl and summary.json here")
     report.add_argument("--plot", metavar="DIR", help="write latency CDF PNGs (and sweep plots) here")
     report.add_argument("--sweep", metavar="RATES", help="run once per rate, e.g. 1,2,4 (replaces --rate)")
-    report.add_argument("--attainment-target", type=float, default=0.9,
-                        help="SLO attainment a sweep's best rate must keep (default %(default)s)")
+    report.add_argument(
+        "--attainment-target",
+        type=float,
+        default=0.9,
+        help="SLO attainment a sweep's best rate must keep (default %(default)s)",
+    )
     return parser
 
 
@@ -100,14 +139,37 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.sweep is not None and args.rate is not None:
         raise ValueError("--sweep sets the rate of each run: drop --rate")
     sweep = parse_rates(args.sweep) if args.sweep is not None else ()
-    driver = DriverConfig(args.max_concurrency, args.duration_s, args.grace_s, args.request_timeout_s,
-                          args.temperature, f"bench-{uuid.uuid4().hex[:8]}", not args.no_progress)
+    driver = DriverConfig(
+        args.max_concurrency,
+        args.duration_s,
+        args.grace_s,
+        args.request_timeout_s,
+        args.temperature,
+        f"bench-{uuid.uuid4().hex[:8]}",
+        not args.no_progress,
+    )
     defaults = RequestDefaults(Slo(args.ttft_ms, args.tpot_ms), args.priority, args.tenant)
-    tls = ClientTls.from_files(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name,
-                               enabled=args.tls)
-    return BenchConfig(target, args.workload, spec_from_args(args), driver, defaults, args.seed,
-                       args.auth_token_file, args.out, args.plot, sweep, args.attainment_target, args.warmup_s,
-                       args.backend, args.model, args.tokenizer, tls)
+    tls = ClientTls.from_files(
+        args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name, enabled=args.tls
+    )
+    return BenchConfig(
+        target,
+        args.workload,
+        spec_from_args(args),
+        driver,
+        defaults,
+        args.seed,
+        args.auth_token_file,
+        args.out,
+        args.plot,
+        sweep,
+        args.attainment_target,
+        args.warmup_s,
+        args.backend,
+        args.model,
+        args.tokenizer,
+        tls,
+    )
 
 
 def parse_config(argv: list[str]) -> BenchConfig:

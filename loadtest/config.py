@@ -2,6 +2,7 @@
 
 Every check names the flag it concerns; the CLI turns the ValueError into a usage error.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -90,12 +91,13 @@ class BenchConfig:
             _check_http_tls(self.target, self.tls)
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there")
-        if not 0 <= self.seed < 2 ** 63:
+        if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
         read_token(self.auth_token_file)
         if self.plot_dir is not None and importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot needs matplotlib, which the runtime install leaves out: "
-                             "pip install 'splitserve[plot]'")
+            raise ValueError(
+                "--plot needs matplotlib, which the runtime install leaves out: pip install 'splitserve[plot]'"
+            )
         for flag, folder in (("--out", self.out_dir), ("--plot", self.plot_dir)):
             if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
                 raise ValueError(f"{flag} {folder} exists and is not a directory")

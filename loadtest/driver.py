@@ -11,6 +11,7 @@
    check never fires across runs), ignores EOS so that its output length is exactly max_tokens, and is
    recorded by a `RequestRecorder`; a backend's `RequestError` becomes (status name, reason).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,11 @@ class DriverConfig:
     def __post_init__(self):
         if self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
-        for flag, value, low_ok in (("--duration-s", self.duration_s, False), ("--grace-s", self.grace_s, True),
-                                    ("--request-timeout-s", self.request_timeout_s, False)):
+        for flag, value, low_ok in (
+            ("--duration-s", self.duration_s, False),
+            ("--grace-s", self.grace_s, True),
+            ("--request-timeout-s", self.request_timeout_s, False),
+        ):
             if value is not None and not ((value >= 0 if low_ok else value > 0) and math.isfinite(value)):
                 raise ValueError(f"{flag} must be a finite number {'>=' if low_ok else '>'} 0, got {value}")
 
@@ -89,7 +93,7 @@ class _Run:
         try:
             await asyncio.wait_for(self.slots.acquire(), budget_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def _released(self, _task: asyncio.Task) -> None:
@@ -107,7 +111,7 @@ class _Run:
         except asyncio.CancelledError:
             recorder.on_error("CANCELLED", "cancelled by the bench after --duration-s plus --grace-s", self.now_s())
             raise
-        except Exception as err:  # a bench keeps going on one bad request; the record says what happened
+        except Exception as err:  # noqa: BLE001 - a bench keeps going on one bad request; the record says what happened
             recorder.on_error("CLIENT_ERROR", f"{type(err).__name__}: {err}", self.now_s())
 
     async def finish(self) -> None:

@@ -6,11 +6,12 @@ mean) and the log-space sigma: mu = ln(MEAN) - SIGMA^2 / 2, so that changing SIG
 and tail but keeps the average load. Samples are rounded to integers and are at least 1; `fit_lengths`
 then clips them to the model's limits.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class LengthDist:
         return f"{self.kind}:{','.join(f'{p:g}' for p in self.params)}"
 
     @staticmethod
-    def parse(text: str) -> "LengthDist":
+    def parse(text: str) -> LengthDist:
         """'fixed:128' / 'uniform:64,256' / 'lognormal:200,0.8' -> LengthDist; ValueError otherwise."""
         kind, sep, rest = text.strip().partition(":")
         if not sep or not rest:

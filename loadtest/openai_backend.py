@@ -13,11 +13,13 @@ server-sent event:
 The model's limits come from `GET /v1/models` (`max_model_len`; splitserve's card adds the
 vocabulary), or from `--tokenizer DIR` for a server whose card does not state its vocabulary.
 """
+
 from __future__ import annotations
 
 import json
 import ssl
 import time
+from typing import Self
 
 import aiohttp
 
@@ -27,13 +29,29 @@ from router.channel import ClientTls
 from router.sdk_types import SENT_AT_KEY
 
 # HTTP status → the gRPC status name summaries group by (the same table as the router's HTTP front).
-_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-          408: "DEADLINE_EXCEEDED", 409: "ALREADY_EXISTS", 413: "INVALID_ARGUMENT", 422: "INVALID_ARGUMENT",
-          429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 502: "UNAVAILABLE", 503: "UNAVAILABLE",
-          504: "DEADLINE_EXCEEDED"}
+_CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
+    409: "ALREADY_EXISTS",
+    413: "INVALID_ARGUMENT",
+    422: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    502: "UNAVAILABLE",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
 # splitserve's error.code strings (router.openai.errors) → status names.
-_ERROR_CODES = {"invalid_value": "INVALID_ARGUMENT", "overloaded": "RESOURCE_EXHAUSTED", "unavailable": "UNAVAILABLE",
-                "deadline_exceeded": "DEADLINE_EXCEEDED", "internal_error": "INTERNAL"}
+_ERROR_CODES = {
+    "invalid_value": "INVALID_ARGUMENT",
+    "overloaded": "RESOURCE_EXHAUSTED",
+    "unavailable": "UNAVAILABLE",
+    "deadline_exceeded": "DEADLINE_EXCEEDED",
+    "internal_error": "INTERNAL",
+}
 DEFAULT_BLOCK_SIZE = 16  # only the trace workload reads it (tokens per trace block); a guess off splitserve
 
 
@@ -42,28 +60,46 @@ def status_name(status: int) -> str:
 
 
 class OpenAIBackend:
-    def __init__(self, target: str, token: str | None, timeout_s: float, model: str | None = None,
-                 tokenizer: str | None = None, tls: ClientTls = ClientTls()):
+    def __init__(
+        self,
+        target: str,
+        token: str | None,
+        timeout_s: float,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        tls: ClientTls = ClientTls(),
+    ):
         self.base = target.rstrip("/").removesuffix("/v1")
         # https:// targets are verified against --tls-ca-file when given, else the system's roots.
-        self.ssl = ssl.create_default_context(cadata=tls.root_certificates.decode()) \
-            if tls.root_certificates is not None else None
+        self.ssl = (
+            ssl.create_default_context(cadata=tls.root_certificates.decode())
+            if tls.root_certificates is not None
+            else None
+        )
         self.model, self.tokenizer_dir = model, tokenizer
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "OpenAIBackend":
+    async def __aenter__(self) -> Self:
         # No connection limit: the driver's --max-concurrency is the only cap on open streams.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True), headers=self.headers)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=self.ssl or True), headers=self.headers
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.session.close()
+        if self.session is not None:
+            await self.session.close()
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("use the backend as `async with OpenAIBackend(...)`")
+        return self.session
 
     async def model_limits(self) -> ModelLimits:
         try:
-            async with self.session.get(f"{self.base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as reply:
+            async with self._open().get(f"{self.base}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as reply:
                 if reply.status != 200:
                     raise BackendError(f"GET {self.base}/v1/models answered {reply.status}: {await reply.text()}")
                 cards = (await reply.json()).get("data") or []
@@ -82,6 +118,8 @@ class OpenAIBackend:
         ours = card.get("splitserve") or {}
         max_model_len = card.get("max_model_len")
         if ours:
+            if max_model_len is None:
+                raise ValueError("its card has no max_model_len")
             return ModelLimits(max_model_len, ours["vocab_size"], ours["block_size"], tuple(ours["eos_token_ids"]))
         if self.tokenizer_dir is None:
             raise ValueError("its card does not state the vocabulary: pass --tokenizer DIR (the model's tokenizer)")
@@ -89,23 +127,42 @@ class OpenAIBackend:
 
         tokenizer = load_tokenizer(self.tokenizer_dir)
         eos = tokenizer.eos_token_id
-        return ModelLimits(max_model_len or tokenizer.model_max_length, len(tokenizer), DEFAULT_BLOCK_SIZE,
-                           () if eos is None else (eos,))
+        return ModelLimits(
+            max_model_len or tokenizer.model_max_length,
+            len(tokenizer),
+            DEFAULT_BLOCK_SIZE,
+            () if eos is None else (eos,),
+        )
 
     def _body(self, planned: PlannedRequest, options: RequestOptions) -> dict:
-        body = {"model": self.model, "prompt": list(planned.prompt_token_ids), "max_tokens": planned.max_tokens,
-                "temperature": options.temperature, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}, "return_token_ids": True}
-        extras = {"ttft_ms": planned.slo.ttft_ms, "tpot_ms": planned.slo.tpot_ms,
-                  "priority": planned.priority or None, "tenant": planned.tenant or None}
+        body = {
+            "model": self.model,
+            "prompt": list(planned.prompt_token_ids),
+            "max_tokens": planned.max_tokens,
+            "temperature": options.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        extras = {
+            "ttft_ms": planned.slo.ttft_ms,
+            "tpot_ms": planned.slo.tpot_ms,
+            "priority": planned.priority or None,
+            "tenant": planned.tenant or None,
+        }
         body.update({k: v for k, v in extras.items() if v is not None})
         return body
 
     async def stream(self, planned: PlannedRequest, options: RequestOptions):
         headers = {"X-Request-Id": options.request_id, SENT_AT_KEY: str(time.time_ns() // 1000)}
         try:
-            async with self.session.post(f"{self.base}/v1/completions", json=self._body(planned, options),
-                                         headers=headers, timeout=aiohttp.ClientTimeout(total=options.timeout_s)) as reply:
+            async with self._open().post(
+                f"{self.base}/v1/completions",
+                json=self._body(planned, options),
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=options.timeout_s),
+            ) as reply:
                 if reply.status != 200:
                     raise RequestError(status_name(reply.status), _error_message(await reply.text()))
                 async for line in reply.content:
@@ -148,7 +205,7 @@ def _code_of(error: dict) -> str:
     code = error.get("code")
     if isinstance(code, int):
         return status_name(code)
-    return _ERROR_CODES.get(code, "INTERNAL")
+    return _ERROR_CODES.get(str(code), "INTERNAL")  # None or unknown: INTERNAL
 
 
 def _error_message(text: str) -> str:

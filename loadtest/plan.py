@@ -3,6 +3,7 @@
 A planned request's prompt is token ids (never text), so its length is exact; every id is in
 [0, vocab_size) and none is an EOS id; prompt + max_tokens never exceeds max_model_len.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,7 @@ class ModelLimits:
         return tuple(i for i in range(self.vocab_size) if i not in excluded)
 
     @staticmethod
-    def from_model_info(info) -> "ModelLimits":
+    def from_model_info(info) -> ModelLimits:
         """From the SDK's `ModelInfo` (`AsyncClient.model_info()`)."""
         return ModelLimits(info.max_model_len, info.vocab_size, info.block_size, tuple(info.eos_token_ids))
 
@@ -95,5 +96,7 @@ def rate_note(rate_per_s: float) -> float | str:
 
 def make_requests(arrivals_s, prompts, max_tokens, defaults: RequestDefaults) -> tuple[PlannedRequest, ...]:
     """Zips per-request columns into planned requests carrying the shared defaults."""
-    return tuple(PlannedRequest(i, float(a), tuple(p), int(m), defaults.slo, defaults.priority, defaults.tenant)
-                 for i, (a, p, m) in enumerate(zip(arrivals_s, prompts, max_tokens, strict=True)))
+    return tuple(
+        PlannedRequest(i, float(a), tuple(p), int(m), defaults.slo, defaults.priority, defaults.tenant)
+        for i, (a, p, m) in enumerate(zip(arrivals_s, prompts, max_tokens, strict=True))
+    )

@@ -13,6 +13,7 @@ then sizes a fleet for R req/s from copies of the chosen shape and simulates the
 (the workload tiled in time until it spans --fleet-duration-s) to check it. A roofline profile's
 figures are estimates: the header says which profile the table comes from.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,23 @@ from loadtest.sim_workload import repeat_trace
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve plan", description="Size the prefill and decode pools "
-                                     "for a workload at an SLO, by simulation.", epilog=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="splitserve plan",
+        description="Size the prefill and decode pools for a workload at an SLO, by simulation.",
+        epilog=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_sim_flags(parser)
     g = parser.add_argument_group("search")
     g.add_argument("--max-workers", type=int, default=8, help="accelerators (or cores) at most (default 8)")
     g.add_argument("--tp", default="1", help="decode / colocated TP sizes to try, e.g. 1,2 (default 1)")
     g.add_argument("--attainment", type=float, default=0.9, help="share of requests meeting the SLO (default 0.9)")
-    g.add_argument("--search-requests", type=int, default=2000, help="requests of the workload each search "
-                   "simulation runs, from its start (default 2000)")
+    g.add_argument(
+        "--search-requests",
+        type=int,
+        default=2000,
+        help="requests of the workload each search simulation runs, from its start (default 2000)",
+    )
     g.add_argument("--fleet-rate", type=float, help="size and simulate a fleet for this many req/s")
     g.add_argument("--fleet-duration-s", type=float, default=3600.0, help="with --fleet-rate (default 3600)")
     parser.add_argument("--json", metavar="FILE", help="write the table and the choice here")
@@ -60,16 +68,23 @@ def _check(args) -> tuple[int, ...]:
 
 
 def format_table(rows: list[PlanRow], label: str, attainment: float) -> str:
-    lines = [f"profile: {label}", f"max rate meeting the SLO for {attainment:.0%} of requests, per worker:",
-             f"{'':2}{'shape':<12} {'workers':>7} {'max req/s':>10} {'req/s/worker':>13}"]
+    lines = [
+        f"profile: {label}",
+        f"max rate meeting the SLO for {attainment:.0%} of requests, per worker:",
+        f"{'':2}{'shape':<12} {'workers':>7} {'max req/s':>10} {'req/s/worker':>13}",
+    ]
     for i, row in enumerate(rows):
         mark = "->" if i == 0 else "  "
-        lines.append(f"{mark}{row.name:<12} {row.config.workers:>7} {row.max_rate_per_s:>10.3f} {row.per_worker:>13.4f}")
+        lines.append(
+            f"{mark}{row.name:<12} {row.config.workers:>7} {row.max_rate_per_s:>10.3f} {row.per_worker:>13.4f}"
+        )
     colocated = [r for r in rows if r.config.colocated]
     disagg = [r for r in rows if not r.config.colocated]
     if colocated and disagg and colocated[0].per_worker > 0:
-        lines.append(f"best disaggregated {disagg[0].name}: {disagg[0].per_worker / colocated[0].per_worker:.2f}x "
-                     f"the per-worker goodput of the best colocated {colocated[0].name}")
+        lines.append(
+            f"best disaggregated {disagg[0].name}: {disagg[0].per_worker / colocated[0].per_worker:.2f}x "
+            f"the per-worker goodput of the best colocated {colocated[0].name}"
+        )
     return "\n".join(lines)
 
 
@@ -86,7 +101,6 @@ def fleet(best: PlanRow, profile, requests, rate: float, duration_s: float):
     return config, result, len(tiled) / (time.perf_counter() - started)
 
 
-
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -95,23 +109,42 @@ def main(argv: list[str] | None = None) -> None:
         profile, requests, notes, base = load_inputs(args)
     except ValueError as err:
         parser.error(str(err))
-    sample = requests[:args.search_requests]
+    sample = requests[: args.search_requests]
     started = time.perf_counter()
     rows = search(profile, sample, base, args.max_workers, args.attainment, tp_sizes)
     runs = sum(r.simulations for r in rows)
     print(format_table(rows, profile.label, args.attainment))
     print(f"\n{runs} simulations of {len(sample)} requests in {time.perf_counter() - started:.1f} s")
-    report = {"profile": profile.label, "attainment": args.attainment, "notes": notes,
-              "rows": [{"shape": r.name, "workers": r.config.workers, "max_rate_per_s": r.max_rate_per_s,
-                        "per_worker": r.per_worker} for r in rows], "choice": rows[0].name}
+    report = {
+        "profile": profile.label,
+        "attainment": args.attainment,
+        "notes": notes,
+        "rows": [
+            {
+                "shape": r.name,
+                "workers": r.config.workers,
+                "max_rate_per_s": r.max_rate_per_s,
+                "per_worker": r.per_worker,
+            }
+            for r in rows
+        ],
+        "choice": rows[0].name,
+    }
     if args.fleet_rate:
         config, result, speed = fleet(rows[0], profile, requests, args.fleet_rate, args.fleet_duration_s)
         s = result.summary()
-        print(f"fleet for {args.fleet_rate:g} req/s: {config.name} ({config.workers} workers): attainment "
-              f"{s.slo_attainment:.1%}, goodput {s.goodput_per_s:.1f} req/s over {s.duration_s:.0f} s; "
-              f"{len(result.records)} requests simulated at {speed:,.0f} simulated requests/s")
-        report["fleet"] = {"shape": config.name, "workers": config.workers, "attainment": s.slo_attainment,
-                           "goodput_per_s": s.goodput_per_s, "requests": len(result.records),
-                           "simulated_requests_per_s": speed}
+        print(
+            f"fleet for {args.fleet_rate:g} req/s: {config.name} ({config.workers} workers): attainment "
+            f"{s.slo_attainment:.1%}, goodput {s.goodput_per_s:.1f} req/s over {s.duration_s:.0f} s; "
+            f"{len(result.records)} requests simulated at {speed:,.0f} simulated requests/s"
+        )
+        report["fleet"] = {
+            "shape": config.name,
+            "workers": config.workers,
+            "attainment": s.slo_attainment,
+            "goodput_per_s": s.goodput_per_s,
+            "requests": len(result.records),
+            "simulated_requests_per_s": speed,
+        }
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

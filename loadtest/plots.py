@@ -4,10 +4,11 @@ figures per admission policy against the offered load.
 
 matplotlib is imported on first use, so `splitserve bench` without `--plot` does not need it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from loadtest.records import RequestRecord
 from loadtest.summary import Summary
@@ -53,8 +54,9 @@ def plot_latency_cdfs(runs: Mapping[str, Sequence[RequestRecord]], out_dir: str 
     return written
 
 
-def plot_sweep(points: Sequence[tuple[float, Summary]], out_dir: str | Path,
-               attainment_target: float | None = None) -> list[Path]:
+def plot_sweep(
+    points: Sequence[tuple[float, Summary]], out_dir: str | Path, attainment_target: float | None = None
+) -> list[Path]:
     """SLO attainment vs rate and goodput (with request throughput) vs rate, from (rate, summary) pairs."""
     plt = _pyplot()
     out = Path(out_dir)
@@ -66,16 +68,20 @@ def plot_sweep(points: Sequence[tuple[float, Summary]], out_dir: str | Path,
     ax.plot(rates, [_or_zero(s.slo_attainment) * 100 for _, s in points], marker="o", label="SLO attainment")
     if attainment_target is not None:
         ax.axhline(attainment_target * 100, linestyle="--", color="grey", label=f"target {attainment_target:.0%}")
-    ax.set(title="SLO attainment vs request rate", xlabel="offered rate (req/s)", ylabel="% of requests",
-           ylim=(0, 102))
+    ax.set(title="SLO attainment vs request rate", xlabel="offered rate (req/s)", ylabel="% of requests", ylim=(0, 102))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     written = [_save(fig, out / "slo_attainment_vs_rate.png", plt)]
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(rates, [_or_zero(s.goodput_per_s) for _, s in points], marker="o", label="goodput (met SLO)")
-    ax.plot(rates, [_or_zero(s.request_throughput_per_s) for _, s in points], marker="s", linestyle=":",
-            label="throughput (completed)")
+    ax.plot(
+        rates,
+        [_or_zero(s.request_throughput_per_s) for _, s in points],
+        marker="s",
+        linestyle=":",
+        label="throughput (completed)",
+    )
     ax.plot(rates, rates, color="grey", linestyle="--", linewidth=0.8, label="offered")
     ax.set(title="Goodput vs request rate", xlabel="offered rate (req/s)", ylabel="req/s")
     ax.grid(alpha=0.3)
@@ -93,16 +99,29 @@ def plot_policy_comparison(points: Sequence, out_dir: str | Path, saturation_per
     policies = sorted({p.policy for p in points})
     written = []
     for stem, title, ylabel, value in (
-            ("admission_goodput_vs_load", "Goodput vs offered load", "goodput (req/s meeting TTFT and TPOT SLO)",
-             lambda p: p.goodput_per_s),
-            ("admission_attainment_vs_load", "SLO attainment vs offered load", "% of requests meeting the SLO",
-             lambda p: p.attainment * 100)):
+        (
+            "admission_goodput_vs_load",
+            "Goodput vs offered load",
+            "goodput (req/s meeting TTFT and TPOT SLO)",
+            lambda p: p.goodput_per_s,
+        ),
+        (
+            "admission_attainment_vs_load",
+            "SLO attainment vs offered load",
+            "% of requests meeting the SLO",
+            lambda p: p.attainment * 100,
+        ),
+    ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for policy in policies:
             mine = sorted((p for p in points if p.policy == policy), key=lambda p: p.load)
             ax.plot([p.load for p in mine], [value(p) for p in mine], marker="o", label=f"admission {policy}")
-        ax.set(title=f"{title} (saturation {saturation_per_s:.2g} req/s)", xlabel="offered load (x saturation)",
-               ylabel=ylabel, ylim=(0, None))
+        ax.set(
+            title=f"{title} (saturation {saturation_per_s:.2g} req/s)",
+            xlabel="offered load (x saturation)",
+            ylabel=ylabel,
+            ylim=(0, None),
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         written.append(_save(fig, out / f"{stem}.png", plt))

@@ -6,6 +6,7 @@ only that column. Lengths are clipped to the model (`lengths.fit_lengths`); the 
 were clipped. Prompt tokens come from `TokenSource` stream POISSON_PROMPT keyed by request index:
 prompts share no prefix beyond chance.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ class PoissonSpec:
         if not self.rate_per_s > 0:
             raise ValueError(f"--rate must be > 0 (or inf), got {self.rate_per_s}")
 
-    def with_rate(self, rate_per_s: float) -> "PoissonSpec":
+    def with_rate(self, rate_per_s: float) -> PoissonSpec:
         return dataclasses.replace(self, rate_per_s=rate_per_s)
 
     def build(self, limits: ModelLimits, defaults: RequestDefaults, seed: int, salt: int = 0) -> Plan:
@@ -45,9 +46,13 @@ class PoissonSpec:
         raw_outputs = self.output_len.sample(np.random.default_rng([seed, _OUTPUT_LENS]), n)
         prompt_lens, output_lens = fit_lengths(raw_prompts, raw_outputs, limits.max_model_len)
         source = tokens.TokenSource(limits, seed, salt)
-        prompts = [source.blocks(tokens.POISSON_PROMPT, [i], int(length))[0].tolist()
-                   for i, length in enumerate(prompt_lens)]
-        notes = {"rate_per_s": rate_note(self.rate_per_s), "prompt_len": self.prompt_len.spelling,
-                 "output_len": self.output_len.spelling,
-                 "requests_clipped": int(np.sum((prompt_lens != raw_prompts) | (output_lens != raw_outputs)))}
+        prompts = [
+            source.blocks(tokens.POISSON_PROMPT, [i], int(length))[0].tolist() for i, length in enumerate(prompt_lens)
+        ]
+        notes = {
+            "rate_per_s": rate_note(self.rate_per_s),
+            "prompt_len": self.prompt_len.spelling,
+            "output_len": self.output_len.spelling,
+            "requests_clipped": int(np.sum((prompt_lens != raw_prompts) | (output_lens != raw_outputs))),
+        }
         return Plan("poisson", make_requests(arrivals_s, prompts, output_lens, defaults), notes)

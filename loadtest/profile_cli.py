@@ -11,6 +11,7 @@ such (cluster/sim/roofline.py). The third measures the cluster's own overheads (
 hand-off fixed costs) against an idle running cluster and stores them in the profile
 (loadtest/calibrate.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,25 +24,33 @@ from cluster.sim.roofline import GPUS, MODELS, roofline_profile
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve profile", description="Write a hardware profile for "
-                                     "splitserve simulate / plan.", epilog=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="splitserve profile",
+        description="Write a hardware profile for splitserve simulate / plan.",
+        epilog=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the profile (JSON)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--roofline", action="store_true", help="a roofline estimate for --model on --gpu")
     mode.add_argument("--calibrate", action="store_true", help="add the overheads of the cluster at --target")
-    parser.add_argument("--model", help="checkpoint directory (default: the demo model); with --roofline one of "
-                        + ", ".join(MODELS))
+    parser.add_argument(
+        "--model", help="checkpoint directory (default: the demo model); with --roofline one of " + ", ".join(MODELS)
+    )
     parser.add_argument("--gpu", choices=tuple(GPUS), help="with --roofline")
     parser.add_argument("--tp", default="1,2,4,8", help="with --roofline: tensor-parallel sizes (default 1,2,4,8)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as a pool worker's (default 1)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds; for smoke tests)")
     parser.add_argument("--label", help="the profile's label (default: says what and where)")
-    parser.add_argument("--transfer-latency-ms", type=float, help=f"KV hand-off latency (default "
-                        f"{CPU_TRANSFER.latency_s * 1e3:g})")
-    parser.add_argument("--transfer-gbytes-per-s", type=float, help=f"KV hand-off bandwidth (default "
-                        f"{CPU_TRANSFER.bytes_per_s / 1e9:g})")
+    parser.add_argument(
+        "--transfer-latency-ms", type=float, help=f"KV hand-off latency (default {CPU_TRANSFER.latency_s * 1e3:g})"
+    )
+    parser.add_argument(
+        "--transfer-gbytes-per-s",
+        type=float,
+        help=f"KV hand-off bandwidth (default {CPU_TRANSFER.bytes_per_s / 1e9:g})",
+    )
     parser.add_argument("--profile", metavar="FILE", help="with --calibrate: the profile to calibrate")
     parser.add_argument("--target", default="127.0.0.1:50051", help="with --calibrate: the router HOST:PORT")
     parser.add_argument("--requests", type=int, default=12, help="with --calibrate: sequential requests")
@@ -81,9 +90,15 @@ def make_profile(args) -> Profile:
     from engine.demo_model import ensure_demo_model
 
     model_dir = args.model or str(ensure_demo_model())
-    return measure_profile(model_dir, threads=args.threads, dtype=args.dtype,
-                           grid=Grid.quick() if args.quick else Grid(), label=args.label,
-                           transfer=_transfer(args), say=lambda line: print(line, flush=True))
+    return measure_profile(
+        model_dir,
+        threads=args.threads,
+        dtype=args.dtype,
+        grid=Grid.quick() if args.quick else Grid(),
+        label=args.label,
+        transfer=_transfer(args),
+        say=lambda line: print(line, flush=True),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ one per chunk with text) and the server's final count differs, the count wins: t
 keeps one token and the rest are spread evenly over the later messages (earlier ones take the
 remainder), so TTFT stays the first content's arrival and ITLs still sum to last - first.
 """
+
 from __future__ import annotations
 
 from loadtest.plan import PlannedRequest
@@ -60,13 +61,29 @@ class RequestRecorder:
         """The record as of now_s (still-running requests end at now_s, marked CANCELLED)."""
         if self._end_s is None:
             self.on_error("CANCELLED", "still running when the bench stopped", now_s)
+        assert self._end_s is not None, "on_error ended it"
         code, reason = self._error or (None, None)
         p = self.planned
-        return RequestRecord(self.request_id, p.index, p.arrival_s, self.send_s, p.num_prompt_tokens, p.max_tokens,
-                             self._token_times(), self._end_s - self.send_s, self._cached,
-                             None if self._error else self._finish, code, reason,
-                             p.slo.ttft_ms, p.slo.tpot_ms, p.priority, p.tenant, tuple(self._token_ids),
-                             self._migrations)
+        return RequestRecord(
+            self.request_id,
+            p.index,
+            p.arrival_s,
+            self.send_s,
+            p.num_prompt_tokens,
+            p.max_tokens,
+            self._token_times(),
+            self._end_s - self.send_s,
+            self._cached,
+            None if self._error else self._finish,
+            code,
+            reason,
+            p.slo.ttft_ms,
+            p.slo.tpot_ms,
+            p.priority,
+            p.tenant,
+            tuple(self._token_ids),
+            self._migrations,
+        )
 
     def _token_times(self) -> tuple[float, ...]:
         counted = sum(n for _, n in self._messages)
@@ -79,4 +96,4 @@ class RequestRecorder:
         if later == 0:
             return (times[0],) * total
         share, extra = divmod(total - 1, later)
-        return (times[0],) + tuple(t for i, t in enumerate(times[1:]) for _ in range(share + (i < extra)))
+        return (times[0], *(t for i, t in enumerate(times[1:]) for _ in range(share + (i < extra))))

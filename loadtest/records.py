@@ -15,12 +15,13 @@ Derived latencies (None where undefined):
 - met_slo: completed (finish reason, no error) and TTFT <= its ttft SLO and TPOT <= its tpot SLO; an
   SLO not set is not judged, nor is TPOT for single-token outputs.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,17 @@ class RequestRecord:
 
     def to_dict(self) -> dict:
         """The fields plus the derived values, for the JSONL file."""
-        return {**asdict(self), "output_tokens": self.output_tokens, "ttft_s": self.ttft_s,
-                "tpot_s": self.tpot_s, "itl_s": list(self.itl_s), "met_slo": self.met_slo}
+        return {
+            **asdict(self),
+            "output_tokens": self.output_tokens,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "itl_s": list(self.itl_s),
+            "met_slo": self.met_slo,
+        }
 
     @staticmethod
-    def from_dict(raw: dict) -> "RequestRecord":
+    def from_dict(raw: dict) -> RequestRecord:
         """Inverse of `to_dict` (derived values are recomputed, not trusted)."""
         values = {f.name: raw[f.name] for f in fields(RequestRecord) if f.name in raw}
         values["token_times_s"] = tuple(values.get("token_times_s", ()))

@@ -7,6 +7,7 @@ sweep `rate-R/records.jsonl` + `rate-R/summary.json` per rate and `sweep.json`, 
 `max_rate_meeting_target` is the highest swept rate whose SLO attainment reached `--attainment-target`
 (DistServe's per-GPU goodput, before dividing by the GPUs used).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,10 +44,19 @@ def _plan(config: BenchConfig, limits: ModelLimits, rate: float | None, salt: in
 
 def _run_info(config: BenchConfig, limits: ModelLimits) -> dict:
     d = config.driver
-    return {"target": config.target, "backend": config.backend, "workload": config.workload, "seed": config.seed,
-            "max_concurrency": d.max_concurrency, "duration_s": d.duration_s, "grace_s": d.grace_s,
-            "warmup_s": config.warmup_s, "temperature": d.temperature, "run_tag": d.run_tag,
-            "model": dataclasses.asdict(limits)}
+    return {
+        "target": config.target,
+        "backend": config.backend,
+        "workload": config.workload,
+        "seed": config.seed,
+        "max_concurrency": d.max_concurrency,
+        "duration_s": d.duration_s,
+        "grace_s": d.grace_s,
+        "warmup_s": config.warmup_s,
+        "temperature": d.temperature,
+        "run_tag": d.run_tag,
+        "model": dataclasses.asdict(limits),
+    }
 
 
 def _write_run(folder: Path, result: RunResult, summary: Summary, run_info: dict) -> None:
@@ -57,11 +67,22 @@ def _write_run(folder: Path, result: RunResult, summary: Summary, run_info: dict
 def sweep_report(points: list[tuple[float, Summary]], attainment_target: float) -> dict:
     """sweep.json: per-rate headline figures and the highest rate meeting the attainment target."""
     meeting = [rate for rate, s in points if s.slo_attainment is not None and s.slo_attainment >= attainment_target]
-    return {"attainment_target": attainment_target, "max_rate_meeting_target": max(meeting, default=None),
-            "points": [{"rate_per_s": rate, "slo_attainment": s.slo_attainment, "goodput_per_s": s.goodput_per_s,
-                        "request_throughput_per_s": s.request_throughput_per_s,
-                        "ttft_p99_ms": s.ttft_ms.p99, "tpot_p99_ms": s.tpot_ms.p99,
-                        "rejection_rate": s.rejection_rate} for rate, s in sorted(points, key=lambda p: p[0])]}
+    return {
+        "attainment_target": attainment_target,
+        "max_rate_meeting_target": max(meeting, default=None),
+        "points": [
+            {
+                "rate_per_s": rate,
+                "slo_attainment": s.slo_attainment,
+                "goodput_per_s": s.goodput_per_s,
+                "request_throughput_per_s": s.request_throughput_per_s,
+                "ttft_p99_ms": s.ttft_ms.p99,
+                "tpot_p99_ms": s.tpot_ms.p99,
+                "rejection_rate": s.rejection_rate,
+            }
+            for rate, s in sorted(points, key=lambda p: p[0])
+        ],
+    }
 
 
 async def run_bench(config: BenchConfig, echo=print) -> list[Summary]:
@@ -69,19 +90,34 @@ async def run_bench(config: BenchConfig, echo=print) -> list[Summary]:
     token = read_token(config.auth_token_file)
     rates = config.sweep_rates or (None,)
     runs: list[tuple[float | None, RunResult, Summary]] = []
-    backend = make_backend(config.backend, target=config.target, token=token, timeout_s=config.driver.request_timeout_s,
-                           model=config.model, tokenizer=config.tokenizer, tls=config.tls)
+    backend = make_backend(
+        config.backend,
+        target=config.target,
+        token=token,
+        timeout_s=config.driver.request_timeout_s,
+        model=config.model,
+        tokenizer=config.tokenizer,
+        tls=config.tls,
+    )
     async with backend:
         limits = await _limits(backend)
         run_info = _run_info(config, limits)
         for i, rate in enumerate(rates):
             plan = _plan(config, limits, rate, i)
-            echo(f"{config.workload}: {len(plan.requests)} requests planned"
-                 + (f" at {rate:g} req/s" if rate is not None else ""))
+            echo(
+                f"{config.workload}: {len(plan.requests)} requests planned"
+                + (f" at {rate:g} req/s" if rate is not None else "")
+            )
             driver = dataclasses.replace(config.driver, run_tag=f"{config.driver.run_tag}-{i}")
             result = await drive(backend, plan, driver)
-            summary = summarize(result.records, workload=config.workload, planned=result.planned,
-                                warmup_s=config.warmup_s, rate_per_s=rate, notes=plan.notes)
+            summary = summarize(
+                result.records,
+                workload=config.workload,
+                planned=result.planned,
+                warmup_s=config.warmup_s,
+                rate_per_s=rate,
+                notes=plan.notes,
+            )
             echo(format_table(summary) + "\n")
             if config.out_dir is not None:
                 folder = Path(config.out_dir) / (f"rate-{rate:g}" if rate is not None else "")
@@ -96,13 +132,16 @@ def _report_sweep_and_plots(config: BenchConfig, runs, echo) -> None:
     if points:
         report = sweep_report(points, config.attainment_target)
         best = report["max_rate_meeting_target"]
-        echo(f"sweep: highest rate with SLO attainment >= {config.attainment_target:.0%}: "
-             + (f"{best:g} req/s" if best is not None else "none of the rates swept"))
+        echo(
+            f"sweep: highest rate with SLO attainment >= {config.attainment_target:.0%}: "
+            + (f"{best:g} req/s" if best is not None else "none of the rates swept")
+        )
         if config.out_dir is not None:
             (Path(config.out_dir) / "sweep.json").write_text(json.dumps(report, indent=2) + "\n")
     if config.plot_dir is not None:
-        labelled = {(f"{rate:g} req/s" if rate is not None else config.workload): result.records
-                    for rate, result, _ in runs}
+        labelled = {
+            (f"{rate:g} req/s" if rate is not None else config.workload): result.records for rate, result, _ in runs
+        }
         written = plot_latency_cdfs(labelled, config.plot_dir)
         if points:
             written += plot_sweep(points, config.plot_dir, config.attainment_target)

@@ -5,6 +5,7 @@ flags, `loadtest.cli`), the SLO, and what each worker and the router are configu
 the prompt scale: finer blocks would hold no more information and cost more bookkeeping), else on
 the model's KV block size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,20 @@ def add_sim_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ttft-ms", type=float, help="TTFT SLO every request is judged against")
     g.add_argument("--tpot-ms", type=float, help="TPOT SLO every request is judged against")
     g.add_argument("--seed", type=int, default=0, help="workload seed, as splitserve bench's (default 0)")
-    g.add_argument("--repeat", type=int, default=1, help="tile the workload N times in time, each copy with "
-                   "prefixes of its own (a synthetic longer trace; default 1)")
+    g.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="tile the workload N times in time, each copy with "
+        "prefixes of its own (a synthetic longer trace; default 1)",
+    )
     g.add_argument("--policy", choices=POLICIES, default="cache_aware")
     g.add_argument("--admission", choices=ADMISSIONS, default="always")
-    g.add_argument("--max-concurrency", type=int, help="the client's open streams at most (bench default 64; "
-                   "default here: unlimited)")
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        help="the client's open streams at most (bench default 64; default here: unlimited)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--prefill-chunk-tokens", type=int, default=512)
@@ -54,13 +63,18 @@ def load_inputs(args: argparse.Namespace) -> tuple[Profile, list, dict, SimConfi
     if args.repeat != 1:
         requests = repeat_trace(requests, args.repeat)
         notes["repeat"] = f"{args.repeat} copies in time, each with its own prefixes (synthetic scale-up)"
-    base = SimConfig(limits=EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_tokens),
-                     prefill_kv_tokens=args.prefill_kv_tokens, decode_kv_tokens=args.decode_kv_tokens,
-                     cache_block_tokens=block_tokens, enable_prefix_caching=not args.no_prefix_caching,
-                     policy=args.policy, admission=args.admission,
-                     ttft_slo_s=None if args.ttft_ms is None else args.ttft_ms / 1e3,
-                     tpot_slo_s=None if args.tpot_ms is None else args.tpot_ms / 1e3,
-                     max_concurrency=args.max_concurrency)
+    base = SimConfig(
+        limits=EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_tokens),
+        prefill_kv_tokens=args.prefill_kv_tokens,
+        decode_kv_tokens=args.decode_kv_tokens,
+        cache_block_tokens=block_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        policy=args.policy,
+        admission=args.admission,
+        ttft_slo_s=None if args.ttft_ms is None else args.ttft_ms / 1e3,
+        tpot_slo_s=None if args.tpot_ms is None else args.tpot_ms / 1e3,
+        max_concurrency=args.max_concurrency,
+    )
     return profile, requests, notes, base
 
 

@@ -8,6 +8,7 @@
 
 Exit status: 0 after a run, 2 on a bad flag.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,12 @@ from loadtest.summary import format_table
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve simulate", description="Simulate a bench workload on a "
-                                     "cluster of the given shape, from a hardware profile.",
-                                     epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="splitserve simulate",
+        description="Simulate a bench workload on a cluster of the given shape, from a hardware profile.",
+        epilog=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_sim_flags(parser)
     pools = parser.add_argument_group("pools")
     pools.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
@@ -41,15 +45,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         profile, requests, notes, base = load_inputs(args)
-        config = with_pools(base, 0 if args.colocated else args.prefill, 0 if args.colocated else args.decode,
-                            args.tp, args.colocated)
+        config = with_pools(
+            base, 0 if args.colocated else args.prefill, 0 if args.colocated else args.decode, args.tp, args.colocated
+        )
     except ValueError as err:
         parser.error(str(err))
     result = simulate(config, profile, requests)
     summary = sim_summary(result, profile, workload=args.workload, notes=notes, warmup_s=args.warmup_s)
     print(format_table(summary))
-    print(f"\nsimulated {len(requests)} requests ({result.events} events) in {result.wall_s:.2f} s: "
-          f"{len(requests) / max(result.wall_s, 1e-9):,.0f} simulated requests/s")
+    print(
+        f"\nsimulated {len(requests)} requests ({result.events} events) in {result.wall_s:.2f} s: "
+        f"{len(requests) / max(result.wall_s, 1e-9):,.0f} simulated requests/s"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({**summary.to_dict(), "profile": profile.label,
-                                               "cluster": config.name}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps({**summary.to_dict(), "profile": profile.label, "cluster": config.name}, indent=2) + "\n"
+        )

@@ -12,6 +12,7 @@ bench's generators feed it, so a simulated run and a measured one replay the sam
 `repeat_trace` tiles requests into a longer trace (a day from an hour), each copy with its own
 prefixes: a synthetic scale-up, labelled so wherever it is used.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,8 +33,9 @@ def limits_of(profile) -> ModelLimits:
     return ModelLimits(model.max_model_len, model.vocab_size, model.block_size, tuple(model.eos_token_ids))
 
 
-def sim_requests(spec: WorkloadSpec, limits: ModelLimits, block_tokens: int, seed: int = 0,
-                 salt: int = 0) -> tuple[list[SimRequest], dict]:
+def sim_requests(
+    spec: WorkloadSpec, limits: ModelLimits, block_tokens: int, seed: int = 0, salt: int = 0
+) -> tuple[list[SimRequest], dict]:
     """(requests, the plan's notes) for `spec`, prefix keys at `block_tokens` per cache block."""
     if isinstance(spec, TraceSpec):
         return _trace_requests(spec, limits, block_tokens, seed)
@@ -42,8 +44,10 @@ def sim_requests(spec: WorkloadSpec, limits: ModelLimits, block_tokens: int, see
 
 
 def plan_requests(plan: Plan, block_tokens: int) -> list[SimRequest]:
-    return [SimRequest(r.arrival_s, r.num_prompt_tokens, r.max_tokens, chained_keys(r.prompt_token_ids, block_tokens))
-            for r in plan.requests]
+    return [
+        SimRequest(r.arrival_s, r.num_prompt_tokens, r.max_tokens, chained_keys(r.prompt_token_ids, block_tokens))
+        for r in plan.requests
+    ]
 
 
 def chained_keys(token_ids: Sequence[int], block_tokens: int) -> tuple[bytes, ...]:
@@ -54,11 +58,12 @@ def _trace_requests(spec: TraceSpec, limits: ModelLimits, block_tokens: int, see
     layout = spec.layout(limits, seed)
     trace_block = round(layout.prompt_scale * MOONCAKE_BLOCK_TOKENS)
     if layout.trace.format == "mooncake" and trace_block % block_tokens:
-        raise ValueError(f"a trace block of {trace_block} tokens is not a whole number of {block_tokens}-token "
-                         "cache blocks")
+        raise ValueError(
+            f"a trace block of {trace_block} tokens is not a whole number of {block_tokens}-token cache blocks"
+        )
     per_block = trace_block // block_tokens
     requests = []
-    for row_index, (prompt, output), arrival_s in zip(layout.rows, layout.lengths, layout.arrivals_s):
+    for row_index, (prompt, output), arrival_s in zip(layout.rows, layout.lengths, layout.arrivals_s, strict=True):
         hash_ids = layout.trace.rows[row_index].hash_ids or ()
         full = prompt // block_tokens
         keys = tuple((h, j) for h in hash_ids for j in range(per_block))[:full]

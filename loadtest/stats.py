@@ -3,11 +3,12 @@
 Percentiles interpolate linearly between the two nearest ranks of the sorted sample (numpy's default
 "linear" method): for n values, percentile q sits at position (n - 1) * q / 100.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -38,12 +39,13 @@ class Distribution:
     std: float | None = None
 
     @staticmethod
-    def of(values: Sequence[float], scale: float = 1.0) -> "Distribution":
+    def of(values: Sequence[float], scale: float = 1.0) -> Distribution:
         """The distribution of values x scale (e.g. seconds -> milliseconds with scale=1000)."""
         if not values:
             return Distribution(0, None, None, None, None, None)
         scaled = [v * scale for v in values]
         mean, median = sum(scaled) / len(scaled), percentile(scaled, 50)
         std = math.sqrt(sum((v - mean) ** 2 for v in scaled) / len(scaled))
-        return Distribution(len(scaled), mean, median, percentile(scaled, 90), percentile(scaled, 99), max(scaled),
-                            median, std)
+        return Distribution(
+            len(scaled), mean, median, percentile(scaled, 90), percentile(scaled, 99), max(scaled), median, std
+        )

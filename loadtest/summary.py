@@ -16,11 +16,13 @@ Definitions (all recomputable from records.jsonl; see `records` for TTFT / TPOT 
 - Prefix hit rate: cached prompt tokens / prompt tokens over requests the router routed (that reported
   cached_prompt_tokens).
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from loadtest.records import RequestRecord
 from loadtest.stats import Distribution
@@ -78,8 +80,15 @@ def _errors(records: Sequence[RequestRecord]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def summarize(records: Sequence[RequestRecord], *, workload: str, planned: int, warmup_s: float = 0.0,
-              rate_per_s: float | str | None = None, notes: dict | None = None) -> Summary:
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    workload: str,
+    planned: int,
+    warmup_s: float = 0.0,
+    rate_per_s: float | str | None = None,
+    notes: dict | None = None,
+) -> Summary:
     """The summary of one run; `planned` is the plan's length (not-issued = planned - len(records))."""
     measured = [r for r in records if r.arrival_s >= warmup_s]
     done = [r for r in measured if r.ok]
@@ -87,25 +96,34 @@ def summarize(records: Sequence[RequestRecord], *, workload: str, planned: int, 
     met = sum(r.met_slo for r in measured)
     routed = [r for r in measured if r.cached_prompt_tokens is not None]
     prompt_tokens = sum(r.prompt_tokens for r in routed)
-    cached_tokens = sum(r.cached_prompt_tokens for r in routed)
+    cached_tokens = sum(r.cached_prompt_tokens or 0 for r in routed)  # all set: `routed`
     first = measured[0] if measured else None
     return Summary(
-        workload=workload, requests_planned=planned, requests_not_issued=planned - len(records),
-        requests_warmup=len(records) - len(measured), requests_measured=len(measured),
-        requests_completed=len(done), requests_failed=len(measured) - len(done), duration_s=duration_s,
+        workload=workload,
+        requests_planned=planned,
+        requests_not_issued=planned - len(records),
+        requests_warmup=len(records) - len(measured),
+        requests_measured=len(measured),
+        requests_completed=len(done),
+        requests_failed=len(measured) - len(done),
+        duration_s=duration_s,
         request_throughput_per_s=_ratio(len(done), duration_s),
         output_token_throughput_per_s=_ratio(sum(r.output_tokens for r in measured), duration_s),
-        goodput_per_s=_ratio(met, duration_s), slo_attainment=_ratio(met, len(measured)),
-        ttft_ms=Distribution.of([r.ttft_s for r in done], 1e3),
+        goodput_per_s=_ratio(met, duration_s),
+        slo_attainment=_ratio(met, len(measured)),
+        ttft_ms=Distribution.of([r.ttft_s for r in done if r.ttft_s is not None], 1e3),  # all set when ok
         tpot_ms=Distribution.of([r.tpot_s for r in done if r.tpot_s is not None], 1e3),
         itl_ms=Distribution.of([x for r in done for x in r.itl_s], 1e3),
         e2e_ms=Distribution.of([r.e2e_s for r in done], 1e3),
         errors=_errors(measured),
         rejection_rate=_ratio(sum(r.error_code == REJECTED for r in measured), len(measured)),
-        prompt_tokens=prompt_tokens, cached_prompt_tokens=cached_tokens,
+        prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=cached_tokens,
         prefix_hit_rate=_ratio(cached_tokens, prompt_tokens),
         slo={"ttft_ms": first.ttft_slo_ms if first else None, "tpot_ms": first.tpot_slo_ms if first else None},
-        rate_per_s=rate_per_s, notes=dict(notes or {}))
+        rate_per_s=rate_per_s,
+        notes=dict(notes or {}),
+    )
 
 
 def _fmt(value, unit: str = "", digits: int = 2) -> str:
@@ -119,18 +137,27 @@ def _fmt(value, unit: str = "", digits: int = 2) -> str:
 def format_table(s: Summary) -> str:
     """A fixed-width table for the terminal."""
     title = f"splitserve bench: {s.workload}" + (f" @ {s.rate_per_s} req/s" if s.rate_per_s is not None else "")
-    lines = [title, "-" * 64,
-             f"requests  planned {s.requests_planned}  measured {s.requests_measured}  completed "
-             f"{s.requests_completed}  failed {s.requests_failed}  not issued {s.requests_not_issued}"
-             + (f"  warm-up {s.requests_warmup}" if s.requests_warmup else ""),
-             f"duration {_fmt(s.duration_s, ' s')}  throughput {_fmt(s.request_throughput_per_s, ' req/s')}  "
-             f"{_fmt(s.output_token_throughput_per_s, ' tok/s', 1)}",
-             f"SLO (ttft {_fmt(s.slo.get('ttft_ms'), ' ms', 0)}, tpot {_fmt(s.slo.get('tpot_ms'), ' ms', 0)})  "
-             f"attainment {_fmt(s.slo_attainment, '%')}  goodput {_fmt(s.goodput_per_s, ' req/s')}",
-             f"prefix hit rate {_fmt(s.prefix_hit_rate, '%')} ({s.cached_prompt_tokens}/{s.prompt_tokens} "
-             f"prompt tokens)  rejection rate {_fmt(s.rejection_rate, '%')}",
-             "",
-             f"{'latency (ms)':<14}{'mean':>10}{'std':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}"]
+    lines = [
+        title,
+        "-" * 64,
+        f"requests  planned {s.requests_planned}  measured {s.requests_measured}  completed "
+        f"{s.requests_completed}  failed {s.requests_failed}  not issued {s.requests_not_issued}"
+        + (f"  warm-up {s.requests_warmup}" if s.requests_warmup else ""),
+        (
+            f"duration {_fmt(s.duration_s, ' s')}  throughput {_fmt(s.request_throughput_per_s, ' req/s')}  "
+            f"{_fmt(s.output_token_throughput_per_s, ' tok/s', 1)}"
+        ),
+        (
+            f"SLO (ttft {_fmt(s.slo.get('ttft_ms'), ' ms', 0)}, tpot {_fmt(s.slo.get('tpot_ms'), ' ms', 0)})  "
+            f"attainment {_fmt(s.slo_attainment, '%')}  goodput {_fmt(s.goodput_per_s, ' req/s')}"
+        ),
+        (
+            f"prefix hit rate {_fmt(s.prefix_hit_rate, '%')} ({s.cached_prompt_tokens}/{s.prompt_tokens} "
+            f"prompt tokens)  rejection rate {_fmt(s.rejection_rate, '%')}"
+        ),
+        "",
+        f"{'latency (ms)':<14}{'mean':>10}{'std':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}{'n':>8}",
+    ]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         d: Distribution = getattr(s, name)
         cells = "".join(f"{_fmt(v):>10}" for v in (d.mean, d.std, d.p50, d.p90, d.p99, d.max))

@@ -6,6 +6,7 @@ ids. So equal keys give equal tokens in every process and run (no Python `hash()
 block's first n tokens do not depend on how long it is, and distinct streams never collide by design.
 Vectorised in numpy: a trace's hundred thousand blocks take milliseconds.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -43,7 +44,7 @@ class TokenSource:
             root = _mix(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) + _GOLDEN)
             self._root = _mix(root ^ (np.uint64(salt & 0xFFFFFFFFFFFFFFFF) * _GOLDEN))
 
-    def blocks(self, stream: int, keys: Sequence[int], length: int) -> np.ndarray:
+    def blocks(self, stream: int, keys: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
         """A (len(keys), length) int64 array: row i is block (stream, keys[i]). Keys are ints >= 0."""
         key_arr = np.asarray(keys, dtype=np.uint64).reshape(-1, 1)
         positions = np.arange(1, length + 1, dtype=np.uint64).reshape(1, -1)

@@ -16,6 +16,7 @@
    concat(block(h) for h in hash_ids)[:prompt_len], so equal leading ids give token-identical prefixes
    and the cluster sees the trace's real sharing. Azure: one unique prompt per row (no-reuse control).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +65,12 @@ class TraceSpec:
             raise ValueError(f"--trace {self.path}: no such file")
         if self.trace_format not in ("auto", *FORMATS):
             raise ValueError(f"--trace-format must be one of auto, {', '.join(FORMATS)}; got {self.trace_format!r}")
-        for flag, value in (("--trace-speedup", self.speedup), ("--rate", self.rate_per_s),
-                            ("--trace-prompt-scale", self.prompt_scale), ("--trace-output-scale", self.output_scale)):
+        for flag, value in (
+            ("--trace-speedup", self.speedup),
+            ("--rate", self.rate_per_s),
+            ("--trace-prompt-scale", self.prompt_scale),
+            ("--trace-output-scale", self.output_scale),
+        ):
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{flag} must be a finite number > 0, got {value}")
         if self.overflow not in OVERFLOW_POLICIES:
@@ -75,36 +80,52 @@ class TraceSpec:
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
 
-    def with_rate(self, rate_per_s: float) -> "TraceSpec":
+    def with_rate(self, rate_per_s: float) -> TraceSpec:
         return dataclasses.replace(self, rate_per_s=rate_per_s)
 
     def build(self, limits: ModelLimits, defaults: RequestDefaults, seed: int, salt: int = 0) -> Plan:
         """The plan; deterministic in (self, the file, limits, defaults, seed, salt). ValueError when no
         row fits or the scaling is impossible."""
         layout = self.layout(limits, seed)
-        prompts = _prompts(layout.trace, layout.rows, [p for p, _ in layout.lengths], layout.prompt_scale,
-                           tokens.TokenSource(limits, seed, salt))
-        return Plan("trace", make_requests(layout.arrivals_s, prompts, [o for _, o in layout.lengths], defaults),
-                    layout.notes)
+        prompts = _prompts(
+            layout.trace,
+            layout.rows,
+            [p for p, _ in layout.lengths],
+            layout.prompt_scale,
+            tokens.TokenSource(limits, seed, salt),
+        )
+        return Plan(
+            "trace", make_requests(layout.arrivals_s, prompts, [o for _, o in layout.lengths], defaults), layout.notes
+        )
 
-    def layout(self, limits: ModelLimits, seed: int) -> "TraceLayout":
+    def layout(self, limits: ModelLimits, seed: int) -> TraceLayout:
         """Which rows are planned, in arrival order, with their lengths and times (steps 1-3 above; no
         tokens yet: the simulator reads a trace's prefix sharing from its hash ids directly)."""
         trace = _read(self.path, self.trace_format)
         prompt_scale = self._prompt_scale(trace.format, limits)
         kept, lengths, dropped, clipped = self._fit(trace, prompt_scale, limits.max_model_len)
         if not kept:
-            raise ValueError(f"no row of {self.path} fits max_model_len {limits.max_model_len} "
-                             f"after scaling (dropped: {dropped})")
+            raise ValueError(
+                f"no row of {self.path} fits max_model_len {limits.max_model_len} after scaling (dropped: {dropped})"
+            )
         beyond = len(trace.rows) - (kept[-1] + 1)  # rows after the last one planned: never considered
         arrivals_s, order, speedup = self._timeline([trace.rows[i] for i in kept], seed)
         kept, lengths = [kept[i] for i in order], [lengths[i] for i in order]
-        notes = {"trace": self.path, "format": trace.format, "rows_read": trace.rows_read,
-                 "rows_dropped": {**trace.dropped, **dropped}, "rows_clipped": clipped,
-                 "rows_beyond_num_requests": beyond, "rows_planned": len(kept),
-                 "prompt_scale": prompt_scale, "output_scale": self.output_scale, "overflow": self.overflow,
-                 "speedup": speedup, "target_rate_per_s": self.rate_per_s,
-                 "bursts": f"spread uniformly over {self.spread_s:g} s" if self.spread_s else "as recorded"}
+        notes = {
+            "trace": self.path,
+            "format": trace.format,
+            "rows_read": trace.rows_read,
+            "rows_dropped": {**trace.dropped, **dropped},
+            "rows_clipped": clipped,
+            "rows_beyond_num_requests": beyond,
+            "rows_planned": len(kept),
+            "prompt_scale": prompt_scale,
+            "output_scale": self.output_scale,
+            "overflow": self.overflow,
+            "speedup": speedup,
+            "target_rate_per_s": self.rate_per_s,
+            "bursts": f"spread uniformly over {self.spread_s:g} s" if self.spread_s else "as recorded",
+        }
         return TraceLayout(trace, kept, lengths, arrivals_s, prompt_scale, notes)
 
     def _prompt_scale(self, fmt: str, limits: ModelLimits) -> float:
@@ -113,14 +134,18 @@ class TraceSpec:
         scale = self.prompt_scale or limits.block_size / MOONCAKE_BLOCK_TOKENS
         block_tokens = scale * MOONCAKE_BLOCK_TOKENS
         if abs(block_tokens - round(block_tokens)) > 1e-9 or round(block_tokens) < 1:
-            raise ValueError(f"--trace-prompt-scale {scale:g} maps a 512-token Mooncake block to "
-                             f"{block_tokens:g} tokens; it must be a whole number >= 1")
+            raise ValueError(
+                f"--trace-prompt-scale {scale:g} maps a 512-token Mooncake block to "
+                f"{block_tokens:g} tokens; it must be a whole number >= 1"
+            )
         return scale
 
     def _fit(self, trace: TraceFile, prompt_scale: float, max_model_len: int):
         """(indices of rows kept, their (prompt, output) lengths, dropped by reason, rows clipped), over
         the rows up to the `num_requests`-th that fits."""
-        kept, lengths, dropped, clipped = [], [], {}, 0
+        kept: list[int] = []
+        dropped: dict[str, int] = {}
+        lengths, clipped = [], 0
         for i, row in enumerate(trace.rows):
             if len(kept) == self.num_requests:
                 break
@@ -159,16 +184,22 @@ def _read(path: str, trace_format: str) -> TraceFile:
     return read_trace(path, trace_format)
 
 
-def _prompts(trace: TraceFile, kept: list[int], prompt_lens: list[int], prompt_scale: float,
-             source: tokens.TokenSource) -> list[list[int]]:
+def _hash_ids(row: TraceRow) -> tuple[int, ...]:
+    assert row.hash_ids is not None, "mooncake rows carry hash_ids"
+    return row.hash_ids
+
+
+def _prompts(
+    trace: TraceFile, kept: list[int], prompt_lens: list[int], prompt_scale: float, source: tokens.TokenSource
+) -> list[list[int]]:
     if trace.format != "mooncake":
-        return [source.blocks(tokens.TRACE_PROMPT, [i], n)[0].tolist() for i, n in zip(kept, prompt_lens)]
+        return [source.blocks(tokens.TRACE_PROMPT, [i], n)[0].tolist() for i, n in zip(kept, prompt_lens, strict=True)]
     block_tokens = round(prompt_scale * MOONCAKE_BLOCK_TOKENS)
-    unique_ids = sorted({h for i in kept for h in trace.rows[i].hash_ids})
+    unique_ids = sorted({h for i in kept for h in _hash_ids(trace.rows[i])})
     blocks = source.blocks(tokens.TRACE_BLOCK, unique_ids, block_tokens)
     slot = {h: k for k, h in enumerate(unique_ids)}
     prompts = []
-    for i, n in zip(kept, prompt_lens):
-        ids = trace.rows[i].hash_ids[:-(-n // block_tokens)]  # only the blocks the (clipped) prompt needs
+    for i, n in zip(kept, prompt_lens, strict=True):
+        ids = _hash_ids(trace.rows[i])[: -(-n // block_tokens)]  # only the blocks the (clipped) prompt needs
         prompts.append(blocks[[slot[h] for h in ids]].reshape(-1)[:n].tolist())
     return prompts

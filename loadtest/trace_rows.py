@@ -11,18 +11,19 @@ The format is told by the file's content (a first line that opens a JSON object 
 header is Azure), never by its name. A row that cannot be read is dropped and counted under its reason;
 nothing is silently skipped.
 """
+
 from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator
 
 MOONCAKE_BLOCK_TOKENS = 512
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-_NAIVE_ORIGIN = datetime(2000, 1, 1)
+_NAIVE_ORIGIN = datetime(2000, 1, 1)  # noqa: DTZ001 - Azure trace stamps carry no zone; only differences count
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,10 @@ def detect_format(path: Path) -> str:
         return "mooncake"
     if tuple(c.strip() for c in next(csv.reader([first]), [])) == AZURE_HEADER:
         return "azure"
-    raise ValueError(f"{path}: neither Mooncake JSON Lines (a JSON object a line) nor an Azure trace CSV "
-                     f"(header {','.join(AZURE_HEADER)})")
+    raise ValueError(
+        f"{path}: neither Mooncake JSON Lines (a JSON object a line) nor an Azure trace CSV "
+        f"(header {','.join(AZURE_HEADER)})"
+    )
 
 
 def read_trace(path: str | Path, trace_format: str = "auto") -> TraceFile:
@@ -121,7 +124,8 @@ def read_trace(path: str | Path, trace_format: str = "auto") -> TraceFile:
     lines = _lines(path)
     if fmt == "azure":
         next(lines, None)  # the header
-    parsed, dropped = [], {}
+    parsed: list[tuple[float, int, int, tuple[int, ...] | None]] = []  # (stamp, input, output, hash ids)
+    dropped: dict[str, int] = {}
     for line in lines:
         try:
             stamp, input_length, output_length, hash_ids = _PARSERS[fmt](line)

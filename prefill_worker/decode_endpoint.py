@@ -3,6 +3,7 @@
 A thin adapter (`kvtransfer.session.DecodeEndpoint`): it translates the decode side's answers into
 the session's terms (`DecodeFull`, `HandoffFailed`) and nothing else; the session decides.
 """
+
 from __future__ import annotations
 
 from ray.exceptions import RayTaskError
@@ -17,7 +18,7 @@ class RayDecodeEndpoint(DecodeEndpoint):
     def __init__(self, decode: Member, request: GenerateRequest, first_token_id: int, owner: str, sender_peer: str):
         self.decode, self.request, self.first_token_id = decode, request, first_token_id
         self.owner, self.sender_peer = owner, sender_peer
-        self._rank_of = dict(zip(decode.peer_ids, decode.ranks))
+        self._rank_of = dict(zip(decode.peer_ids, decode.ranks, strict=True))
 
     async def reserve(self, num_tokens: int) -> HandoffTarget:
         try:

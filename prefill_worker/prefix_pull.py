@@ -26,13 +26,15 @@ each other at once then use two one-way channels (the transport allows one call 
 and a pair's conversation must be one-way or alternate). Workers find each other through the
 membership the controller pushes to them (`find_worker`), never by actor names.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from cluster.messages import GenerateRequest, PullOutcome
 from engine.block_hash import HashNamespace, hash_blocks
@@ -68,11 +70,10 @@ class PullReservation(NamedTuple):
 # ---- engine-thread steps (each runs whole between two engine steps) ------------------------------
 def _prefix_hashes(engine: LLMEngine, token_ids, tenant: str, num_blocks: int):
     namespace = HashNamespace(engine.model_config.identity, engine.config.block_size, tenant)
-    return hash_blocks(namespace, token_ids[:num_blocks * engine.config.block_size])
+    return hash_blocks(namespace, token_ids[: num_blocks * engine.config.block_size])
 
 
-def reserve_pull(engine: LLMEngine, request_id: str, token_ids, tenant: str,
-                 num_blocks: int) -> PullReservation | None:
+def reserve_pull(engine: LLMEngine, request_id: str, token_ids, tenant: str, num_blocks: int) -> PullReservation | None:
     """Pins the local part of the prefix and reserves blocks for the rest; None: nothing to pull
     (all of it is here already) or no room for it."""
     size, table = engine.config.block_size, pull_table_id(request_id)
@@ -83,7 +84,7 @@ def reserve_pull(engine: LLMEngine, request_id: str, token_ids, tenant: str,
     if not engine.kv.can_allocate(table, num_blocks * size, local):
         return None
     block_ids = engine.kv.allocate(table, num_blocks * size, local)
-    return PullReservation(len(local.block_ids), block_ids[len(local.block_ids):])
+    return PullReservation(len(local.block_ids), block_ids[len(local.block_ids) :])
 
 
 def commit_pull(engine: LLMEngine, request_id: str, token_ids, tenant: str, num_blocks: int) -> int:
@@ -100,8 +101,9 @@ def commit_pull(engine: LLMEngine, request_id: str, token_ids, tenant: str, num_
 
 def pin_export(engine: LLMEngine, table: str, token_ids, tenant: str, num_blocks: int) -> tuple[int, ...]:
     """Holder side: pins the leading cached blocks of the prefix (verified against the tokens)."""
-    prefix: CachedPrefix = engine.kv.find_cached_prefix(token_ids, _prefix_hashes(engine, token_ids, tenant,
-                                                                                   num_blocks))
+    prefix: CachedPrefix = engine.kv.find_cached_prefix(
+        token_ids, _prefix_hashes(engine, token_ids, tenant, num_blocks)
+    )
     if not prefix.block_ids or engine.kv.has(table):
         return ()
     engine.kv.allocate(table, prefix.num_tokens, prefix)
@@ -114,8 +116,18 @@ class PrefixPuller:
     fn(engine) on the engine thread and returns a concurrent Future (EngineLoop.call); `find_worker(id)`
     is the membership's actor handle of a prefill worker, or None."""
 
-    def __init__(self, worker_id: str, peer_id: str, store_host: str, store_port: int, engine: LLMEngine,
-                 call_engine: Callable, find_worker: Callable, timeout_s: float, metrics):
+    def __init__(
+        self,
+        worker_id: str,
+        peer_id: str,
+        store_host: str,
+        store_port: int,
+        engine: LLMEngine,
+        call_engine: Callable,
+        find_worker: Callable,
+        timeout_s: float,
+        metrics,
+    ):
         self.worker_id, self.peer_id, self.timeout_s, self.metrics = worker_id, peer_id, timeout_s, metrics
         self.transport = TorchDistTransport(pull_peer_id(peer_id), store_host, store_port)
         self.receiver = KVReceiver(self.transport, engine.runner.kv_cache)
@@ -129,6 +141,7 @@ class PrefixPuller:
         """Fetches the request's prefix from its holder; never raises (a failure means recompute)."""
         started_s, rid, tokens = time.perf_counter(), request.request_id, request.token_ids
         spec = request.prefix_pull
+        assert spec is not None, "pull() serves requests that ask for a pull"
         reservation = await self._engine(lambda e: reserve_pull(e, rid, tokens, request.tenant, spec.num_blocks))
         if reservation is None:
             self.metrics.prefix_pull_finished("skipped", 0)
@@ -139,7 +152,7 @@ class PrefixPuller:
             received = await self._transfer(request, reservation, deadline_s)
             local = reservation.num_local_blocks
             await self._engine(lambda e: commit_pull(e, rid, tokens, request.tenant, local + received))
-        except Exception as err:  # any failure: give the blocks back and compute the prompt instead
+        except Exception as err:  # noqa: BLE001 - any failure: give the blocks back and compute the prompt instead
             await self._abandon(rid, deadline_s)
             self.metrics.prefix_pull_finished("failed", 0)
             return PullOutcome(0, 0, time.perf_counter() - started_s, f"{type(err).__name__}: {err}")
@@ -153,19 +166,27 @@ class PrefixPuller:
     async def _transfer(self, request: GenerateRequest, reservation: PullReservation, deadline_s: float) -> int:
         """Asks the holder to send, then waits for the receive; returns the blocks received."""
         spec = request.prefix_pull
+        assert spec is not None, "pull() serves requests that ask for a pull"
         holder = self._find_worker(spec.holder_id)
         if holder is None:
             raise LookupError(f"{spec.holder_id} is not a live prefill worker")
-        tokens = request.token_ids[:spec.num_blocks * self.block_size + 1]  # all the holder verifies
+        tokens = request.token_ids[: spec.num_blocks * self.block_size + 1]  # all the holder verifies
         count = await asyncio.wait_for(
-            holder.export_prefix.remote(self.worker_id, self.peer_id, request.request_id, tokens, request.tenant,
-                                        reservation.num_local_blocks, spec.num_blocks),
-            max(deadline_s - time.time(), 0.0))
+            holder.export_prefix.remote(
+                self.worker_id,
+                self.peer_id,
+                request.request_id,
+                tokens,
+                request.tenant,
+                reservation.num_local_blocks,
+                spec.num_blocks,
+            ),
+            max(deadline_s - time.time(), 0.0),
+        )
         if count == 0:
             raise LookupError(f"{spec.holder_id} no longer holds the prefix")
         wait_s = max(deadline_s - time.time(), 0.001)
-        return await asyncio.get_running_loop().run_in_executor(None, self.receiver.wait, request.request_id,
-                                                                wait_s)
+        return await asyncio.get_running_loop().run_in_executor(None, self.receiver.wait, request.request_id, wait_s)
 
     async def _abandon(self, request_id: str, deadline_s: float) -> None:
         """Stops accepting the transfer, waits out a receive in progress, then frees the reservation."""

@@ -12,6 +12,7 @@ A request may first pull its prefix from a peer prefill worker that holds it (`e
 Liveness (`ping`) and load (`stats`) are answered from the actor's event loop and the engine loop's
 last snapshot, never by waiting for an engine step: a busy worker never looks dead.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,19 +56,40 @@ class PrefillWorker:
         self._started_s: dict[str, float] = {}
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sender")
         self.kv_sender = KVSender(self._sender)
-        self.loop = EngineLoop(self.engine, self._on_updates, name=f"{worker_id}-engine",
-                               on_step=self.telemetry.on_step).start()
+        self.loop = EngineLoop(
+            self.engine, self._on_updates, name=f"{worker_id}-engine", on_step=self.telemetry.on_step
+        ).start()
         self.membership = Membership("", 0)
-        self.puller = PrefixPuller(worker_id, self.peer_id, store_host, store_port, self.engine, self.loop.call,
-                                   self._find_prefill, cluster_config.prefix_pull_timeout_s, self.telemetry.metrics)
+        self.puller = PrefixPuller(
+            worker_id,
+            self.peer_id,
+            store_host,
+            store_port,
+            self.engine,
+            self.loop.call,
+            self._find_prefill,
+            cluster_config.prefix_pull_timeout_s,
+            self.telemetry.metrics,
+        )
         self._pulls: dict[str, PullOutcome] = {}  # request id → its prefix pull, until its first token
 
     async def ready(self) -> WorkerInfo:
         cfg = self.engine.model_config
-        return WorkerInfo(self.worker_id, "prefill", (self.peer_id,), self.engine.num_blocks,
-                          self.engine.config.block_size, cfg.num_kv_heads, spec_fingerprint(), cfg.identity,
-                          self.engine.max_model_len, cfg.vocab_size, cfg.eos_token_ids,
-                          self.engine.runner.kv_cache.bytes_per_token, self.epoch)
+        return WorkerInfo(
+            self.worker_id,
+            "prefill",
+            (self.peer_id,),
+            self.engine.num_blocks,
+            self.engine.config.block_size,
+            cfg.num_kv_heads,
+            spec_fingerprint(),
+            cfg.identity,
+            self.engine.max_model_len,
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+            self.engine.runner.kv_cache.bytes_per_token,
+            self.epoch,
+        )
 
     async def ping(self) -> Liveness:
         error = self.loop.error
@@ -112,9 +134,18 @@ class PrefillWorker:
                 if rid not in self._waiters:  # aborted while pulling: the waiter already failed
                     self.loop.call(lambda engine: engine.release(pull_table_id(rid)))
                     return await waiter
-            await asyncio.wrap_future(self.loop.call(lambda engine: engine.add_request(
-                rid, request.prompt_token_ids, request.params, priority=request.priority,
-                tenant_salt=request.tenant, output_token_ids=request.output_token_ids)))
+            await asyncio.wrap_future(
+                self.loop.call(
+                    lambda engine: engine.add_request(
+                        rid,
+                        request.prompt_token_ids,
+                        request.params,
+                        priority=request.priority,
+                        tenant_salt=request.tenant,
+                        output_token_ids=request.output_token_ids,
+                    )
+                )
+            )
         except Exception:
             self._waiters.pop(rid, None)
             self._started_s.pop(rid, None)
@@ -123,15 +154,21 @@ class PrefillWorker:
             raise
         return await waiter
 
-    async def _hand_off(self, request: GenerateRequest, result: PrefillResult, handoff: Handoff, decode: Member,
-                        owner: str) -> HandoffStats:
+    async def _hand_off(
+        self, request: GenerateRequest, result: PrefillResult, handoff: Handoff, decode: Member, owner: str
+    ) -> HandoffStats:
         rid = request.request_id
         deadline_s = request.deadline_s or time.time() + self.request_timeout_s
-        session = HandoffSession(rid, handoff.num_computed_tokens,
-                                 RayDecodeEndpoint(decode, request, result.token_id, owner, self.peer_id),
-                                 lambda target: self._send_kv(handoff, target),
-                                 lambda: self.loop.call(lambda engine: engine.release(rid)), self.kv_sender, deadline_s,
-                                 kv_layout=(f"prefill worker {self.worker_id!r}", self.engine.runner.kv_cache.layout))
+        session = HandoffSession(
+            rid,
+            handoff.num_computed_tokens,
+            RayDecodeEndpoint(decode, request, result.token_id, owner, self.peer_id),
+            lambda target: self._send_kv(handoff, target),
+            lambda: self.loop.call(lambda engine: engine.release(rid)),
+            self.kv_sender,
+            deadline_s,
+            kv_layout=(f"prefill worker {self.worker_id!r}", self.engine.runner.kv_cache.layout),
+        )
         if rid not in self._sessions:  # aborted between the first token and now
             session.cancel()
         self._sessions[rid] = session
@@ -144,26 +181,37 @@ class PrefillWorker:
         self.telemetry.metrics.observe_transfer("send", stats.num_bytes, stats.elapsed_s)
         return stats
 
-    async def export_prefix(self, requester_id: str, requester_peer: str, request_id: str,
-                            token_ids: tuple[int, ...], tenant: str, start_block: int, num_blocks: int) -> int:
+    async def export_prefix(
+        self,
+        requester_id: str,
+        requester_peer: str,
+        request_id: str,
+        token_ids: tuple[int, ...],
+        tenant: str,
+        start_block: int,
+        num_blocks: int,
+    ) -> int:
         """Holder side of a prefix pull (prefill_worker/prefix_pull.py): pins the prefix blocks it still
         holds and sends blocks [start_block, ...) to the requester; returns how many it will send."""
         table = export_table_id(requester_id, request_id)
-        block_ids = await asyncio.wrap_future(self.loop.call(
-            lambda engine: pin_export(engine, table, token_ids, tenant, num_blocks)))
+        block_ids = await asyncio.wrap_future(
+            self.loop.call(lambda engine: pin_export(engine, table, token_ids, tenant, num_blocks))
+        )
         requester = self._find_prefill(requester_id)
         if len(block_ids) <= start_block or requester is None:
             self.loop.call(lambda engine: engine.release(table))
             return 0
         deadline_s = time.time() + self.puller.timeout_s
-        self._sender.submit(self._serve_pull, table, block_ids[start_block:], requester, requester_peer, request_id,
-                            deadline_s)
+        self._sender.submit(
+            self._serve_pull, table, block_ids[start_block:], requester, requester_peer, request_id, deadline_s
+        )
         return len(block_ids) - start_block
 
     async def receive_prefix(self, holder_peer: str, request_id: str) -> None:
         """Announced by a holder right before it sends a prefix this worker asked for."""
-        await asyncio.get_running_loop().run_in_executor(self.puller.receive_pool, self.puller.receiver.receive,
-                                                         holder_peer, request_id)
+        await asyncio.get_running_loop().run_in_executor(
+            self.puller.receive_pool, self.puller.receiver.receive, holder_peer, request_id
+        )
 
     async def abort(self, request_id: str) -> bool:
         def abort(engine: LLMEngine) -> bool:
@@ -186,10 +234,15 @@ class PrefillWorker:
 
     async def check_integrity(self) -> dict:
         """Runs the block pool's integrity check; reports blocks and sequences still held."""
+
         def check(engine: LLMEngine) -> dict:
             engine.kv.check_integrity()
-            return {"num_blocks": engine.num_blocks, "num_free_blocks": engine.kv.num_free_blocks,
-                    "num_sequences": len(engine.seqs)}
+            return {
+                "num_blocks": engine.num_blocks,
+                "num_free_blocks": engine.kv.num_free_blocks,
+                "num_sequences": len(engine.seqs),
+            }
+
         return await asyncio.wrap_future(self.loop.call(check))
 
     async def stats(self) -> WorkerStats:
@@ -229,25 +282,43 @@ class PrefillWorker:
                 continue
             loop, waiter = entry
             if not update.new_token_ids:  # ended unscheduled: the prompt can never fit this pool
-                loop.call_soon_threadsafe(_fail, waiter, InvalidRequestError(
-                    "prompt", f"needs more KV blocks than this worker's pool of {self.engine.num_blocks}"))
+                loop.call_soon_threadsafe(
+                    _fail,
+                    waiter,
+                    InvalidRequestError(
+                        "prompt", f"needs more KV blocks than this worker's pool of {self.engine.num_blocks}"
+                    ),
+                )
                 continue
             self.telemetry.metrics.observe_prompt(seq.num_prompt_tokens, seq.num_cached_tokens)
             handoff = update.finish_reason is FinishReason.HANDOFF
-            result = PrefillResult(update.seq_id, update.new_token_ids[0],
-                                   seq.logprobs[0] if seq.logprobs else None,
-                                   None if handoff else update.finish_reason.value, handoff,
-                                   seq.num_cached_tokens, time.perf_counter() - started_s, pull)
+            result = PrefillResult(
+                update.seq_id,
+                update.new_token_ids[0],
+                seq.logprobs[0] if seq.logprobs else None,
+                None if handoff else update.finish_reason.value,
+                handoff,
+                seq.num_cached_tokens,
+                time.perf_counter() - started_s,
+                pull,
+            )
             blocks = self.engine.handoff_blocks(update.seq_id) if handoff else None  # pinned until released
             loop.call_soon_threadsafe(_resolve, waiter, (result, blocks))
 
     # ---- sender thread ----------------------------------------------------------------------------
     def _send_kv(self, handoff: Handoff, target: HandoffTarget) -> int:
-        return send_sequence_kv(self.transport, self.engine.runner.kv_cache, handoff.block_ids,
-                                handoff.num_computed_tokens, handoff.seq_id, target)
+        return send_sequence_kv(
+            self.transport,
+            self.engine.runner.kv_cache,
+            handoff.block_ids,
+            handoff.num_computed_tokens,
+            handoff.seq_id,
+            target,
+        )
 
-    def _serve_pull(self, table: str, block_ids: tuple[int, ...], requester, requester_peer: str, request_id: str,
-                    deadline_s: float) -> None:
+    def _serve_pull(
+        self, table: str, block_ids: tuple[int, ...], requester, requester_peer: str, request_id: str, deadline_s: float
+    ) -> None:
         """The holder's part of a prefix pull (pins released whatever happens)."""
         started_s = time.perf_counter()
         try:
@@ -255,11 +326,12 @@ class PrefillWorker:
             announced = requester.receive_prefix.remote(self.peer_id, request_id)
             peer, kv = pull_peer_id(requester_peer), self.engine.runner.kv_cache
             target = HandoffTarget(peer, (RankTarget(peer, 0, kv.num_kv_heads),), (), deadline_s)
-            num_bytes = send_sequence_kv(self.transport, kv, block_ids,
-                                         len(block_ids) * self.engine.config.block_size, request_id, target)
+            num_bytes = send_sequence_kv(
+                self.transport, kv, block_ids, len(block_ids) * self.engine.config.block_size, request_id, target
+            )
             announced.future().result(timeout=call_timeout_s(deadline_s))
             self.telemetry.metrics.observe_transfer("pull_out", num_bytes, time.perf_counter() - started_s)
-        except Exception as err:  # the requester falls back to recomputing; nothing else to do here
+        except Exception as err:  # noqa: BLE001 - the requester falls back to recomputing; nothing else to do here
             log.info("prefix pull %r for %s failed: %s: %s", request_id, requester_peer, type(err).__name__, err)
         finally:
             self.loop.call(lambda engine: engine.release(table))

@@ -13,12 +13,26 @@ What the view holds, and where it comes from:
   the predictor takes the larger of its prediction and the step models' (`admission.predictor`).
 The decision is made after routing and before any worker is touched; a rejection costs no block.
 """
+
 from __future__ import annotations
 
-from router.admission import (AdmissionConfig, AdmissionDecision, AdmissionRequest, ClusterView,
-                              DecodeCostModel, DecodeInstanceView, DecodeStep, ObservedTtftModel, PrefillCostModel,
-                              PrefillStep, RunningRequest, TransferCostModel, TransferStep, TtftSample,
-                              policy_from_config)
+from router.admission import (
+    AdmissionConfig,
+    AdmissionDecision,
+    AdmissionRequest,
+    ClusterView,
+    DecodeCostModel,
+    DecodeInstanceView,
+    DecodeStep,
+    ObservedTtftModel,
+    PrefillCostModel,
+    PrefillStep,
+    RunningRequest,
+    TransferCostModel,
+    TransferStep,
+    TtftSample,
+    policy_from_config,
+)
 from router.admission.step_stats import unseen_steps
 from router.routing import WorkerLoad
 
@@ -28,16 +42,18 @@ OBSERVED_TTFT_WINDOW = 64
 
 
 class AdmissionGate:
-    def __init__(self, config: AdmissionConfig, kv_bytes_per_token: int, block_size: int,
-                 prefill_step_budget_tokens: int):
+    def __init__(
+        self, config: AdmissionConfig, kv_bytes_per_token: int, block_size: int, prefill_step_budget_tokens: int
+    ):
         self.config = config
         self.policy = policy_from_config(config)
         window, minimum = config.cost_window_steps, config.cost_min_samples
         self.prefill_cost = PrefillCostModel(window_steps=window, min_samples=minimum)
         self.decode_cost = DecodeCostModel(window_steps=window, min_samples=minimum)
         self.transfer_cost = TransferCostModel(window_steps=window, min_samples=minimum)
-        self.ttft_cost = ObservedTtftModel(window_steps=min(window, OBSERVED_TTFT_WINDOW),
-                                           min_samples=min(minimum, OBSERVED_TTFT_WINDOW))
+        self.ttft_cost = ObservedTtftModel(
+            window_steps=min(window, OBSERVED_TTFT_WINDOW), min_samples=min(minimum, OBSERVED_TTFT_WINDOW)
+        )
         self._seen_step: dict[tuple[str, int], int] = {}  # (worker id, epoch) → newest step index read
         self.kv_bytes_per_token, self.block_size = kv_bytes_per_token, block_size
         self.prefill_step_budget_tokens = prefill_step_budget_tokens
@@ -64,13 +80,27 @@ class AdmissionGate:
         if steps:
             self._seen_step[key] = steps[-1][0]
 
-    def decide(self, request, expected_cached_tokens: int, prefill: WorkerLoad, decode_id: str,
-               decode_running: list[RunningRequest], blocks_free: int, decode_blocks_total: int,
-               waited_s: float = 0.0) -> AdmissionDecision:
-        view = ClusterView((prefill,), (DecodeInstanceView(decode_id, decode_running, blocks_free,
-                                                           decode_blocks_total),),
-                           self.prefill_cost.fit(), self.decode_cost.fit(), self.transfer_cost.fit(),
-                           self.kv_bytes_per_token, self.block_size, self.prefill_step_budget_tokens,
-                           self.ttft_cost.fit())
+    def decide(
+        self,
+        request,
+        expected_cached_tokens: int,
+        prefill: WorkerLoad,
+        decode_id: str,
+        decode_running: list[RunningRequest],
+        blocks_free: int,
+        decode_blocks_total: int,
+        waited_s: float = 0.0,
+    ) -> AdmissionDecision:
+        view = ClusterView(
+            (prefill,),
+            (DecodeInstanceView(decode_id, tuple(decode_running), blocks_free, decode_blocks_total),),
+            self.prefill_cost.fit(),
+            self.decode_cost.fit(),
+            self.transfer_cost.fit(),
+            self.kv_bytes_per_token,
+            self.block_size,
+            self.prefill_step_budget_tokens,
+            self.ttft_cost.fit(),
+        )
         cached = min(expected_cached_tokens, len(request.prompt_token_ids))
         return self.policy.decide(AdmissionRequest.from_router_request(request, cached, waited_s), view)

@@ -11,8 +11,10 @@ TLS (`ClientTls`) is on when any of its fields is given or `enabled` is set: `ro
 `certificate_chain` + `private_key` (the client's own certificate). `server_name` checks the
 certificate against that name instead of the target's host (a port-forward to 127.0.0.1 of a router
 whose certificate names its Service); over a unix socket the name checked is "localhost" unless
-`server_name` says otherwise (gRPC would use the socket's path). Needs only grpcio: the SDK runs with grpcio and protobuf alone.
+`server_name` says otherwise (gRPC would use the socket's path). Needs only grpcio: the SDK runs with
+grpcio and protobuf alone.
 """
+
 from __future__ import annotations
 
 import re
@@ -57,17 +59,29 @@ class ClientTls:
 
     @property
     def on(self) -> bool:
-        return self.enabled or any(v is not None for v in (self.root_certificates, self.certificate_chain,
-                                                           self.private_key, self.server_name))
+        return self.enabled or any(
+            v is not None for v in (self.root_certificates, self.certificate_chain, self.private_key, self.server_name)
+        )
 
     @classmethod
-    def from_files(cls, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
-                   server_name: str | None = None, enabled: bool = False) -> ClientTls:
+    def from_files(
+        cls,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        server_name: str | None = None,
+        enabled: bool = False,
+    ) -> ClientTls:
         """From PEM files (the CLI flags); errors name the flag and the file."""
         if (cert_file is None) != (key_file is None):
             raise ValueError("--tls-cert-file and --tls-key-file go together (a client certificate and its key)")
-        return cls(_read_pem("--tls-ca-file", ca_file), _read_pem("--tls-cert-file", cert_file),
-                   _read_pem("--tls-key-file", key_file), server_name, enabled)
+        return cls(
+            _read_pem("--tls-ca-file", ca_file),
+            _read_pem("--tls-cert-file", cert_file),
+            _read_pem("--tls-key-file", key_file),
+            server_name,
+            enabled,
+        )
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
@@ -91,11 +105,15 @@ def connection_hint(details: str, tls: ClientTls | None) -> str:
     """What to try when a connection failed in a way gRPC words obscurely; "" when nothing fits."""
     if "Socket closed" in details or "Connection reset" in details:
         if tls is None or not tls.on:
-            return ("the router closed the connection at once: it may be serving TLS (give the CA of its "
-                    "certificate: root_certificates=..., CLI --tls-ca-file FILE)")
+            return (
+                "the router closed the connection at once: it may be serving TLS (give the CA of its "
+                "certificate: root_certificates=..., CLI --tls-ca-file FILE)"
+            )
         if tls.certificate_chain is None:
-            return ("the router closed the TLS connection at once: it may require a client certificate "
-                    "(mutual TLS: certificate_chain= and private_key=, CLI --tls-cert-file and --tls-key-file)")
+            return (
+                "the router closed the TLS connection at once: it may require a client certificate "
+                "(mutual TLS: certificate_chain= and private_key=, CLI --tls-cert-file and --tls-key-file)"
+            )
     if "WRONG_VERSION_NUMBER" in details and tls is not None and tls.on:
         return "the router does not speak TLS on this address: connect without TLS"
     return ""

@@ -5,6 +5,7 @@ is, how to trust it (TLS) and the bearer token. One definition, so the commands 
     --tls-ca-file F [--tls-cert-file F --tls-key-file F] [--tls-server-name NAME] | --tls
     --auth-token-file F
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,15 +18,19 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help=f"router address: {TARGET_FORMS} (default %(default)s)")
+    parser.add_argument(
+        "--target", default=DEFAULT_TARGET, help=f"router address: {TARGET_FORMS} (default %(default)s)"
+    )
     parser.add_argument("--auth-token-file", help="file holding the router's bearer token")
     tls = parser.add_argument_group("TLS (any of these turns it on)")
     tls.add_argument("--tls-ca-file", help="PEM CA bundle the router's certificate must chain to")
     tls.add_argument("--tls-cert-file", help="PEM client certificate, for a router requiring mutual TLS")
     tls.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
-    tls.add_argument("--tls-server-name", help="check the router's certificate against this name instead of "
-                     "the target's host (e.g. through a port-forward)")
+    tls.add_argument(
+        "--tls-server-name",
+        help="check the router's certificate against this name instead of "
+        "the target's host (e.g. through a port-forward)",
+    )
     tls.add_argument("--tls", action="store_true", help="use TLS trusting the system's CA roots")
 
 
@@ -46,8 +51,9 @@ def connection_from_args(args: argparse.Namespace) -> Connection:
         target = check_target(args.target)
     except ValueError as err:
         raise ValueError(f"--target: {err}") from None
-    tls = ClientTls.from_files(args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name,
-                               enabled=args.tls)
+    tls = ClientTls.from_files(
+        args.tls_ca_file, args.tls_cert_file, args.tls_key_file, args.tls_server_name, enabled=args.tls
+    )
     return Connection(target, tls, read_token(args.auth_token_file))
 
 

@@ -17,6 +17,7 @@ against another name than the target's host:
     ca = open("ca.pem", "rb").read()
     with Client("router.example.com:443", root_certificates=ca, token=token) as client: ...
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,14 +26,24 @@ import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Self
 
 import grpc
 
 from router.channel import ClientTls, check_target, connection_hint, open_channel
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
-from router.sdk_types import (SENT_AT_KEY, Completion, GenerateChunk, SplitserveError, Unavailable,
-                              chunk_from_proto, error_from_rpc, model_info_from_proto, status_from_proto)
+from router.sdk_types import (
+    SENT_AT_KEY,
+    Completion,
+    GenerateChunk,
+    SplitserveError,
+    Unavailable,
+    chunk_from_proto,
+    error_from_rpc,
+    model_info_from_proto,
+    status_from_proto,
+)
 
 _SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 _SLO_FIELDS = {"ttft_ms", "tpot_ms"}
@@ -61,17 +72,28 @@ def build_request(prompt: str | Sequence[int], **options) -> pb.GenerateRequest:
 
 
 class _Base:
-    def __init__(self, target: str, *, token: str | None = None, timeout_s: float | None = 600.0,
-                 max_retries: int = 3, backoff_s: float = 0.1, root_certificates: bytes | None = None,
-                 certificate_chain: bytes | None = None, private_key: bytes | None = None,
-                 tls_server_name: str | None = None, tls: bool | ClientTls = False):
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float | None = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.1,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        tls_server_name: str | None = None,
+        tls: bool | ClientTls = False,
+    ):
         self.target, self.timeout_s = check_target(target), timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.tls = _client_tls(tls, root_certificates, certificate_chain, private_key, tls_server_name)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         if token and not self.tls.on and not _local(target):
-            warnings.warn(f"sending the bearer token to {target} without TLS: anyone on the path can read it",
-                          stacklevel=3)
+            warnings.warn(
+                f"sending the bearer token to {target} without TLS: anyone on the path can read it", stacklevel=3
+            )
 
     def _channel(self, aio: bool):
         return open_channel(self.target, self.tls, aio=aio)
@@ -84,10 +106,10 @@ class _Base:
 
     def _generate_metadata(self) -> tuple:
         # Stamped once per request, not per attempt: the caller's TTFT started with the first attempt.
-        return self._metadata + ((SENT_AT_KEY, str(time.time_ns() // 1000)),)
+        return (*self._metadata, (SENT_AT_KEY, str(time.time_ns() // 1000)))
 
     def _delay_s(self, attempt: int) -> float:
-        return self.backoff_s * (2 ** attempt) * (0.5 + random.random())
+        return self.backoff_s * (2**attempt) * (0.5 + random.random())
 
 
 class Client(_Base):
@@ -98,8 +120,9 @@ class Client(_Base):
         self._grpc_channel = self._channel(aio=False)
         self._stub = pb_grpc.RouterStub(self._grpc_channel)
 
-    def generate_stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
-                        **options) -> Iterator[GenerateChunk]:
+    def generate_stream(
+        self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **options
+    ) -> Iterator[GenerateChunk]:
         request = build_request(prompt, **options)
         deadline_s = time.monotonic() + (timeout_s or self.timeout_s or 1e9)
         metadata = self._generate_metadata()
@@ -137,11 +160,12 @@ class Client(_Base):
                 if not _retryable(error, attempt, self.max_retries):
                     raise error from None
             time.sleep(self._delay_s(attempt))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def close(self) -> None:
         self._grpc_channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -156,8 +180,9 @@ class AsyncClient(_Base):
         self._grpc_channel = self._channel(aio=True)
         self._stub = pb_grpc.RouterStub(self._grpc_channel)
 
-    async def generate_stream(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
-                              **options) -> AsyncIterator[GenerateChunk]:
+    async def generate_stream(
+        self, prompt: str | Sequence[int], *, timeout_s: float | None = None, **options
+    ) -> AsyncIterator[GenerateChunk]:
         request = build_request(prompt, **options)
         deadline_s = time.monotonic() + (timeout_s or self.timeout_s or 1e9)
         metadata = self._generate_metadata()
@@ -184,8 +209,9 @@ class AsyncClient(_Base):
         return model_info_from_proto(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout_s))
 
     async def status(self, timeout_s: float = 10.0):
-        return status_from_proto(await self._unary(self._stub.GetClusterStatus, pb.GetClusterStatusRequest(),
-                                                   timeout_s))
+        return status_from_proto(
+            await self._unary(self._stub.GetClusterStatus, pb.GetClusterStatusRequest(), timeout_s)
+        )
 
     async def _unary(self, method, request, timeout_s: float):
         for attempt in range(self.max_retries + 1):
@@ -196,11 +222,12 @@ class AsyncClient(_Base):
                 if not _retryable(error, attempt, self.max_retries):
                     raise error from None
             await asyncio.sleep(self._delay_s(attempt))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def close(self) -> None:
         await self._grpc_channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc) -> None:

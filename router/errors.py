@@ -3,6 +3,7 @@
 Anything not listed is a bug: it becomes INTERNAL with a generic message (details go to the log,
 never to the client) — and the fuzz tests assert that no request can cause it.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -13,7 +14,6 @@ from cluster.client import RequestFailed
 from engine.errors import InvalidRequestError
 from router.routing import NoWorkersError
 from router.service import DuplicateRequest, Overloaded
-
 
 KV_FULL_RETRY_AFTER_S = 1.0  # a full decode pool frees blocks as its requests finish
 

@@ -5,6 +5,7 @@ few seconds; with TLS on, the chart points its probes here instead. It answers f
 health servicer, so it says SERVING exactly when the main port does (and NOT_SERVING while the
 router drains), and it exposes nothing else: no generation, no status, no reflection.
 """
+
 from __future__ import annotations
 
 import grpc

@@ -5,6 +5,7 @@ to the index and refreshes the worker's lease. It follows membership: a worker t
 drained) has its loop stopped and its entries dropped at once; its replacement (same worker id, new
 epoch) gets a new loop. With Redis configured the workers publish instead and no feeder runs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,7 +59,7 @@ class IndexFeeder:
                 failing = False
             except asyncio.CancelledError:
                 raise
-            except Exception as err:  # keep following: a slow worker may answer next time
+            except Exception as err:  # noqa: BLE001 - keep following: a slow worker may answer next time
                 if not failing:
                     log.warning("cannot read KV events of %s: %s", member.worker_id, type(err).__name__)
                 failing = True

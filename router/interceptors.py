@@ -4,10 +4,12 @@ The error interceptor is the only place a domain exception becomes a gRPC status
 just raise. It wraps unary and server-streaming handlers alike; the status's field name and
 retry-after travel in trailing metadata (keys in router.sdk_types) as well as in the details text.
 """
+
 from __future__ import annotations
 
 import hmac
 import logging
+
 import grpc
 
 from router.errors import Status, Unauthenticated, status_for
@@ -54,19 +56,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, handler):
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(self._wrap_unary(handler.unary_unary),
-                                                       handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(self._wrap_stream(handler.unary_stream),
-                                                        handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
         return handler
 
     def _wrap_unary(self, method):
         async def call(request, context):
             try:
                 return await method(request, context)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - every error becomes a status here (_abort classifies and logs)
                 await self._abort(context, err)
+
         return call
 
     def _wrap_stream(self, method):
@@ -74,8 +79,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async for response in method(request, context):
                     yield response
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - every error becomes a status here (_abort classifies and logs)
                 await self._abort(context, err)
+
         return call
 
     async def _abort(self, context, err: Exception) -> None:
@@ -83,7 +89,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             raise err
         status = status_for(err)
         if status.code is grpc.StatusCode.INTERNAL:
-            log.exception("unexpected error in a router call", exc_info=err)
+            log.error("unexpected error in a router call", exc_info=err)
         self.metrics.observe_request(status.outcome)
         await abort_with(context, status)
 
@@ -99,6 +105,8 @@ async def abort_with(context, status: Status) -> None:
 
 def _failing_handler(err: Exception):
     """A handler that fails every call with `err`'s status (works for unary and streaming callers)."""
+
     async def fail(request, context):
         await abort_with(context, status_for(err))
+
     return grpc.unary_unary_rpc_method_handler(fail)

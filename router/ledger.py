@@ -7,6 +7,7 @@ with every request this router sends, so routing and admission read them first.
 A request is booked on one prefill worker and one decode instance per route (`book`); its prompt
 leaves the prefill queue at its first token (`first_token`); `release` ends the booking.
 """
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -18,12 +19,12 @@ from router.stream_state import StreamState
 
 class RouteLedger:
     def __init__(self):
-        self._inflight = Counter()  # prefill worker → requests in flight
-        self._queued_tokens = Counter()  # prefill worker → uncached prompt tokens awaiting their first token
+        self._inflight: Counter[str] = Counter()  # prefill worker → requests in flight
+        # prefill worker → uncached prompt tokens awaiting their first token
+        self._queued_tokens: Counter[str] = Counter()
         self._decoding: dict[str, dict[str, StreamState]] = defaultdict(dict)  # decode worker → its streams
 
-    def book(self, request_id: str, prefill_id: str, decode_id: str, uncached_tokens: int,
-             state: StreamState) -> None:
+    def book(self, request_id: str, prefill_id: str, decode_id: str, uncached_tokens: int, state: StreamState) -> None:
         self._inflight[prefill_id] += 1
         self._queued_tokens[prefill_id] += uncached_tokens
         self._decoding[decode_id][request_id] = state
@@ -48,6 +49,7 @@ class RouteLedger:
 
     def running_on(self, decode_id: str) -> list[RunningRequest]:
         """The streams decoding on an instance, as admission sees them (tokens so far, budget, context)."""
-        return [RunningRequest(s.num_tokens, s.request.params.max_tokens,
-                               len(s.request.prompt_token_ids) + s.num_tokens)
-                for s in self._decoding.get(decode_id, {}).values()]
+        return [
+            RunningRequest(s.num_tokens, s.request.params.max_tokens, len(s.request.prompt_token_ids) + s.num_tokens)
+            for s in self._decoding.get(decode_id, {}).values()
+        ]

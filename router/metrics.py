@@ -28,9 +28,10 @@ cache hit rate is `rate(..._cached_prompt_tokens_total[5m]) / rate(..._prompt_to
 The per-worker gauges are the router's view (fed by its worker monitor); each worker exports its
 own figures too (cluster/worker_metrics.py).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -48,9 +49,13 @@ OUTCOMES = tuple(sorted(code.name.lower() for code in grpc.StatusCode))
 UNKNOWN_OUTCOME = "unknown"
 REJECT_REASONS = ("ttft_slo", "tpot_slo", "queue_limit", "kv_capacity", "concurrency", "other")
 # Free-text reasons (Overloaded messages) → a label, first match wins; exact label names match first.
-_REASON_KEYWORDS = (("ttft_slo", ("ttft", "first token")), ("tpot_slo", ("tpot", "per output token")),
-                    ("queue_limit", ("queue",)), ("kv_capacity", ("kv", "block", "memory")),
-                    ("concurrency", ("concurren", "limit of", "in flight", "inflight")))
+_REASON_KEYWORDS = (
+    ("ttft_slo", ("ttft", "first token")),
+    ("tpot_slo", ("tpot", "per output token")),
+    ("queue_limit", ("queue",)),
+    ("kv_capacity", ("kv", "block", "memory")),
+    ("concurrency", ("concurren", "limit of", "in flight", "inflight")),
+)
 
 
 def priority_class(priority: int) -> str:
@@ -89,21 +94,38 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._ttft = self._histogram("ttft_seconds", "Time to first token: from the client's send (its "
-                                     "splitserve-sent-at-us metadata; else arrival at the router) to the "
-                                     "first token leaving the router.", ("priority",), TTFT_BUCKETS_S)
-        self._tpot = self._histogram("tpot_seconds", "Mean time per output token after the first, one "
-                                     "observation per request.", ("priority",), TPOT_BUCKETS_S)
-        self._duration = self._histogram("request_duration_seconds", "End-to-end time of requests that "
-                                         "finished OK.", ("priority",), REQUEST_BUCKETS_S)
+        self._ttft = self._histogram(
+            "ttft_seconds",
+            "Time to first token: from the client's send (its "
+            "splitserve-sent-at-us metadata; else arrival at the router) to the "
+            "first token leaving the router.",
+            ("priority",),
+            TTFT_BUCKETS_S,
+        )
+        self._tpot = self._histogram(
+            "tpot_seconds",
+            "Mean time per output token after the first, one observation per request.",
+            ("priority",),
+            TPOT_BUCKETS_S,
+        )
+        self._duration = self._histogram(
+            "request_duration_seconds",
+            "End-to-end time of requests that finished OK.",
+            ("priority",),
+            REQUEST_BUCKETS_S,
+        )
         self._requests = self._counter("requests_total", "Generate calls finished, by gRPC outcome.", ("outcome",))
         self._goodput = self._counter("goodput_requests_total", "Requests finished OK within their SLO.")
         self._admitted = self._counter("admitted_requests_total", "Requests admitted by admission control.")
         self._rejected = self._counter("rejected_requests_total", "Requests refused early, by reason.", ("reason",))
-        self._migrations = self._counter("migrations_total", "Requests moved to other workers after a worker was "
-                                         "lost under them, by cause.", ("cause",))
-        self._inflight = self._gauge("inflight_requests", "Requests streaming now (incl. aborts not yet "
-                                     "confirmed by workers).")
+        self._migrations = self._counter(
+            "migrations_total",
+            "Requests moved to other workers after a worker was lost under them, by cause.",
+            ("cause",),
+        )
+        self._inflight = self._gauge(
+            "inflight_requests", "Requests streaming now (incl. aborts not yet confirmed by workers)."
+        )
         self._prompt = self._counter("prompt_tokens_total", "Prompt tokens of requests that finished OK.")
         self._cached = self._counter("cached_prompt_tokens_total", "Of those, tokens served from a prefix cache.")
         worker = ("worker", "role")
@@ -125,8 +147,9 @@ class RouterMetrics:
         """One observation per request: its mean seconds per output token after the first."""
         self._child(self._tpot, priority_class(priority)).observe(seconds)
 
-    def observe_request(self, outcome: str, met_slo: bool = False, duration_s: float | None = None,
-                        priority: int = 0) -> None:
+    def observe_request(
+        self, outcome: str, met_slo: bool = False, duration_s: float | None = None, priority: int = 0
+    ) -> None:
         """Counts a finished Generate call. Goodput and the duration histogram count only "ok" calls."""
         label = outcome_label(outcome)
         self._child(self._requests, label).inc()
@@ -169,8 +192,9 @@ class RouterMetrics:
         be safe to call there, e.g. `lambda: service.inflight_requests`)."""
         self._inflight.set_function(read)
 
-    def set_worker_load(self, worker_id: str, role: str, waiting: int, running: int, kv_usage: float,
-                        healthy: bool = True) -> None:
+    def set_worker_load(
+        self, worker_id: str, role: str, waiting: int, running: int, kv_usage: float, healthy: bool = True
+    ) -> None:
         """The router's latest probe of one worker (WorkerMonitor.stats and is_healthy)."""
         self._waiting.labels(worker_id, role).set(waiting)
         self._running.labels(worker_id, role).set(running)
@@ -184,15 +208,20 @@ class RouterMetrics:
 
     def requests_by_outcome(self) -> dict[str, int]:
         """Finished requests by outcome, outcomes that occurred only (GetClusterStatus.requests_total)."""
-        return {outcome: int(count) for outcome, count in plain(sample_values(self._requests, "_total")).items()
-                if count}
+        return {
+            outcome: int(count) for outcome, count in plain(sample_values(self._requests, "_total")).items() if count
+        }
 
     def snapshot(self) -> dict:
         """The current figures as plain data (what GetClusterStatus shows): counters by label value,
         histograms as {"count", "sum"} per priority class, workers by id."""
         workers: dict[str, dict] = {}
-        for gauge, name in ((self._waiting, "waiting"), (self._running, "running"), (self._kv_usage, "kv_usage"),
-                            (self._healthy, "healthy")):
+        for gauge, name in (
+            (self._waiting, "waiting"),
+            (self._running, "running"),
+            (self._kv_usage, "kv_usage"),
+            (self._healthy, "healthy"),
+        ):
             for (worker_id, role), value in sample_values(gauge).items():
                 workers.setdefault(worker_id, {"role": role})[name] = value
         return {
@@ -226,5 +255,6 @@ class RouterMetrics:
         return Gauge(name, doc, labels, namespace=NAMESPACE, subsystem=SUBSYSTEM, registry=self.registry)
 
     def _histogram(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(name, doc, labels, namespace=NAMESPACE, subsystem=SUBSYSTEM, buckets=buckets,
-                         registry=self.registry)
+        return Histogram(
+            name, doc, labels, namespace=NAMESPACE, subsystem=SUBSYSTEM, buckets=buckets, registry=self.registry
+        )

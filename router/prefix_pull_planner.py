@@ -10,12 +10,14 @@ transport (prefill_worker/prefix_pull.py). Mode "auto" pulls when
 with prefill_s fitted online from the prefill workers' reported engine steps (the admission cost
 model's shape) and pull_s fitted (latency + bytes / bandwidth) from every KV transfer that finished:
 the prefill → decode hand-off of each request moves KV over the same transport, so the model learns
-the link before the first pull, and pulls add their own samples. Until enough transfers were seen, pull_s uses PULL_PRIOR: 20 ms for the two Ray round trips, the engine-thread
+the link before the first pull, and pulls add their own samples. Until enough transfers were seen,
+pull_s uses PULL_PRIOR: 20 ms for the two Ray round trips, the engine-thread
 hops and the channel, and 0.5 GB/s — what `benchmarks.bench_pull` measured for whole pulls on the
 busy 2-core dev box (a 3 MB pull took ~20 ms; raw gloo moves 2.4-3.4 GB/s on loopback), so a cold
 router errs towards recomputing yet still pulls prefixes of a few blocks of a real model.
 Mode "always" pulls whenever the holder has more (tests, benchmarks); "never" turns pulls off.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -53,7 +55,8 @@ class PullPlanner:
         if missing_blocks <= 0:
             return None
         if self.mode == "auto" and self.pull_s(missing_blocks, query.block_size) >= self.saved_s(
-                query, decision.expected_cached_blocks, holder_blocks):
+            query, decision.expected_cached_blocks, holder_blocks
+        ):
             return None
         return PrefixPull(decision.holder_id, holder_blocks)
 

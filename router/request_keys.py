@@ -1,10 +1,11 @@
 """Small pure helpers of the router's request path: the route query of a prompt, timing a stream."""
+
 from __future__ import annotations
 
 import array
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from engine.block_hash import HashNamespace, hash_blocks
 from router.routing import RouteQuery
@@ -25,9 +26,9 @@ def _le_uint32(tokens) -> bytes:
     return packed.tobytes()
 
 
-async def timed(chunks: AsyncIterator, spent_s: list[float]) -> AsyncIterator:
+async def timed(chunks: AsyncGenerator, spent_s: list[float]) -> AsyncGenerator:
     """Passes `chunks` through, adding the time spent waiting on it to spent_s[0]."""
-    iterator = chunks.__aiter__()
+    iterator = chunks  # an async generator is its own iterator, and has the aclose() used below
     try:
         while True:
             started_s = time.perf_counter()

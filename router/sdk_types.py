@@ -4,6 +4,7 @@ Errors carry the gRPC status, the reason the router gave, the request field it n
 INVALID_ARGUMENT) and the retry-after it suggested (for RESOURCE_EXHAUSTED), read from the trailing
 metadata keys below, which the router's error interceptor sets.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,8 +31,9 @@ class SplitserveError(Exception):
     """A call failed. `code` is the gRPC status; `reason` the router's message; `field` the request
     field it names (INVALID_ARGUMENT); `retry_after_s` when the router suggested one."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, field: str | None = None,
-                 retry_after_s: float | None = None):
+    def __init__(
+        self, code: grpc.StatusCode, reason: str, field: str | None = None, retry_after_s: float | None = None
+    ):
         super().__init__(f"{code.name}: {reason}")
         self.code, self.reason, self.field, self.retry_after_s = code, reason, field, retry_after_s
 
@@ -60,15 +62,22 @@ class AlreadyExists(SplitserveError):
     """A request with this request_id is still running."""
 
 
-_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-           grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted, grpc.StatusCode.UNAVAILABLE: Unavailable,
-           grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded, grpc.StatusCode.ALREADY_EXISTS: AlreadyExists}
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+}
 
 
 def error_from_rpc(err: grpc.RpcError) -> SplitserveError:
     """Turns a failed call (sync or asyncio) into the typed error for its status."""
     code = err.code()
-    trailing = dict(err.trailing_metadata() or ())
+    # The grpc stub types metadata items as a plain class; at run time they are (key, value) tuples, and
+    # values are str for keys without the -bin suffix, as ours are.
+    trailing: dict[str, str] = dict(err.trailing_metadata() or ())  # type: ignore[arg-type]
     retry_ms = trailing.get(RETRY_AFTER_KEY)
     retry_after_s = float(retry_ms) / 1000.0 if retry_ms else None
     cls = _ERRORS.get(code, SplitserveError)
@@ -126,12 +135,19 @@ class Completion:
     migrations: int = 0  # times the router moved the request to other workers (an unbroken stream)
 
     @staticmethod
-    def from_chunks(chunks: list[GenerateChunk], attempts: int = 1) -> "Completion":
+    def from_chunks(chunks: list[GenerateChunk], attempts: int = 1) -> Completion:
         first, last = chunks[0], chunks[-1]
-        return Completion(first.request_id, tuple(t for c in chunks for t in c.token_ids),
-                          "".join(c.text for c in chunks), last.finish_reason or "",
-                          tuple(lp for c in chunks for lp in c.logprobs), first.route, last.usage, attempts,
-                          last.migrations)
+        return Completion(
+            first.request_id,
+            tuple(t for c in chunks for t in c.token_ids),
+            "".join(c.text for c in chunks),
+            last.finish_reason or "",
+            tuple(lp for c in chunks for lp in c.logprobs),
+            first.route,
+            last.usage,
+            attempts,
+            last.migrations,
+        )
 
 
 @dataclass(frozen=True)
@@ -158,23 +174,52 @@ class ClusterStatus:
 
 
 def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
-    route = Route(msg.route.prefill_worker, msg.route.decode_instance, msg.route.policy,
-                  msg.route.cached_prompt_tokens) if msg.HasField("route") else None
-    usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens,
-                  msg.usage.cached_prompt_tokens) if msg.HasField("usage") else None
-    logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                     for lp in msg.logprobs)
-    return GenerateChunk(msg.request_id, tuple(msg.token_ids), msg.text, logprobs,
-                         _FINISH.get(msg.finish_reason), route, usage, msg.migrations)
+    route = (
+        Route(msg.route.prefill_worker, msg.route.decode_instance, msg.route.policy, msg.route.cached_prompt_tokens)
+        if msg.HasField("route")
+        else None
+    )
+    usage = (
+        Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens)
+        if msg.HasField("usage")
+        else None
+    )
+    logprobs = tuple(
+        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in msg.logprobs
+    )
+    return GenerateChunk(
+        msg.request_id,
+        tuple(msg.token_ids),
+        msg.text,
+        logprobs,
+        _FINISH.get(msg.finish_reason),
+        route,
+        usage,
+        msg.migrations,
+    )
 
 
 def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(msg.model_identity, msg.max_model_len, msg.vocab_size, msg.block_size, msg.hash_spec,
-                     tuple(msg.eos_token_ids), msg.has_tokenizer)
+    return ModelInfo(
+        msg.model_identity,
+        msg.max_model_len,
+        msg.vocab_size,
+        msg.block_size,
+        msg.hash_spec,
+        tuple(msg.eos_token_ids),
+        msg.has_tokenizer,
+    )
 
 
 def status_from_proto(msg: pb.ClusterStatus) -> ClusterStatus:
     workers = tuple({f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields} for w in msg.workers)
-    return ClusterStatus(workers, msg.inflight_requests, dict(msg.requests_total), msg.routing_policy,
-                         msg.prompt_tokens_total, msg.cached_prompt_tokens_total, msg.index_entries,
-                         dict(msg.migrations_total))
+    return ClusterStatus(
+        workers,
+        msg.inflight_requests,
+        dict(msg.requests_total),
+        msg.routing_policy,
+        msg.prompt_tokens_total,
+        msg.cached_prompt_tokens_total,
+        msg.index_entries,
+        dict(msg.migrations_total),
+    )

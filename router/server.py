@@ -10,6 +10,7 @@ workers' KV events; Redis when `redis_url` is set), the routing policy, the work
 Router servicer behind the auth and error interceptors, the standard health service and reflection,
 and the OpenAI-compatible HTTP front (`router.openai`) over the same service, token and metrics.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,11 +25,11 @@ from grpc_reflection.v1alpha import reflection
 from cluster.cluster_view import ClusterView
 from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import LaunchedCluster
+from cluster.metrics_http import start_metrics_server
 from cluster.tls import load_server_tls, server_ssl_context
 from router.admission_gate import AdmissionGate
 from router.health_listener import HealthListener
 from router.index_feeder import IndexFeeder
-from cluster.metrics_http import start_metrics_server
 from router.interceptors import AuthInterceptor, ErrorInterceptor
 from router.metrics import RouterMetrics
 from router.openai import HttpFront
@@ -45,8 +46,17 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class RouterServer:
-    def __init__(self, server, service: RouterService, health: HealthServicer, port: int, host: str,
-                 background: list, exporter=None, http=None):
+    def __init__(
+        self,
+        server,
+        service: RouterService,
+        health: HealthServicer,
+        port: int,
+        host: str,
+        background: list,
+        exporter=None,
+        http=None,
+    ):
         self.server, self.service, self.health = server, service, health
         self.port, self.host = port, host
         self._background = background  # feeder / monitor / index: closed on stop
@@ -63,8 +73,13 @@ class RouterServer:
         return next((part.port for part in self._background if isinstance(part, HealthListener)), None)
 
     @classmethod
-    async def start(cls, launched: LaunchedCluster, config: ClusterConfig,
-                    extra_addresses: tuple[str, ...] | list[str] = (), http_uds: str | None = None) -> "RouterServer":
+    async def start(
+        cls,
+        launched: LaunchedCluster,
+        config: ClusterConfig,
+        extra_addresses: tuple[str, ...] | list[str] = (),
+        http_uds: str | None = None,
+    ) -> RouterServer:
         """Serves gRPC on router.host:router.port, plus `extra_addresses` (e.g. "unix:/path/router.sock"), and
         the OpenAI-compatible HTTP API on router.host:router.http_port and/or the unix socket `http_uds`, for
         the cluster `launched` joined; follows its membership from then on."""
@@ -73,9 +88,15 @@ class RouterServer:
         cluster = ClusterView(launched)
         index, feeder = await _make_index(cluster, config)
         metrics = RouterMetrics()
-        service = RouterService(cluster, make_policy(router.policy, index), tokenizer=_load_tokenizer(cluster),
-                                max_concurrent_requests=router.max_concurrent_requests, index=index, metrics=metrics,
-                                admission=_make_admission(cluster, config))
+        service = RouterService(
+            cluster,
+            make_policy(router.policy, index),
+            tokenizer=_load_tokenizer(cluster),
+            max_concurrent_requests=router.max_concurrent_requests,
+            index=index,
+            metrics=metrics,
+            admission=_make_admission(cluster, config),
+        )
         metrics.track_inflight(lambda: service.inflight_requests)
         exporter = None
         if router.metrics_port is not None:
@@ -83,41 +104,67 @@ class RouterServer:
             log.info("router metrics on http://%s:%d/metrics", exporter.host, exporter.port)
         cluster.start()
         service.monitor.start()
+        service.traffic.start()
         if feeder is not None:
             feeder.start()
-        interceptors = [ErrorInterceptor(metrics)]
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
         token = read_auth_token(router.auth_token_file)
         if token is not None:
             interceptors.insert(0, AuthInterceptor(token))
-        server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
         pb_grpc.add_RouterServicer_to_server(RouterServicer(service), server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
         port = bind(server, router, extra_addresses)  # TLS on every address when configured
         await server.start()
-        probes = None if router.health_port is None else await HealthListener.start(health, router.host,
-                                                                                    router.health_port)
+        probes = (
+            None if router.health_port is None else await HealthListener.start(health, router.host, router.health_port)
+        )
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("router serving %s on %s:%d (policy %s%s)", SERVICE_NAME, router.host, port, router.policy,
-                 ", TLS" if router.tls_cert_file else "")
+        log.info(
+            "router serving %s on %s:%d (policy %s%s)",
+            SERVICE_NAME,
+            router.host,
+            port,
+            router.policy,
+            ", TLS" if router.tls_cert_file else "",
+        )
         http = None
         if router.http_port is not None or http_uds is not None:
             try:
-                http = await HttpFront.start(service, host=router.host, port=router.http_port, uds=http_uds,
-                                             token=token, model_names=served_model_names(cluster.model_dir),
-                                             ssl_context=server_ssl_context(router))
+                http = await HttpFront.start(
+                    service,
+                    host=router.host,
+                    port=router.http_port,
+                    uds=http_uds,
+                    token=token,
+                    model_names=served_model_names(cluster.model_dir),
+                    ssl_context=server_ssl_context(router),
+                )
             except BaseException:
                 await server.stop(0)
                 if probes is not None:
                     await probes.close()
                 raise
             log.info("router serving the OpenAI API on %s", http.url if router.http_port is not None else http_uds)
-        return cls(server, service, health, port, router.host,
-                   [probes, cluster, feeder, service.monitor, service, index], exporter, http)
+        return cls(
+            server,
+            service,
+            health,
+            port,
+            router.host,
+            [probes, cluster, feeder, service.monitor, service.traffic, service, index],
+            exporter,
+            http,
+        )
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops taking calls, lets streams in flight end for `grace_s`, then cancels the rest."""
@@ -147,8 +194,12 @@ def _make_admission(cluster: ClusterView, config: ClusterConfig) -> AdmissionGat
     """None for the `always` policy: admitting everything needs no view of the cluster."""
     if config.admission.policy == "always":
         return None
-    return AdmissionGate(config.admission, cluster.prefill[0].info.kv_bytes_per_token, config.block_size,
-                         config.prefill.max_num_batched_tokens)
+    return AdmissionGate(
+        config.admission,
+        cluster.prefill[0].info.kv_bytes_per_token,
+        config.block_size,
+        config.prefill.max_num_batched_tokens,
+    )
 
 
 def _load_tokenizer(cluster: ClusterView):

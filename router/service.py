@@ -5,11 +5,12 @@ nothing of gRPC: the servicer translates proto ↔ these types and the error int
 exceptions raised here (`InvalidRequestError`, `RequestFailed`, `Overloaded`, `DuplicateRequest`,
 `NoWorkersError`) into status codes.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from cluster.client import ClusterClient, RequestFailed
@@ -18,16 +19,16 @@ from cluster.membership import Member, Membership
 from cluster.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
-from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.admission_gate import AdmissionGate
-from router.metrics import RouterMetrics, slo_met
 from router.ledger import RouteLedger
+from router.metrics import RouterMetrics, slo_met
 from router.prefix_pull_planner import PullPlanner
 from router.request_keys import route_query, timed
+from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.stream_state import StreamState, Usage
+from router.traffic_reporter import TrafficReporter
 from router.validation import ModelLimits, RouterRequest
 from router.worker_monitor import WorkerMonitor
-
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,18 @@ class RouterOutput:
 class RouterService:
     """`cluster` is the router's live ClusterView: every request routes over the members serving now."""
 
-    def __init__(self, cluster: ClusterView, policy: RoutingPolicy, *, tokenizer=None,
-                 max_concurrent_requests: int = 1024, monitor: WorkerMonitor | None = None, index=None,
-                 metrics: RouterMetrics | None = None, admission: AdmissionGate | None = None):
+    def __init__(
+        self,
+        cluster: ClusterView,
+        policy: RoutingPolicy,
+        *,
+        tokenizer=None,
+        max_concurrent_requests: int = 1024,
+        monitor: WorkerMonitor | None = None,
+        index=None,
+        metrics: RouterMetrics | None = None,
+        admission: AdmissionGate | None = None,
+    ):
         self.cluster, self.policy, self.tokenizer, self.index = cluster, policy, tokenizer, index
         self.info = cluster.prefill[0].info
         self._check_members(cluster.membership, cluster.membership)
@@ -87,16 +97,20 @@ class RouterService:
             self.monitor.listeners.append(admission.observe_stats)
             self.client.handoff_listeners.append(admission.observe_handoff)
         # With admission on, the planner reads the gate's prefill model (fitted once, from the same steps).
-        self.pull_planner = PullPlanner(cluster.config.router.prefix_pull, self.info.kv_bytes_per_token,
-                                        admission.prefill_cost if admission is not None else None)
+        self.pull_planner = PullPlanner(
+            cluster.config.router.prefix_pull,
+            self.info.kv_bytes_per_token,
+            admission.prefill_cost if admission is not None else None,
+        )
         if admission is None:
             self.monitor.listeners.append(self.pull_planner.observe_stats)
-        self.client.handoff_listeners.append(lambda stats: self.pull_planner.observe_transfer(stats.num_bytes,
-                                                                                              stats.elapsed_s))
+        self.client.handoff_listeners.append(
+            lambda stats: self.pull_planner.observe_transfer(stats.num_bytes, stats.elapsed_s)
+        )
         # admitted request → uncached tokens queued on its prefill worker at admission, its own included
         self._tokens_through: dict[str, int] = {}
         self._running: set[str] = set()
-        self.ledger = RouteLedger()
+        self.ledger, self.traffic = RouteLedger(), TrafficReporter(cluster.controller, cluster.config.planner)
 
     def _check_members(self, old: Membership, new: Membership) -> None:
         """Membership listener: every worker must hash blocks by this router's spec and serve its model
@@ -104,8 +118,10 @@ class RouterService:
         for member in new.members:
             check_spec_fingerprint(member.info.hash_spec)
             if member.info.model_identity != self.info.model_identity:
-                raise RuntimeError(f"worker {member.worker_id} serves {member.info.model_identity}, this router "
-                                   f"{self.info.model_identity}")
+                raise RuntimeError(
+                    f"worker {member.worker_id} serves {member.info.model_identity}, this router "
+                    f"{self.info.model_identity}"
+                )
         self._min_pool_blocks = min((m.info.num_blocks for m in new.members), default=0)
 
     def tokenize(self, text: str) -> list[int]:
@@ -116,22 +132,26 @@ class RouterService:
         """Requests streaming, plus cancelled ones whose workers have not confirmed the abort yet."""
         return len(self._running) + self.client.num_cleanups
 
-    async def generate(self, request: RouterRequest, deadline_s: float | None = None,
-                       waited_s: float = 0.0) -> AsyncIterator[RouterOutput]:
+    async def generate(
+        self, request: RouterRequest, deadline_s: float | None = None, waited_s: float = 0.0
+    ) -> AsyncGenerator[RouterOutput, None]:
         """Streams one request (deadline_s: time.monotonic; waited_s: how long ago its client sent it, as
         far as the router can tell). Raises the exceptions named above. TTFT counts from the client's send."""
         started_s = time.perf_counter() - waited_s
         self._admit(request)
+        self.traffic.arrived(len(request.prompt_token_ids))
         self._running.add(request.request_id)
         try:
-            async for output in self._run(request, deadline_s, StreamState(request, self.tokenizer, started_s),
-                                          waited_s):
+            async for output in self._run(
+                request, deadline_s, StreamState(request, self.tokenizer, started_s), waited_s
+            ):
                 yield output
         finally:
             self._running.discard(request.request_id)
 
-    async def _run(self, request: RouterRequest, deadline_s: float | None, state: StreamState,
-                   waited_s: float) -> AsyncIterator[RouterOutput]:
+    async def _run(
+        self, request: RouterRequest, deadline_s: float | None, state: StreamState, waited_s: float
+    ) -> AsyncGenerator[RouterOutput, None]:
         """Attempts until the request ends. A worker lost under it (dead, or its hand-off failed) is not
         the request's failure: it **migrates** — the prompt and every token already streamed are
         prefilled again elsewhere (prefix-cache hits where they exist, a peer pull where it pays), and
@@ -150,18 +170,21 @@ class RouterService:
                     raise
                 self.monitor.probe_soon()
                 if state.migrations >= limit:
-                    raise RequestFailed(f"{err.reason} (after {state.migrations} migration(s), the limit)",
-                                        unavailable=True) from None
+                    raise RequestFailed(
+                        f"{err.reason} (after {state.migrations} migration(s), the limit)", unavailable=True
+                    ) from None
                 state.migrations += 1
                 self.metrics.migrated(err.migration_cause)
                 log.info("migrating %s after %d token(s): %s", request.request_id, state.num_tokens, err.reason)
 
-    async def _attempt(self, request: RouterRequest, deadline_s: float | None, state: StreamState,
-                       waited_s: float) -> AsyncIterator[RouterOutput]:
+    async def _attempt(
+        self, request: RouterRequest, deadline_s: float | None, state: StreamState, waited_s: float
+    ) -> AsyncGenerator[RouterOutput, None]:
         """One route of the request: from its prompt and the tokens streamed so far, to its end or a failure."""
         resumed = tuple(state.token_ids)
-        query = route_query(request.prompt_token_ids + resumed, request.tenant, self.info.model_identity,
-                            self.info.block_size)
+        query = route_query(
+            request.prompt_token_ids + resumed, request.tenant, self.info.model_identity, self.info.block_size
+        )
         prefill, decode, decision = await self._choose(query, deadline_s)
         worker_id = prefill.worker_id
         healthy = [h.worker_id for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
@@ -176,21 +199,39 @@ class RouterService:
             # Each attempt has an id of its own on the workers: the cleanup of a failed attempt (abort, cancel)
             # must never reach the next attempt of the same request on the same worker.
             attempt_id = request.request_id if state.migrations == 0 else f"{request.request_id}~m{state.migrations}"
-            cluster_request = GenerateRequest(attempt_id, request.prompt_token_ids, request.params,
-                                              request.priority, request.tenant, pull, output_token_ids=resumed)
+            cluster_request = GenerateRequest(
+                attempt_id,
+                request.prompt_token_ids,
+                request.params,
+                request.priority,
+                request.tenant,
+                pull,
+                output_token_ids=resumed,
+            )
             async for chunk in timed(self.client.generate(cluster_request, prefill, decode, deadline_s), cluster_s):
                 if first:
                     self.ledger.first_token(worker_id, uncached)
                     if chunk.pull is not None:
                         self.pull_planner.observe_pull(chunk.pull)
-                route = None if state.started else RouteInfo(worker_id, decode.worker_id, self.policy.name,
-                                                             chunk.num_cached_tokens)
+                route = (
+                    None
+                    if state.started
+                    else RouteInfo(worker_id, decode.worker_id, self.policy.name, chunk.num_cached_tokens)
+                )
                 first = False
                 delta, usage = state.add(chunk)
                 last = chunk.finish_reason is not None
-                yield RouterOutput(request.request_id, chunk.token_ids, delta, chunk.logprobs, chunk.finish_reason,
-                                   route, usage, state.migrations if last else 0,
-                                   state.upstream_s + cluster_s[0] if last else None)
+                yield RouterOutput(
+                    request.request_id,
+                    chunk.token_ids,
+                    delta,
+                    chunk.logprobs,
+                    chunk.finish_reason,
+                    route,
+                    usage,
+                    state.migrations if last else 0,
+                    state.upstream_s + cluster_s[0] if last else None,
+                )
             self._finished(state)
         except RequestFailed as err:
             err.migration_cause = _cause(err, prefill, decode)
@@ -199,12 +240,13 @@ class RouterService:
             state.upstream_s += cluster_s[0]
             self.ledger.release(request.request_id, worker_id, decode.worker_id, uncached if first else 0)
             tokens_through = self._tokens_through.pop(request.request_id, None)
-            if tokens_through is not None and state.started:
+            if tokens_through is not None and self.admission is not None and state.ttft_s is not None:  # started
                 # From the router's arrival: the wait before it is the request's own, not the worker's.
                 self.admission.observe_ttft(tokens_through, state.ttft_s - waited_s)
 
-    def _admission_check(self, request: RouterRequest, cached_tokens: int, worker_id: str, decode,
-                         waited_s: float) -> None:
+    def _admission_check(
+        self, request: RouterRequest, cached_tokens: int, worker_id: str, decode, waited_s: float
+    ) -> None:
         """Admit, or reject early (before any worker is touched) with the policy's reason."""
         if self.admission is None:
             return
@@ -215,8 +257,9 @@ class RouterService:
         held = sum(-(-(r.context_tokens + 1) // self.info.block_size) for r in running)
         stats = self.monitor.stats.get(decode.worker_id)
         free = min(stats.num_free_blocks if stats is not None else total, total - held)
-        verdict = self.admission.decide(request, cached_tokens, load, decode.worker_id, running,
-                                        max(free, 0), total, waited_s)
+        verdict = self.admission.decide(
+            request, cached_tokens, load, decode.worker_id, running, max(free, 0), total, waited_s
+        )
         if not verdict.admit:
             self.metrics.rejected(str(verdict.cause))
             raise Overloaded(verdict.reason, verdict.retry_after_s)
@@ -226,26 +269,30 @@ class RouterService:
         self._tokens_through[request.request_id] = load.queued_prompt_tokens + uncached
 
     def _finished(self, state: StreamState) -> None:
-        request = state.request
-        metrics = self.metrics
-        metrics.observe_ttft(state.ttft_s, request.priority)
+        request, metrics = state.request, self.metrics
+        ttft_s = state.ttft_s
+        assert ttft_s is not None, "a finished stream has its first token"
+        metrics.observe_ttft(ttft_s, request.priority)
         if state.tpot_s is not None:
             metrics.observe_tpot(state.tpot_s, request.priority)
-        met = slo_met(state.ttft_s, state.tpot_s, request.ttft_ms, request.tpot_ms)
+        met = slo_met(ttft_s, state.tpot_s, request.ttft_ms, request.tpot_ms)
         metrics.observe_request("ok", met_slo=met, duration_s=state.duration_s, priority=request.priority)
         metrics.prompt_tokens(len(request.prompt_token_ids), state.cached_tokens)
+        self.traffic.finished(state.num_tokens, ttft_s, state.tpot_s)
 
     def _admit(self, request: RouterRequest) -> None:
         if request.request_id in self._running or self.client.is_active(request.request_id):
             raise DuplicateRequest(f"request_id {request.request_id!r} is already running")
         if len(self._running) >= self.max_concurrent_requests:
-            raise Overloaded(f"the router is serving its limit of {self.max_concurrent_requests} requests",
-                             retry_after_s=1.0)
+            raise Overloaded(
+                f"the router is serving its limit of {self.max_concurrent_requests} requests", retry_after_s=1.0
+            )
         blocks_needed = -(-(len(request.prompt_token_ids) + 1) // self.info.block_size)
         if blocks_needed > self._min_pool_blocks:
             field = "text" if request.prompt_text is not None else "token_ids"
-            raise InvalidRequestError(field, f"prompt needs {blocks_needed} KV blocks; the smallest worker pool "
-                                             f"has {self._min_pool_blocks}")
+            raise InvalidRequestError(
+                field, f"prompt needs {blocks_needed} KV blocks; the smallest worker pool has {self._min_pool_blocks}"
+            )
 
     async def _choose(self, query: RouteQuery, deadline_s: float | None):
         """A serving prefill worker and decode instance for the query; waits for membership (a dead worker's
@@ -279,8 +326,12 @@ class RouterService:
 
     def worker_loads(self) -> dict[str, int]:
         """Requests this router has in flight on each member (draining ones included)."""
-        return {m.worker_id: (self.ledger.inflight(m.worker_id) if m.role == "prefill"
-                              else self.client.decode_load(m.worker_id)) for m in self.cluster.members}
+        return {
+            m.worker_id: (
+                self.ledger.inflight(m.worker_id) if m.role == "prefill" else self.client.decode_load(m.worker_id)
+            )
+            for m in self.cluster.members
+        }
 
     async def index_entries(self) -> int:
         """Block hashes the prefix index holds over all workers (0 without an index)."""

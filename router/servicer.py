@@ -2,17 +2,18 @@
 
 No decisions are made here and no status codes are chosen here (that is the error interceptor's job).
 """
+
 from __future__ import annotations
 
 from engine.block_hash import spec_fingerprint
 from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.request_keys import deadline_from_remaining
-from router.service import RouterOutput, RouterService
 from router.sdk_types import UPSTREAM_MS_KEY
+from router.service import RouterOutput, RouterService
 from router.validation import client_wait_s, parse_request
 
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH: dict[str | None, pb.FinishReason] = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -30,48 +31,80 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         info = self.service.info
-        return pb.ModelInfo(model_identity=info.model_identity, max_model_len=info.max_model_len,
-                            vocab_size=info.vocab_size, block_size=info.block_size, hash_spec=spec_fingerprint(),
-                            eos_token_ids=list(info.eos_token_ids), has_tokenizer=self.service.limits.has_tokenizer)
+        return pb.ModelInfo(
+            model_identity=info.model_identity,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=info.block_size,
+            hash_spec=spec_fingerprint(),
+            eos_token_ids=list(info.eos_token_ids),
+            has_tokenizer=self.service.limits.has_tokenizer,
+        )
 
     async def GetClusterStatus(self, request: pb.GetClusterStatusRequest, context) -> pb.ClusterStatus:
         service = self.service
         monitor, loads, figures = service.monitor, service.worker_loads(), service.metrics.snapshot()
         workers = [_worker(member, monitor, loads) for member in service.cluster.members]
-        return pb.ClusterStatus(workers=workers, inflight_requests=service.inflight_requests,
-                                requests_total=service.metrics.requests_by_outcome(), routing_policy=service.policy.name,
-                                prompt_tokens_total=int(figures["prompt_tokens_total"]),
-                                cached_prompt_tokens_total=int(figures["cached_prompt_tokens_total"]),
-                                index_entries=await service.index_entries(),
-                                migrations_total=service.metrics.migrations_by_cause())
+        return pb.ClusterStatus(
+            workers=workers,
+            inflight_requests=service.inflight_requests,
+            requests_total=service.metrics.requests_by_outcome(),
+            routing_policy=service.policy.name,
+            prompt_tokens_total=int(figures["prompt_tokens_total"]),
+            cached_prompt_tokens_total=int(figures["cached_prompt_tokens_total"]),
+            index_entries=await service.index_entries(),
+            migrations_total=service.metrics.migrations_by_cause(),
+        )
 
 
 def _worker(member, monitor, loads) -> pb.WorkerStatus:
     stats, worker_id = monitor.stats.get(member.worker_id), member.worker_id
-    return pb.WorkerStatus(worker_id=worker_id, role=member.role, healthy=monitor.is_healthy(worker_id),
-                           inflight_requests=loads.get(worker_id, 0), waiting=stats.waiting if stats else 0,
-                           running=stats.running if stats else 0, num_kv_blocks=member.info.num_blocks,
-                           kv_usage=stats.kv_usage if stats else 0.0, tp_size=member.tp_size, epoch=member.epoch,
-                           restarts=member.restarts, state=member.state, **_speculation(stats))
+    return pb.WorkerStatus(
+        worker_id=worker_id,
+        role=member.role,
+        healthy=monitor.is_healthy(worker_id),
+        inflight_requests=loads.get(worker_id, 0),
+        waiting=stats.waiting if stats else 0,
+        running=stats.running if stats else 0,
+        num_kv_blocks=member.info.num_blocks,
+        kv_usage=stats.kv_usage if stats else 0.0,
+        tp_size=member.tp_size,
+        epoch=member.epoch,
+        restarts=member.restarts,
+        state=member.state,
+        **_speculation(stats),
+    )
 
 
 def _speculation(stats) -> dict:
     spec = stats.spec if stats is not None else None
     if spec is None:
         return {}
-    return dict(spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted_tokens,
-                spec_verify_steps=spec.sequence_steps, spec_acceptance_rate=spec.acceptance_rate,
-                spec_mean_accepted_length=spec.mean_accepted_length)
+    return {
+        "spec_draft_tokens": spec.draft_tokens,
+        "spec_accepted_tokens": spec.accepted_tokens,
+        "spec_verify_steps": spec.sequence_steps,
+        "spec_acceptance_rate": spec.acceptance_rate,
+        "spec_mean_accepted_length": spec.mean_accepted_length,
+    }
 
 
 def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
-    message = pb.GenerateResponse(request_id=output.request_id, token_ids=output.token_ids, text=output.text,
-                                  finish_reason=_FINISH.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
-    for token_id, logprobs in zip(output.token_ids, output.logprobs):
+    message = pb.GenerateResponse(
+        request_id=output.request_id,
+        token_ids=output.token_ids,
+        text=output.text,
+        finish_reason=_FINISH.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+    )
+    for token_id, logprobs in zip(output.token_ids, output.logprobs, strict=False):
         if logprobs is not None:
-            message.logprobs.append(pb.TokenLogprob(
-                token_id=token_id, logprob=logprobs.sampled_logprob,
-                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top]))
+            message.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=token_id,
+                    logprob=logprobs.sampled_logprob,
+                    top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+                )
+            )
     if output.route is not None:  # fields set in place: a RouteInfo built and copied in costs twice as much
         route, proto = output.route, message.route
         proto.prefill_worker, proto.decode_instance = route.prefill_worker, route.decode_instance
@@ -79,7 +112,7 @@ def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
     if output.migrations:
         message.migrations = output.migrations
     if output.usage is not None:
-        usage, proto = output.usage, message.usage
-        proto.prompt_tokens, proto.completion_tokens = usage.prompt_tokens, usage.completion_tokens
-        proto.cached_prompt_tokens = usage.cached_prompt_tokens
+        usage, counts = output.usage, message.usage
+        counts.prompt_tokens, counts.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        counts.cached_prompt_tokens = usage.cached_prompt_tokens
     return message

@@ -1,4 +1,5 @@
 """One request's progress while it streams: token counts, text, timings, and the figures it ends with."""
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,11 @@ class StreamState:
     def __init__(self, request: RouterRequest, tokenizer, started_s: float):
         self.request, self.started_s = request, started_s
         params = request.params
-        self.text = (TextStream(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
-                     if request.return_text else None)
+        self.text = (
+            TextStream(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
+            if request.return_text
+            else None
+        )
         self.token_ids: list[int] = []  # every token streamed so far (a migration resumes after them)
         self.migrations = 0
         self.upstream_s = 0.0  # time spent waiting on the cluster, over the attempts that ended
@@ -42,8 +46,11 @@ class StreamState:
         self.token_ids.extend(chunk.token_ids)
         delta = ""
         if self.text is not None:
-            delta = (self.text.finish(chunk.finish_reason, chunk.token_ids) if chunk.finish_reason
-                     else self.text.push(chunk.token_ids))
+            delta = (
+                self.text.finish(chunk.finish_reason, chunk.token_ids)
+                if chunk.finish_reason
+                else self.text.push(chunk.token_ids)
+            )
         usage = None
         if chunk.finish_reason:
             usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.cached_tokens)
@@ -60,7 +67,7 @@ class StreamState:
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (None with fewer than two tokens)."""
-        if self.num_tokens < 2 or self.first_token_s is None:
+        if self.num_tokens < 2 or self.first_token_s is None or self.last_token_s is None:
             return None
         return (self.last_token_s - self.first_token_s) / (self.num_tokens - 1)
 

@@ -6,6 +6,7 @@ complete in a later delta, and when it does, none of it has been sent yet. At th
 text is released, cut at the stop string when that is why the request finished (before it, or after
 it when the request asked to include it).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -14,8 +15,9 @@ from engine.tokenizer import IncrementalDetokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
-                 include_stop: bool = False):
+    def __init__(
+        self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True, include_stop: bool = False
+    ):
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._stop, self._include_stop = stop, include_stop
         self._holdback_chars = max((len(s) for s in stop), default=1) - 1
@@ -48,11 +50,11 @@ class TextStream:
         """All text, including a trailing incomplete character the incremental decoder still holds."""
         detokenizer = self._detokenizer
         full = detokenizer.tokenizer.decode(detokenizer.token_ids, skip_special_tokens=detokenizer.skip_special_tokens)
-        sent = detokenizer.text[:self._sent_chars]
+        sent = detokenizer.text[: self._sent_chars]
         return full if full.startswith(sent) else detokenizer.text
 
     def _take(self, end: int, text: str | None = None) -> str:
         text = self._detokenizer.text if text is None else text
-        delta = text[self._sent_chars:end]
+        delta = text[self._sent_chars : end]
         self._sent_chars = max(end, self._sent_chars)
         return delta

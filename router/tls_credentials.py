@@ -6,6 +6,7 @@ every new connection's handshake; the answer is the current one, re-read from di
 changed (`cluster.tls.TlsFiles`), so a renewed certificate is served without a restart while
 connections already open keep theirs.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -26,13 +27,18 @@ def server_credentials(router: RouterConfig) -> grpc.ServerCredentials | None:
         fresh = files.reload_if_changed()
         return None if fresh is None else _configuration(fresh)
 
-    return grpc.dynamic_ssl_server_credentials(_configuration(files.current), fetch,
-                                               require_client_authentication=router.tls_client_ca_file is not None)
+    # type: ignore: gRPC documents a fetch returning None as "keep the current one"; the stub omits it.
+    return grpc.dynamic_ssl_server_credentials(
+        _configuration(files.current),
+        fetch,  # type: ignore[arg-type]
+        require_client_authentication=router.tls_client_ca_file is not None,
+    )
 
 
 def _configuration(material: ServerTls) -> grpc.ServerCertificateConfiguration:
-    return grpc.ssl_server_certificate_configuration([(material.private_key, material.certificate_chain)],
-                                                     root_certificates=material.client_ca)
+    return grpc.ssl_server_certificate_configuration(
+        [(material.private_key, material.certificate_chain)], root_certificates=material.client_ca
+    )
 
 
 def bind(server, router: RouterConfig, extra_addresses=()) -> int:

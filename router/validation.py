@@ -7,6 +7,7 @@ the gRPC front (`parse_request`, here) names the proto's paths (`sampling.temper
 Limits that depend on the model (vocabulary, context length) are checked here too, with the limit
 stated, so that a bad request never reaches a worker.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeGuard
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ _SAMPLING_FIELDS = tuple((f.name, f.has_presence) for f in pb.SamplingParams.DES
 # ---- The rules every front applies (gRPC here, OpenAI HTTP in router.openai). Each takes the name the
 # ---- front gives the field, so that an error names the field as that front's client sent it.
 
+
 def check_request_id(request_id: str, field: str = "request_id") -> str:
     if not isinstance(request_id, str) or _REQUEST_ID.fullmatch(request_id) is None:
         _fail(field, "must be 1-128 printable ASCII characters without spaces")
@@ -87,6 +89,7 @@ def check_slo_ms(value, field: str) -> float | None:
 def sampling_params(values: dict, limits: ModelLimits, prefix: str = "", names: dict | None = None) -> SamplingParams:
     """`SamplingParams(**values)` with the model's limits checked too; a bad value's error names the
     field as `prefix + names.get(field, field)`."""
+
     def field(name: str) -> str:
         return prefix + (names or {}).get(name, name)
 
@@ -105,8 +108,10 @@ def sampling_params(values: dict, limits: ModelLimits, prefix: str = "", names: 
         _fail(field("stop_token_ids"), f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
     max_tokens = values.get("max_tokens")
     if _is_int(max_tokens) and not 1 <= max_tokens <= limits.max_model_len - 1:
-        _fail(field("max_tokens"), f"must be in [1, {limits.max_model_len - 1}] (the model's context length "
-                                   f"is {limits.max_model_len} tokens)")
+        _fail(
+            field("max_tokens"),
+            f"must be in [1, {limits.max_model_len - 1}] (the model's context length is {limits.max_model_len} tokens)",
+        )
     try:
         return SamplingParams(**values)
     except InvalidRequestError as err:
@@ -139,12 +144,16 @@ def token_prompt(tokens: tuple[int, ...], limits: ModelLimits, field: str) -> tu
 
 def check_prompt_length(tokens: tuple[int, ...], limits: ModelLimits, field: str) -> tuple[int, ...]:
     if len(tokens) >= limits.max_model_len:
-        _fail(field, f"prompt has {len(tokens)} tokens; the model's limit is {limits.max_model_len} tokens "
-                     "including at least one generated")
+        _fail(
+            field,
+            f"prompt has {len(tokens)} tokens; the model's limit is {limits.max_model_len} tokens "
+            "including at least one generated",
+        )
     return tokens
 
 
 # ---- The gRPC front: proto message -> RouterRequest, errors naming the proto's field paths.
+
 
 def parse_request(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> RouterRequest:
     """Validates `msg`; `tokenize(text) -> list[int]` is called for text prompts only."""
@@ -161,16 +170,20 @@ def parse_request(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> Rou
 
 
 def parse_sampling(msg: pb.SamplingParams, limits: ModelLimits) -> SamplingParams:
-    values = {name: getattr(msg, name) for name, has_presence in _SAMPLING_FIELDS
-              if not has_presence or msg.HasField(name)}
+    values = {
+        name: getattr(msg, name) for name, has_presence in _SAMPLING_FIELDS if not has_presence or msg.HasField(name)
+    }
     return sampling_params(values, limits, "sampling.")
 
 
 def _slo(msg: pb.GenerateRequest) -> tuple[float | None, float | None]:
     if not msg.HasField("slo"):
         return None, None
-    return tuple(check_slo_ms(getattr(msg.slo, name) if msg.slo.HasField(name) else None, f"slo.{name}")
-                 for name in ("ttft_ms", "tpot_ms"))
+    ttft_ms, tpot_ms = (
+        check_slo_ms(getattr(msg.slo, name) if msg.slo.HasField(name) else None, f"slo.{name}")
+        for name in ("ttft_ms", "tpot_ms")
+    )
+    return ttft_ms, tpot_ms
 
 
 def _prompt(msg: pb.GenerateRequest, limits: ModelLimits, tokenize) -> tuple[str | None, tuple[int, ...]]:
@@ -197,7 +210,7 @@ def client_wait_s(metadata, now_us: int | None = None) -> float:
     return waited_s if 0.0 < waited_s <= MAX_CLIENT_WAIT_S else 0.0
 
 
-def _is_int(value) -> bool:
+def _is_int(value) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

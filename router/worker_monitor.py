@@ -6,6 +6,7 @@ so a busy worker answers fast) bounded by `timeout_s`; a probe that times out ke
 A worker whose actor is found dead here (by a probe, or by a request: `probe_soon`) is avoided at
 once, until membership catches up (within one watch round trip).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -66,7 +67,7 @@ class WorkerMonitor:
             if (member.worker_id, member.epoch) not in self._dead:
                 log.warning("worker %s (epoch %d) is dead: %s", member.worker_id, member.epoch, type(err).__name__)
             self._dead.add((member.worker_id, member.epoch))
-        except Exception as err:  # slow or erroring: keep the last figures; liveness is the controller's
+        except Exception as err:  # noqa: BLE001 - slow or erroring: keep the last figures; liveness is the controller's
             log.debug("stats of %s unavailable: %s", member.worker_id, type(err).__name__)
         else:
             if self.view.membership.get(member.worker_id) is not member:
@@ -88,9 +89,14 @@ class WorkerMonitor:
     def _export(self, member: Member) -> None:
         if self.metrics is not None and self.view.membership.get(member.worker_id) is member:
             stats = self.stats.get(member.worker_id)
-            self.metrics.set_worker_load(member.worker_id, member.role, stats.waiting if stats else 0,
-                                         stats.running if stats else 0, stats.kv_usage if stats else 0.0,
-                                         healthy=self.is_healthy(member.worker_id))
+            self.metrics.set_worker_load(
+                member.worker_id,
+                member.role,
+                stats.waiting if stats else 0,
+                stats.running if stats else 0,
+                stats.kv_usage if stats else 0.0,
+                healthy=self.is_healthy(member.worker_id),
+            )
 
     async def close(self) -> None:
         if self._task is not None:

@@ -1,16 +1,18 @@
 """The `splitserve` command line. Subcommands live in a small registry; unknown ones are listed."""
+
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from splitserve import __version__
 
 
 def _demo_model(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="splitserve demo-model",
-                                     description="Write the deterministic demo checkpoint to DIR.")
+    parser = argparse.ArgumentParser(
+        prog="splitserve demo-model", description="Write the deterministic demo checkpoint to DIR."
+    )
     parser.add_argument("dir")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -110,7 +112,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "status": (_status, "show a router's workers, load and cache figures"),
     "health": (_health, "exit 0 iff a router's gRPC health service is SERVING"),
     "demo-model": (_demo_model, "write the demo checkpoint to a directory"),
-    "bench-engine": (_bench_engine, "offline throughput of the engine vs transformers.generate; --accuracy: quantized vs unquantized"),
+    "bench-engine": (
+        _bench_engine,
+        "offline throughput of the engine vs transformers.generate; --accuracy: quantized vs unquantized",
+    ),
     "bench": (_bench, "load-test a running router (Poisson, shared-prefix, trace replay)"),
     "chaos": (_chaos, "SIGKILL workers while a bench workload runs; report lost, diverged, migrated requests"),
     "profile": (_profile, "measure this machine's step costs (or write a GPU roofline profile) for the simulator"),

@@ -16,6 +16,7 @@ its own local Ray takes everything down with it.
 Configuration comes from one place: an optional YAML file (`--config`, the same schema the Helm chart
 renders) with flags layered on top, all validated by `ClusterConfig.from_dict`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,22 +30,39 @@ from cluster.config import ClusterConfig, ConfigError
 
 DEFAULT_CLUSTER_NAME = "default"
 # flag → (section, key) in the config mapping; None section = top level
-_POOL_FLAGS = {"model": (None, "model_dir"), "block_size": (None, "block_size"), "redis_url": (None, "redis_url"),
-               "rendezvous_host": (None, "rendezvous_host"), "prefill": ("prefill", "replicas"),
-               "decode": ("decode", "replicas"), "tp": ("decode", "tp_size"),
-               "kv_cache_dtype": (None, "kv_cache_dtype"), "quantization": (None, "quantization")}
-_ROUTER_FLAGS = {"host": ("router", "host"), "port": ("router", "port"), "policy": ("router", "policy"),
-                 "auth_token_file": ("router", "auth_token_file"), "metrics_port": ("router", "metrics_port"),
-                 "tls_cert_file": ("router", "tls_cert_file"), "tls_key_file": ("router", "tls_key_file"),
-                 "tls_client_ca_file": ("router", "tls_client_ca_file"), "health_port": ("router", "health_port")}
+_POOL_FLAGS = {
+    "model": (None, "model_dir"),
+    "block_size": (None, "block_size"),
+    "redis_url": (None, "redis_url"),
+    "rendezvous_host": (None, "rendezvous_host"),
+    "prefill": ("prefill", "replicas"),
+    "decode": ("decode", "replicas"),
+    "tp": ("decode", "tp_size"),
+    "kv_cache_dtype": (None, "kv_cache_dtype"),
+    "quantization": (None, "quantization"),
+}
+_ROUTER_FLAGS = {
+    "host": ("router", "host"),
+    "port": ("router", "port"),
+    "policy": ("router", "policy"),
+    "auth_token_file": ("router", "auth_token_file"),
+    "metrics_port": ("router", "metrics_port"),
+    "tls_cert_file": ("router", "tls_cert_file"),
+    "tls_key_file": ("router", "tls_key_file"),
+    "tls_client_ca_file": ("router", "tls_client_ca_file"),
+    "health_port": ("router", "health_port"),
+}
 _COMMON_FLAGS = {"ray_address": (None, "ray_address"), "cluster_name": (None, "cluster_name")}
 
 
 def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, help="YAML cluster config (flags override it)")
-    p.add_argument("--ray-address", required=need_ray, help="join this Ray cluster"
-                   + ("" if need_ray else " (default: start a local one)"))
+    p.add_argument(
+        "--ray-address",
+        required=need_ray,
+        help="join this Ray cluster" + ("" if need_ray else " (default: start a local one)"),
+    )
     p.add_argument("--cluster-name", help=f"which cluster in the Ray cluster (default {DEFAULT_CLUSTER_NAME})")
     if pools:
         p.add_argument("--model", help="HF checkpoint directory (default: the demo model)")
@@ -55,13 +73,15 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         p.add_argument("--kv-cache-dtype", help="KV cache storage: auto (the model dtype), int8 or fp8")
         p.add_argument("--quantization", help="weight quantization: none or int8 (weight-only, per output channel)")
         p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
-        p.add_argument("--rendezvous-host", help="address workers use to reach the rendezvous store "
-                       "(default: its node's IP)")
+        p.add_argument(
+            "--rendezvous-host", help="address workers use to reach the rendezvous store (default: its node's IP)"
+        )
     if router:
         p.add_argument("--host", help="address to bind (default 127.0.0.1)")
         p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
-        p.add_argument("--uds", help="also serve gRPC on this unix socket path (reachable from outside a network "
-                       "sandbox)")
+        p.add_argument(
+            "--uds", help="also serve gRPC on this unix socket path (reachable from outside a network sandbox)"
+        )
         p.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (default 8000; 0 turns it off)")
         p.add_argument("--http-uds", help="also serve the HTTP API on this unix socket path")
         p.add_argument("--policy", help="routing policy: round_robin, prefix_hash or cache_aware")
@@ -98,20 +118,23 @@ def build_config(args: argparse.Namespace) -> tuple[ClusterConfig, dict]:
     return ClusterConfig.from_dict(raw), raw
 
 
-async def serve(config: ClusterConfig, given: dict, uds: str | None = None, *, join_only: bool = False,
-                http_uds: str | None = None) -> None:
+async def serve(
+    config: ClusterConfig, given: dict, uds: str | None = None, *, join_only: bool = False, http_uds: str | None = None
+) -> None:
     """Starts or joins the cluster, serves one router until SIGINT or SIGTERM, then drains streams in flight."""
     from cluster.launcher import launch
     from router.server import RouterServer
 
     loop = asyncio.get_running_loop()
-    launched = await loop.run_in_executor(None, lambda: launch(config, given=given, join_only=join_only,
-                                                               on_progress=_say))
+    launched = await loop.run_in_executor(
+        None, lambda: launch(config, given=given, join_only=join_only, on_progress=_say)
+    )
     launched.owns_controller = config.ray_address is None  # a shared Ray cluster keeps the pools (see top)
     server = None
     try:
-        server = await RouterServer.start(launched, launched.config, extra_addresses=[f"unix:{uds}"] if uds else [],
-                                          http_uds=http_uds)
+        server = await RouterServer.start(
+            launched, launched.config, extra_addresses=[f"unix:{uds}"] if uds else [], http_uds=http_uds
+        )
         _announce(server, launched.config, uds)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -134,10 +157,12 @@ def _announce(server, config: ClusterConfig, uds: str | None) -> None:
     auth += " --tls-ca-file CA.pem" if config.router.tls_cert_file else ""
     membership = server.service.cluster.membership
     _say(f"router listening on {server.address}" + (f" and unix:{uds}" if uds else ""))
-    _say(f"cluster {config.cluster_name!r} ({membership.cluster_id}): {len(membership.prefill)} prefill worker(s), "
-         f"{len(membership.decode)} decode instance(s) x {config.decode.tp_size} rank(s), "
-         f"policy {config.router.policy}, model {server.service.info.model_identity}")
-    _say(f"try:  splitserve generate --target {target}{auth} --max-tokens 32 \"Once upon a time\"")
+    _say(
+        f"cluster {config.cluster_name!r} ({membership.cluster_id}): {len(membership.prefill)} prefill worker(s), "
+        f"{len(membership.decode)} decode instance(s) x {config.decode.tp_size} rank(s), "
+        f"policy {config.router.policy}, model {server.service.info.model_identity}"
+    )
+    _say(f'try:  splitserve generate --target {target}{auth} --max-tokens 32 "Once upon a time"')
     http = server.http
     if http is not None:
         where = " and ".join(([http.url] if http.port else []) + ([f"unix:{http.uds}"] if http.uds else []))
@@ -165,8 +190,10 @@ def controller_main(argv: list[str]) -> None:
     except (ConfigError, ClusterStartError) as err:
         sys.exit(f"splitserve controller: {err}")
     membership = launched.membership
-    _say(f"cluster {config.cluster_name!r} ({membership.cluster_id}) serving: "
-         f"{len(membership.prefill)} prefill worker(s), {len(membership.decode)} decode instance(s)")
+    _say(
+        f"cluster {config.cluster_name!r} ({membership.cluster_id}) serving: "
+        f"{len(membership.prefill)} prefill worker(s), {len(membership.decode)} decode instance(s)"
+    )
 
 
 def _run(p: argparse.ArgumentParser, argv: list[str], *, join_only: bool) -> None:

@@ -28,7 +28,10 @@ IMPORT_NAMES = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "grpc
 # Declared but never imported, on purpose: (distribution, why).
 NOT_IMPORTED = {"hiredis": "redis-py's C reply parser, used by redis-py when present",
                 "pytest-timeout": "a pytest plugin: the suite's per-test timeout (pyproject [tool.pytest])",
-                "httptools": "uvicorn's HTTP parser, loaded by name (http='httptools') in benchmarks/http_stack_servers.py"}
+                "httptools": "uvicorn's HTTP parser, loaded by name (http='httptools') in benchmarks/http_stack_servers.py",
+                "ruff": "`make lint`: a command-line tool", "mypy": "`make lint`: a command-line tool",
+                **{f"types-{name}": "stubs mypy reads in `make lint`"
+                   for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "pyyaml", "tqdm")}}
 
 
 def _lock() -> dict[str, str]:

@@ -1,4 +1,5 @@
 """The global prefix index (interface in base.py): in-process for one router, Redis for several."""
+
 from __future__ import annotations
 
 from cluster.prefix_index.base import IndexNamespace, PrefixIndex, PrefixIndexUnavailable, PrefixMatch
@@ -14,5 +15,13 @@ def make_prefix_index(redis_url: str | None, namespace: IndexNamespace, lease_s:
     return RedisPrefixIndex(redis_url, namespace, lease_s)
 
 
-__all__ = ["IndexNamespace", "InProcessPrefixIndex", "PrefixIndex", "PrefixIndexUnavailable", "PrefixMatch",
-           "RedisIndexPublisher", "RedisPrefixIndex", "make_prefix_index"]
+__all__ = [
+    "InProcessPrefixIndex",
+    "IndexNamespace",
+    "PrefixIndex",
+    "PrefixIndexUnavailable",
+    "PrefixMatch",
+    "RedisIndexPublisher",
+    "RedisPrefixIndex",
+    "make_prefix_index",
+]

@@ -22,6 +22,7 @@ Isolation comes from the hash spec instead: a block hash is chained from a root 
 tenant (`engine.block_hash.HashNamespace`), so a query hashed for tenant A can only equal a block
 cached for tenant B by a 128-bit collision, and a worker verifies tokens on every local hit anyway.
 """
+
 from __future__ import annotations
 
 import hashlib

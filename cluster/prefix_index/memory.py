@@ -9,6 +9,7 @@ Expired workers are reaped at the start of every call, so a dead worker's memory
 next call after its lease and lookups never see it. Lease deadlines use an injectable monotonic
 clock (tests advance a fake one instead of sleeping).
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.kv_events import KVEventBatch
-from cluster.prefix_index.base import (PrefixIndex, PrefixMatch, check_batch, check_hashes, check_worker,
-                                       sort_matches)
+from cluster.prefix_index.base import PrefixIndex, PrefixMatch, check_batch, check_hashes, check_worker, sort_matches
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockStored, IntegrityError
 
@@ -110,18 +110,24 @@ class InProcessPrefixIndex(PrefixIndex):
         return None if worker is None else (worker.epoch, worker.last_seq)
 
     async def check_integrity(self) -> None:
-        _require(self._slot_owner == {w.slot: worker_id for worker_id, w in self._workers.items()},
-                 "slot owners disagree with the workers' slots")
+        _require(
+            self._slot_owner == {w.slot: worker_id for worker_id, w in self._workers.items()},
+            "slot owners disagree with the workers' slots",
+        )
         for worker_id, worker in self._workers.items():
             _require(worker.last_seq >= 0, f"{worker_id} has cursor {worker.last_seq}")
             for block_hash in worker.blocks:
-                _require(self._holders.get(block_hash, 0) >> worker.slot & 1,
-                         f"{worker_id} holds {block_hash.hex()} but is not among its holders")
+                _require(
+                    bool(self._holders.get(block_hash, 0) >> worker.slot & 1),
+                    f"{worker_id} holds {block_hash.hex()} but is not among its holders",
+                )
         for block_hash, mask in self._holders.items():
             _require(mask > 0, f"{block_hash.hex()} has an empty holder mask (a leak)")
             for worker_id in self._owners(mask):
-                _require(block_hash in self._workers[worker_id].blocks,
-                         f"{block_hash.hex()} lists {worker_id}, which does not hold it")
+                _require(
+                    block_hash in self._workers[worker_id].blocks,
+                    f"{block_hash.hex()} lists {worker_id}, which does not hold it",
+                )
 
     async def close(self) -> None:
         self._workers.clear()
@@ -133,7 +139,8 @@ class InProcessPrefixIndex(PrefixIndex):
         while mask:
             low_bit = mask & -mask
             owner = self._slot_owner.get(low_bit.bit_length() - 1)
-            _require(owner is not None, f"holder bit {low_bit.bit_length() - 1} has no worker")
+            if owner is None:
+                raise IntegrityError(f"holder bit {low_bit.bit_length() - 1} has no worker")
             owners.append(owner)
             mask ^= low_bit
         return owners

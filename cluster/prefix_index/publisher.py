@@ -11,9 +11,11 @@ cursor from Redis every cycle is what makes resync automatic: whatever Redis los
 sees it and repairs it. While Redis is unreachable it retries with exponential backoff (capped),
 logs one warning per outage and one line when it is back.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -31,8 +33,17 @@ MAX_BATCHES_PER_CYCLE = 16  # bounds one cycle when far behind; the next cycle c
 class RedisIndexPublisher:
     """`start()` once, `stop()` once. Thread-safe: only `stop()` crosses into the publisher's thread."""
 
-    def __init__(self, buffer: KVEventBuffer, url: str, namespace: IndexNamespace, lease_s: float,
-                 interval_s: float = 0.05, *, max_backoff_s: float = 2.0, timeout_s: float = 1.0):
+    def __init__(
+        self,
+        buffer: KVEventBuffer,
+        url: str,
+        namespace: IndexNamespace,
+        lease_s: float,
+        interval_s: float = 0.05,
+        *,
+        max_backoff_s: float = 2.0,
+        timeout_s: float = 1.0,
+    ):
         if interval_s <= 0 or max_backoff_s < interval_s or lease_s <= interval_s:
             raise ValueError("need 0 < interval_s <= max_backoff_s and interval_s < lease_s")
         self.buffer = buffer
@@ -43,8 +54,9 @@ class RedisIndexPublisher:
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._thread_main, name=f"index-publisher-{buffer.worker_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._thread_main, name=f"index-publisher-{buffer.worker_id}", daemon=True
+        )
         self.published_seq = 0  # last seq of this epoch known to be in Redis (for stats and tests)
         self.outages = 0  # outages seen so far (each logged once)
         self.superseded = False  # a newer epoch of this worker id owns its entries
@@ -53,17 +65,15 @@ class RedisIndexPublisher:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def start(self) -> "RedisIndexPublisher":
+    def start(self) -> RedisIndexPublisher:
         self._thread.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop and join for at most `timeout_s` (a call in flight ends within its own timeout)."""
         self._stopping.set()
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop already finished and closed
             self._loop.call_soon_threadsafe(self._wake.set)
-        except RuntimeError:
-            pass  # the loop already finished and closed
         if self._thread.is_alive():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -83,18 +93,27 @@ class RedisIndexPublisher:
             while not self._stopping.is_set():
                 try:
                     await self._sync(index)
-                except Exception as err:  # noqa: BLE001 - any failure: keep the thread alive, retry
+                except Exception as err:  # any failure: keep the thread alive, retry
                     if outage_since is None:
                         outage_since = time.monotonic()
                         self.outages += 1
                         level = logging.WARNING if isinstance(err, PrefixIndexUnavailable) else logging.ERROR
-                        log.log(level, "prefix index at %s: %s: %s; retrying with backoff, then resyncing",
-                                self._where, type(err).__name__, err, exc_info=level == logging.ERROR)
+                        log.log(
+                            level,
+                            "prefix index at %s: %s: %s; retrying with backoff, then resyncing",
+                            self._where,
+                            type(err).__name__,
+                            err,
+                            exc_info=level == logging.ERROR,
+                        )
                     delay_s = min(delay_s * 2, self.max_backoff_s)
                 else:
                     if outage_since is not None:
-                        log.info("prefix index at %s reachable again after %.1f s; resynced",
-                                 self._where, time.monotonic() - outage_since)
+                        log.info(
+                            "prefix index at %s reachable again after %.1f s; resynced",
+                            self._where,
+                            time.monotonic() - outage_since,
+                        )
                     delay_s, outage_since = self.interval_s, None
                 await self._sleep(delay_s)
         finally:
@@ -108,8 +127,12 @@ class RedisIndexPublisher:
             # A newer start of this worker id publishes: ours would only be ignored, snapshot after
             # snapshot. Say so once and keep watching: if that one's lease ends, ours resyncs.
             if not self.superseded:
-                log.warning("worker %s: a newer epoch (%d > %d) publishes to the prefix index; this one pauses "
-                            "while it does", buffer.worker_id, cursor[0], buffer.epoch)
+                log.warning(
+                    "worker %s: a newer epoch (%d > %d) publishes to the prefix index; this one pauses while it does",
+                    buffer.worker_id,
+                    cursor[0],
+                    buffer.epoch,
+                )
             self.superseded = True
             return
         self.superseded = False
@@ -123,10 +146,8 @@ class RedisIndexPublisher:
             since_seq = self.published_seq = batch.last_seq
 
     async def _sleep(self, delay_s: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), delay_s)
-        except asyncio.TimeoutError:
-            pass
 
 
 def _redact(url: str) -> str:

@@ -25,6 +25,7 @@ restart does not fail needlessly. Deployments should not let Redis evict these k
 (`maxmemory-policy noeviction` or `volatile-ttl`): an evicted set only loses hits until the next
 snapshot, but nothing here expects it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,16 @@ from redis.backoff import NoBackoff
 
 from cluster.kv_events import KVEventBatch
 from cluster.prefix_index import redis_scripts
-from cluster.prefix_index.base import (IndexNamespace, PrefixIndex, PrefixIndexUnavailable, PrefixMatch,
-                                       check_batch, check_hashes, check_worker, sort_matches)
+from cluster.prefix_index.base import (
+    IndexNamespace,
+    PrefixIndex,
+    PrefixIndexUnavailable,
+    PrefixMatch,
+    check_batch,
+    check_hashes,
+    check_worker,
+    sort_matches,
+)
 from engine.block_hash import BLOCK_HASH_BYTES, BlockHash
 from engine.block_pool import BlockStored, IntegrityError
 
@@ -53,8 +62,9 @@ class RedisPrefixIndex(PrefixIndex):
     Entries written here live `lease_s` past the writer's last apply / heartbeat; readers need not
     agree on `lease_s`: the deadline the writer set is stored with the entries."""
 
-    def __init__(self, url: str, namespace: IndexNamespace, lease_s: float, *, timeout_s: float = 1.0,
-                 max_connections: int = 32):
+    def __init__(
+        self, url: str, namespace: IndexNamespace, lease_s: float, *, timeout_s: float = 1.0, max_connections: int = 32
+    ):
         if lease_s <= 0 or timeout_s <= 0:
             raise ValueError(f"lease_s and timeout_s must be > 0, got {lease_s!r}, {timeout_s!r}")
         self.namespace = namespace
@@ -64,16 +74,24 @@ class RedisPrefixIndex(PrefixIndex):
         self._registry = f"{self._prefix}:workers"  # declared to every script: it routes by this key's slot
         # Blocking pool: beyond max_connections callers wait (bounded) instead of failing at once.
         self._pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1, (redis_errors.ConnectionError,)))
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1, (redis_errors.ConnectionError,)),
+        )
         self._redis = aioredis.Redis(connection_pool=self._pool)
-        self._scripts = {name: self._redis.register_script(getattr(redis_scripts, name))
-                         for name in ("APPLY", "HEARTBEAT", "REMOVE", "MATCH", "INTEGRITY", "COUNT")}
+        self._scripts = {
+            name: self._redis.register_script(getattr(redis_scripts, name))
+            for name in ("APPLY", "HEARTBEAT", "REMOVE", "MATCH", "INTEGRITY", "COUNT")
+        }
 
     async def apply(self, batch: KVEventBatch) -> None:
         check_batch(batch)
-        await self._run("APPLY", batch.worker_id, str(batch.epoch), self.lease_ms, batch.last_seq,
-                        *_encode_changes(batch))
+        await self._run(
+            "APPLY", batch.worker_id, str(batch.epoch), self.lease_ms, batch.last_seq, *_encode_changes(batch)
+        )
 
     async def heartbeat(self, worker_id: str, epoch: int) -> None:
         check_worker(worker_id, epoch)
@@ -123,7 +141,7 @@ def _encode_changes(batch: KVEventBatch) -> list:
     if batch.snapshot is not None:
         packed = b"".join(batch.snapshot)
         step = SNAPSHOT_CHUNK_HASHES * BLOCK_HASH_BYTES
-        return ["s", *(packed[i:i + step] for i in range(0, len(packed), step))]
+        return ["s", *(packed[i : i + step] for i in range(0, len(packed), step))]
     first_seq = batch.events[0][0] if batch.events else batch.last_seq + 1
     args: list = ["e", first_seq]
     for _, event in batch.events:

@@ -6,6 +6,7 @@ namespace's key prefix as ARGV[1] and its registry key as KEYS[1] (so that a clu
 could route by its hash-tagged slot); key names are built here, in one place (`wkey`, `bkey`).
 Epochs travel as decimal strings: nanosecond clocks exceed the 53 bits a Lua number holds exactly.
 """
+
 from __future__ import annotations
 
 _PRELUDE = r"""
@@ -62,7 +63,9 @@ end
 # ARGV: prefix, worker, epoch, lease_ms, last_seq, kind, then
 #   kind 's': packed hashes of the snapshot (any number of args);
 #   kind 'e': first_seq, then per event: '+' (stored) or '-' (removed), packed hashes.
-APPLY = _PRELUDE + r"""
+APPLY = (
+    _PRELUDE
+    + r"""
 local w, epoch, lease_ms, last_seq, kind = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local cur = redis.call('HMGET', wkey(w), 'epoch', 'seq')
 local base = 0
@@ -91,9 +94,12 @@ redis.call('HSET', wkey(w), 'epoch', epoch, 'seq', ARGV[5])
 touch(w, epoch, lease_ms)
 return 'ok'
 """
+)
 
 # ARGV: prefix, worker, epoch, lease_ms.
-HEARTBEAT = _PRELUDE + r"""
+HEARTBEAT = (
+    _PRELUDE
+    + r"""
 local w, epoch = ARGV[2], ARGV[3]
 local e = redis.call('HGET', wkey(w), 'epoch')
 if not e then return 'unknown' end
@@ -107,16 +113,22 @@ if newer(epoch, e) then
 end
 return 'stale-epoch'
 """
+)
 
 # ARGV: prefix, worker.
-REMOVE = _PRELUDE + r"""
+REMOVE = (
+    _PRELUDE
+    + r"""
 forget(ARGV[2])
 return 'ok'
 """
+)
 
 # ARGV: prefix, block hashes (raw) in prompt order. Returns {worker, count, worker, count, ...}.
 # Membership is asked in growing chunks: most workers miss early, long prompts rarely match whole.
-MATCH = _PRELUDE + r"""
+MATCH = (
+    _PRELUDE
+    + r"""
 local total = #ARGV - 1
 local function leading(key)
   local n, size = 0, 32
@@ -144,9 +156,12 @@ for _, w in ipairs(redis.call('ZRANGEBYSCORE', WORKERS, '(' .. now_ms(), '+inf')
 end
 return out
 """
+)
 
 # ARGV: prefix. Returns a list of problems (empty when consistent). KEYS is fine here: tests only.
-INTEGRITY = _PRELUDE + r"""
+INTEGRITY = (
+    _PRELUDE
+    + r"""
 local problems = {}
 local function bad(msg) problems[#problems + 1] = msg end
 for _, k in ipairs(redis.call('KEYS', P .. ':*')) do
@@ -175,8 +190,11 @@ for _, k in ipairs(redis.call('KEYS', P .. ':*')) do
 end
 return problems
 """
+)
 
-COUNT = _PRELUDE + r"""
+COUNT = (
+    _PRELUDE
+    + r"""
 local total = 0
 for _, w in ipairs(redis.call('ZRANGEBYSCORE', WORKERS, '(' .. now_ms(), '+inf')) do
   local e = redis.call('HGET', wkey(w), 'epoch')
@@ -184,3 +202,4 @@ for _, w in ipairs(redis.call('ZRANGEBYSCORE', WORKERS, '(' .. now_ms(), '+inf')
 end
 return total
 """
+)

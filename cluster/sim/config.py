@@ -6,6 +6,7 @@ each worker's engine limits. The router part mirrors `router.*` and the bench's 
 policy, admission, the router's concurrency limit, the client's concurrency cap, and the SLO every
 request is judged against (as `splitserve bench --ttft-ms/--tpot-ms` sends it).
 """
+
 from __future__ import annotations
 
 import math
@@ -72,8 +73,11 @@ class SimConfig:
         _check(self.restart_s >= 0, "restart_s", "must be >= 0")
         for fault in self.faults:
             pool = self.colocated if fault.role == "colocated" else getattr(self, fault.role, 0)
-            _check(fault.role in ("prefill", "decode", "colocated") and 0 <= fault.index < pool, "faults",
-                   f"{fault} names no worker of this cluster")
+            _check(
+                fault.role in ("prefill", "decode", "colocated") and 0 <= fault.index < pool,
+                "faults",
+                f"{fault} names no worker of this cluster",
+            )
 
     @property
     def workers(self) -> int:

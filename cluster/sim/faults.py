@@ -9,6 +9,7 @@ Which requests a death touches: those queued, prefilling or pinned for a hand-of
 worker; those booked on a dead decode instance (decoding there, adopted, or still prefilling: their
 hand-off fails when it reaches the dead instance, as a real reservation does).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class FaultHandler:
-    def __init__(self, sim: "Simulation"):
+    def __init__(self, sim: Simulation):
         self.sim = sim
         self.dead: set[tuple[str, int]] = set()  # (pool, index): "front" (prefill / colocated) or "decode"
         self.parked: deque[SimSeq] = deque()  # requests waiting for a pool to have a live worker
@@ -36,7 +37,7 @@ class FaultHandler:
     def decode_dead(self, seq: SimSeq) -> bool:
         return bool(self.sim.decode) and ("decode", seq.decode_worker) in self.dead
 
-    def on_fault(self, fault: "Fault", _) -> None:
+    def on_fault(self, fault: Fault, _) -> None:
         sim = self.sim
         pool_name = "decode" if fault.role == "decode" else "front"
         pool = sim.decode if pool_name == "decode" else sim.front

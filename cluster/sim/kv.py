@@ -12,6 +12,7 @@ As the engine's `KVCacheManager`: a prompt never hits its last token (at least o
 
 `BlockCounter` (decode instances, which keep no prefix cache) only counts blocks.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
@@ -24,8 +25,13 @@ def blocks_for(tokens: int, block_tokens: int) -> int:
 
 
 class PrefixPool:
-    def __init__(self, num_blocks: int, block_tokens: int, caching: bool = True,
-                 on_event: Callable[[KVCacheEvent], None] | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_tokens: int,
+        caching: bool = True,
+        on_event: Callable[[KVCacheEvent], None] | None = None,
+    ):
         self.block_tokens, self.caching = block_tokens, caching
         self.pool = BlockPool(num_blocks, on_event)
 
@@ -42,8 +48,9 @@ class PrefixPool:
         if not self.caching:
             return []
         hits = []
-        for key in keys[:max(prompt_tokens - 1, 0) // self.block_tokens]:
-            block_id = self.pool.lookup(key)
+        for key in keys[: max(prompt_tokens - 1, 0) // self.block_tokens]:
+            # The engine's pool only hashes and compares keys; the simulator's are its own (not BlockHash).
+            block_id = self.pool.lookup(key)  # type: ignore[arg-type]
             if block_id is None:
                 break
             hits.append(block_id)
@@ -63,7 +70,7 @@ class PrefixPool:
         if not self.caching:
             return
         for i in range(first, min(upto, len(keys))):
-            self.pool.mark_cached(table[i], keys[i], (), parent_hash=keys[i - 1] if i else None)
+            self.pool.mark_cached(table[i], keys[i], (), parent_hash=keys[i - 1] if i else None)  # type: ignore[arg-type]  # as in match
 
     def release(self, table: Sequence[int]) -> None:
         """Tail first, as the engine frees a sequence: its last blocks are evicted first."""

@@ -16,6 +16,7 @@ JSON layout (`format: splitserve-profile/v1`, times in ms, rates in bytes/s):
   adopt_ms (KV moved -> decode instance steps it), token_ms (decode step -> client), step_ms (what a
   cluster worker's loop adds to every engine step: the actor's loop, streaming the step's tokens).
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,13 @@ class Overheads:
     step_s: float = 0.0
 
     def to_dict(self) -> dict:
-        return {"route_ms": self.route_s * 1e3, "first_token_ms": self.first_token_s * 1e3,
-                "adopt_ms": self.adopt_s * 1e3, "token_ms": self.token_s * 1e3, "step_ms": self.step_s * 1e3}
+        return {
+            "route_ms": self.route_s * 1e3,
+            "first_token_ms": self.first_token_s * 1e3,
+            "adopt_ms": self.adopt_s * 1e3,
+            "token_ms": self.token_s * 1e3,
+            "step_ms": self.step_s * 1e3,
+        }
 
 
 @dataclass(frozen=True)
@@ -95,22 +101,30 @@ class Profile:
 
     def step_cost(self, tp: int) -> StepCost:
         if tp not in self.steps:
-            raise ValueError(f"the profile has no step cost for tensor-parallel size {tp}; it has {list(self.tp_sizes)}")
+            raise ValueError(
+                f"the profile has no step cost for tensor-parallel size {tp}; it has {list(self.tp_sizes)}"
+            )
         return self.steps[tp]
 
-    def with_overheads(self, overheads: Overheads) -> "Profile":
+    def with_overheads(self, overheads: Overheads) -> Profile:
         return replace(self, overheads=overheads)
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "kind": self.kind, "label": self.label, "hardware": self.hardware,
-                "model": {**vars(self.model), "eos_token_ids": list(self.model.eos_token_ids)},
-                "steps": {str(tp): cost.to_dict() for tp, cost in sorted(self.steps.items())},
-                "kv_capacity_tokens": {str(tp): v for tp, v in sorted(self.kv_capacity_tokens.items())},
-                "transfer": {"latency_ms": self.transfer.latency_s * 1e3, "bytes_per_s": self.transfer.bytes_per_s},
-                "overheads": self.overheads.to_dict(), "source": dict(self.source)}
+        return {
+            "format": FORMAT,
+            "kind": self.kind,
+            "label": self.label,
+            "hardware": self.hardware,
+            "model": {**vars(self.model), "eos_token_ids": list(self.model.eos_token_ids)},
+            "steps": {str(tp): cost.to_dict() for tp, cost in sorted(self.steps.items())},
+            "kv_capacity_tokens": {str(tp): v for tp, v in sorted(self.kv_capacity_tokens.items())},
+            "transfer": {"latency_ms": self.transfer.latency_s * 1e3, "bytes_per_s": self.transfer.bytes_per_s},
+            "overheads": self.overheads.to_dict(),
+            "source": dict(self.source),
+        }
 
     @staticmethod
-    def from_dict(raw: dict) -> "Profile":
+    def from_dict(raw: dict) -> Profile:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ValueError(f"format: not a splitserve profile (expected format {FORMAT!r})")
         try:
@@ -118,12 +132,19 @@ class Profile:
             model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
             steps = {int(tp): StepCost.from_dict(cost, f"steps.{tp}") for tp, cost in raw["steps"].items()}
             over = raw.get("overheads", {})
-            return Profile(raw["kind"], raw["label"], raw["hardware"], ModelFacts(**model), steps,
-                           {int(tp): int(v) for tp, v in raw["kv_capacity_tokens"].items()},
-                           Transfer(raw["transfer"]["latency_ms"] / 1e3, float(raw["transfer"]["bytes_per_s"])),
-                           Overheads(*(over.get(k, 0.0) / 1e3 for k in ("route_ms", "first_token_ms", "adopt_ms",
-                                                                         "token_ms", "step_ms"))),
-                           dict(raw.get("source", {})))
+            return Profile(
+                raw["kind"],
+                raw["label"],
+                raw["hardware"],
+                ModelFacts(**model),
+                steps,
+                {int(tp): int(v) for tp, v in raw["kv_capacity_tokens"].items()},
+                Transfer(raw["transfer"]["latency_ms"] / 1e3, float(raw["transfer"]["bytes_per_s"])),
+                Overheads(
+                    *(over.get(k, 0.0) / 1e3 for k in ("route_ms", "first_token_ms", "adopt_ms", "token_ms", "step_ms"))
+                ),
+                dict(raw.get("source", {})),
+            )
         except KeyError as err:
             raise ValueError(f"profile: missing key {err.args[0]!r}") from None
         except TypeError as err:
@@ -136,7 +157,7 @@ class Profile:
         return path
 
     @staticmethod
-    def load(path: str | Path) -> "Profile":
+    def load(path: str | Path) -> Profile:
         try:
             raw = json.loads(Path(path).read_text())
         except OSError as err:

@@ -12,14 +12,15 @@ Each point is timed `repeats` times after a warm-up; the median goes into the fi
 A measured profile has tensor-parallel size 1 only (TP ranks are separate processes; the roofline
 profiles model TP). KV capacity is what a pool worker gets from the cluster config's defaults.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from cluster.config import PoolConfig
 from cluster.sim.profile import ModelFacts, Overheads, Profile, Transfer
@@ -46,41 +47,79 @@ class Grid:
     knots: tuple[int, ...] = DEFAULT_KNOTS
 
     @staticmethod
-    def quick() -> "Grid":
+    def quick() -> Grid:
         """A small grid for tests and smoke runs (seconds on a tiny model)."""
         return Grid((8, 32, 128, 512), (0, 128), (1, 4, 16), (32, 128), 2, (1, 4, 16, 128, 512))
 
 
-def measure_profile(model_dir: str, *, threads: int = 1, dtype: str = "auto", grid: Grid = Grid(),
-                    label: str | None = None, transfer: Transfer = CPU_TRANSFER,
-                    say: Callable[[str], None] = lambda _: None) -> Profile:
+def measure_profile(
+    model_dir: str,
+    *,
+    threads: int = 1,
+    dtype: str = "auto",
+    grid: Grid = Grid(),
+    label: str | None = None,
+    transfer: Transfer = CPU_TRANSFER,
+    say: Callable[[str], None] = lambda _: None,
+) -> Profile:
     engine = _engine(model_dir, threads, dtype, grid)
     samples = _prefill_samples(engine, grid, say) + _decode_samples(engine, grid, say)
     cost, rms = fit_step_cost(samples, tuple(k for k in grid.knots if k <= engine.max_model_len))
     model = engine.model_config
     pool = PoolConfig()
-    cluster_engine = EngineConfig(model_dir=model_dir, dtype=dtype, max_num_seqs=pool.max_num_seqs,
-                                  kv_cache_memory_bytes=pool.kv_cache_memory_bytes)
+    cluster_engine = EngineConfig(
+        model_dir=model_dir,
+        dtype=dtype,
+        max_num_seqs=pool.max_num_seqs,
+        kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
+    )
     capacity = cluster_engine.num_blocks_for(model) * cluster_engine.block_size
     params = sum(p.numel() for p in engine.runner.model.parameters())
     hardware = f"{platform.processor() or platform.machine()}, {threads} torch thread(s) per worker"
     kv_bytes = cluster_engine.kv_format(model).bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim)
-    facts = ModelFacts(model.architecture, int(params), kv_bytes, engine.max_model_len,
-                       model.vocab_size, engine.config.block_size, tuple(model.eos_token_ids))
-    return Profile("measured", label or f"measured on this machine: {model.architecture} {model.dtype}, {hardware}",
-                   hardware, facts, {1: cost}, {1: capacity}, transfer, Overheads(),
-                   {"made_by": "splitserve profile", "created_unix_s": int(time.time()), "samples": len(samples),
-                    "fit_rms_relative_error": round(rms, 4), "grid": dataclasses.asdict(grid)})
+    facts = ModelFacts(
+        model.architecture,
+        int(params),
+        kv_bytes,
+        engine.max_model_len,
+        model.vocab_size,
+        engine.config.block_size,
+        tuple(model.eos_token_ids),
+    )
+    return Profile(
+        "measured",
+        label or f"measured on this machine: {model.architecture} {model.dtype}, {hardware}",
+        hardware,
+        facts,
+        {1: cost},
+        {1: capacity},
+        transfer,
+        Overheads(),
+        {
+            "made_by": "splitserve profile",
+            "created_unix_s": int(time.time()),
+            "samples": len(samples),
+            "fit_rms_relative_error": round(rms, 4),
+            "grid": dataclasses.asdict(grid),
+        },
+    )
 
 
 def _engine(model_dir: str, threads: int, dtype: str, grid: Grid) -> LLMEngine:
     max_len = load_model_config(model_dir, dtype).max_position_embeddings
     longest = min(max(max(grid.starts) + max(grid.chunk_tokens), max(grid.contexts) + _decode_tokens(grid)), max_len)
     blocks = -(-longest // EngineConfig().block_size) * max(max(grid.batches), 1) + 8
-    config = EngineConfig(model_dir=model_dir, role="colocated", dtype=dtype, num_kv_blocks=blocks,
-                          max_num_seqs=max(grid.batches), max_num_batched_tokens=max(grid.chunk_tokens),
-                          prefill_chunk_tokens=max(grid.chunk_tokens), enable_prefix_caching=False,
-                          num_threads=threads)
+    config = EngineConfig(
+        model_dir=model_dir,
+        role="colocated",
+        dtype=dtype,
+        num_kv_blocks=blocks,
+        max_num_seqs=max(grid.batches),
+        max_num_batched_tokens=max(grid.chunk_tokens),
+        prefill_chunk_tokens=max(grid.chunk_tokens),
+        enable_prefix_caching=False,
+        num_threads=threads,
+    )
     return LLMEngine(config)
 
 

@@ -7,6 +7,7 @@ hold (an unset SLO is not judged, nor TPOT for a single token); attainment = met
 goodput = met / (last end - first send); percentiles interpolate linearly between ranks.
 `loadtest.sim_report` turns a result into the bench's own `Summary` (same table, same JSON).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import numpy as np
 
 
 class SimRecord(NamedTuple):
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index; only ever read as a field
     arrival_s: float
     send_s: float
     prompt_tokens: int
@@ -37,7 +38,7 @@ class SimRecord(NamedTuple):
 
     @property
     def tpot_s(self) -> float | None:
-        if not self.ok or self.output_tokens < 2:
+        if not self.ok or self.output_tokens < 2 or self.first_token_s is None or self.last_token_s is None:
             return None
         return (self.last_token_s - self.first_token_s) / (self.output_tokens - 1)
 
@@ -48,7 +49,8 @@ class SimRecord(NamedTuple):
     def met(self, ttft_slo_s: float | None, tpot_slo_s: float | None) -> bool:
         if not self.ok:
             return False
-        if ttft_slo_s is not None and self.ttft_s > ttft_slo_s:
+        ttft_s = self.ttft_s
+        if ttft_slo_s is not None and ttft_s is not None and ttft_s > ttft_slo_s:
             return False
         tpot = self.tpot_s
         return tpot_slo_s is None or tpot is None or tpot <= tpot_slo_s
@@ -102,11 +104,15 @@ class SimResult:
         met = sum(r.met(self.ttft_slo_s, self.tpot_slo_s) for r in measured)
         prompt = sum(r.prompt_tokens for r in done)
         return SimSummary(
-            requests=len(measured), completed=len(done), rejected=sum(r.status == "rejected" for r in measured),
-            failed=sum(r.status == "failed" for r in measured), duration_s=duration,
+            requests=len(measured),
+            completed=len(done),
+            rejected=sum(r.status == "rejected" for r in measured),
+            failed=sum(r.status == "failed" for r in measured),
+            duration_s=duration,
             slo_attainment=met / len(measured) if measured else None,
             goodput_per_s=met / duration if duration > 0 else None,
             throughput_per_s=len(done) / duration if duration > 0 else None,
-            ttft_ms=percentiles_ms([r.ttft_s for r in done]),
+            ttft_ms=percentiles_ms([r.ttft_s for r in done if r.ttft_s is not None]),  # all set when ok
             tpot_ms=percentiles_ms([r.tpot_s for r in done if r.tpot_s is not None]),
-            prefix_hit_rate=sum(r.cached_tokens for r in done) / prompt if prompt else None)
+            prefix_hit_rate=sum(r.cached_tokens for r in done) / prompt if prompt else None,
+        )

@@ -11,6 +11,7 @@ decode GPU goes over the node's RDMA NIC.
 Every profile made here is `kind: roofline` and its label says "roofline": predictions from it are
 estimates of what a tuned engine could do on that GPU, not measurements.
 """
+
 from __future__ import annotations
 
 import time
@@ -60,7 +61,9 @@ class ModelShape:
 
     @property
     def body_params(self) -> int:
-        attention = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
+        attention = (
+            self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
+        )
         return self.layers * (attention + 3 * self.hidden * self.intermediate)
 
     @property
@@ -90,8 +93,9 @@ def _step_cost(model: ModelShape, gpu: Gpu, tp: int) -> StepCost:
         if tp > 1:  # two ring all-reduces of the activations per layer
             volume = 2 * (tp - 1) / tp * tokens * model.hidden * model.bytes_per_param
             allreduce_s = 2 * model.layers * (10e-6 + volume / gpu.nvlink_bytes_per_s)
-        dense.append(gpu.step_overhead_s + max(weight_bytes / bandwidth, tokens * flops_per_token / compute)
-                     + allreduce_s)
+        dense.append(
+            gpu.step_overhead_s + max(weight_bytes / bandwidth, tokens * flops_per_token / compute) + allreduce_s
+        )
     lm_head_s = 2 * model.hidden * model.vocab / tp / compute  # logits of each sampled row
     pair_s = 4 * model.heads * model.head_dim * model.layers / tp / (gpu.bf16_flops * gpu.attention_efficiency)
     context_s = model.kv_bytes_per_token / tp / bandwidth
@@ -113,11 +117,25 @@ def roofline_profile(model_name: str, gpu_name: str, tp_sizes: tuple[int, ...] =
             raise ValueError(f"{model.name} does not fit {tp} x {gpu.name}")
         capacity[tp] = int(free // model.kv_bytes_per_token)
     facts = ModelFacts(model.name, model.params, model.kv_bytes_per_token, model.max_model_len, model.vocab, 16)
-    label = (f"ROOFLINE estimate (not measured): {model.name} bf16 on {gpu.name}; "
-             f"{gpu.flops_efficiency:.0%} of peak FLOP/s, {gpu.bandwidth_efficiency:.0%} of HBM bandwidth, "
-             f"{gpu.step_overhead_s * 1e3:g} ms per step")
-    return Profile("roofline", label, gpu.name, facts, {tp: _step_cost(model, gpu, tp) for tp in tp_sizes}, capacity,
-                   Transfer(latency_s=0.001, bytes_per_s=gpu.nic_bytes_per_s * 0.8),
-                   Overheads(route_s=0.001, first_token_s=0.001, adopt_s=0.001, token_s=0.001),
-                   {"made_by": "splitserve profile --roofline", "model": model_name, "gpu": gpu_name,
-                    "created_unix_s": int(time.time()), "gpu_figures": vars(gpu)})
+    label = (
+        f"ROOFLINE estimate (not measured): {model.name} bf16 on {gpu.name}; "
+        f"{gpu.flops_efficiency:.0%} of peak FLOP/s, {gpu.bandwidth_efficiency:.0%} of HBM bandwidth, "
+        f"{gpu.step_overhead_s * 1e3:g} ms per step"
+    )
+    return Profile(
+        "roofline",
+        label,
+        gpu.name,
+        facts,
+        {tp: _step_cost(model, gpu, tp) for tp in tp_sizes},
+        capacity,
+        Transfer(latency_s=0.001, bytes_per_s=gpu.nic_bytes_per_s * 0.8),
+        Overheads(route_s=0.001, first_token_s=0.001, adopt_s=0.001, token_s=0.001),
+        {
+            "made_by": "splitserve profile --roofline",
+            "model": model_name,
+            "gpu": gpu_name,
+            "created_unix_s": int(time.time()),
+            "gpu_figures": vars(gpu),
+        },
+    )

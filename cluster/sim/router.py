@@ -14,6 +14,7 @@ It models router/ (which `cluster/` may not import: the simulator serves the con
 A tests/ check holds `cache_aware` here to the router's own policy on the same loads and holdings.
 Everything is O(log workers) per request except the walk over holders of the prompt's blocks.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -70,6 +71,7 @@ class PrefixIndex:
                         held.discard(worker)
                         if not held:
                             del self.holders[key]
+
         return apply
 
     def drop_worker(self, worker: int, keys) -> None:
@@ -119,7 +121,7 @@ class SimRouter:
                 if self.queued.alive[worker]:
                     uncached = max(prompt_tokens - blocks * self.block_tokens, 1)
                     best = min(best, (queued[worker] + uncached, -blocks, worker))
-        cost, neg_blocks, worker = best
+        _, neg_blocks, worker = best
         return worker, max(prompt_tokens + neg_blocks * self.block_tokens, 1)
 
     def choose_decode(self) -> int | None:

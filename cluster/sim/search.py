@@ -10,6 +10,7 @@ colocated one within `max_workers`, ranked by per-worker goodput: the table `spl
 `least_cost`: the fewest workers (then the most prefill among equals) that meet the SLO at the
 workload's own rate: what the online planner scales to.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,9 @@ def attainment(config: SimConfig, profile: Profile, requests: Sequence[SimReques
     return simulate(config, profile, requests).summary().slo_attainment or 0.0
 
 
-def max_rate(config: SimConfig, profile: Profile, requests: Sequence[SimRequest], target: float,
-             steps: int = 12) -> tuple[float, int]:
+def max_rate(
+    config: SimConfig, profile: Profile, requests: Sequence[SimRequest], target: float, steps: int = 12
+) -> tuple[float, int]:
     """(the highest rate meeting `target`, simulations run); bisection on a log scale of the time factor."""
     rate0, runs = base_rate(requests), 0
 
@@ -60,13 +62,13 @@ def max_rate(config: SimConfig, profile: Profile, requests: Sequence[SimRequest]
 
     lo, hi = 1.0, 1.0
     if ok(1.0):
-        while ok(hi * 2) and hi < 2 ** 20:
+        while ok(hi * 2) and hi < 2**20:
             hi *= 2
         lo, hi = hi, hi * 2
     else:
         while not ok(lo / 2):
             lo /= 2
-            if lo < 2 ** -20:
+            if lo < 2**-20:
                 return 0.0, runs
         lo, hi = lo / 2, lo
     for _ in range(steps):
@@ -78,15 +80,26 @@ def max_rate(config: SimConfig, profile: Profile, requests: Sequence[SimRequest]
 def shapes(base: SimConfig, max_workers: int, tp_sizes: Sequence[int]) -> list[SimConfig]:
     out = []
     for tp in tp_sizes:
-        out += [dataclasses.replace(base, prefill=p, decode=d, tp=tp, colocated=0)
-                for p in range(1, max_workers) for d in range(1, max_workers) if p + d * tp <= max_workers]
-        out += [dataclasses.replace(base, prefill=0, decode=0, tp=tp, colocated=c)
-                for c in range(1, max_workers // tp + 1)]
+        out += [
+            dataclasses.replace(base, prefill=p, decode=d, tp=tp, colocated=0)
+            for p in range(1, max_workers)
+            for d in range(1, max_workers)
+            if p + d * tp <= max_workers
+        ]
+        out += [
+            dataclasses.replace(base, prefill=0, decode=0, tp=tp, colocated=c) for c in range(1, max_workers // tp + 1)
+        ]
     return out
 
 
-def search(profile: Profile, requests: Sequence[SimRequest], base: SimConfig, max_workers: int,
-           target: float, tp_sizes: Sequence[int] = (1,)) -> list[PlanRow]:
+def search(
+    profile: Profile,
+    requests: Sequence[SimRequest],
+    base: SimConfig,
+    max_workers: int,
+    target: float,
+    tp_sizes: Sequence[int] = (1,),
+) -> list[PlanRow]:
     """Every shape within `max_workers`, best per-worker goodput first."""
     rows = []
     for config in shapes(base, max_workers, tp_sizes):
@@ -95,14 +108,22 @@ def search(profile: Profile, requests: Sequence[SimRequest], base: SimConfig, ma
     return sorted(rows, key=lambda r: (-r.per_worker, r.config.workers, r.name))
 
 
-def least_cost(profile: Profile, requests: Sequence[SimRequest], base: SimConfig, max_workers: int,
-               target: float, floor: tuple[int, int] = (1, 1)) -> SimConfig | None:
-    """The smallest (prefill, decode) cluster, each pool at least its floor, meeting `target` at the
-    requests' own rate; among equal sizes, the one with the best attainment. None: none within
-    `max_workers`."""
-    for total in range(sum(floor), max_workers + 1):
+def least_cost(
+    profile: Profile,
+    requests: Sequence[SimRequest],
+    base: SimConfig,
+    max_workers: int,
+    target: float,
+    floor: tuple[int, int] = (1, 1),
+    ceiling: tuple[int, int] | None = None,
+) -> SimConfig | None:
+    """The smallest (prefill, decode) cluster, each pool at least its floor (and at most its ceiling),
+    meeting `target` at the requests' own rate; among equal sizes, the one with the best attainment.
+    None: none within `max_workers` (and the ceiling)."""
+    top = ceiling or (max_workers, max_workers)
+    for total in range(sum(floor), min(max_workers, sum(top)) + 1):
         best = None
-        for prefill in range(floor[0], total - floor[1] + 1):
+        for prefill in range(max(floor[0], total - top[1]), min(top[0], total - floor[1]) + 1):
             config = dataclasses.replace(base, prefill=prefill, decode=total - prefill, colocated=0)
             met = attainment(config, profile, requests)
             if met >= target and (best is None or met > best[0]):

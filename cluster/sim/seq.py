@@ -5,6 +5,7 @@
 mutable state inside a run, counters as in the engine (engine/sequence.py): `computed` catches up to
 `prompt`, then each step yields one token until `emitted == output`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable

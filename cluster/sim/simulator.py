@@ -19,6 +19,7 @@ A request's life, as in the cluster (README "A request through the disaggregated
 Colocated workers do 3 and 5 in one batch. Worker faults migrate requests (cluster/sim/faults.py).
 Time is simulated: a run is deterministic and reads no clock except to report its own speed.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -53,7 +54,7 @@ class Simulation:
         self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
         self.decode = [self.new_worker("decode", i) for i in range(config.decode)]
         self.sender_free_s = [0.0] * prefill_pool  # each prefill worker sends one hand-off at a time
-        self.reserve_waiting = [deque() for _ in self.decode]  # hand-offs waiting for decode room
+        self.reserve_waiting: list[deque] = [deque() for _ in self.decode]  # hand-offs waiting for decode room
         self.faults = FaultHandler(self)
         self.client_queue: deque[SimSeq] = deque()
         self.active: set[SimSeq] = set()  # sent, not ended (faults find the requests a death touches)
@@ -67,26 +68,40 @@ class Simulation:
     def new_worker(self, role: str, index: int) -> SimWorker:
         profile, config = self.profile, self.config
         cost = profile.step_cost(config.tp if role != "prefill" else 1).plus_step_s(profile.overheads.step_s)
+        kv: BlockCounter | PrefixPool
         if role == "decode":
             kv = BlockCounter((config.decode_kv_tokens or profile.kv_capacity_tokens[config.tp]) // self.block_tokens)
         else:
             tokens = config.prefill_kv_tokens or profile.kv_capacity_tokens[config.tp if role == "colocated" else 1]
-            kv = PrefixPool(tokens // self.block_tokens, self.block_tokens, config.enable_prefix_caching,
-                            self.router.index.on_event(index))
+            kv = PrefixPool(
+                tokens // self.block_tokens,
+                self.block_tokens,
+                config.enable_prefix_caching,
+                self.router.index.on_event(index),
+            )
         return SimWorker(index, role, cost, config.limits, kv)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         started = time.perf_counter()
         shared = None if self.config.faults else _shared_keys(requests)
-        seqs = [SimSeq(i, r.arrival_s, r.prompt_tokens, r.output_tokens, _useful(r.block_keys, shared), r.prompt_tokens)
-                for i, r in enumerate(requests)]
+        seqs = [
+            SimSeq(i, r.arrival_s, r.prompt_tokens, r.output_tokens, _useful(r.block_keys, shared), r.prompt_tokens)
+            for i, r in enumerate(requests)
+        ]
         for seq in seqs:
             self.push(seq.arrival_s, ARRIVE, seq)
         for fault in self.config.faults:
             self.push(fault.time_s, FAULT, fault)
-        handlers = (self._on_worker, self._on_handoff_done, self._on_adopt, self._on_enqueue,
-                    self.faults.on_restart, self.faults.on_fault, self._on_arrive)
+        handlers = (
+            self._on_worker,
+            self._on_handoff_done,
+            self._on_adopt,
+            self._on_enqueue,
+            self.faults.on_restart,
+            self.faults.on_fault,
+            self._on_arrive,
+        )
         events = 0
         while self._events:
             self.now_s, kind, _, payload, tag = heapq.heappop(self._events)
@@ -135,7 +150,9 @@ class Simulation:
         chunk = self.config.limits.prefill_chunk_tokens
         rate = chunk / cost.seconds(chunk, 1, chunk * (chunk + 1) / 2)  # tokens per second, one chunk a step
         queued = self.router.queued.values[worker] + uncached
-        return queued / rate + self.over.route_s + self.over.first_token_s <= self.config.ttft_slo_s
+        slo_s = self.config.ttft_slo_s
+        assert slo_s is not None, "SimConfig: ttft admission needs ttft_slo_s"
+        return queued / rate + self.over.route_s + self.over.first_token_s <= slo_s
 
     def route(self, seq: SimSeq) -> None:
         """Books the request on a prefill worker (and decode instance) and queues it there."""
@@ -246,12 +263,33 @@ class Simulation:
         self.finish(seq)
 
     def _result(self, seqs: list[SimSeq], events: int, wall_s: float) -> SimResult:
-        records = [SimRecord(s.index, s.arrival_s, s.send_s, s.prompt_tokens, s.output, s.cached,
-                             s.first_token_s, s.last_token_s,
-                             "failed" if s.status == "pending" else s.status, s.migrations) for s in seqs]
+        records = [
+            SimRecord(
+                s.index,
+                s.arrival_s,
+                s.send_s,
+                s.prompt_tokens,
+                s.output,
+                s.cached,
+                s.first_token_s,
+                s.last_token_s,
+                "failed" if s.status == "pending" else s.status,
+                s.migrations,
+            )
+            for s in seqs
+        ]
         busy = {"prefill": sum(w.busy_s for w in self.front), "decode": sum(w.busy_s for w in self.decode)}
-        return SimResult(self.config.name, self.config.ttft_slo_s, self.config.tpot_slo_s, records,
-                         self.config.workers, events, wall_s, busy, self.handoff_s)
+        return SimResult(
+            self.config.name,
+            self.config.ttft_slo_s,
+            self.config.tpot_slo_s,
+            records,
+            self.config.workers,
+            events,
+            wall_s,
+            busy,
+            self.handoff_s,
+        )
 
 
 def _shared_keys(requests: Sequence[SimRequest]) -> set:

@@ -17,11 +17,13 @@ Every term is linear in its coefficients, so a measured profile is a non-negativ
 a run of identical steps, P grows by sum(new^2) and C by the batch size per step, so step times form
 an arithmetic progression: the simulator advances whole runs in closed form.
 """
+
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,24 +64,46 @@ class StepCost:
     def seconds(self, tokens: int, seqs: int, prefill_pairs: float = 0.0, decode_context: int = 0) -> float:
         if tokens <= 0:
             return 0.0
-        return (self.dense(tokens) + self.per_seq_s * seqs + self.prefill_pair_s * prefill_pairs
-                + self.decode_context_s * decode_context)
+        return (
+            self.dense(tokens)
+            + self.per_seq_s * seqs
+            + self.prefill_pair_s * prefill_pairs
+            + self.decode_context_s * decode_context
+        )
 
-    def plus_step_s(self, extra_s: float) -> "StepCost":
+    def plus_step_s(self, extra_s: float) -> StepCost:
         """The same cost with `extra_s` more on every step (a cluster worker's own per-step overhead)."""
-        return StepCost(self.knots_tokens, tuple(v + extra_s for v in self.dense_s), self.per_seq_s,
-                        self.prefill_pair_s, self.decode_context_s) if extra_s else self
+        return (
+            StepCost(
+                self.knots_tokens,
+                tuple(v + extra_s for v in self.dense_s),
+                self.per_seq_s,
+                self.prefill_pair_s,
+                self.decode_context_s,
+            )
+            if extra_s
+            else self
+        )
 
     def to_dict(self) -> dict:
-        return {"knots_tokens": list(self.knots_tokens), "dense_ms": [v * 1e3 for v in self.dense_s],
-                "per_seq_ms": self.per_seq_s * 1e3, "prefill_pair_ns": self.prefill_pair_s * 1e9,
-                "decode_context_ns": self.decode_context_s * 1e9}
+        return {
+            "knots_tokens": list(self.knots_tokens),
+            "dense_ms": [v * 1e3 for v in self.dense_s],
+            "per_seq_ms": self.per_seq_s * 1e3,
+            "prefill_pair_ns": self.prefill_pair_s * 1e9,
+            "decode_context_ns": self.decode_context_s * 1e9,
+        }
 
     @staticmethod
-    def from_dict(raw: dict, where: str) -> "StepCost":
+    def from_dict(raw: dict, where: str) -> StepCost:
         try:
-            return StepCost(tuple(int(k) for k in raw["knots_tokens"]), tuple(v / 1e3 for v in raw["dense_ms"]),
-                            raw["per_seq_ms"] / 1e3, raw["prefill_pair_ns"] / 1e9, raw["decode_context_ns"] / 1e9)
+            return StepCost(
+                tuple(int(k) for k in raw["knots_tokens"]),
+                tuple(v / 1e3 for v in raw["dense_ms"]),
+                raw["per_seq_ms"] / 1e3,
+                raw["prefill_pair_ns"] / 1e9,
+                raw["decode_context_ns"] / 1e9,
+            )
         except KeyError as err:
             raise ValueError(f"{where}: missing key {err.args[0]!r}") from None
         except (TypeError, ValueError) as err:
@@ -114,7 +138,7 @@ def _row(sample: StepSample, knots: tuple[int, ...]) -> list[float]:
     i = min(max(bisect.bisect_right(knots, t) - 1, 0), len(knots) - 2)
     w = (t - knots[i]) / (knots[i + 1] - knots[i])
     hats[i], hats[i + 1] = 1.0 - w, w
-    return hats + [sample.seqs, sample.prefill_pairs, sample.decode_context]
+    return [*hats, sample.seqs, sample.prefill_pairs, sample.decode_context]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:

@@ -17,6 +17,7 @@ prompt or its output) every step computes the same chunks, and its time grows by
 cluster/sim/step_cost.py), so a whole run is one event: it ends at t0 + k*d0 + delta*k*(k-1)/2. New
 work that could join earlier cuts the run at the first step boundary after it arrives.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -132,7 +133,9 @@ class SimWorker:
     def finish_run(self) -> tuple[list[SimSeq], list[SimSeq]]:
         """Applies the current run; returns (sequences whose prompt completed, sequences finished).
         The caller plans the next run (`plan`) after handling them."""
-        run, now_s = self.run, self.run.end_s()
+        run = self.run
+        assert run is not None, "finish_run() ends a run"
+        now_s = run.end_s()
         self.run = None
         k = run.steps
         self.busy_s += now_s - run.start_s
@@ -206,8 +209,12 @@ class SimWorker:
             budget -= new
         if not chunks and not batch:
             return
-        self.run = self._run(now_s, chunks, batch, cuttable=self.role == "decode" or (
-            not self.waiting and budget > 0 and running < limits.max_num_seqs))
+        self.run = self._run(
+            now_s,
+            chunks,
+            batch,
+            cuttable=self.role == "decode" or (not self.waiting and budget > 0 and running < limits.max_num_seqs),
+        )
 
     def _run(self, now_s: float, chunks: list, batch: int, cuttable: bool) -> Run:
         cost = self.cost

@@ -7,6 +7,7 @@ the engine uses its PyTorch path; `SPLITSERVE_ATTENTION=torch` forces that path 
 Kernels: `paged_decode_attention.c` (decode attention over fp32 / int8 / fp8 caches) and
 `int8_linear.c` (weight-only int8 matmul); `widen.h` is their shared int8 / fp8 → fp32 widening.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -76,8 +77,12 @@ def _compile(compiler: str, source: Path, library: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=library.parent, suffix=".so", delete=False) as handle:
         partial = Path(handle.name)
     try:
-        subprocess.run([compiler, *CFLAGS, f"-I{KERNEL_DIR}", str(source), "-o", str(partial), "-lm"], check=True,
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [compiler, *CFLAGS, f"-I{KERNEL_DIR}", str(source), "-o", str(partial), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         os.replace(partial, library)
     finally:
         partial.unlink(missing_ok=True)

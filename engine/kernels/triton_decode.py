@@ -19,6 +19,7 @@ take tensor-core dots with fp32 accumulation, the probabilities rounded to the c
 value product (what the PyTorch path does). int8 / fp8 caches are dequantized in registers
 (value x scale) and multiplied in fp32.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -47,10 +48,33 @@ def split_plan(batch: int, num_kv_heads: int, table_width: int, block_size: int)
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, acc_ptr, max_ptr, sum_ptr,
-             scale, table_width, num_heads, num_splits, stride_kh, stride_sh, TILES_PER_SPLIT: tl.constexpr,
-             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, QUANTIZED: tl.constexpr, IEEE: tl.constexpr):
+def _partial(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    tables_ptr,
+    lens_ptr,
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    scale,
+    table_width,
+    num_heads,
+    num_splits,
+    stride_kh,
+    stride_sh,
+    TILES_PER_SPLIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(lens_ptr + seq).to(tl.int32)
     first = split * TILES_PER_SPLIT * TILE
@@ -71,7 +95,7 @@ def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, acc_ptr,
         # exp(-inf) = 0; the first tile always holds a token, so the running max is finite). No
         # run-time bound or guard: the loop stays software-pipelined, and Triton's CPU interpreter
         # (the CPU tests) cannot bound a loop by a loaded value.
-        for t in range(0, TILES_PER_SPLIT):
+        for t in range(TILES_PER_SPLIT):
             tokens = first + t * TILE + tl.arange(0, TILE)
             valid = tokens < context_len
             page = tl.load(tables_ptr + seq * table_width + tokens // BLOCK_SIZE, mask=valid, other=0)
@@ -83,7 +107,7 @@ def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, acc_ptr,
             if QUANTIZED:
                 k = k.to(tl.float32) * tl.load(ks_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
                 v = v.to(tl.float32) * tl.load(vs_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
-            if IEEE:
+            if IEEE:  # noqa: SIM108 - Triton JIT code: a constexpr if compiles only its branch
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 scores = tl.dot(q, tl.trans(k))
@@ -104,8 +128,19 @@ def _partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, acc_ptr,
 
 
 @triton.jit
-def _combine(acc_ptr, max_ptr, sum_ptr, lens_ptr, out_ptr, num_heads, num_splits, split_tokens,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine(
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    lens_ptr,
+    out_ptr,
+    num_heads,
+    num_splits,
+    split_tokens,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     seq, head = tl.program_id(0), tl.program_id(1)
     used = tl.cdiv(tl.load(lens_ptr + seq).to(tl.int32), split_tokens)  # splits that hold tokens
     splits = tl.arange(0, BLOCK_S)
@@ -116,17 +151,26 @@ def _combine(acc_ptr, max_ptr, sum_ptr, lens_ptr, out_ptr, num_heads, num_splits
     overall = tl.max(maxes, axis=0)
     weights = tl.where(ok, tl.exp(maxes - overall), 0.0)
     total = tl.sum(weights * tl.load(sum_ptr + part, mask=ok, other=0.0), axis=0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None] & (dims < HEAD_DIM)[None, :],
-                  other=0.0)
+    acc = tl.load(
+        acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0
+    )
     out = tl.sum(acc * weights[:, None], axis=0) / total
-    tl.store(out_ptr + (seq * num_heads + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + (seq * num_heads + head) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM
+    )
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           plan: SplitPlan | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    plan: SplitPlan | None = None,
+) -> torch.Tensor:
     """q [batch, heads, head_dim] → [batch, heads * head_dim] in q's dtype. Every context_len >= 1.
     `plan` overrides `split_plan` (its tiles_per_split must be a power of two)."""
     batch, num_heads, head_dim = q.shape
@@ -140,14 +184,46 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     quantized = k_scale is not None
     block_d = triton.next_power_of_2(head_dim)
     _partial[(batch, num_kv_heads, plan.num_splits)](
-        q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
-        block_tables, context_lens, partial, maxes, sums,
-        scale, block_tables.shape[1], num_heads, plan.num_splits, k_cache.stride(0),
-        k_scale.stride(0) if quantized else 0, TILES_PER_SPLIT=plan.tiles_per_split, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, block_d),
-        BLOCK_SIZE=block_size, TILE=TILE_TOKENS, QUANTIZED=quantized,
-        IEEE=quantized or q.dtype == torch.float32, num_warps=4)
+        q,
+        k_cache,
+        v_cache,
+        k_scale if quantized else k_cache,
+        v_scale if quantized else v_cache,
+        block_tables,
+        context_lens,
+        partial,
+        maxes,
+        sums,
+        scale,
+        block_tables.shape[1],
+        num_heads,
+        plan.num_splits,
+        k_cache.stride(0),
+        k_scale.stride(0) if k_scale is not None else 0,
+        TILES_PER_SPLIT=plan.tiles_per_split,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, block_d),
+        BLOCK_SIZE=block_size,
+        TILE=TILE_TOKENS,
+        QUANTIZED=quantized,
+        IEEE=quantized or q.dtype == torch.float32,
+        num_warps=4,
+    )
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     _combine[(batch, num_heads)](
-        partial, maxes, sums, context_lens, out, num_heads, plan.num_splits, plan.tiles_per_split * TILE_TOKENS,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(plan.num_splits), num_warps=1)
+        partial,
+        maxes,
+        sums,
+        context_lens,
+        out,
+        num_heads,
+        plan.num_splits,
+        plan.tiles_per_split * TILE_TOKENS,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(plan.num_splits),
+        num_warps=1,
+    )
     return out.view(batch, num_heads * head_dim)

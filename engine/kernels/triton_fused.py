@@ -6,6 +6,7 @@ microseconds of GPU time (measured: README, performance). Each op here is one ke
 fp32 and rounds to the tensor's dtype where HF rounds (the residual sum, the normalized value before
 the gain, SiLU's output), so bf16 results stay within rounding of HF's and fp32 stays HF-equal.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,22 +23,27 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, n_cols, x_row_stride, eps, BLOCK: tl.conste
     variance = tl.sum(x * x, axis=0) / n_cols
     normed = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)  # HF casts before the gain
     weight = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n_cols + cols, (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_ptr + row * n_cols + cols,
+        (weight.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm over the last dimension of a CUDA tensor whose rows are contiguous."""
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    _rms_norm[(rows.shape[0],)](rows, weight, out, rows.shape[1], rows.stride(0), eps,
-                                BLOCK=triton.next_power_of_2(rows.shape[1]), num_warps=4)
+    _rms_norm[(rows.shape[0],)](
+        rows, weight, out, rows.shape[1], rows.stride(0), eps, BLOCK=triton.next_power_of_2(rows.shape[1]), num_warps=4
+    )
     return out.view(x.shape)
 
 
 @triton.jit
-def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, token_stride, head_stride, HALF: tl.constexpr,
-          BLOCK: tl.constexpr):
+def _rope(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, token_stride, head_stride, HALF: tl.constexpr, BLOCK: tl.constexpr
+):
     token, head = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < HALF
@@ -58,8 +64,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     tokens, heads, dim = x.shape
     out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
     if tokens:
-        _rope[(tokens, heads)](x, cos, sin, out, heads, x.stride(0), x.stride(1), HALF=dim // 2,
-                               BLOCK=triton.next_power_of_2(dim // 2), num_warps=1)
+        _rope[(tokens, heads)](
+            x,
+            cos,
+            sin,
+            out,
+            heads,
+            x.stride(0),
+            x.stride(1),
+            HALF=dim // 2,
+            BLOCK=triton.next_power_of_2(dim // 2),
+            num_warps=1,
+        )
     return out
 
 

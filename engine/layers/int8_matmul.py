@@ -10,9 +10,11 @@ Backends, first match wins (measured in benchmarks/int8_matmul.py, README):
 - `dequantize`: everything else (large prefill batches, where the matmul's compute hides the
   widening of one layer's weights, and devices without a kernel here: a GPU kernel slots in above it).
 """
+
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +31,27 @@ class Backend(NamedTuple):
 
 
 def _native_applies(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= NATIVE_MAX_ROWS
-            and kernel("int8_linear") is not None)
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.shape[0] <= NATIVE_MAX_ROWS
+        and kernel("int8_linear") is not None
+    )
 
 
 def _native(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    status = kernel("int8_linear")(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), out.data_ptr(),
-                                   x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+    status = kernel("int8_linear")(
+        x.data_ptr(),
+        weight.data_ptr(),
+        scale.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        weight.shape[0],
+        weight.shape[1],
+        torch.get_num_threads(),
+    )
     if status:
         raise RuntimeError(f"int8 linear kernel failed with status {status}")
     return out

@@ -6,6 +6,7 @@ the full checkpoint tensor and keeps this rank's slice, so loading needs no know
 How the weight is stored and multiplied (fp, int8) is the layer's `LinearMethod`
 (engine/layers/quantization.py); `scale_loader` keeps this rank's slice of per-output-channel scales.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,15 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ + b with W's rows (output features) split evenly across ranks; no communication."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                 tp: TensorParallelGroup = SINGLE_RANK, method: LinearMethod | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        method: LinearMethod | None = None,
+    ):
         super().__init__()
         self.tp = tp
         self.method = method or Unquantized()
@@ -31,7 +39,8 @@ class ColumnParallelLinear(nn.Module):
         self.method.create_weights(self, self.output_size_local, input_size, dtype)
         self.bias = _param(self.output_size_local, dtype=dtype) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
+            # The loader rides on the Parameter (model_loader calls it); torch does not declare the attribute.
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[0]
@@ -47,8 +56,15 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul (gate + up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                 tp: TensorParallelGroup = SINGLE_RANK, method: LinearMethod | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        method: LinearMethod | None = None,
+    ):
         self.output_sizes_local = [tp.shard(size, "output_size") for size in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, dtype, tp, method)
 
@@ -62,8 +78,17 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by attention head. When there are fewer KV heads than ranks, each
     KV head is replicated on tp_size / num_kv_heads ranks (MQA/GQA under wide TP)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 dtype: torch.dtype, tp: TensorParallelGroup = SINGLE_RANK, method: LinearMethod | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        method: LinearMethod | None = None,
+    ):
         self.head_dim = head_dim
         self.num_heads_local = tp.shard(num_heads, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -71,8 +96,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             tp.shard(tp.size, "tensor-parallel size")  # no-op check
             if tp.size % num_kv_heads:
-                raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of num_key_value_heads "
-                                 f"{num_kv_heads}")
+                raise ValueError(
+                    f"tensor-parallel size {tp.size} is not a multiple of num_key_value_heads {num_kv_heads}"
+                )
             self.num_kv_heads_local = 1
         self.kv_replicas = max(1, tp.size // num_kv_heads)
         total_local = (self.num_heads_local + 2 * self.num_kv_heads_local) * head_dim
@@ -93,8 +119,15 @@ class RowParallelLinear(nn.Module):
     """y = x Wᵀ + b with W's columns (input features) split across ranks; partial sums are all-reduced
     here, and the bias is added once after the reduction."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                 tp: TensorParallelGroup = SINGLE_RANK, method: LinearMethod | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        method: LinearMethod | None = None,
+    ):
         super().__init__()
         self.tp = tp
         self.method = method or Unquantized()
@@ -102,7 +135,7 @@ class RowParallelLinear(nn.Module):
         self.method.create_weights(self, output_size, self.input_size_local, dtype)
         self.bias = _param(output_size, dtype=dtype) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = lambda param, loaded, shard_id=None: param.data.copy_(loaded)
+            self.bias.weight_loader = lambda param, loaded, shard_id=None: param.data.copy_(loaded)  # type: ignore[attr-defined]  # as above
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[1]

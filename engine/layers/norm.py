@@ -1,5 +1,6 @@
 """RMSNorm computed the way HF transformers computes it (fp32 statistics, cast back, then scale), so
 that fp32 runs match the reference bit for bit where the operations allow."""
+
 from __future__ import annotations
 
 import torch

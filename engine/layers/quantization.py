@@ -10,6 +10,7 @@ knows about number formats. A tiny registry (`QUANTIZATIONS`) names the methods:
   shard, so a row-parallel rank's slice is exactly the single-rank int8 weights' slice and tensor
   parallelism changes only the summation order. Activations stay in the model dtype.
 """
+
 from __future__ import annotations
 
 import torch

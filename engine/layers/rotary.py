@@ -3,6 +3,7 @@
 cos/sin are precomputed in fp32 for every position as positions × inv_freq (a single product, the
 same value HF's matmul with a one-element inner dimension gives) and gathered by position per step.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ from engine.errors import UnsupportedModelError
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "linear":
@@ -40,6 +41,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers [max_positions, head_dim], registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim)
@@ -54,7 +58,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x·cos + rotate_half(x)·sin, where rotate_half(x) = (-x2, x1): written per half, which is the
         same arithmetic element by element without building the rotated copy. On CUDA, one fused kernel."""
         if x.is_cuda:

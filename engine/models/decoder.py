@@ -7,6 +7,7 @@ They differ only in switches taken from the checkpoint config: q/k/v bias (Qwen2
 Module names mirror HF's so checkpoint tensors map by name; `PACKED_WEIGHTS` says which HF tensors
 were fused into which of our parameters.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,8 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_storage import KVCacheStorage, LayerKV
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from engine.layers.quantization import linear_method
 from engine.layers.norm import RMSNorm
+from engine.layers.quantization import linear_method
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 
@@ -36,14 +37,23 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, quantization: str):
         super().__init__()
         dtype = cfg.torch_dtype
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.qkv_bias, dtype, tp, linear_method(quantization))
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, tp,
-                                        linear_method(quantization))
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.qkv_bias,
+            dtype,
+            tp,
+            linear_method(quantization),
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, tp, linear_method(quantization)
+        )
         self.num_heads = self.qkv_proj.num_heads_local
         self.num_kv_heads = self.qkv_proj.num_kv_heads_local
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -55,9 +65,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)
+        q, k = RotaryEmbedding.rotate(q, *rope), RotaryEmbedding.rotate(k, *rope)
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
 
 
@@ -66,8 +76,9 @@ class MLP(nn.Module):
         super().__init__()
         dtype = cfg.torch_dtype
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, dtype, tp,
-                                                       linear_method(quantization))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], False, dtype, tp, linear_method(quantization)
+        )
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, tp, linear_method(quantization))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,19 +120,30 @@ class DecoderForCausalLM(nn.Module):
     with `quantize_lm_head`, to the LM head (a tied head then gets its own quantized copy of the
     embedding, which stays in the model dtype for lookups)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallelGroup = SINGLE_RANK,
-                 quantization: str = "none", quantize_lm_head: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        quantization: str = "none",
+        quantize_lm_head: bool = False,
+    ):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions, tp, quantization)
-        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, cfg.torch_dtype,
-                                        linear_method(quantization if quantize_lm_head else "none"))
+        self.lm_head = ReplicatedLinear(
+            cfg.hidden_size,
+            cfg.vocab_size,
+            cfg.torch_dtype,
+            linear_method(quantization if quantize_lm_head else "none"),
+        )
         self.lm_head_shares_embedding = cfg.tie_word_embeddings and not quantize_lm_head
         if self.lm_head_shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheStorage,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheStorage, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """kv_cache: this rank's paged cache (its KV heads)."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.lookup(positions, hidden.dtype)

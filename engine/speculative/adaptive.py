@@ -24,6 +24,7 @@ Acceptance enters through the measured cost (fewer accepted tokens, more seconds
 here reads a clock: the engine reports each step's duration (`observe`), so the rule is tested with
 exact figures.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -76,6 +77,7 @@ class AdaptiveSwitch:
         if bucket.decided_before_probe is not None:  # a probe's steps have all been measured: judge it
             self._end_probe(bucket)
         better = bucket.better()
+        assert better is not None, "both modes have PROBE_STEPS samples here"
         bucket.steps_since_probe += 1
         if bucket.steps_since_probe >= bucket.probe_interval:
             bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better
@@ -92,8 +94,10 @@ class AdaptiveSwitch:
     def costs(self, num_decoding: int) -> tuple[float | None, float | None]:
         """(speculative, plain) median seconds per output token of this batch size's bucket."""
         bucket = self._bucket(num_decoding)
-        return (statistics.median(bucket.spec_s) if bucket.spec_s else None,
-                statistics.median(bucket.plain_s) if bucket.plain_s else None)
+        return (
+            statistics.median(bucket.spec_s) if bucket.spec_s else None,
+            statistics.median(bucket.plain_s) if bucket.plain_s else None,
+        )
 
     def _bucket(self, num_decoding: int) -> _Bucket:
         return self._buckets.setdefault(self.bucket_of(num_decoding), _Bucket())
@@ -101,6 +105,5 @@ class AdaptiveSwitch:
     @staticmethod
     def _end_probe(bucket: _Bucket) -> None:
         flipped = bucket.better() != bucket.decided_before_probe
-        bucket.probe_interval = (FIRST_PROBE_INTERVAL if flipped
-                                 else min(bucket.probe_interval * 2, MAX_PROBE_INTERVAL))
+        bucket.probe_interval = FIRST_PROBE_INTERVAL if flipped else min(bucket.probe_interval * 2, MAX_PROBE_INTERVAL)
         bucket.decided_before_probe = None

@@ -7,6 +7,7 @@
 output token is higher than plain decoding's (engine/speculative/adaptive.py); false speculates on
 every step (tests, and seeded sampled requests that must replay identically, see the package doc).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -31,21 +32,33 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         _check(self.method in METHODS, "method", f"must be one of {list(METHODS)}, got {self.method!r}")
-        _check(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
-               "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
-        _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
-               "must be an integer >= 1")
-        _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
-               "prompt_lookup_max", "must be an integer >= prompt_lookup_min")
+        _check(
+            _is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            "num_speculative_tokens",
+            f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]",
+        )
+        _check(
+            _is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
+            "prompt_lookup_min",
+            "must be an integer >= 1",
+        )
+        _check(
+            _is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max",
+            "must be an integer >= prompt_lookup_min",
+        )
         _check(isinstance(self.adaptive, bool), "adaptive", "must be true or false")
         if self.method == "draft_model":
-            _check(isinstance(self.model, str) and bool(self.model), "model",
-                   "method draft_model needs the draft checkpoint's directory")
+            _check(
+                isinstance(self.model, str) and bool(self.model),
+                "model",
+                "method draft_model needs the draft checkpoint's directory",
+            )
         else:
             _check(self.model is None, "model", "only method draft_model takes a model")
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "SpeculativeConfig":
+    def from_dict(cls, raw: Any) -> SpeculativeConfig:
         """From plain data (the LLM keyword, YAML, Helm values); unknown keys fail by name."""
         if isinstance(raw, SpeculativeConfig):
             return raw

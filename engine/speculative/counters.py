@@ -1,5 +1,6 @@
 """Speculative decoding's cumulative counters, per engine: plain data (no torch), so worker stats and
 metrics can carry them across process boundaries."""
+
 from __future__ import annotations
 
 from typing import NamedTuple

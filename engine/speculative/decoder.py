@@ -14,11 +14,13 @@
    blocks that held only rejected drafts. The draft model's count shrinks with it.
 5. `observe(...)`: the step's measured cost feeds the switch; counters feed metrics.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import replace
-from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -39,8 +41,9 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.switch = AdaptiveSwitch(config.adaptive)
         self.draft = draft_proposer  # DraftModelProposer for method draft_model
-        self.ngram = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-                      if config.method == "ngram" else None)
+        self.ngram = (
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if config.method == "ngram" else None
+        )
         self.counters = SpecCounters()
         self._step = (False, 0, 0.0)  # (speculating, decoding sequences, start time) of the current step
 
@@ -50,13 +53,18 @@ class SpeculativeDecoder:
         speculating = decoding > 0 and self.switch.decide(decoding)
         self._step = (speculating, decoding, time.perf_counter())
         if decoding:
-            self.counters = self.counters._replace(steps_on=self.counters.steps_on + speculating,
-                                                   steps_off=self.counters.steps_off + (not speculating))
+            self.counters = self.counters._replace(
+                steps_on=self.counters.steps_on + speculating, steps_off=self.counters.steps_off + (not speculating)
+            )
         return self.config.num_speculative_tokens if speculating else 0
 
     # ---- 2. propose -------------------------------------------------------------------------------
-    def propose(self, chunks: Seq[ScheduledChunk], block_table: Callable[[str], Seq[int]],
-                sampling_row: Callable[[Sequence, Seq[int]], SamplingRow]) -> tuple[list[ScheduledChunk], dict]:
+    def propose(
+        self,
+        chunks: Seq[ScheduledChunk],
+        block_table: Callable[[str], Seq[int]],
+        sampling_row: Callable[[Sequence, Seq[int]], SamplingRow],
+    ) -> tuple[list[ScheduledChunk], dict]:
         """Chunks with drafts filled in, and each drafted sequence's `Drafts` by id."""
         jobs = [(c.seq, min(c.num_lookahead_slots, self._room(c.seq))) for c in chunks if c.num_lookahead_slots]
         jobs = [(seq, k) for seq, k in jobs if k > 0]
@@ -67,8 +75,11 @@ class SpeculativeDecoder:
         out = []
         for chunk in chunks:
             tokens = drafts[chunk.seq.seq_id].token_ids if chunk.seq.seq_id in drafts else ()
-            out.append(replace(chunk, num_new_tokens=chunk.num_new_tokens + len(tokens), draft_token_ids=tokens)
-                       if tokens else chunk)
+            out.append(
+                replace(chunk, num_new_tokens=chunk.num_new_tokens + len(tokens), draft_token_ids=tokens)
+                if tokens
+                else chunk
+            )
         return out, {seq_id: d for seq_id, d in drafts.items() if d.token_ids}
 
     def _room(self, seq: Sequence) -> int:
@@ -76,8 +87,9 @@ class SpeculativeDecoder:
         return min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
 
     # ---- 3. sample / verify -----------------------------------------------------------------------
-    def sample(self, chunks: Seq[ScheduledChunk], logits: torch.Tensor, rows: Seq[SamplingRow],
-               drafts: dict) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+    def sample(
+        self, chunks: Seq[ScheduledChunk], logits: torch.Tensor, rows: Seq[SamplingRow], drafts: dict
+    ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
         """(tokens, their target logprobs) per sampling chunk; `rows`/`logits` hold each chunk's
         `num_logits_rows` rows in order."""
         offsets = [0]
@@ -86,18 +98,20 @@ class SpeculativeDecoder:
         out = []
         plain = [i for i, chunk in enumerate(chunks) if not chunk.draft_token_ids]
         plain_rows = [offsets[i] for i in plain]
-        sampled = self.sampler(logits[plain_rows], [rows[r] for r in plain_rows]) if plain else None
-        plain_tokens = dict(zip(plain, zip(sampled.token_ids, sampled.logprobs))) if plain else {}
+        plain_tokens = {}
+        if plain:
+            sampled = self.sampler(logits[plain_rows], [rows[r] for r in plain_rows])
+            plain_tokens = dict(zip(plain, zip(sampled.token_ids, sampled.logprobs, strict=True), strict=True))
         for index, chunk in enumerate(chunks):
             start, count = offsets[index], chunk.num_logits_rows
             if index in plain_tokens:
                 token, logprob = plain_tokens[index]
                 out.append(([token], [logprob]))
             else:
-                chunk_rows, chunk_logits = rows[start:start + count], logits[start:start + count]
+                chunk_rows, chunk_logits = rows[start : start + count], logits[start : start + count]
                 tokens = verify(self.sampler, chunk_logits, chunk_rows, drafts[chunk.seq.seq_id])
                 ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-                out.append((tokens, token_logprobs(chunk_logits[:len(tokens)], chunk_rows[:len(tokens)], ids)))
+                out.append((tokens, token_logprobs(chunk_logits[: len(tokens)], chunk_rows[: len(tokens)], ids)))
                 self._count(chunk.seq, len(chunk.draft_token_ids), len(tokens) - 1)
         return out
 
@@ -106,8 +120,11 @@ class SpeculativeDecoder:
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted
         c = self.counters
-        self.counters = c._replace(sequence_steps=c.sequence_steps + 1, draft_tokens=c.draft_tokens + num_drafts,
-                                   accepted_tokens=c.accepted_tokens + num_accepted)
+        self.counters = c._replace(
+            sequence_steps=c.sequence_steps + 1,
+            draft_tokens=c.draft_tokens + num_drafts,
+            accepted_tokens=c.accepted_tokens + num_accepted,
+        )
 
     # ---- 4. roll back -----------------------------------------------------------------------------
     @staticmethod
@@ -124,8 +141,15 @@ class SpeculativeDecoder:
             self.switch.observe(drafted, decoding, time.perf_counter() - started_s, num_output_tokens)
 
 
-def build_speculative_decoder(config, model_config, draft_model_config, max_model_len: int, num_blocks: int,
-                              sampler: Sampler, progress: bool = False) -> SpeculativeDecoder | None:
+def build_speculative_decoder(
+    config,
+    model_config,
+    draft_model_config,
+    max_model_len: int,
+    num_blocks: int,
+    sampler: Sampler,
+    progress: bool = False,
+) -> SpeculativeDecoder | None:
     """The engine's decoder for `config.speculative_config` (None when speculation is off)."""
     spec = config.speculative_config
     if spec is None:

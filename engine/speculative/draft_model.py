@@ -18,12 +18,14 @@ those slots with the same values.
 The draft runs unsharded on the engine's own process: in a tensor-parallel decode instance only rank 0
 (which schedules and samples) runs it; the other ranks never see it.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -34,6 +36,7 @@ from engine.model_runner import ModelRunner, build_step_input, order_chunks
 from engine.parallel import SINGLE_RANK
 from engine.sampler import Sampler, SamplingRow, processed_logits
 from engine.sequence import Sequence
+from engine.speculative.config import SpeculativeConfig
 from engine.speculative.rejection import Drafts
 
 DRAFT_STREAM = 0x5EC_D2AF7  # seeds the draft's own sampling noise (seeded requests)
@@ -53,23 +56,34 @@ class DraftChunk:
         return len(self.input_token_ids)
 
 
+def _draft_dir(config: EngineConfig) -> str:
+    """The draft checkpoint of a config speculating with a draft model (EngineConfig normalised it)."""
+    spec = config.speculative_config
+    assert isinstance(spec, SpeculativeConfig) and spec.model is not None, "a draft_model config names its model"
+    return spec.model
+
+
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
     """How the draft runs: the target's settings on its own checkpoint, unsharded, never speculating."""
-    return replace(config, model_dir=config.speculative_config.model, tp_size=1, speculative_config=None)
+    return replace(config, model_dir=_draft_dir(config), tp_size=1, speculative_config=None)
 
 
 def load_draft_model_config(config: EngineConfig, target: ModelConfig) -> ModelConfig:
     """The draft's config, refused (naming speculative_config.model) unless it speaks the target's
     vocabulary: same vocab size, and the same tokenizer vocabulary where both ship a tokenizer.json."""
-    draft_dir = config.speculative_config.model
+    draft_dir = _draft_dir(config)
     draft = load_model_config(draft_dir, config.dtype if config.dtype != "auto" else target.dtype)
     if draft.vocab_size != target.vocab_size:
-        raise UnsupportedModelError(f"speculative_config.model: the draft's vocab_size {draft.vocab_size} differs "
-                                    f"from the target's {target.vocab_size}; a draft needs the same vocabulary")
+        raise UnsupportedModelError(
+            f"speculative_config.model: the draft's vocab_size {draft.vocab_size} differs "
+            f"from the target's {target.vocab_size}; a draft needs the same vocabulary"
+        )
     mine, theirs = _tokenizer_vocab(draft_dir), _tokenizer_vocab(config.model_dir)
     if mine is not None and theirs is not None and mine != theirs:
-        raise UnsupportedModelError("speculative_config.model: the draft's tokenizer.json vocabulary differs from "
-                                    "the target's; a draft needs the same tokenizer")
+        raise UnsupportedModelError(
+            "speculative_config.model: the draft's tokenizer.json vocabulary differs from "
+            "the target's; a draft needs the same tokenizer"
+        )
     return draft
 
 
@@ -81,16 +95,28 @@ def _tokenizer_vocab(model_dir: str) -> dict | None:
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, draft_model: ModelConfig, max_model_len: int, num_blocks: int,
-                 sampler: Sampler, progress: bool = False):
-        self.runner = ModelRunner(draft_engine_config(config), draft_model, max_model_len, num_blocks,
-                                  SINGLE_RANK, progress)
+    def __init__(
+        self,
+        config: EngineConfig,
+        draft_model: ModelConfig,
+        max_model_len: int,
+        num_blocks: int,
+        sampler: Sampler,
+        progress: bool = False,
+    ):
+        self.runner = ModelRunner(
+            draft_engine_config(config), draft_model, max_model_len, num_blocks, SINGLE_RANK, progress
+        )
         self.block_size = config.block_size
         self.max_catch_up_tokens = config.prefill_chunk_tokens
         self.sampler = sampler
 
-    def propose(self, jobs: Seq[tuple[Sequence, int]], block_table: Callable[[str], Seq[int]],
-                sampling_row: Callable[[Sequence, Seq[int]], SamplingRow]) -> dict[str, Drafts]:
+    def propose(
+        self,
+        jobs: Seq[tuple[Sequence, int]],
+        block_table: Callable[[str], Seq[int]],
+        sampling_row: Callable[[Sequence, Seq[int]], SamplingRow],
+    ) -> dict[str, Drafts]:
         """Up to k drafts for each (sequence, k); `sampling_row(seq, drafts)` is the row sampling the
         token after `drafts`. The draft's KV slots must already be allocated (lookahead slots)."""
         jobs = self._catch_up_lagging(jobs, block_table)
@@ -101,7 +127,7 @@ class DraftModelProposer:
             chunks = order_chunks([self._chunk(seq, tokens[seq.seq_id]) for seq in active])
             logits = self.runner.execute(build_step_input(chunks, block_table, self.block_size))
             rows = [sampling_row(chunk.seq, tokens[chunk.seq.seq_id]) for chunk in chunks]
-            for chunk, token, q in zip(chunks, *self._choose(logits, rows)):
+            for chunk, token, q in zip(chunks, *self._choose(logits, rows), strict=True):
                 tokens[chunk.seq.seq_id].append(token)
                 probs[chunk.seq.seq_id].append(q)
                 chunk.seq.num_draft_computed_tokens = chunk.start + chunk.num_new_tokens
@@ -115,9 +141,10 @@ class DraftModelProposer:
         lagging = [seq for seq, _ in jobs if seq.num_tokens - seq.num_draft_computed_tokens > cap]
         if not lagging:
             return list(jobs)
-        chunks = [DraftChunk(seq, seq.num_draft_computed_tokens,
-                             seq.token_ids[seq.num_draft_computed_tokens:][:cap], 0)
-                  for seq in lagging]
+        chunks = [
+            DraftChunk(seq, seq.num_draft_computed_tokens, seq.token_ids[seq.num_draft_computed_tokens :][:cap], 0)
+            for seq in lagging
+        ]
         self.runner.forward(build_step_input(order_chunks(chunks), block_table, self.block_size))
         for chunk in chunks:
             chunk.seq.num_draft_computed_tokens += chunk.num_new_tokens
@@ -140,20 +167,21 @@ class DraftModelProposer:
         if random:
             q = processed[random].softmax(dim=-1)
             noise = self.sampler.exponential_noise([rows[i] for i in random], q, DRAFT_STREAM)
-            for j, (i, token) in enumerate(zip(random, (q / noise).argmax(dim=-1).tolist())):
+            for j, (i, token) in enumerate(zip(random, (q / noise).argmax(dim=-1).tolist(), strict=True)):
                 tokens[i], qs[i] = token, q[j]
         return tokens, qs
 
 
 def _stack(probs: list[torch.Tensor | None]) -> torch.Tensor | None:
-    if not probs or probs[0] is None:
+    tensors = [p for p in probs if p is not None]
+    if not probs or len(tensors) < len(probs):  # greedy rows carry no distribution
         return None
-    return torch.stack(probs)
+    return torch.stack(tensors)
 
 
 def speculative_draft_config(config: EngineConfig, target: ModelConfig) -> ModelConfig | None:
     """The draft model's config when `config` speculates with one (sizes the KV pool on every rank)."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if not isinstance(spec, SpeculativeConfig) or spec.method != "draft_model":
         return None
     return load_draft_model_config(config, target)

@@ -6,9 +6,10 @@ longest n that matches wins. Code edits, summaries and extraction repeat their i
 continuation of the last match is a good guess; on free text it rarely matches and proposes nothing,
 which costs nothing (the sequence decodes as usual that step).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -26,7 +27,7 @@ class NgramProposer:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = _last_earlier_match(tokens, n)
             if start is not None:
-                follow = tokens[start + n:start + n + max_tokens]
+                follow = tokens[start + n : start + n + max_tokens]
                 if follow.size:
                     return tuple(follow.tolist())
         return ()

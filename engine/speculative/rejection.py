@@ -16,10 +16,11 @@ Draws: the acceptance uniform of row j and its residual/bonus noise come from th
 (`Sampler.uniforms` / `exponential_noise`): a seeded request's draws are keyed by (seed, stream,
 position) and replay identically on every path; the bonus draw is the sampler's own.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -45,21 +46,24 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], 
     if rows[0].params.greedy:
         targets = sampler(logits, rows).token_ids
         accepted = _matching_prefix(drafts.token_ids, targets)
-        return list(drafts.token_ids[:accepted]) + [targets[accepted]]
+        return [*drafts.token_ids[:accepted], targets[accepted]]
     probs = processed_logits(logits, rows).softmax(dim=-1)
     draft_ids = torch.tensor(drafts.token_ids, dtype=torch.long, device=probs.device)
     p_draft = probs[:k].gather(1, draft_ids[:, None]).squeeze(1)
-    q_draft = (torch.ones_like(p_draft) if drafts.probs is None
-               else drafts.probs.to(probs.device).gather(1, draft_ids[:, None]).squeeze(1))
+    q_draft = (
+        torch.ones_like(p_draft)
+        if drafts.probs is None
+        else drafts.probs.to(probs.device).gather(1, draft_ids[:, None]).squeeze(1)
+    )
     uniforms = sampler.uniforms(rows[:k], probs.device, ACCEPT_STREAM)
     accepted_mask = (uniforms * q_draft < p_draft).tolist()
     accepted = accepted_mask.index(False) if False in accepted_mask else k
     if accepted == k:  # every draft accepted: the bonus token is the sampler's own draw at this position
         noise = sampler.exponential_noise(rows[k:], probs)
-        return list(drafts.token_ids) + [int((probs[k] / noise[0]).argmax())]
+        return [*drafts.token_ids, int((probs[k] / noise[0]).argmax())]
     residual = _residual(probs[accepted], drafts, accepted)
-    noise = sampler.exponential_noise(rows[accepted:accepted + 1], probs, RESIDUAL_STREAM)
-    return list(drafts.token_ids[:accepted]) + [int((residual / noise[0]).argmax())]
+    noise = sampler.exponential_noise(rows[accepted : accepted + 1], probs, RESIDUAL_STREAM)
+    return [*drafts.token_ids[:accepted], int((residual / noise[0]).argmax())]
 
 
 def _residual(p: torch.Tensor, drafts: Drafts, index: int) -> torch.Tensor:

@@ -7,20 +7,30 @@ step-time and observed-TTFT models), `view` (the request and cluster snapshot a 
 `decode_projection` + `predictor` (predicted TTFT / TPOT), `base` (the policy contract), `policies`
 (always, threshold) and `predictive`.
 """
+
 from __future__ import annotations
 
 from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause
 from router.admission.config import ADMISSION_POLICIES, AdmissionConfig, PrioritySlo, Slo
-from router.admission.cost_model import (DecodeCostModel, DecodeStepFit, ObservedTtftFit, ObservedTtftModel,
-                                         PrefillCostModel, PrefillTimeFit, TransferCostModel, TransferTimeFit)
+from router.admission.cost_model import (
+    DecodeCostModel,
+    DecodeStepFit,
+    ObservedTtftFit,
+    ObservedTtftModel,
+    PrefillCostModel,
+    PrefillTimeFit,
+    TransferCostModel,
+    TransferTimeFit,
+)
 from router.admission.policies import AlwaysAdmitPolicy, ThresholdPolicy
 from router.admission.predictive import PredictivePolicy
 from router.admission.predictor import Prediction, predict
 from router.admission.step_stats import DecodeStep, PrefillStep, TransferStep, TtftSample
 from router.admission.view import AdmissionRequest, ClusterView, DecodeInstanceView, RunningRequest
 
-POLICIES: dict[str, type[AdmissionPolicy]] = {cls.name: cls for cls in (AlwaysAdmitPolicy, ThresholdPolicy,
-                                                                        PredictivePolicy)}
+POLICIES: dict[str, type[AdmissionPolicy]] = {
+    cls.name: cls for cls in (AlwaysAdmitPolicy, ThresholdPolicy, PredictivePolicy)
+}
 
 
 def make_admission_policy(name: str, **kwargs) -> AdmissionPolicy:
@@ -35,9 +45,36 @@ def policy_from_config(config: AdmissionConfig) -> AdmissionPolicy:
     return make_admission_policy(config.policy, config=config)
 
 
-__all__ = ["ADMISSION_POLICIES", "POLICIES", "AdmissionConfig", "AdmissionDecision", "AdmissionPolicy",
-           "AdmissionRequest", "AlwaysAdmitPolicy", "Cause", "ClusterView", "DecodeCostModel",
-           "DecodeInstanceView", "DecodeStep", "DecodeStepFit", "ObservedTtftFit", "ObservedTtftModel",
-           "PredictivePolicy", "Prediction", "PrefillCostModel", "PrefillStep", "PrefillTimeFit", "PrioritySlo",
-           "RunningRequest", "Slo", "ThresholdPolicy", "TransferCostModel", "TransferStep", "TransferTimeFit",
-           "TtftSample", "make_admission_policy", "policy_from_config", "predict"]
+__all__ = [
+    "ADMISSION_POLICIES",
+    "POLICIES",
+    "AdmissionConfig",
+    "AdmissionDecision",
+    "AdmissionPolicy",
+    "AdmissionRequest",
+    "AlwaysAdmitPolicy",
+    "Cause",
+    "ClusterView",
+    "DecodeCostModel",
+    "DecodeInstanceView",
+    "DecodeStep",
+    "DecodeStepFit",
+    "ObservedTtftFit",
+    "ObservedTtftModel",
+    "Prediction",
+    "PredictivePolicy",
+    "PrefillCostModel",
+    "PrefillStep",
+    "PrefillTimeFit",
+    "PrioritySlo",
+    "RunningRequest",
+    "Slo",
+    "ThresholdPolicy",
+    "TransferCostModel",
+    "TransferStep",
+    "TransferTimeFit",
+    "TtftSample",
+    "make_admission_policy",
+    "policy_from_config",
+    "predict",
+]

@@ -19,6 +19,7 @@ Contract (every implementation; tests/router/test_admission_contract.py runs eac
 A view without prefill workers or decode instances is rejected (`Cause.NO_WORKERS`) by policies that
 look at load; a router that wants UNAVAILABLE for that case raises `NoWorkersError` before asking.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -67,8 +68,10 @@ class AdmissionPolicy(ABC):
     def slo(self, request: AdmissionRequest) -> Slo:
         """The request's own SLO where it set one, its priority class's default otherwise."""
         default = self.config.slo_for(request.priority)
-        return Slo(request.ttft_ms if request.ttft_ms is not None else default.ttft_ms,
-                   request.tpot_ms if request.tpot_ms is not None else default.tpot_ms)
+        return Slo(
+            request.ttft_ms if request.ttft_ms is not None else default.ttft_ms,
+            request.tpot_ms if request.tpot_ms is not None else default.tpot_ms,
+        )
 
     def retry_after(self, wait_s: float | None) -> float:
         """A rejection's wait: the estimate floored at `min_retry_after_s`, or the configured default."""
@@ -78,27 +81,33 @@ class AdmissionPolicy(ABC):
         """A rejection when the view lacks a pool to place the request on, else None."""
         for pool, members in (("prefill worker", view.prefill_workers), ("decode instance", view.decode_instances)):
             if not members:
-                return reject(Cause.NO_WORKERS, f"no healthy {pool} to place the request on",
-                              self.config.retry_after_s)
+                return reject(Cause.NO_WORKERS, f"no healthy {pool} to place the request on", self.config.retry_after_s)
         return None
-
 
     def kv_blocks_rejection(self, request: AdmissionRequest, view: ClusterView) -> AdmissionDecision:
         """No decode instance can reserve the request's blocks now: wait until one is projected to."""
         needed = view.blocks_needed(request)
-        waits = [time_until_blocks_free_s(d.running, view.decode_fit, d.kv_blocks_free, d.kv_blocks_total,
-                                          view.block_size_tokens, needed) for d in view.decode_instances]
-        waits = [w for w in waits if w is not None]
-        return reject(Cause.KV_BLOCKS, f"no decode instance has the {needed} free KV blocks the request needs",
-                      self.retry_after(min(waits)) if waits else None)
+        waits = [
+            time_until_blocks_free_s(
+                d.running, view.decode_fit, d.kv_blocks_free, d.kv_blocks_total, view.block_size_tokens, needed
+            )
+            for d in view.decode_instances
+        ]
+        known = [w for w in waits if w is not None]
+        return reject(
+            Cause.KV_BLOCKS,
+            f"no decode instance has the {needed} free KV blocks the request needs",
+            self.retry_after(min(known)) if known else None,
+        )
 
 
 def admit(reason: str, prediction: Prediction | None = None) -> AdmissionDecision:
     return AdmissionDecision(True, reason, None, prediction, Cause.ADMITTED)
 
 
-def reject(cause: Cause, reason: str, retry_after_s: float | None,
-           prediction: Prediction | None = None) -> AdmissionDecision:
+def reject(
+    cause: Cause, reason: str, retry_after_s: float | None, prediction: Prediction | None = None
+) -> AdmissionDecision:
     return AdmissionDecision(False, reason, retry_after_s, prediction, cause)
 
 

@@ -9,6 +9,7 @@ the YAML / JSON form, where per-priority SLOs are a mapping:
 
 The shedding rule (`headroom`) is documented on `AdmissionConfig.headroom`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,13 +60,19 @@ class AdmissionConfig:
         _check(_fraction(self.slo_margin), "slo_margin", "must be in (0, 1]")
         _check(_fraction(self.min_headroom), "min_headroom", "must be in (0, 1]")
         _check(_fraction(self.max_kv_usage), "max_kv_usage", "must be in (0, 1]")
-        _check(_finite(self.shed_step_per_priority) and 0 <= self.shed_step_per_priority < 1,
-               "shed_step_per_priority", "must be in [0, 1)")
+        _check(
+            _finite(self.shed_step_per_priority) and 0 <= self.shed_step_per_priority < 1,
+            "shed_step_per_priority",
+            "must be in [0, 1)",
+        )
         _check(_integer(self.full_budget_priority), "full_budget_priority", "must be an integer")
         for key in ("max_queued_prompt_tokens", "max_running_requests", "cost_window_steps", "cost_min_samples"):
             _check(_integer(getattr(self, key)) and getattr(self, key) >= 1, key, "must be an integer >= 1")
-        _check(self.cost_min_samples <= self.cost_window_steps, "cost_min_samples",
-               f"must be <= cost_window_steps ({self.cost_window_steps})")
+        _check(
+            self.cost_min_samples <= self.cost_window_steps,
+            "cost_min_samples",
+            f"must be <= cost_window_steps ({self.cost_window_steps})",
+        )
         _check_priority_slos(self.priority_slos)
 
     def slo_for(self, priority: int) -> Slo:
@@ -98,7 +105,7 @@ class AdmissionConfig:
         return raw
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "AdmissionConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> AdmissionConfig:
         """From plain data (YAML / JSON); `priority_slos` maps priority → {ttft_ms, tpot_ms}."""
         _check(isinstance(raw, dict), "", "must be a mapping")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -117,8 +124,11 @@ def _parse_priority_slos(raw) -> tuple[PrioritySlo, ...]:
         # JSON object keys are strings; YAML's are ints. Both name a priority.
         priority = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
         _check(_integer(priority), f"priority_slos.{key}", "the key must be an integer priority")
-        _check(isinstance(slo, dict) and set(slo) == {"ttft_ms", "tpot_ms"}, f"priority_slos.{key}",
-               "must be a mapping with exactly ttft_ms and tpot_ms")
+        _check(
+            isinstance(slo, dict) and set(slo) == {"ttft_ms", "tpot_ms"},
+            f"priority_slos.{key}",
+            "must be a mapping with exactly ttft_ms and tpot_ms",
+        )
         entries.append(PrioritySlo(priority, slo["ttft_ms"], slo["tpot_ms"]))
     return tuple(sorted(entries, key=lambda e: e.priority))
 

@@ -28,6 +28,7 @@ modest, so a cold router admits and learns rather than rejecting on a guess.
 The router owns the models (it feeds them `observe`); admission reads immutable snapshots (`fit()`),
 which is what `ClusterView` carries, so a decision never sees a model change under it.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -113,8 +114,12 @@ class _CostModel:
 
 
 class PrefillCostModel(_CostModel):
-    def __init__(self, prior: PrefillTimeFit = PREFILL_PRIOR, window_steps: int = DEFAULT_WINDOW_STEPS,
-                 min_samples: int = DEFAULT_MIN_SAMPLES):
+    def __init__(
+        self,
+        prior: PrefillTimeFit = PREFILL_PRIOR,
+        window_steps: int = DEFAULT_WINDOW_STEPS,
+        min_samples: int = DEFAULT_MIN_SAMPLES,
+    ):
         super().__init__(prior, window_steps, min_samples)
 
     def observe(self, step: PrefillStep) -> bool:
@@ -129,8 +134,12 @@ class PrefillCostModel(_CostModel):
 
 
 class DecodeCostModel(_CostModel):
-    def __init__(self, prior: DecodeStepFit = DECODE_PRIOR, window_steps: int = DEFAULT_WINDOW_STEPS,
-                 min_samples: int = DEFAULT_MIN_SAMPLES):
+    def __init__(
+        self,
+        prior: DecodeStepFit = DECODE_PRIOR,
+        window_steps: int = DEFAULT_WINDOW_STEPS,
+        min_samples: int = DEFAULT_MIN_SAMPLES,
+    ):
         super().__init__(prior, window_steps, min_samples)
 
     def observe(self, step: DecodeStep) -> bool:
@@ -144,8 +153,12 @@ class DecodeCostModel(_CostModel):
 
 
 class TransferCostModel(_CostModel):
-    def __init__(self, prior: TransferTimeFit = TRANSFER_PRIOR, window_steps: int = DEFAULT_WINDOW_STEPS,
-                 min_samples: int = DEFAULT_MIN_SAMPLES):
+    def __init__(
+        self,
+        prior: TransferTimeFit = TRANSFER_PRIOR,
+        window_steps: int = DEFAULT_WINDOW_STEPS,
+        min_samples: int = DEFAULT_MIN_SAMPLES,
+    ):
         super().__init__(prior, window_steps, min_samples)
 
     def observe(self, step: TransferStep) -> bool:
@@ -161,8 +174,12 @@ class TransferCostModel(_CostModel):
 class ObservedTtftModel(_CostModel):
     """Fitted by the router from its own admitted requests (`TtftSample`), not from worker reports."""
 
-    def __init__(self, prior: ObservedTtftFit = OBSERVED_TTFT_PRIOR, window_steps: int = DEFAULT_WINDOW_STEPS,
-                 min_samples: int = DEFAULT_MIN_SAMPLES):
+    def __init__(
+        self,
+        prior: ObservedTtftFit = OBSERVED_TTFT_PRIOR,
+        window_steps: int = DEFAULT_WINDOW_STEPS,
+        min_samples: int = DEFAULT_MIN_SAMPLES,
+    ):
         super().__init__(prior, window_steps, min_samples)
 
     def observe(self, sample: TtftSample) -> bool:

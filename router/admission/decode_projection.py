@@ -11,6 +11,7 @@ A sequence is assumed to run to its `max_tokens`: it may stop earlier (EOS, stop
 ever lowers the real load, so the projection is conservative. A sequence that reaches its last token
 within `_EPS_S` of a moment counts as finished at it (float rounding must not flip exact cases).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,15 +39,18 @@ class Segment(NamedTuple):
     def batch(self, extra_steps: int = 0) -> Batch:
         """The running sequences `extra_steps` steps into the segment (extra_steps < steps)."""
         done = self.elapsed_steps + extra_steps
-        return tuple((left - done, context + done) for left, context in self.order[self.first:])
+        return tuple((left - done, context + done) for left, context in self.order[self.first :])
 
 
 def segments(running: Sequence[RunningRequest], fit: DecodeStepFit) -> Iterator[Segment]:
     """The instance's future as segments, ending with one idle segment (batch_size 0).
 
     Sorting by tokens left once and keeping running sums makes the walk O(R log R) for R sequences."""
-    order: Batch = tuple(sorted((r.max_tokens - r.generated_tokens, r.context_tokens) for r in running
-                                if r.max_tokens > r.generated_tokens))
+    order: Batch = tuple(
+        sorted(
+            (r.max_tokens - r.generated_tokens, r.context_tokens) for r in running if r.max_tokens > r.generated_tokens
+        )
+    )
     first, elapsed, start_s = 0, 0, 0.0
     context_now = sum(context for _, context in order)  # of order[first:], as they are now
     while first < len(order):
@@ -79,8 +83,9 @@ def step_time_with_s(batch: Batch, fit: DecodeStepFit, newcomer_context_tokens: 
     return fit.step_time_s(len(batch) + 1, sum(context for _, context in batch) + newcomer_context_tokens)
 
 
-def time_until_step_within_s(running: Sequence[RunningRequest], fit: DecodeStepFit,
-                             newcomer_context_tokens: int, budget_s: float) -> float | None:
+def time_until_step_within_s(
+    running: Sequence[RunningRequest], fit: DecodeStepFit, newcomer_context_tokens: int, budget_s: float
+) -> float | None:
     """The earliest moment (from now) a newcomer joining would see a step time within `budget_s`;
     None if not even an idle instance gets there."""
     for segment in segments(running, fit):
@@ -90,12 +95,19 @@ def time_until_step_within_s(running: Sequence[RunningRequest], fit: DecodeStepF
     return None
 
 
-def time_until_blocks_free_s(running: Sequence[RunningRequest], fit: DecodeStepFit, blocks_free: int,
-                             blocks_total: int, block_size_tokens: int, blocks_needed: int) -> float | None:
+def time_until_blocks_free_s(
+    running: Sequence[RunningRequest],
+    fit: DecodeStepFit,
+    blocks_free: int,
+    blocks_total: int,
+    block_size_tokens: int,
+    blocks_needed: int,
+) -> float | None:
     """The earliest moment (from now) at which `blocks_needed` KV blocks are free, as sequences finish
     and release theirs while the survivors grow into new ones; None if that never happens. Blocks in
     use by anything but the listed sequences (e.g. pinned during a hand-off) are assumed to stay.
     O(R) per segment (block counts round up per sequence); only rejections ask, and they stop early."""
+
     def held(segment: Segment) -> int:
         return sum(-(-context // block_size_tokens) for _, context in segment.batch())
 

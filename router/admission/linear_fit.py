@@ -25,6 +25,7 @@ Model: target ≈ Σ_j coef_j · feature_j, fitted over the most recent `window`
 
 Owned by one router and used from its event loop only: no locking.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -122,7 +123,7 @@ def _identifiable_terms(scaled: np.ndarray, scale: np.ndarray) -> list[int]:
     for j in range(scaled.shape[1]):
         if scale[j] == 0:
             continue
-        singular = np.linalg.svd(scaled[:, chosen + [j]], compute_uv=False)
+        singular = np.linalg.svd(scaled[:, [*chosen, j]], compute_uv=False)
         if len(singular) == len(chosen) + 1 and singular[-1] > _RANK_RTOL * singular[0]:
             chosen.append(j)
     return chosen

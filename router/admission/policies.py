@@ -4,6 +4,7 @@
 load rises the lowest priority's limit is reached first. It judges the load already there, not the
 request's own size, so an idle cluster admits every request whose KV blocks fit somewhere.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,9 +43,13 @@ class ThresholdPolicy(AdmissionPolicy):
         if worker.queued_prompt_tokens >= limit:
             excess = math.floor(worker.queued_prompt_tokens - limit) + 1  # drained, the queue is below the limit
             wait_s = drain_time_s(excess, view.prefill_fit, view.prefill_step_budget_tokens)
-            return reject(Cause.QUEUED_TOKENS, f"the least-loaded prefill worker {worker.worker_id} already has "
-                          f"{worker.queued_prompt_tokens} uncached prompt tokens queued; the limit for priority "
-                          f"{request.priority} is {limit:g} ({self._share(headroom)})", self.retry_after(wait_s))
+            return reject(
+                Cause.QUEUED_TOKENS,
+                f"the least-loaded prefill worker {worker.worker_id} already has "
+                f"{worker.queued_prompt_tokens} uncached prompt tokens queued; the limit for priority "
+                f"{request.priority} is {limit:g} ({self._share(headroom)})",
+                self.retry_after(wait_s),
+            )
         return self._decode_side(request, view, headroom)
 
     def _decode_side(self, request: AdmissionRequest, view: ClusterView, headroom: float) -> AdmissionDecision:
@@ -55,15 +60,23 @@ class ThresholdPolicy(AdmissionPolicy):
         room = [d for d in fits if len(d.running) < max_running]
         if not room:
             fewest = min(len(d.running) for d in fits)
-            return reject(Cause.RUNNING_REQUESTS, f"every decode instance with room already runs {fewest} or more "
-                          f"sequences; the limit for priority {request.priority} is {max_running:g} "
-                          f"({self._share(headroom)})", self._wait_for_a_finish(view))
+            return reject(
+                Cause.RUNNING_REQUESTS,
+                f"every decode instance with room already runs {fewest} or more "
+                f"sequences; the limit for priority {request.priority} is {max_running:g} "
+                f"({self._share(headroom)})",
+                self._wait_for_a_finish(view),
+            )
         max_usage = self.config.max_kv_usage * headroom
         lowest = min(d.kv_usage for d in room)
         if lowest >= max_usage:
-            return reject(Cause.KV_USAGE, f"every decode instance with room already has {lowest:.0%} or more of its "
-                          f"KV blocks in use; the limit for priority {request.priority} is {max_usage:.0%} "
-                          f"({self._share(headroom)})", self._wait_for_a_finish(view))
+            return reject(
+                Cause.KV_USAGE,
+                f"every decode instance with room already has {lowest:.0%} or more of its "
+                f"KV blocks in use; the limit for priority {request.priority} is {max_usage:.0%} "
+                f"({self._share(headroom)})",
+                self._wait_for_a_finish(view),
+            )
         return admit("within the load limits")
 
     def _wait_for_a_finish(self, view: ClusterView) -> float:

@@ -25,6 +25,7 @@ join_s (`decode_projection`), those that will have finished are dropped, and the
 prompt + its first token) is added. The decode candidates are the instances with room to reserve the
 request's blocks now. Ties go to the smaller id, so predictions are deterministic.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -96,13 +97,15 @@ def best_prefill(request: AdmissionRequest, view: ClusterView) -> TtftPrediction
     return min(predictions, key=lambda p: (p.ttft_s, p.worker_id), default=None)
 
 
-def predict_tpot(request: AdmissionRequest, instance: DecodeInstanceView, view: ClusterView,
-                 join_s: float) -> TpotPrediction:
+def predict_tpot(
+    request: AdmissionRequest, instance: DecodeInstanceView, view: ClusterView, join_s: float
+) -> TpotPrediction:
     batch = project(instance.running, view.decode_fit, join_s)
     newcomer_context = request.num_prompt_tokens + 1
     tpot_s = step_time_with_s(batch, view.decode_fit, newcomer_context)
-    return TpotPrediction(instance.instance_id, tpot_s, len(batch) + 1,
-                          sum(context for _, context in batch) + newcomer_context)
+    return TpotPrediction(
+        instance.instance_id, tpot_s, len(batch) + 1, sum(context for _, context in batch) + newcomer_context
+    )
 
 
 def decode_candidates(request: AdmissionRequest, view: ClusterView) -> tuple[DecodeInstanceView, ...]:
@@ -128,5 +131,14 @@ def predict(request: AdmissionRequest, view: ClusterView) -> Prediction | None:
 
 
 def combine(ttft: TtftPrediction, tpot: TpotPrediction) -> Prediction:
-    return Prediction(ttft.ttft_s, tpot.tpot_s, ttft.queue_s, ttft.prefill_s, ttft.transfer_s, ttft.worker_id,
-                      tpot.instance_id, tpot.batch_size, tpot.context_tokens)
+    return Prediction(
+        ttft.ttft_s,
+        tpot.tpot_s,
+        ttft.queue_s,
+        ttft.prefill_s,
+        ttft.transfer_s,
+        ttft.worker_id,
+        tpot.instance_id,
+        tpot.batch_size,
+        tpot.context_tokens,
+    )

@@ -13,6 +13,7 @@ Each sample is one measured unit of work, as small and flat as a process-boundar
 Samples come from other processes, so a bad one (a clock jump, a zero-length step) must not poison a
 fit: `step_problem` names what is wrong and the cost models drop such samples and count them.
 """
+
 from __future__ import annotations
 
 import math

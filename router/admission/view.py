@@ -12,14 +12,20 @@ The router fills these from its live state right before calling `AdmissionPolicy
   (the router's own observed-TTFT model) defaults to its zero prior, which leaves the step models alone.
 Construction validates the fields (ValueError naming the field): a view that builds is a valid view.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from router.admission.cost_model import (OBSERVED_TTFT_PRIOR, DecodeStepFit, ObservedTtftFit, PrefillTimeFit,
-                                         TransferTimeFit)
+from router.admission.cost_model import (
+    OBSERVED_TTFT_PRIOR,
+    DecodeStepFit,
+    ObservedTtftFit,
+    PrefillTimeFit,
+    TransferTimeFit,
+)
 from router.routing.base import WorkerLoad
 
 
@@ -35,8 +41,11 @@ class AdmissionRequest:
 
     def __post_init__(self):
         _check(self.num_prompt_tokens >= 1, "num_prompt_tokens", "must be >= 1")
-        _check(0 <= self.num_cached_tokens_expected <= self.num_prompt_tokens, "num_cached_tokens_expected",
-               f"must be in [0, num_prompt_tokens={self.num_prompt_tokens}]")
+        _check(
+            0 <= self.num_cached_tokens_expected <= self.num_prompt_tokens,
+            "num_cached_tokens_expected",
+            f"must be in [0, num_prompt_tokens={self.num_prompt_tokens}]",
+        )
         _check(self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(math.isfinite(self.waited_s) and self.waited_s >= 0, "waited_s", "must be finite and >= 0")
         for name in ("ttft_ms", "tpot_ms"):
@@ -49,11 +58,19 @@ class AdmissionRequest:
         return max(self.num_prompt_tokens - self.num_cached_tokens_expected, 1)
 
     @classmethod
-    def from_router_request(cls, request, num_cached_tokens_expected: int = 0,
-                            waited_s: float = 0.0) -> "AdmissionRequest":
+    def from_router_request(
+        cls, request, num_cached_tokens_expected: int = 0, waited_s: float = 0.0
+    ) -> AdmissionRequest:
         """From a `router.validation.RouterRequest` (duck-typed: only its fields are read)."""
-        return cls(len(request.prompt_token_ids), num_cached_tokens_expected, request.params.max_tokens,
-                   request.ttft_ms, request.tpot_ms, request.priority, waited_s)
+        return cls(
+            len(request.prompt_token_ids),
+            num_cached_tokens_expected,
+            request.params.max_tokens,
+            request.ttft_ms,
+            request.tpot_ms,
+            request.priority,
+            waited_s,
+        )
 
 
 class RunningRequest(NamedTuple):
@@ -72,8 +89,11 @@ class DecodeInstanceView:
     def __post_init__(self):
         object.__setattr__(self, "running", tuple(self.running))  # a list from live state is fine too
         _check(self.kv_blocks_total >= 1, f"decode[{self.instance_id}].kv_blocks_total", "must be >= 1")
-        _check(0 <= self.kv_blocks_free <= self.kv_blocks_total, f"decode[{self.instance_id}].kv_blocks_free",
-               f"must be in [0, kv_blocks_total={self.kv_blocks_total}]")
+        _check(
+            0 <= self.kv_blocks_free <= self.kv_blocks_total,
+            f"decode[{self.instance_id}].kv_blocks_free",
+            f"must be in [0, kv_blocks_total={self.kv_blocks_total}]",
+        )
 
     @property
     def kv_usage(self) -> float:
@@ -99,8 +119,11 @@ class ClusterView:
         _check(self.block_size_tokens >= 1, "block_size_tokens", "must be >= 1")
         _check(self.prefill_step_budget_tokens >= 1, "prefill_step_budget_tokens", "must be >= 1")
         for worker in self.prefill_workers:
-            _check(worker.queued_prompt_tokens >= 0 and worker.inflight_requests >= 0,
-                   f"prefill[{worker.worker_id}]", "load figures must be >= 0")
+            _check(
+                worker.queued_prompt_tokens >= 0 and worker.inflight_requests >= 0,
+                f"prefill[{worker.worker_id}]",
+                "load figures must be >= 0",
+            )
         for name in ("prefill_fit", "decode_fit", "transfer_fit", "ttft_fit"):
             fit = getattr(self, name)
             _check(all(math.isfinite(c) and c >= 0 for c in fit), name, f"coefficients must be finite and >= 0: {fit}")

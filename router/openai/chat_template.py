@@ -5,6 +5,7 @@ are joined with newlines (as vLLM does); any other part (images, audio) is refus
 are the template's business: a template that rejects a conversation (raising in Jinja) gets a 400
 naming `messages` with the template's own message. A checkpoint without a template cannot chat.
 """
+
 from __future__ import annotations
 
 from typing import NoReturn
@@ -20,7 +21,7 @@ def render_chat(messages, tokenizer, add_generation_prompt: bool = True) -> str:
     conversation = [_message(m, i) for i, m in enumerate(_messages(messages))]
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as err:  # the template's own checks (e.g. roles must alternate) raise from Jinja
+    except Exception as err:  # noqa: BLE001 - the template's own checks (e.g. roles must alternate) raise from Jinja
         _fail("messages", f"the model's chat template rejected the conversation: {err}")
     if not isinstance(text, str):
         _fail("messages", "the model's chat template did not render to text")
@@ -55,7 +56,7 @@ def _content(content, field: str) -> str:
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            _fail(f"{field}[{i}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            _fail(f"{field}[{i}]", 'only text parts ({"type": "text", "text": ...}) are supported')
         texts.append(part["text"])
     return "\n".join(texts)
 

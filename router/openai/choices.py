@@ -5,10 +5,11 @@ token path. Several run as concurrent tasks feeding one queue; the first failure
 request (the others are cancelled, which aborts them on their workers). Callers must close the
 iterator (`contextlib.aclosing`) so that leaving early (client gone, error) cancels every choice.
 """
+
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from router.openai.parse import ApiRequest
@@ -17,8 +18,9 @@ from router.service import RouterOutput, RouterService
 _DONE = object()
 
 
-async def run_choices(service: RouterService, api: ApiRequest, deadline_s: float | None,
-                      waited_s: float) -> AsyncIterator[tuple[int, RouterOutput]]:
+async def run_choices(
+    service: RouterService, api: ApiRequest, deadline_s: float | None, waited_s: float
+) -> AsyncGenerator[tuple[int, RouterOutput], None]:
     if len(api.choices) == 1:
         async with aclosing(service.generate(api.choices[0].request, deadline_s, waited_s)) as outputs:
             async for output in outputs:
@@ -31,7 +33,7 @@ async def run_choices(service: RouterService, api: ApiRequest, deadline_s: float
             async with aclosing(service.generate(api.choices[position].request, deadline_s, waited_s)) as outputs:
                 async for output in outputs:
                     queue.put_nowait((position, output))
-        except Exception as err:  # handed to the reader, which raises it in the handler's task
+        except Exception as err:  # noqa: BLE001 - handed to the reader, which raises it in the handler's task
             queue.put_nowait((position, err))
             return
         queue.put_nowait((position, _DONE))

@@ -18,6 +18,7 @@ says how each class looks over HTTP:
 `error.param` names the field as the client sent it. `Retry-After` is whole seconds (rounded up, as
 HTTP wants); `retry-after-ms` carries the exact figure (the `openai` client reads it first).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,15 @@ from router.errors import Status, status_for
 from router.openai.parse import ModelNotFound
 
 # gRPC code → (HTTP status, error.type, error.code)
-_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
-         grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
-         grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
-         grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
-         grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "overloaded"),
-         grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
-         grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded")}
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
+}
 _INTERNAL = (500, "server_error", "internal_error")
 # Fields the domain names the gRPC way → how the OpenAI body calls them.
 _PROMPT_FIELDS = ("text", "token_ids", "prompt")

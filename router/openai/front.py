@@ -16,8 +16,10 @@ failure) of its choices comes first, so admission's 429, a bad field's 400 or a 
 arrive as statuses; a failure after that is sent as an error event, then `[DONE]`.
 aiohttp was measured against uvicorn (bare ASGI and Starlette) and grpc.aio: benchmarks/http_stacks.py.
 """
+
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -49,12 +51,21 @@ class HttpFront:
         self._expected = f"Bearer {token}".encode() if token else None
         self._serving = True
         self.runner: web.AppRunner | None = None
-        self.host, self.port, self.uds, self.scheme = "", 0, None, "http"
+        self.host, self.port, self.scheme = "", 0, "http"
+        self.uds: str | None = None
 
     @classmethod
-    async def start(cls, service: RouterService, *, host: str, port: int | None, uds: str | None = None,
-                    token: str | None = None, model_names: tuple[str, ...],
-                    ssl_context: ssl.SSLContext | None = None) -> "HttpFront":
+    async def start(
+        cls,
+        service: RouterService,
+        *,
+        host: str,
+        port: int | None,
+        uds: str | None = None,
+        token: str | None = None,
+        model_names: tuple[str, ...],
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> HttpFront:
         """Serves on host:port (0: the OS picks; None: no TCP) and/or the unix socket `uds`; HTTPS on both
         when `ssl_context` is given (the router's TLS keys, as for gRPC)."""
         front = cls(service, Context(service.limits, service.tokenizer, model_names), token)
@@ -84,6 +95,8 @@ class HttpFront:
         """Stops accepting, lets requests in flight finish for `grace_s`, then cancels the rest."""
         self._serving = False
         runner = self.runner
+        if runner is None:  # never started
+            return
         for site in list(runner.sites):
             await site.stop()
         if runner.server is not None:
@@ -105,11 +118,21 @@ class HttpFront:
         except Unauthenticated as err:
             return self._error_response(self._failed(err, "prompt"))
         info, limits = self.service.info, self.context.limits
-        card = {"id": self.context.model_names[0], "object": "model", "created": 0, "owned_by": "splitserve",
-                "root": self.context.model_names[-1], "max_model_len": limits.max_model_len,
-                "splitserve": {"model_identity": info.model_identity, "vocab_size": limits.vocab_size,
-                               "block_size": info.block_size, "eos_token_ids": list(info.eos_token_ids),
-                               "has_tokenizer": limits.has_tokenizer}}
+        card = {
+            "id": self.context.model_names[0],
+            "object": "model",
+            "created": 0,
+            "owned_by": "splitserve",
+            "root": self.context.model_names[-1],
+            "max_model_len": limits.max_model_len,
+            "splitserve": {
+                "model_identity": info.model_identity,
+                "vocab_size": limits.vocab_size,
+                "block_size": info.block_size,
+                "eos_token_ids": list(info.eos_token_ids),
+                "has_tokenizer": limits.has_tokenizer,
+            },
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -133,12 +156,13 @@ class HttpFront:
                 raise InvalidRequestError("body", "is not valid JSON") from None
             api = parse(body, self.context, request.headers.get("X-Request-Id"))
             deadline_s = None if api.timeout_s is None else time.monotonic() + api.timeout_s
-            waited_s = client_wait_s(((SENT_AT_KEY, request.headers.get(SENT_AT_KEY)),)
-                                     if SENT_AT_KEY in request.headers else ())
+            waited_s = client_wait_s(
+                ((SENT_AT_KEY, request.headers.get(SENT_AT_KEY)),) if SENT_AT_KEY in request.headers else ()
+            )
             if api.stream:
                 return await self._stream(request, api, deadline_s, waited_s, prompt_field)
             return await self._whole(api, deadline_s, waited_s)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - every error becomes an HTTP error (_failed classifies and logs)
             return self._error_response(self._failed(err, prompt_field))
 
     async def _whole(self, api: ApiRequest, deadline_s, waited_s) -> web.Response:
@@ -148,22 +172,23 @@ class HttpFront:
                 renderer.add(position, output)
         return web.Response(body=renderer.response(), content_type="application/json")
 
-    async def _stream(self, request: web.Request, api: ApiRequest, deadline_s, waited_s,
-                      prompt_field: str) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, api: ApiRequest, deadline_s, waited_s, prompt_field: str
+    ) -> web.StreamResponse:
         renderer = Renderer(api, self.context.tokenizer)
         async with aclosing(run_choices(self.service, api, deadline_s, waited_s)) as outputs:
             iterator = aiter(outputs)
             first = await anext(iterator)  # a failure here is still a status
             response = web.StreamResponse(headers=_SSE_HEADERS)
             await response.prepare(request)
-            try:
+            # The client left between writes: closing `outputs` aborts the rest.
+            with contextlib.suppress(ConnectionError):
                 await self._events(response, renderer, first, iterator, prompt_field)
-            except ConnectionError:  # the client left between writes; closing `outputs` aborts the rest
-                pass
         return response
 
-    async def _events(self, response: web.StreamResponse, renderer: Renderer, first, iterator,
-                      prompt_field: str) -> None:
+    async def _events(
+        self, response: web.StreamResponse, renderer: Renderer, first, iterator, prompt_field: str
+    ) -> None:
         try:
             await response.write(renderer.chunk(*first))
             async for position, output in iterator:
@@ -172,7 +197,7 @@ class HttpFront:
                 await response.write(renderer.usage_event())
         except ConnectionError:
             raise
-        except Exception as err:  # after the 200: an error event, then the usual end
+        except Exception as err:  # noqa: BLE001 - after the 200: an error event, then the usual end
             await response.write(self._failed(err, prompt_field).event)
         await response.write(DONE_EVENT)
         await response.write_eof()
@@ -197,5 +222,6 @@ class HttpFront:
 
     @staticmethod
     def _error_response(error: HttpError) -> web.Response:
-        return web.Response(status=error.status, body=error.body, headers=error.headers,
-                            content_type="application/json")
+        return web.Response(
+            status=error.status, body=error.body, headers=error.headers, content_type="application/json"
+        )

@@ -8,28 +8,60 @@ with a bad value raises `InvalidRequestError` naming it as the client sent it (`
 `temperature`, `prompt`, `messages[2].content`). Fields the engine cannot honour (`logit_bias`,
 `suffix`, `best_of` > n, `tools`, a non-text `response_format`) are refused rather than dropped.
 """
+
 from __future__ import annotations
 
 import math
 import uuid
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from engine.errors import InvalidRequestError
 from router.openai.chat_template import render_chat
-from router.validation import (ModelLimits, RouterRequest, check_priority, check_request_id, check_slo_ms,
-                               check_tenant, sampling_params, text_prompt, token_prompt)
+from router.validation import (
+    ModelLimits,
+    RouterRequest,
+    check_priority,
+    check_request_id,
+    check_slo_ms,
+    check_tenant,
+    sampling_params,
+    text_prompt,
+    token_prompt,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_CHOICES = 256  # prompts x n in one body
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 # Sampling fields read from the body as they are (OpenAI's, then vLLM's extra ones).
-_SAMPLING_KEYS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "n", "top_k",
-                  "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                  "include_stop_str_in_output")
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 # Known fields the engine cannot honour → the neutral values it accepts.
-_UNSUPPORTED = {"logit_bias": lambda v: not v, "suffix": lambda v: not v, "tools": lambda v: not v,
-                "functions": lambda v: not v, "tool_choice": lambda v: v in ("none", "auto"),
-                "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text"}
+_UNSUPPORTED = {
+    "logit_bias": lambda v: not v,
+    "suffix": lambda v: not v,
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
+}
 
 
 @dataclass(frozen=True)
@@ -58,10 +90,12 @@ class Context:
     """What parsing needs from the router: the model's limits, its tokenizer and its served name."""
 
     limits: ModelLimits
-    tokenizer: object | None
+    tokenizer: PreTrainedTokenizerBase | None
     model_names: tuple[str, ...]  # the first is the name responses carry
 
     def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            _fail("prompt", "the served model has no tokenizer; send token ids")
         return self.tokenizer.encode(text, add_special_tokens=True)
 
 
@@ -89,8 +123,9 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     model = _model(body, context)
     add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
     text = render_chat(body.get("messages"), context.tokenizer, add_generation_prompt)
-    tokens = text_prompt(text, context.limits, lambda t: context.tokenizer.encode(t, add_special_tokens=False),
-                         "messages")
+    tokenizer = context.tokenizer
+    assert tokenizer is not None, "render_chat refuses a model without one"
+    tokens = text_prompt(text, context.limits, lambda t: tokenizer.encode(t, add_special_tokens=False), "messages")
     names = {}
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is not None:
@@ -110,8 +145,18 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     return _api_request("chat", model, body, context, [(text, tokens)], values, names, [None], logprobs, request_id)
 
 
-def _api_request(kind: str, model: str, body: dict, context: Context, prompts, values: dict, names: dict, echoes,
-                 logprobs, request_id: str | None) -> ApiRequest:
+def _api_request(
+    kind: str,
+    model: str,
+    body: dict,
+    context: Context,
+    prompts,
+    values: dict,
+    names: dict,
+    echoes,
+    logprobs,
+    request_id: str | None,
+) -> ApiRequest:
     params = sampling_params(values, context.limits, "", names)
     for name, neutral in _UNSUPPORTED.items():
         if body.get(name) is not None and not neutral(body[name]):
@@ -124,17 +169,32 @@ def _api_request(kind: str, model: str, body: dict, context: Context, prompts, v
     request_id = check_request_id(request_id or uuid.uuid4().hex, "X-Request-Id")
     extras = _extras(body)
     choices = []
-    for prompt_index, ((text, tokens), echo) in enumerate(zip(prompts, echoes)):
+    for prompt_index, ((text, tokens), echo) in enumerate(zip(prompts, echoes, strict=True)):
         for choice in range(params.n):
             index = prompt_index * params.n + choice
-            request = RouterRequest(f"{request_id}-{index}", tokens, params.for_choice(choice), *extras,
-                                    return_text=context.limits.has_tokenizer, prompt_text=text)
+            request = RouterRequest(
+                f"{request_id}-{index}",
+                tokens,
+                params.for_choice(choice),
+                *extras,
+                return_text=context.limits.has_tokenizer,
+                prompt_text=text,
+            )
             choices.append(Choice(index, prompt_index, request, echo))
     stream = _flag(body, "stream")
     options = _object(body.get("stream_options") or {}, "stream_options")
     include_usage = stream and _flag(options, "include_usage", field="stream_options.include_usage")
-    return ApiRequest(kind, model, request_id, tuple(choices), stream, include_usage, logprobs,
-                      _flag(body, "return_token_ids"), _timeout_s(body))
+    return ApiRequest(
+        kind,
+        model,
+        request_id,
+        tuple(choices),
+        stream,
+        include_usage,
+        logprobs,
+        _flag(body, "return_token_ids"),
+        _timeout_s(body),
+    )
 
 
 def _completion_prompts(prompt, context: Context) -> list[tuple[str | None, tuple[int, ...]]]:
@@ -148,7 +208,7 @@ def _completion_prompts(prompt, context: Context) -> list[tuple[str | None, tupl
         if bad is not None:
             _fail(f"prompt[{bad}]", "token ids must be integers")
         return [(None, token_prompt(tuple(prompt), context.limits, "prompt"))]
-    out = []
+    out: list[tuple[str | None, tuple[int, ...]]] = []
     for i, item in enumerate(prompt):
         field = f"prompt[{i}]"
         if isinstance(item, str):
@@ -170,7 +230,7 @@ def _sampling_values(body: dict, max_tokens, logprobs: int | None) -> dict:
     return values
 
 
-def _extras(body: dict) -> tuple:
+def _extras(body: dict) -> tuple[int, str, float | None, float | None]:
     """splitserve's own fields, in RouterRequest order: priority, tenant, ttft_ms, tpot_ms."""
     priority = check_priority(body.get("priority", 0) if body.get("priority") is not None else 0)
     tenant = check_tenant(body.get("tenant") or "")
@@ -198,7 +258,9 @@ def _model(body: dict, context: Context) -> str:
 def _prompt_text(text: str | None, tokens: tuple[int, ...], context: Context) -> str:
     if text is not None:
         return text
-    return context.tokenizer.decode(list(tokens), skip_special_tokens=True) if context.tokenizer else ""
+    if context.tokenizer is None:
+        return ""
+    return cast(str, context.tokenizer.decode(list(tokens), skip_special_tokens=True))  # one sequence: one str
 
 
 def _object(value, field: str = "body") -> dict:
@@ -229,4 +291,3 @@ def _is_int(value) -> bool:
 
 def _fail(field: str, message: str) -> NoReturn:
     raise InvalidRequestError(field, message)
-

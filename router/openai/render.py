@@ -6,13 +6,16 @@ goes out per router output (one decode step of one choice), even when its text i
 back at a stop-string prefix or an incomplete character): clients and load testers then see every
 step. `return_token_ids` (vLLM's extra field) adds each chunk's token ids.
 """
+
 from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from router.openai.parse import ApiRequest, Choice
 from router.service import RouterOutput
+from router.stream_state import Usage
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -28,7 +31,7 @@ class ChoiceState:
         self.logprobs: list = []  # rendered entries
         self.text_offset = len(choice.echo or "")
         self.finish_reason: str | None = None
-        self.usage = None  # router.stream_state.Usage, from the last output
+        self.usage: Usage | None = None  # from the last output
         self.started = False
 
 
@@ -39,8 +42,10 @@ class Renderer:
         created = int(time.time()) if created_s is None else created_s
         object_name = "chat.completion.chunk" if self.chat else "text_completion"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + api.request_id
-        self._head = (f'data: {{"id":{_dumps(self.id)},"object":"{object_name}","created":{created},'
-                      f'"model":{_dumps(api.model)},"choices":[{{"index":')
+        self._head = (
+            f'data: {{"id":{_dumps(self.id)},"object":"{object_name}","created":{created},'
+            f'"model":{_dumps(api.model)},"choices":[{{"index":'
+        )
         self._tail = ',"usage":null}\n\n' if api.include_usage else "}\n\n"
         self._created = created
         self._token_texts: dict[int, str] = {}
@@ -63,12 +68,14 @@ class Renderer:
         logprobs = self._logprobs_json(state, output) if self.api.logprobs is not None else "null"
         finish = f'"{output.finish_reason}"' if output.finish_reason else "null"
         ids = f',"token_ids":{_dumps(list(output.token_ids))}' if self.api.return_token_ids else ""
-        return (f'{self._head}{state.choice.index},{body},"logprobs":{logprobs},"finish_reason":{finish}{ids}}}]'
-                f'{self._tail}').encode()
+        return (
+            f'{self._head}{state.choice.index},{body},"logprobs":{logprobs},"finish_reason":{finish}{ids}}}]'
+            f"{self._tail}"
+        ).encode()
 
     def usage_event(self) -> bytes:
         """The last event with `stream_options.include_usage`: no choices, the whole request's usage."""
-        return (f'{self._head[:self._head.rindex("[")]}[],"usage":{_dumps(usage(self.states))}}}\n\n').encode()
+        return (f'{self._head[: self._head.rindex("[")]}[],"usage":{_dumps(usage(self.states))}}}\n\n').encode()
 
     # ---- whole responses ----
 
@@ -76,7 +83,7 @@ class Renderer:
         choices = []
         for state in self.states:
             text = "".join(state.texts)
-            choice = {"index": state.choice.index}
+            choice: dict[str, Any] = {"index": state.choice.index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -87,9 +94,16 @@ class Renderer:
                 choice["token_ids"] = state.token_ids
                 choice["prompt_token_ids"] = list(state.choice.request.prompt_token_ids)
             choices.append(choice)
-        return _dumps({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                       "created": self._created, "model": self.api.model, "choices": choices,
-                       "usage": usage(self.states)}).encode()
+        return _dumps(
+            {
+                "id": self.id,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "created": self._created,
+                "model": self.api.model,
+                "choices": choices,
+                "usage": usage(self.states),
+            }
+        ).encode()
 
     def add(self, position: int, output: RouterOutput) -> None:
         """Accounts one output of a request that is answered as a whole."""
@@ -116,16 +130,21 @@ class Renderer:
         return {"content": state.logprobs} if self.chat else _completion_logprobs(state.logprobs)
 
     def _logprob_entries(self, state: ChoiceState, output: RouterOutput) -> list:
-        entries = []
-        for token_id, lp in zip(output.token_ids, output.logprobs):
+        entries: list[Any] = []  # chat: dicts; completions: tuples, folded later
+        for token_id, lp in zip(output.token_ids, output.logprobs, strict=False):
             if lp is None:
                 continue
             token = self._token_text(token_id)
             top = [(self._token_text(t), value) for t, value in lp.top]
             if self.chat:
-                entries.append({"token": token, "logprob": lp.sampled_logprob, "bytes": list(token.encode()),
-                                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                                 for t, v in top]})
+                entries.append(
+                    {
+                        "token": token,
+                        "logprob": lp.sampled_logprob,
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top],
+                    }
+                )
             else:
                 entries.append((token, lp.sampled_logprob, dict(top), state.text_offset))
                 state.text_offset += len(token)
@@ -135,13 +154,17 @@ class Renderer:
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = (self.tokenizer.decode([token_id]) if self.tokenizer else "")
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id]) if self.tokenizer else ""
         return text
 
 
 def _completion_logprobs(entries: list) -> dict:
-    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-            "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+    return {
+        "tokens": [e[0] for e in entries],
+        "token_logprobs": [e[1] for e in entries],
+        "top_logprobs": [e[2] for e in entries],
+        "text_offset": [e[3] for e in entries],
+    }
 
 
 def usage(states: list[ChoiceState]) -> dict:
@@ -154,5 +177,9 @@ def usage(states: list[ChoiceState]) -> dict:
             seen_prompts.add(state.choice.prompt_index)
             prompt_tokens += len(state.choice.request.prompt_token_ids)
             cached += state.usage.cached_prompt_tokens if state.usage is not None else 0
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

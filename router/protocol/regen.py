@@ -4,6 +4,7 @@ protoc runs with the repository root as the include path, so the generated modul
 as `router.protocol.splitserve_v1_pb2` — no rewriting. The output is committed; a test regenerates it
 into a temporary folder and checks the bytes are identical (so the proto and the code never drift).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,14 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc  # build-time tool: only needed to regenerate
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{REPO_ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", str(REPO_ROOT / PROTO)]
+    args = [
+        "protoc",
+        f"-I{REPO_ROOT}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(REPO_ROOT / PROTO),
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {PROTO}")
     stem = out_dir / PROTO.removesuffix(".proto")

@@ -1,4 +1,5 @@
 """Routing policies by name (a registry: unknown names fail listing the known ones)."""
+
 from __future__ import annotations
 
 from router.routing.base import NoWorkersError, RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad
@@ -6,9 +7,11 @@ from router.routing.cache_aware import CacheAwarePolicy
 from router.routing.prefix_hash import PrefixHashPolicy
 from router.routing.round_robin import RoundRobinPolicy
 
-POLICIES = {"round_robin": lambda index: RoundRobinPolicy(),
-            "prefix_hash": lambda index: PrefixHashPolicy(),
-            "cache_aware": lambda index: CacheAwarePolicy(index)}
+POLICIES = {
+    "round_robin": lambda index: RoundRobinPolicy(),
+    "prefix_hash": lambda index: PrefixHashPolicy(),
+    "cache_aware": lambda index: CacheAwarePolicy(index),
+}
 
 
 def make_policy(name: str, index=None) -> RoutingPolicy:
@@ -18,5 +21,15 @@ def make_policy(name: str, index=None) -> RoutingPolicy:
     return POLICIES[name](index)
 
 
-__all__ = ["NoWorkersError", "RouteDecision", "RouteQuery", "RoutingPolicy", "WorkerLoad", "make_policy",
-           "POLICIES", "CacheAwarePolicy", "PrefixHashPolicy", "RoundRobinPolicy"]
+__all__ = [
+    "POLICIES",
+    "CacheAwarePolicy",
+    "NoWorkersError",
+    "PrefixHashPolicy",
+    "RoundRobinPolicy",
+    "RouteDecision",
+    "RouteQuery",
+    "RoutingPolicy",
+    "WorkerLoad",
+    "make_policy",
+]

@@ -11,6 +11,7 @@ Contract (every implementation; tests/router/test_routing_contract.py runs each 
 Load figures are the router's own live view (requests it has in flight on each worker and the
 uncached prompt tokens it sent there that were not prefilled yet).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -53,7 +54,7 @@ class RoutingPolicy(ABC):
     async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
         """One worker of `workers` for this prompt (see the module contract)."""
 
-    def check_integrity(self) -> None:
+    def check_integrity(self) -> None:  # noqa: B027 - a default on purpose: stateless policies override nothing
         """Raises AssertionError if internal state is inconsistent; stateless policies have none."""
 
 

@@ -11,6 +11,7 @@ spread over the workers instead of piling onto the lowest id.
 The prefix comes from a `PrefixIndex` (in-process by default, Redis when configured); if the index
 cannot answer, the choice falls back to `prefix_hash` for that request (no client-visible error).
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,7 @@ class CacheAwarePolicy(RoutingPolicy):
             return min(self._score(query, w, 0, rank[w.worker_id]) for w in workers)[-1]
         try:
             matches = await self.index.match(query.block_hashes)
-        except Exception as err:  # an unreachable index degrades routing, never the request
+        except Exception as err:  # noqa: BLE001 - an unreachable index degrades routing, never the request
             self.index_failures += 1
             if not self._degraded:
                 log.warning("prefix index unavailable (%s); routing by prefix_hash until it returns", err)
@@ -47,8 +48,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self._degraded = False
         cached_blocks = {m.worker_id: m.num_blocks for m in matches}
         rank = {worker_id: i for i, worker_id in enumerate(self.fallback.preference(query, workers))}
-        decision = min(self._score(query, w, cached_blocks.get(w.worker_id, 0), rank[w.worker_id])
-                       for w in workers)[-1]
+        decision = min(self._score(query, w, cached_blocks.get(w.worker_id, 0), rank[w.worker_id]) for w in workers)[-1]
         # The best holder among these workers (ties: ring order), named so the chosen one can pull from it.
         holder = min(workers, key=lambda w: (-cached_blocks.get(w.worker_id, 0), rank[w.worker_id]))
         if cached_blocks.get(holder.worker_id, 0) == 0:

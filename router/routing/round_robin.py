@@ -1,4 +1,5 @@
 """`round_robin`: each worker in turn, ignoring cache and load (the baseline)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

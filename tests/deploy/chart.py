@@ -50,6 +50,8 @@ MATRIX: dict[str, dict] = {
         # OpenShift-style uids: large numbers must render as integers, not 1.00068e+09.
         "podSecurity": {"runAsUser": 1000680000, "runAsGroup": 1000680000, "fsGroup": 1000680000},
     },
+    "planner": {"planner": {"enabled": True, "profile": {"format": "splitserve-profile/v1", "kind": "measured"}},
+                "config": {"planner": {"interval_s": 15, "max_workers": 8}}},
     "minimal-objects": {"networkPolicy": {"enabled": False}, "serviceAccount": {"create": False},
                         "router": {"podDisruptionBudget": {"enabled": False}}, "test": {"enabled": False}},
     "tls-existing-secret": {"tls": {"enabled": True, "existingSecret": "router-tls", "caKey": ""},

@@ -9,6 +9,7 @@ import helm_python
 import pytest
 
 from cluster.config import ROUTING_POLICIES, ClusterConfig, ConfigError, PoolConfig, RouterConfig
+from cluster.planner_config import PlannerConfig
 from engine.config import DTYPES
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
@@ -20,6 +21,8 @@ CHART_OWNED_TOP = {"model_dir", "redis_url", "prefill", "decode", "router",
                    "ray_num_cpus",  # sizes a local Ray cluster; a release always joins KubeRay's
                    "cluster_name",  # the release's full name: one cluster (one controller) per release
                    "kv_cache_dtype", "quantization"}  # values.yaml `quantization:`
+# values.yaml `planner:` (enabled, the profile rendered into the ConfigMap) and the release's RayCluster
+CHART_OWNED_PLANNER = {"enabled", "profile_path", "raycluster_name", "raycluster_namespace"}
 CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource",
                     "speculative_config"}  # decode.speculativeConfig (decode only)
 CHART_OWNED_ROUTER = {"host", "port", "http_port", "policy", "auth_token_file", "metrics_port",
@@ -113,6 +116,8 @@ def test_chart_values_cover_each_config_key_exactly_once():
     assert top_passthrough.isdisjoint(CHART_OWNED_TOP) and top_passthrough | CHART_OWNED_TOP == _fields(ClusterConfig)
     assert set(pool).isdisjoint(CHART_OWNED_POOL) and set(pool) | CHART_OWNED_POOL == _fields(PoolConfig)
     assert set(router).isdisjoint(CHART_OWNED_ROUTER) and set(router) | CHART_OWNED_ROUTER == _fields(RouterConfig)
+    planner = config["planner"]["properties"]
+    assert set(planner).isdisjoint(CHART_OWNED_PLANNER) and set(planner) | CHART_OWNED_PLANNER == _fields(PlannerConfig)
 
 
 def test_schema_enums_match_the_config_loader():
@@ -138,7 +143,9 @@ def _sample(prop: dict):
         return prop.get("minimum", 0) + 7
     if "object" in kinds:
         return {k: _sample(p) for k, p in prop.get("properties", {}).items()}
-    return {"number": 2.5, "boolean": False, "string": "x"}[kinds[0]]
+    if "number" in kinds:
+        return min(2.5, prop.get("maximum", 2.5))
+    return {"boolean": False, "string": "x"}[kinds[0]]
 
 
 def test_every_passthrough_key_renders_into_a_config_the_loader_accepts():

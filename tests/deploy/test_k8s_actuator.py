@@ -17,7 +17,8 @@ from tests.deploy.crd_schema import validate_custom_resource
 
 
 def apply_patch(obj: dict, ops: list[dict]) -> dict:
-    """RFC 6902 `test` and `replace` on object / list paths (all the actuator sends)."""
+    """RFC 6902 `test`, `replace` and `add` (on an object member) on object / list paths (all the
+    actuator sends)."""
     out = copy.deepcopy(obj)
     for op in ops:
         *parents, last = [int(p) if p.isdigit() else p for p in op["path"].strip("/").split("/")]
@@ -28,6 +29,9 @@ def apply_patch(obj: dict, ops: list[dict]) -> dict:
             if node[last] != op["value"]:
                 raise ValueError(f"test failed at {op['path']}")
         elif op["op"] == "replace":
+            node[last]  # noqa: B018  (replace needs the target to exist: KeyError otherwise)
+            node[last] = op["value"]
+        elif op["op"] == "add" and isinstance(node, dict):
             node[last] = op["value"]
         else:
             raise ValueError(f"unexpected op {op['op']}")
@@ -53,6 +57,15 @@ def test_patch_scales_one_group_and_stays_valid(raycluster):
     shrunk = apply_patch(patched, replicas_patch(patched, "prefill", 1))
     validate_custom_resource(shrunk)
     assert groups(shrunk)["prefill"]["replicas"] == 1 and groups(shrunk)["prefill"]["minReplicas"] <= 1
+
+
+def test_a_shrink_names_the_drained_pods_for_kuberay_and_stays_valid(raycluster):
+    grown = apply_patch(raycluster, replicas_patch(raycluster, "decode", 3))
+    shrunk = apply_patch(grown, replicas_patch(grown, "decode", 1, ("rel-decode-b", "rel-decode-a")))
+    validate_custom_resource(shrunk)
+    decode = groups(shrunk)["decode"]
+    assert decode["replicas"] == 1 and decode["scaleStrategy"] == {"workersToDelete": ["rel-decode-a", "rel-decode-b"]}
+    assert "scaleStrategy" not in groups(shrunk)["prefill"]
 
 
 def test_a_reordered_cluster_refuses_the_patch_and_bad_input_is_named(raycluster):
@@ -116,7 +129,7 @@ def test_planner_rbac_renders_only_when_enabled_and_names_its_raycluster():
     import kubernetes_validate
 
     assert not [o for o in objects({}) if o["kind"] in ("Role", "RoleBinding")]
-    objs = objects({"planner": {"enabled": True}})
+    objs = objects({"planner": {"enabled": True, "profile": {"format": "splitserve-profile/v1"}}})
     role, binding = only(objs, "Role"), only(objs, "RoleBinding")
     for obj in (role, binding):
         kubernetes_validate.validate(obj, "1.37.0", strict=True)
@@ -125,3 +138,27 @@ def test_planner_rbac_renders_only_when_enabled_and_names_its_raycluster():
                     "resourceNames": [only(objs, "RayCluster")["metadata"]["name"]], "verbs": ["get", "patch"]}
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"][0]["name"] == only(objs, "ServiceAccount")["metadata"]["name"]
+
+
+def test_planner_values_render_its_config_profile_and_the_head_token_only():
+    from cluster.config import ClusterConfig
+    from tests.deploy.chart import cluster_config_raw, pod_templates
+
+    off = objects({})
+    assert cluster_config_raw(off)["planner"] == {"enabled": False}
+    assert all(t["spec"]["automountServiceAccountToken"] is False for t in pod_templates(off).values())
+    profile = {"format": "splitserve-profile/v1", "kind": "measured", "label": "l40s run"}
+    objs = objects({"planner": {"enabled": True, "profile": profile},
+                    "config": {"planner": {"interval_s": 10, "report_interval_s": 2, "ttft_ms": 500}}})
+    raw = cluster_config_raw(objs)
+    config = ClusterConfig.from_dict(raw).planner
+    assert (config.enabled, config.interval_s, config.report_interval_s, config.ttft_ms) == (True, 10, 2, 500)
+    assert config.raycluster_name == only(objs, "RayCluster")["metadata"]["name"]
+    assert config.raycluster_namespace == NAMESPACE
+    data = only(objs, "ConfigMap", "-config")["data"]
+    assert config.profile_path == "/etc/splitserve/planner-profile.json"
+    assert json.loads(data["planner-profile.json"]) == profile
+    tokens = {c: t["spec"]["automountServiceAccountToken"] for c, t in pod_templates(objs).items()}
+    assert tokens.pop("ray-head") is True and not any(tokens.values()), tokens  # the controller's pod only
+    with pytest.raises(Exception, match="planner.profile"):
+        objects({"planner": {"enabled": True}})

@@ -93,7 +93,7 @@ def check_fused(device: str, dtype: torch.dtype, tolerance: float) -> None:
     _close(triton_fused.rms_norm(q, norm.weight, 1e-6), cpu_norm(q.cpu()), tolerance)
     angles = torch.rand(7, 1, 12, generator=gen) * 6
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(device=device, dtype=dtype) for f in (torch.cos, torch.sin))
-    _close(triton_fused.rope(q, cos, sin), RotaryEmbedding.apply(q.cpu(), cos.cpu(), sin.cpu()), tolerance)
+    _close(triton_fused.rope(q, cos, sin), RotaryEmbedding.rotate(q.cpu(), cos.cpu(), sin.cpu()), tolerance)
     gate_up = qkv[:, :2 * 96].contiguous()
     gate, up = gate_up.cpu().chunk(2, dim=-1)
     _close(triton_fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, tolerance)

@@ -11,6 +11,9 @@ router's command line names it (`--ray-address`). */}}
 {{- toYaml (merge $owned (deepCopy (.extra | default dict))) -}}
 {{- end -}}
 
+{{/* The planner's profile: a file of the config ConfigMap (mounted at /etc/splitserve on every pod). */}}
+{{- define "splitserve.plannerProfileFile" -}}planner-profile.json{{- end -}}
+
 {{- define "splitserve.clusterConfig" -}}
 {{- $v := .Values -}}
 {{- $cfg := deepCopy $v.config -}}
@@ -43,6 +46,14 @@ router's command line names it (`--ray-address`). */}}
 {{- end }}
 {{- end }}
 {{- $_ = set $cfg "router" $router -}}
+{{- $planner := deepCopy ($cfg.planner | default dict) -}}
+{{- $_ = set $planner "enabled" $v.planner.enabled -}}
+{{- if $v.planner.enabled }}
+{{- $_ = set $planner "profile_path" (printf "/etc/splitserve/%s" (include "splitserve.plannerProfileFile" .)) -}}
+{{- $_ = set $planner "raycluster_name" (include "splitserve.rayClusterName" .) -}}
+{{- $_ = set $planner "raycluster_namespace" .Release.Namespace -}}
+{{- end }}
+{{- $_ = set $cfg "planner" $planner -}}
 {{- $mode := include "splitserve.redisMode" . -}}
 {{- if eq $mode "external-url" }}
 {{- $_ = set $cfg "redis_url" $v.redis.external.url -}}

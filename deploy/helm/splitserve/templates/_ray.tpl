@@ -50,7 +50,8 @@ volumeMounts:
 {{- end -}}
 
 {{/* A pod template of the RayCluster; call with (dict "ctx" $ "component" ... "scheduling" ...
-"container" <rendered container>). */}}
+"container" <rendered container> "token" bool). `token`: mount the service-account token (the head,
+with the planner on: its controller patches the RayCluster); every other pod runs without one. */}}
 {{- define "splitserve.rayPodTemplate" -}}
 {{- $ctx := .ctx -}}
 metadata:
@@ -58,7 +59,7 @@ metadata:
     {{- include "splitserve.labels" (dict "ctx" $ctx "component" .component) | nindent 4 }}
 spec:
   serviceAccountName: {{ include "splitserve.serviceAccountName" $ctx }}
-  automountServiceAccountToken: false
+  automountServiceAccountToken: {{ .token | default false }}
   enableServiceLinks: false
   securityContext:
     {{- include "splitserve.podSecurityContext" $ctx.Values.podSecurity | nindent 4 }}
@@ -90,7 +91,8 @@ pool's custom resource, pool.numCpus logical CPUs and, with GPUs, one GPU. */}}
 {{- end }}
 {{- $container := dict "ctx" $ctx "role" "worker" "resources" $resources "probePort" (include "splitserve.port.raylet" $ctx) -}}
 - groupName: {{ .name }}
-  # The launcher starts a fixed number of actors: the group neither grows nor shrinks.
+  # The controller starts a fixed number of actors; with the planner on, it patches replicas (raising
+  # maxReplicas as needed) and names the drained pods in scaleStrategy.workersToDelete on the way down.
   replicas: {{ $pool.replicas | int64 }}
   minReplicas: {{ $pool.replicas | int64 }}
   maxReplicas: {{ $pool.replicas | int64 }}

@@ -1,0 +1,71 @@
+"""The simulator against a real `splitserve bench` run, in CI: 1P1D at one rate (benchmarks/validate_sim.py,
+the full validation, runs 3 shapes x 3 rates and is the README's table).
+
+In one test, on the tiny test model: the engine's profile measured in this process (the quick grid),
+the cluster's overheads calibrated against the running 1P1D cluster, then one Poisson bench run for
+real and the simulation of the very same requests. Asserted: goodput within 30%, under an SLO
+(TTFT 200 ms, TPOT 60 ms) loose enough that this box's contention does not decide it (10-15x the tiny
+model's p50s here, 2-3x the p99s measured at a load average of 14) and tight enough to matter: the
+same simulation with every cost 20x dearer (engine steps, cluster overheads, hand-off) must miss the
+measured goodput by more than the bound, so an order-of-magnitude modelling error fails the check
+instead of hiding under a loose SLO. That is all a CI check can promise on this box: contention moves
+the measured tail latencies by up to ~10x, so a tighter SLO would fail whenever the box is busy.
+
+Why goodput and why 30% (the issue's target for the full validation is 15%): this box has 2 cores
+shared with other jobs, and the profile times one engine alone, so every latency figure carries
+contention the simulator does not model (the README's validation section measured p50 errors of
+-80% to +500% on a loaded box). Goodput (requests meeting the SLO per second) is what the planner
+sizes pools by, and at a rate the cluster can serve it stays near the offered rate on both sides
+unless the model of step costs, batching or hand-off is grossly wrong — a profile off by 20x, a
+hand-off charged per token instead of per byte, batches never formed: those push the predicted
+latencies past the SLO and the predicted goodput far below the measured one. 30% leaves room for
+the requests a noisy run loses to the SLO (32 requests: one is 3%) without hiding such an
+error. The latencies are printed (pytest -s) for the record, not asserted.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from argparse import Namespace
+
+from benchmarks.validate_sim import format_row, run_shape, spec_for
+from cluster.sim.config import SimConfig
+from cluster.sim.profile import Overheads, Profile, Transfer
+from cluster.sim.profiler import Grid, measure_profile
+from cluster.sim.simulator import simulate
+from loadtest.sim_workload import limits_of, sim_requests
+from tests.factories import TinySpec
+
+GOODPUT_BOUND = 0.30
+
+
+def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, checkpoint):
+    model_dir = str(checkpoint(TinySpec()))
+    profile = measure_profile(model_dir, threads=1, grid=Grid.quick())
+    args = Namespace(rates=[4.0], num_requests=32, prompt_len="uniform:16,200", output_len="uniform:8,24",
+                     ttft_ms=200.0, tpot_ms=60.0, max_concurrency=64, seed=0)
+    profile, (row,) = asyncio.run(asyncio.wait_for(run_shape(model_dir, (1, 1), profile, args, calibrate=True), 120))
+    print(format_row(row))
+    goodput = row["goodput"]
+    assert goodput["measured"] > 0 and goodput["predicted"] > 0
+    assert abs(goodput["error"]) <= GOODPUT_BOUND, format_row(row)
+    dearer = _goodput(_dearer(profile, 20.0), args)  # a 20x modelling error would fail the bound above
+    assert dearer < (1 - GOODPUT_BOUND) * goodput["measured"], f"the SLO is too loose to test anything ({dearer:.2f}/s)"
+
+
+def _dearer(profile: Profile, factor: float) -> Profile:
+    """Every cost `factor` times: engine steps, the calibrated cluster overheads, the hand-off."""
+    steps = {tp: dataclasses.replace(cost, dense_s=tuple(v * factor for v in cost.dense_s),
+                                     per_seq_s=cost.per_seq_s * factor, prefill_pair_s=cost.prefill_pair_s * factor,
+                                     decode_context_s=cost.decode_context_s * factor)
+             for tp, cost in profile.steps.items()}
+    overheads = Overheads(*(v * factor for v in dataclasses.astuple(profile.overheads)))
+    transfer = Transfer(profile.transfer.latency_s * factor, profile.transfer.bytes_per_s / factor)
+    return dataclasses.replace(profile, steps=steps, overheads=overheads, transfer=transfer)
+
+
+def _goodput(profile: Profile, args) -> float:
+    spec = spec_for(args, args.rates[0])
+    requests, _ = sim_requests(spec, limits_of(profile), profile.model.block_size, args.seed)
+    config = SimConfig(ttft_slo_s=args.ttft_ms / 1e3, tpot_slo_s=args.tpot_ms / 1e3, max_concurrency=args.max_concurrency)
+    return simulate(config, profile, requests).summary().goodput_per_s
