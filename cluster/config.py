@@ -11,12 +11,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.admission_config import AdmissionConfig
 from cluster.planner_config import PlannerConfig
 from engine.config import DTYPES, EngineConfig
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
 from engine.speculative.config import SpeculativeConfig
-from router.admission.config import AdmissionConfig
 
 
 class ConfigError(ValueError):

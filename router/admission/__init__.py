@@ -10,8 +10,8 @@ step-time and observed-TTFT models), `view` (the request and cluster snapshot a 
 
 from __future__ import annotations
 
+from cluster.admission_config import ADMISSION_POLICIES, AdmissionConfig, PrioritySlo, Slo
 from router.admission.base import AdmissionDecision, AdmissionPolicy, Cause
-from router.admission.config import ADMISSION_POLICIES, AdmissionConfig, PrioritySlo, Slo
 from router.admission.cost_model import (
     DecodeCostModel,
     DecodeStepFit,

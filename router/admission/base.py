@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from enum import StrEnum
 from typing import ClassVar, NamedTuple
 
-from router.admission.config import AdmissionConfig, Slo
+from cluster.admission_config import AdmissionConfig, Slo
 from router.admission.decode_projection import time_until_blocks_free_s
 from router.admission.predictor import Prediction
 from router.admission.view import AdmissionRequest, ClusterView
