@@ -27,28 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_overhead import _small_model
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
 from loadtest.records import read_jsonl
 from loadtest.stats import percentile
-
-
-def _small_model() -> str:
-    from engine.demo_model import write_demo_model
-
-    out = tempfile.mkdtemp(prefix="splitserve-bench-model-")
-    write_demo_model(
-        out,
-        progress=False,
-        config_overrides={
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-        },
-    )
-    return out
 
 
 async def _bench(backend: str, target: str, flags: list[str], out: Path, seed: int) -> list:
