@@ -122,6 +122,13 @@ class EngineConfig:
                 "hands off; speculation belongs to decode and colocated engines",
             )
 
+    @property
+    def decode_chunk_tokens(self) -> int:
+        """Longest chunk a step lays out as decode rows: 1, or 1 + k when speculating (a verify chunk:
+        the last token and up to k drafts, engine/model_runner.py)."""
+        spec = self.speculative_config
+        return 1 + spec.num_speculative_tokens if isinstance(spec, SpeculativeConfig) else 1
+
     def kv_format(self, model: ModelConfig) -> KVFormat:
         return kv_format(self.kv_cache_dtype, model.torch_dtype)
 

@@ -21,14 +21,15 @@ import torch
 
 from engine.attention import AttentionMetadata
 
-# Padded batch sizes a graph is captured for (up to the engine's max_num_seqs).
-_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Padded row counts a graph is captured for (up to the engine's most decode rows: max_num_seqs, times
+# 1 + k with speculation, whose verify chunks are decode rows too).
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536)
 _FIELDS = 4  # input_ids, positions, slot_mapping, context_lens; then the block table
 
 
-def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    sizes = tuple(b for b in _BUCKETS if b < max_num_seqs)
-    return (*sizes, min(max_num_seqs, _BUCKETS[-1]))
+def graph_batch_sizes(max_rows: int) -> tuple[int, ...]:
+    sizes = tuple(b for b in _BUCKETS if b < max_rows)
+    return (*sizes, min(max_rows, _BUCKETS[-1]))
 
 
 def unpack(buffer: torch.Tensor, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +99,13 @@ class DecodeGraphs:
         self,
         run: Callable,
         device: torch.device,
-        max_num_seqs: int,
+        max_rows: int,
         max_model_len: int,
         block_size: int,
         scratch_block: int,
     ):
         self._run, self._device = run, device
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = graph_batch_sizes(max_rows)
         self.width = -(-max_model_len // block_size)
         self.block_size, self.scratch_block = block_size, scratch_block
         self._graphs: dict[int, _Graph] = {}

@@ -158,14 +158,16 @@ class LLMEngine:
         drafts: dict = {}  # seq id -> Drafts, when speculating
         if lookahead and self.spec is not None:
             chunks, drafts = self.spec.propose(chunks, self.kv.block_table, self._sampling_row)
-        chunks = order_chunks(chunks)
+        chunks = order_chunks(chunks, self.config.decode_chunk_tokens)
         # (tokens computed, sequences, KV tokens attended) of this step: the step log records it
         self.last_step_shape = (
             sum(c.num_new_tokens for c in chunks),
             len(chunks),
             sum(c.start + c.num_new_tokens for c in chunks),
         )
-        step_input = build_step_input(chunks, self.kv.block_table, self.config.block_size)
+        step_input = build_step_input(
+            chunks, self.kv.block_table, self.config.block_size, self.config.decode_chunk_tokens
+        )
         logits = self.execute(step_input)
         updates = self._postprocess(chunks, logits, drafts)
         if self.spec is not None:

@@ -80,17 +80,26 @@ class StepChunk(Protocol):
 ChunkT = TypeVar("ChunkT", bound=StepChunk)
 
 
-def order_chunks(chunks: Sequence[ChunkT]) -> list[ChunkT]:
-    """Single-token chunks first (the batched decode path), then multi-token chunks."""
-    return [c for c in chunks if c.num_new_tokens == 1] + [c for c in chunks if c.num_new_tokens > 1]
+def order_chunks(chunks: Sequence[ChunkT], decode_chunk_tokens: int = 1) -> list[ChunkT]:
+    """Chunks of up to `decode_chunk_tokens` tokens first (the batched decode rows), then longer ones."""
+    short = [c for c in chunks if c.num_new_tokens <= decode_chunk_tokens]
+    return short + [c for c in chunks if c.num_new_tokens > decode_chunk_tokens]
 
 
 def build_step_input(
-    chunks: Sequence[StepChunk], block_table: Callable[[str], Sequence[int]], block_size: int
+    chunks: Sequence[StepChunk],
+    block_table: Callable[[str], Sequence[int]],
+    block_size: int,
+    decode_chunk_tokens: int = 1,
 ) -> StepInput:
-    """`chunks` must already be in `order_chunks` order. A chunk is anything with `seq`, `start`,
-    `num_new_tokens`, `input_token_ids` and `num_logits_rows` (its last rows whose logits are
-    returned, in order): a `ScheduledChunk`, or a draft model's chunk (engine/speculative)."""
+    """`chunks` must already be in `order_chunks(chunks, decode_chunk_tokens)` order. A chunk is
+    anything with `seq`, `start`, `num_new_tokens`, `input_token_ids` and `num_logits_rows` (its last
+    rows whose logits are returned, in order): a `ScheduledChunk`, or a draft model's chunk.
+
+    A chunk of at most `decode_chunk_tokens` tokens becomes that many decode rows, row i attending to
+    the cache up to its own position (its own KV is written before attention reads it), so a verify
+    chunk (a token + its drafts, engine/speculative) runs through the decode kernels and CUDA graphs
+    with no padding: rows are counted per token, not per longest chunk."""
     positions: list[int] = []
     slots: list[int] = []
     ids: list[int] = []
@@ -105,9 +114,9 @@ def build_step_input(
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(chunk.start, end))
         logits_rows.extend(range(len(ids) - chunk.num_logits_rows, len(ids)))
         num_blocks = (end + block_size - 1) // block_size
-        if chunk.num_new_tokens == 1:
-            decode_tables.append(table[:num_blocks])
-            decode_lens.append(end)
+        if chunk.num_new_tokens <= decode_chunk_tokens:
+            decode_tables.extend([table[:num_blocks]] * chunk.num_new_tokens)
+            decode_lens.extend(range(chunk.start + 1, end + 1))
         else:
             prefill_q.append(chunk.num_new_tokens)
             prefill_ctx.append(end)
@@ -172,7 +181,10 @@ class ModelRunner:
         num_blocks: int,
         tp: TensorParallelGroup = SINGLE_RANK,
         progress: bool = False,
+        max_decode_rows: int | None = None,
     ):
+        """`max_decode_rows`: most decode rows one step has (default: max_num_seqs x the config's
+        `decode_chunk_tokens`); CUDA graphs are captured up to it."""
         self.block_size = engine_cfg.block_size
         self.device = resolve_device(engine_cfg.device)
         self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress).to(self.device)
@@ -199,7 +211,7 @@ class ModelRunner:
             DecodeGraphs(
                 self._decode_logits,
                 self.device,
-                engine_cfg.max_num_seqs,
+                max_decode_rows or engine_cfg.max_num_seqs * engine_cfg.decode_chunk_tokens,
                 max_model_len,
                 self.block_size,
                 scratch_block=num_blocks,

@@ -5,7 +5,8 @@ into a cache directory keyed by its content hash (`$SPLITSERVE_KERNEL_DIR`, defa
 ~/.cache/splitserve/kernels). Where no compiler works, `decode_attention_kernel()` returns None and
 the engine uses its PyTorch path; `SPLITSERVE_ATTENTION=torch` forces that path for attention.
 Kernels: `paged_decode_attention.c` (decode attention over fp32 / int8 / fp8 caches) and
-`int8_linear.c` (weight-only int8 matmul); `widen.h` is their shared int8 / fp8 → fp32 widening.
+`int8_linear.c` / `fp32_linear.c` (skinny matmuls for a few rows, int8 or fp32 weights, both from
+`skinny_linear.h`); `widen.h` is their shared int8 / fp8 → fp32 widening.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 SIGNATURES = {
     "paged_decode_attention": [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float, _I64],
     "int8_linear": [_PTR] * 4 + [_I64] * 4,
+    "fp32_linear": [_PTR] * 4 + [_I64] * 4,
 }
 _lock = threading.Lock()
 _kernels: dict[str, object] = {}  # memo: name → function or None

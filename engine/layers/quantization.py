@@ -4,7 +4,8 @@ A linear layer (engine/layers/linear.py) owns its sharding and asks its `LinearM
 weight parameters and to apply them; the method never knows about tensor parallelism, the layer never
 knows about number formats. A tiny registry (`QUANTIZATIONS`) names the methods:
 
-- `none`: the checkpoint's weights in the model dtype, `F.linear`.
+- `none`: the checkpoint's weights in the model dtype, `F.linear` (a skinny C kernel for a few fp32
+  rows on CPU: engine/layers/dense_matmul.py).
 - `int8`: weight-only, symmetric, one fp32 scale per output channel, quantized at load from the HF
   checkpoint. The scale of a row is taken over the full checkpoint row before the layer keeps its
   shard, so a row-parallel rank's slice is exactly the single-rank int8 weights' slice and tensor
@@ -14,9 +15,9 @@ knows about number formats. A tiny registry (`QUANTIZATIONS`) names the methods:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.dense_matmul import dense_linear
 from engine.layers.int8_matmul import int8_matmul
 
 
@@ -40,7 +41,7 @@ class Unquantized(LinearMethod):
         layer.weight.weight_loader = layer.weight_loader
 
     def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)  # the fused bias, as HF's nn.Linear adds it
+        return dense_linear(x, layer.weight, bias)
 
 
 class Int8WeightOnly(LinearMethod):

@@ -32,7 +32,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.model_loader import load_model_config
-from engine.model_runner import ModelRunner, build_step_input, order_chunks
+from engine.model_runner import ModelRunner, StepInput, build_step_input, order_chunks
 from engine.parallel import SINGLE_RANK
 from engine.sampler import Sampler, SamplingRow, processed_logits
 from engine.sequence import Sequence
@@ -104,8 +104,17 @@ class DraftModelProposer:
         sampler: Sampler,
         progress: bool = False,
     ):
+        # The draft's chunks after a verify step (accepted drafts + the new token) are as short as a
+        # verify chunk: decode rows, as in the target (graphs on CUDA included).
+        self.decode_chunk_tokens = config.decode_chunk_tokens
         self.runner = ModelRunner(
-            draft_engine_config(config), draft_model, max_model_len, num_blocks, SINGLE_RANK, progress
+            draft_engine_config(config),
+            draft_model,
+            max_model_len,
+            num_blocks,
+            SINGLE_RANK,
+            progress,
+            max_decode_rows=config.max_num_seqs * self.decode_chunk_tokens,
         )
         self.block_size = config.block_size
         self.max_catch_up_tokens = config.prefill_chunk_tokens
@@ -124,8 +133,8 @@ class DraftModelProposer:
         probs: dict[str, list[torch.Tensor | None]] = {seq.seq_id: [] for seq, _ in jobs}
         for step in range(max((k for _, k in jobs), default=0)):
             active = [seq for seq, k in jobs if k > step]
-            chunks = order_chunks([self._chunk(seq, tokens[seq.seq_id]) for seq in active])
-            logits = self.runner.execute(build_step_input(chunks, block_table, self.block_size))
+            chunks = order_chunks([self._chunk(seq, tokens[seq.seq_id]) for seq in active], self.decode_chunk_tokens)
+            logits = self.runner.execute(self._step_input(chunks, block_table))
             rows = [sampling_row(chunk.seq, tokens[chunk.seq.seq_id]) for chunk in chunks]
             for chunk, token, q in zip(chunks, *self._choose(logits, rows), strict=True):
                 tokens[chunk.seq.seq_id].append(token)
@@ -145,10 +154,13 @@ class DraftModelProposer:
             DraftChunk(seq, seq.num_draft_computed_tokens, seq.token_ids[seq.num_draft_computed_tokens :][:cap], 0)
             for seq in lagging
         ]
-        self.runner.forward(build_step_input(order_chunks(chunks), block_table, self.block_size))
+        self.runner.forward(self._step_input(order_chunks(chunks, self.decode_chunk_tokens), block_table))
         for chunk in chunks:
             chunk.seq.num_draft_computed_tokens += chunk.num_new_tokens
         return [(seq, k) for seq, k in jobs if seq not in lagging]
+
+    def _step_input(self, chunks: list[DraftChunk], block_table: Callable[[str], Seq[int]]) -> StepInput:
+        return build_step_input(chunks, block_table, self.block_size, self.decode_chunk_tokens)
 
     @staticmethod
     def _chunk(seq: Sequence, drafted: list[int]) -> DraftChunk:
