@@ -14,7 +14,8 @@ X, the model's own greedy continuation G of X (computed here without speculation
 continuation after the second X tends to repeat G, which prompt lookup can find.
 
 TPOT: each request's mean time per output token after the first (RequestMetrics.tpot_s), averaged over
-the batch; tokens/s: output tokens of the batch / wall time of its `generate`. Acceptance: drafts
+the batch; tokens/s: output tokens of the batch / wall time of its `generate`. Each arm runs
+`--repeats` times per batch, round-robin with the others, and every figure is the median. Acceptance: drafts
 accepted / proposed during that arm. `--handoff-prompt N` also times the draft's catch-up over an
 N-token prompt (what a decode instance computes after a hand-off) against the target's prefill of it.
 """
@@ -87,6 +88,23 @@ def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, 
     return row, [list(o.token_ids) for o in outs]
 
 
+def measure_batch(arms: dict[str, LLM], prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
+    """Each arm `repeats` times, round-robin (so drift on a shared machine spreads over every arm), the
+    median of each figure; `exact`: every repeat's tokens equal plain's first."""
+    samples: dict[str, list[dict]] = {name: [] for name in arms}
+    reference, exact = None, dict.fromkeys(arms, True)
+    for _ in range(repeats):
+        for name, llm in arms.items():
+            row, tokens = measure(llm, prompts, max_tokens)
+            samples[name].append(row)
+            reference = tokens if reference is None else reference
+            exact[name] = exact[name] and tokens == reference
+    return {
+        name: {**{key: statistics.median(r[key] for r in rows) for key in rows[0]}, "exact": exact[name]}
+        for name, rows in samples.items()
+    }
+
+
 def handoff_catch_up(llm: LLM, prompt_tokens: int, repeats: int = 3) -> dict:
     """After a hand-off the decode side holds the target's prompt KV; the draft's must be computed there
     (one draft forward over the prompt) or sent along. Times that forward against the target's prefill
@@ -138,13 +156,10 @@ def run(args) -> dict:
     prompts = repeat_workload(plain, max(args.batches), args.text_tokens, args.seed)
     for llm in arms.values():  # warm-up: first-call costs, and the adaptive switch's first measurements
         measure(llm, prompts[:1], 8)
-    results = {"model": str(model_dir), "k": k, "draft_layers": args.draft_layers, "batches": {}}
+    results = {"model": str(model_dir), "k": k, "draft_layers": args.draft_layers, "repeats": args.repeats}
+    results["batches"] = {}
     for batch in args.batches:
-        rows, reference = {}, None
-        for name, llm in arms.items():
-            rows[name], tokens = measure(llm, prompts[:batch], args.max_tokens)
-            reference = tokens if reference is None else reference
-            rows[name]["exact"] = tokens == reference
+        rows = measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats)
         for row in rows.values():
             row["tpot_ratio"] = rows["plain"]["tpot_ms"] / row["tpot_ms"]  # > 1: lower TPOT than plain
             row["throughput_ratio"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
@@ -184,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (2 oversubscribes a shared 2-core box)")
     parser.add_argument("--handoff-prompt", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per arm and batch, round-robin; medians")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU machine)")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
     parser.add_argument("--json", default=None, help="also write the results here")

@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-env,tests,decode,generate,handoff}
+STAGES=${STAGES:-env,tests,decode,generate,handoff,spec,spec1b}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error GLOO_SOCKET_IFNAME=lo
 export SPLITSERVE_KERNEL_DIR=${SPLITSERVE_KERNEL_DIR:-/tmp/splitserve-kernels}
@@ -26,9 +26,15 @@ stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.
     $PYTHON -c 'import torch, triton, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, \
     transformers.__version__, torch.cuda.get_device_name())'"
 stage tests 240 $PYTHON -m pytest -q -rfEs -p no:randomly --timeout 150 \
-    tests/engine/test_triton_decode.py tests/engine/test_cuda_engine.py \
+    tests/engine/test_triton_decode.py tests/engine/test_cuda_engine.py tests/engine/test_cuda_speculative.py \
     tests/kvtransfer/test_transport_contract.py -k "not gloo" --junit-xml="$OUT/tests.xml"
 stage decode 170 $PYTHON -m benchmarks.bench_gpu_decode --out "$OUT/decode.json"
 stage generate 120 $PYTHON -m benchmarks.bench_gpu_generate --out "$OUT/generate.json"
 stage handoff 100 $PYTHON -m benchmarks.bench_gpu_handoff --out "$OUT/handoff.json"
+stage spec 240 $PYTHON -m benchmarks.bench_spec --device cuda --dtype float32 --batches 1,8,64 --max-tokens 64 \
+    --text-tokens 48 --handoff-prompt 256 --json "$OUT/spec_fp32.json"
+stage spec1b 300 bash -c "$PYTHON -c 'from pathlib import Path; from benchmarks.bench_gpu_decode import build_checkpoint; \
+    build_checkpoint(Path(\"/tmp/llama1b\"))' && $PYTHON -m benchmarks.bench_spec --model /tmp/llama1b --device cuda \
+    --dtype bfloat16 --batches 1,8,64 --max-tokens 64 --text-tokens 48 --handoff-prompt 512 --repeats 2 \
+    --json $OUT/spec_1b_bf16.json"
 } 2>&1 | tee "$OUT/all.log"
