@@ -31,7 +31,7 @@ from engine.speculative.adaptive import AdaptiveSwitch
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.counters import SpecCounters
 from engine.speculative.ngram import NgramProposer
-from engine.speculative.rejection import Drafts, verify
+from engine.speculative.rejection import Drafts, matching_prefix, verify
 
 
 class SpeculativeDecoder:
@@ -91,28 +91,48 @@ class SpeculativeDecoder:
         self, chunks: Seq[ScheduledChunk], logits: torch.Tensor, rows: Seq[SamplingRow], drafts: dict
     ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
         """(tokens, their target logprobs) per sampling chunk; `rows`/`logits` hold each chunk's
-        `num_logits_rows` rows in order."""
+        `num_logits_rows` rows in order.
+
+        Plain chunks and greedy verify chunks share one sampler call (one argmax and one host copy per
+        step, not one per sequence): a greedy verify row's token is the target's own pick, so the
+        accepted drafts are the longest prefix equal to those picks and the logprobs of every emitted
+        token are the call's. Random verify chunks take rejection sampling one by one."""
         offsets = [0]
         for chunk in chunks:
             offsets.append(offsets[-1] + chunk.num_logits_rows)
+        batched = [i for i, c in enumerate(chunks) if not c.draft_token_ids or rows[offsets[i]].params.greedy]
+        spans = [offsets[i : i + 2] for i in batched]
+        picks = dict(zip(batched, self._sample_batched(logits, rows, spans), strict=True))
         out = []
-        plain = [i for i, chunk in enumerate(chunks) if not chunk.draft_token_ids]
-        plain_rows = [offsets[i] for i in plain]
-        plain_tokens = {}
-        if plain:
-            sampled = self.sampler(logits[plain_rows], [rows[r] for r in plain_rows])
-            plain_tokens = dict(zip(plain, zip(sampled.token_ids, sampled.logprobs, strict=True), strict=True))
         for index, chunk in enumerate(chunks):
-            start, count = offsets[index], chunk.num_logits_rows
-            if index in plain_tokens:
-                token, logprob = plain_tokens[index]
-                out.append(([token], [logprob]))
-            else:
-                chunk_rows, chunk_logits = rows[start : start + count], logits[start : start + count]
-                tokens = verify(self.sampler, chunk_logits, chunk_rows, drafts[chunk.seq.seq_id])
+            drafted, (start, end) = chunk.draft_token_ids, offsets[index : index + 2]
+            if index in picks:
+                targets, target_logprobs = picks[index]
+                emitted = 1 + matching_prefix(drafted, targets)
+                tokens, logprobs = targets[:emitted], target_logprobs[:emitted]
+            else:  # a random verify chunk: rejection sampling
+                tokens = verify(self.sampler, logits[start:end], rows[start:end], drafts[chunk.seq.seq_id])
                 ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-                out.append((tokens, token_logprobs(chunk_logits[: len(tokens)], chunk_rows[: len(tokens)], ids)))
-                self._count(chunk.seq, len(chunk.draft_token_ids), len(tokens) - 1)
+                logprobs = token_logprobs(logits[start : start + len(tokens)], rows[start : start + len(tokens)], ids)
+            if drafted:
+                self._count(chunk.seq, len(drafted), len(tokens) - 1)
+            out.append((tokens, logprobs))
+        return out
+
+    def _sample_batched(
+        self, logits: torch.Tensor, rows: Seq[SamplingRow], spans: list[list[int]]
+    ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """One sampler call over the rows of every (start, end) span; each span's tokens and logprobs."""
+        if not spans:
+            return []
+        indices = [r for start, end in spans for r in range(start, end)]
+        contiguous = indices == list(range(len(rows)))
+        picked = logits if contiguous else logits[torch.tensor(indices, device=logits.device)]
+        result = self.sampler(picked, [rows[r] for r in indices])
+        out, at = [], 0
+        for start, end in spans:
+            out.append((result.token_ids[at : at + end - start], result.logprobs[at : at + end - start]))
+            at += end - start
         return out
 
     def _count(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:

@@ -9,10 +9,10 @@ which costs nothing (the sequence decodes as usual that step).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+_ITEM_BYTES = 8  # tokens are searched as int64s
 
 
 class NgramProposer:
@@ -23,19 +23,22 @@ class NgramProposer:
         """Up to `max_tokens` drafts continuing `token_ids` (possibly none)."""
         if max_tokens <= 0 or len(token_ids) < self.min_n + 1:
             return ()
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = _last_earlier_match(tokens, n)
+        # bytes.rfind is a C substring search: one pass per n, no Python loop over positions (this
+        # runs for every decoding sequence on every speculating step).
+        data = array("q", token_ids).tobytes()
+        for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
+            start = _last_earlier_match(data, n)
             if start is not None:
-                follow = tokens[start + n : start + n + max_tokens]
-                if follow.size:
-                    return tuple(follow.tolist())
+                return tuple(token_ids[start + n : start + n + max_tokens])
         return ()
 
 
-def _last_earlier_match(tokens: np.ndarray, n: int) -> int | None:
-    """Start of the latest occurrence of the last `n` tokens that ends before the sequence does."""
-    suffix = tokens[-n:]
-    windows = sliding_window_view(tokens[:-1], n)  # every window ending before the last token
-    hits = np.flatnonzero((windows == suffix).all(axis=1))
-    return int(hits[-1]) if hits.size else None
+def _last_earlier_match(data: bytes, n: int) -> int | None:
+    """Start (in tokens) of the latest occurrence of the last `n` tokens that ends before the last token."""
+    suffix = data[-n * _ITEM_BYTES :]
+    end = len(data) - _ITEM_BYTES  # the match must lie within every token but the last
+    while (hit := data.rfind(suffix, 0, end)) >= 0:
+        if hit % _ITEM_BYTES == 0:
+            return hit // _ITEM_BYTES
+        end = hit + len(suffix) - 1  # a match across token boundaries: look further back
+    return None

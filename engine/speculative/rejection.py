@@ -45,7 +45,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], 
     k = len(drafts.token_ids)
     if rows[0].params.greedy:
         targets = sampler(logits, rows).token_ids
-        accepted = _matching_prefix(drafts.token_ids, targets)
+        accepted = matching_prefix(drafts.token_ids, targets)
         return [*drafts.token_ids[:accepted], targets[accepted]]
     probs = processed_logits(logits, rows).softmax(dim=-1)
     draft_ids = torch.tensor(drafts.token_ids, dtype=torch.long, device=probs.device)
@@ -78,7 +78,8 @@ def _residual(p: torch.Tensor, drafts: Drafts, index: int) -> torch.Tensor:
     return residual
 
 
-def _matching_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
+def matching_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many drafts equal the target's picks, from the first on (greedy acceptance)."""
     for index, token in enumerate(drafts):
         if targets[index] != token:
             return index

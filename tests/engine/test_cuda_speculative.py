@@ -35,7 +35,9 @@ def test_fp32_speculation_equals_hf_on_cuda(method, cuda_graphs, checkpoint, mak
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [list(o.token_ids) for o in outs] == expected
     counters = llm.engine.spec.counters
-    assert counters.accepted_tokens > 0
+    assert counters.draft_tokens > 0
+    if method == "ngram":
+        assert counters.accepted_tokens > 0
     if method == "self-draft":
         assert counters.accepted_tokens == counters.draft_tokens
     graphs = llm.engine.runner.graphs

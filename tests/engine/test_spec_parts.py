@@ -127,3 +127,33 @@ def test_engine_config_takes_the_dict_and_refuses_the_prefill_role():
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
     with pytest.raises(ValueError, match="speculative_config"):
         EngineConfig(role="prefill", speculative_config={"method": "ngram"})
+
+
+def _brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, ...]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            return tuple(tokens[starts[-1] + n:starts[-1] + n + k])
+    return ()
+
+
+def test_prompt_lookup_equals_a_brute_force_search():
+    import random
+
+    rng = random.Random(7)
+    for trial in range(400):
+        # Few distinct values so n-grams recur; large ids so byte patterns straddle token boundaries.
+        values = [rng.randrange(3), rng.randrange(3) << 40, 1 + (1 << 8), 256, 2**62 + rng.randrange(2)]
+        tokens = [rng.choice(values) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 3)
+        max_n = min_n + rng.randrange(0, 4)
+        k = rng.randrange(0, 6)
+        want = _brute_force_lookup(tokens, min_n, max_n, k) if k and len(tokens) >= min_n + 1 else ()
+        assert NgramProposer(min_n, max_n).propose(tokens, k) == want, (tokens, min_n, max_n, k)
+
+
+def test_prompt_lookup_ignores_byte_matches_across_token_boundaries():
+    a, b = 0x11 << 56, 0x22  # little-endian bytes: ... 00 11 | 22 00 ...
+    x = 0x0000002211000000  # = the 8 bytes straddling a and b
+    assert NgramProposer(1, 1).propose([a, b, 5, x], 2) == ()
+    assert NgramProposer(1, 1).propose([x, 9, a, b, 5, x], 2) == (9, a)
