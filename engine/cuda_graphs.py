@@ -8,13 +8,15 @@ Shapes are fixed per graph: `batch` rows (the step's decode rows, then padding) 
 wide as `max_model_len` needs. Everything a step changes lives in one device buffer (`_Inputs`)
 refreshed by a single host-to-device copy from a pinned staging buffer. Padding rows write their
 KV into a scratch block that no sequence owns (the storage's last block, outside the block pool)
-and attend to that block alone, so they never touch real KV. Graphs are captured lazily, the first
-time a padded batch size is needed, each with its own memory pool.
+and attend to that block alone, so they never touch real KV. `capture_all()` captures every size up
+front, largest first, all in one memory pool (steps never overlap, so their graphs can share it); a
+size not captured yet is captured the first time a step needs it (a one-off stall of that step).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -67,7 +69,7 @@ class _Graph:
     """One captured decode step for `batch` rows: its input buffer and output logits."""
 
     def __init__(
-        self, batch: int, width: int, device: torch.device, run: Callable, scratch_block: int, block_size: int
+        self, batch: int, width: int, device: torch.device, run: Callable, scratch_block: int, block_size: int, pool
     ):
         self.batch, self.width = batch, width
         self.host = torch.empty(batch * (_FIELDS + width), dtype=torch.int64, pin_memory=True)
@@ -84,7 +86,7 @@ class _Graph:
             run(ids, positions, meta)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.logits = run(ids, positions, meta)
 
 
@@ -92,7 +94,7 @@ class DecodeGraphs:
     """Runs decode-only steps of up to `max_batch` sequences through captured graphs.
 
     `run(ids, positions, meta)` is the step's forward pass returning logits for every row. The
-    logits it returns for a step stay valid until the next step replays the same graph.
+    logits it returns for a step stay valid until the next step (all graphs share one memory pool).
     """
 
     def __init__(
@@ -109,6 +111,13 @@ class DecodeGraphs:
         self.width = -(-max_model_len // block_size)
         self.block_size, self.scratch_block = block_size, scratch_block
         self._graphs: dict[int, _Graph] = {}
+        self.replays: Counter[int] = Counter()  # steps replayed per padded size (tests, diagnostics)
+        self._pool: object | None = None  # the shared memory pool, once the first graph is captured
+
+    def capture_all(self) -> None:
+        """Captures every padded size now (largest first: the pool is sized by the first capture)."""
+        for size in reversed(self.sizes):
+            self._graph(size)
 
     def can_run(self, num_decode_rows: int, table_width: int) -> bool:
         """For a decode-only step of `num_decode_rows` rows whose block tables are `table_width` wide."""
@@ -143,11 +152,11 @@ class DecodeGraphs:
         )
         graph.inputs.copy_(graph.host, non_blocking=True)
         graph.graph.replay()
+        self.replays[graph.batch] += 1
         return graph.logits[:rows]
 
     def _graph(self, batch: int) -> _Graph:
         if batch not in self._graphs:
-            self._graphs[batch] = _Graph(
-                batch, self.width, self._device, self._run, self.scratch_block, self.block_size
-            )
+            graph = _Graph(batch, self.width, self._device, self._run, self.scratch_block, self.block_size, self._pool)
+            self._graphs[batch], self._pool = graph, graph.graph.pool()
         return self._graphs[batch]

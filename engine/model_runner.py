@@ -104,7 +104,8 @@ def build_step_input(
     slots: list[int] = []
     ids: list[int] = []
     logits_rows: list[int] = []
-    decode_tables, decode_lens = [], []
+    decode_tables: list[Sequence[int]] = []
+    decode_lens: list[int] = []
     prefill_q, prefill_ctx, prefill_tables = [], [], []
     for chunk in chunks:
         table = block_table(chunk.seq.seq_id)
@@ -219,6 +220,10 @@ class ModelRunner:
             if use_graphs
             else None
         )
+        if self.graphs is not None and tp.size == 1:
+            # Up front, as serving engines do: no step later stalls on a capture. Tensor-parallel ranks
+            # capture lazily, in the lockstep of their steps (a captured forward holds collectives).
+            self.graphs.capture_all()
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:

@@ -81,7 +81,7 @@ def test_cuda_graph_decode_equals_eager_with_padding_rows(checkpoint, make_llm):
     eager = make_llm(model_dir, device="cuda", num_kv_blocks=64, cuda_graphs=False)
     assert _tokens(graphs, prompts) == _tokens(eager, prompts)
     runner = graphs.engine.runner
-    assert 8 in runner.graphs._graphs  # the padded size was captured and replayed
+    assert runner.graphs.replays[8] > 0  # 5 rows replayed the padded size
     assert runner.kv_cache.num_blocks == graphs.engine.num_blocks + 1  # the scratch block
 
 
