@@ -231,7 +231,7 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence, drafts: Seq[int] = ()) -> SamplingRow:
         """The row sampling `seq`'s next token, or the token after `drafts` (speculative decoding)."""
         stop_ids = self.model_config.eos_token_ids + seq.params.stop_token_ids
-        return SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + list(drafts), stop_ids)
+        return SamplingRow(seq.params, seq.prompt_view(), seq.output_view(drafts), stop_ids)
 
     @staticmethod
     def _append_token(seq: Sequence, token: int, logprobs, now: float) -> None:

@@ -8,6 +8,9 @@ its tokens, the step's logits sample the next token. Everything else is derived 
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterator
+from collections.abc import Sequence as AbcSequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,26 @@ class FinishReason(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() 
     LENGTH = "length"  # max_tokens or the model's length limit
     ABORT = "abort"  # cancelled by the caller
     HANDOFF = "handoff"  # prefill role: first token sampled, KV blocks go to a decode instance
+
+
+class TokenSlice(AbcSequence[int]):
+    """`tokens[start:stop] + extra` without the copy: a sampling row reads a sequence's prompt and output
+    only for penalties (rare), but one is built per row on every step (hundreds with speculation). It is
+    valid while `tokens` is unchanged: within the step that built it."""
+
+    __slots__ = ("_extra", "_start", "_stop", "_tokens")
+
+    def __init__(self, tokens: list[int], start: int, stop: int, extra: AbcSequence[int] = ()):
+        self._tokens, self._start, self._stop, self._extra = tokens, start, stop, extra
+
+    def __len__(self) -> int:
+        return self._stop - self._start + len(self._extra)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(itertools.islice(self._tokens, self._start, self._stop), self._extra)
+
+    def __getitem__(self, index):  # int or slice, as a list answers
+        return [*self][index]
 
 
 @dataclass(eq=False)
@@ -74,6 +97,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def prompt_view(self) -> TokenSlice:
+        return TokenSlice(self.token_ids, 0, self.num_prompt_tokens)
+
+    def output_view(self, then: AbcSequence[int] = ()) -> TokenSlice:
+        """The output so far, followed by `then` (speculative drafts), uncopied."""
+        return TokenSlice(self.token_ids, self.num_prompt_tokens, len(self.token_ids), then)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -8,11 +8,13 @@ it costs more per token than plain decoding and must stop.
 
 The rule, decided before each step from measured costs:
 - A cost sample is one pure decode step (no prompt chunk in it, which would swamp the figure): its wall
-  time divided by the tokens its decoding sequences emitted. A speculative step in which no sequence got
-  a draft is a plain sample (that is what it cost).
+  time and the tokens its decoding sequences emitted. A speculative step in which no sequence got a
+  draft is a plain sample (that is what it cost).
 - Samples are kept per batch-size bucket (decoding sequences: 1, 2-3, 4-7, 8-15, ...), the last
-  `WINDOW` of each mode; a mode's cost is the median of its window (one step stalled by a busy host
-  must not decide anything).
+  `WINDOW` of each mode; a mode's cost is its window's seconds over its tokens, leaving out the slowest
+  step once there are 3 or more (one step stalled by a busy host must not decide anything). Seconds
+  over tokens, not a median of per-step ratios: acceptance is lumpy (a step accepts all k drafts or
+  none), and a median of ratios would judge by the typical step, not by what the tokens cost.
 - A bucket first runs `PROBE_STEPS` speculative steps, then `PROBE_STEPS` plain ones. From then on it
   speculates iff its speculative cost per token is below its plain cost.
 - The losing mode is re-measured for `PROBE_STEPS` steps once every `probe_interval` steps of the
@@ -27,7 +29,6 @@ exact figures.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ MAX_PROBE_INTERVAL = 256
 
 @dataclass
 class _Bucket:
-    spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per token, speculative
+    spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, tokens), speculative
     plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     steps_since_probe: int = 0
     probe_interval: int = FIRST_PROBE_INTERVAL
@@ -50,7 +51,13 @@ class _Bucket:
         """Whether speculation is measured cheaper; None until both modes have samples."""
         if not self.spec_s or not self.plain_s:
             return None
-        return statistics.median(self.spec_s) < statistics.median(self.plain_s)
+        return seconds_per_token(self.spec_s) < seconds_per_token(self.plain_s)
+
+
+def seconds_per_token(samples: deque) -> float:
+    """A window's seconds over its tokens, without its slowest step once it has 3 or more."""
+    kept = sorted(samples)[:-1] if len(samples) >= 3 else list(samples)
+    return sum(s for s, _ in kept) / sum(t for _, t in kept)
 
 
 class AdaptiveSwitch:
@@ -89,14 +96,14 @@ class AdaptiveSwitch:
         tokens it emitted."""
         if self.enabled and num_output_tokens > 0:
             bucket = self._bucket(num_decoding)
-            (bucket.spec_s if speculated else bucket.plain_s).append(duration_s / num_output_tokens)
+            (bucket.spec_s if speculated else bucket.plain_s).append((duration_s, num_output_tokens))
 
     def costs(self, num_decoding: int) -> tuple[float | None, float | None]:
-        """(speculative, plain) median seconds per output token of this batch size's bucket."""
+        """(speculative, plain) seconds per output token of this batch size's bucket (see the rule)."""
         bucket = self._bucket(num_decoding)
         return (
-            statistics.median(bucket.spec_s) if bucket.spec_s else None,
-            statistics.median(bucket.plain_s) if bucket.plain_s else None,
+            seconds_per_token(bucket.spec_s) if bucket.spec_s else None,
+            seconds_per_token(bucket.plain_s) if bucket.plain_s else None,
         )
 
     def _bucket(self, num_decoding: int) -> _Bucket:
