@@ -56,7 +56,8 @@ class _Bucket:
 
 def seconds_per_token(samples: deque) -> float:
     """A window's seconds over its tokens, without its slowest step once it has 3 or more."""
-    kept = sorted(samples)[:-1] if len(samples) >= 3 else list(samples)
+    # The slowest by duration; among equal durations the one that emitted fewest tokens.
+    kept = sorted(samples, key=lambda sample: (sample[0], -sample[1]))[:-1] if len(samples) >= 3 else list(samples)
     return sum(s for s, _ in kept) / sum(t for _, t in kept)
 
 
