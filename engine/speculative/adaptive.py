@@ -19,8 +19,11 @@ The rule, decided before each step from measured costs:
   speculates iff its speculative cost per token is below its plain cost.
 - The losing mode is re-measured for `PROBE_STEPS` steps once every `probe_interval` steps of the
   bucket (acceptance and batch shape drift). A probe that confirms the decision doubles the interval
-  (up to `MAX_PROBE_INTERVAL`), a flip resets it: a settled bucket spends about 3/256 of its steps on
-  the slower mode.
+  (up to `MAX_PROBE_INTERVAL`), a flip resets it. A probe costs its steps' extra time over the winning
+  mode, so the interval is also at least what keeps that extra under `PROBE_TIME_SHARE` of the
+  bucket's time: PROBE_STEPS x (loser's cost / winner's cost - 1) / PROBE_TIME_SHARE steps. A draft
+  that makes steps 8x dearer per token is re-tried every ~1,000 steps, not every 16 (measured: at
+  every 16-256 steps such probes alone cost a 64-sequence batch 40% of its TPOT on the H100).
 
 Acceptance enters through the measured cost (fewer accepted tokens, more seconds per token). Nothing
 here reads a clock: the engine reports each step's duration (`observe`), so the rule is tested with
@@ -29,13 +32,15 @@ exact figures.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 8
 PROBE_STEPS = 3
 FIRST_PROBE_INTERVAL = 16
-MAX_PROBE_INTERVAL = 256
+MAX_PROBE_INTERVAL = 2048
+PROBE_TIME_SHARE = 0.02
 
 
 @dataclass
@@ -59,6 +64,13 @@ def seconds_per_token(samples: deque) -> float:
     # The slowest by duration; among equal durations the one that emitted fewest tokens.
     kept = sorted(samples, key=lambda sample: (sample[0], -sample[1]))[:-1] if len(samples) >= 3 else list(samples)
     return sum(s for s, _ in kept) / sum(t for _, t in kept)
+
+
+def _budget_interval(bucket: _Bucket) -> int:
+    """Fewest steps between probes that keep a probe's extra time under PROBE_TIME_SHARE."""
+    spec, plain = seconds_per_token(bucket.spec_s), seconds_per_token(bucket.plain_s)
+    loss = max(spec, plain) / max(min(spec, plain), 1e-12) - 1
+    return min(MAX_PROBE_INTERVAL, math.ceil(PROBE_STEPS * loss / PROBE_TIME_SHARE))
 
 
 class AdaptiveSwitch:
@@ -87,7 +99,7 @@ class AdaptiveSwitch:
         better = bucket.better()
         assert better is not None, "both modes have PROBE_STEPS samples here"
         bucket.steps_since_probe += 1
-        if bucket.steps_since_probe >= bucket.probe_interval:
+        if bucket.steps_since_probe >= max(bucket.probe_interval, _budget_interval(bucket)):
             bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better
             return not better
         return better

@@ -2,11 +2,19 @@
 rule (fed exact costs), the KV table rollback; and the switch turning itself off in a real engine."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from engine import SamplingParams
 from engine.kv_cache_manager import KVCacheManager
-from engine.speculative.adaptive import FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_STEPS, AdaptiveSwitch
+from engine.speculative.adaptive import (
+    FIRST_PROBE_INTERVAL,
+    MAX_PROBE_INTERVAL,
+    PROBE_STEPS,
+    PROBE_TIME_SHARE,
+    AdaptiveSwitch,
+)
 from engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from engine.speculative.ngram import NgramProposer
 from tests.factories import TinySpec, random_prompts
@@ -50,8 +58,17 @@ def test_switch_turns_off_when_speculation_costs_more_per_token():
     # A large batch (compute-bound) or low acceptance: a speculative step costs more per token.
     decisions = _switch_after(spec_cost_s=0.012, plain_cost_s=0.010, batch=64, steps=600)
     assert decisions[:2 * PROBE_STEPS] == [True] * PROBE_STEPS + [False] * PROBE_STEPS  # both modes measured
-    settled = decisions[200:]
-    assert settled.count(True) <= PROBE_STEPS * (len(settled) // MAX_PROBE_INTERVAL + 1)  # only the probes
+    settled = decisions[200:]  # probe intervals have doubled past 128 steps by now
+    assert settled.count(True) <= PROBE_STEPS * (len(settled) // 128 + 1)  # only the probes
+
+
+def test_a_costly_loser_is_probed_rarely():
+    """Speculation 8x dearer per token: a probe costs 3 steps x 7 extra; under PROBE_TIME_SHARE (2%) of
+    the time that is one probe per 1,050 steps, not one per 16."""
+    decisions = _switch_after(spec_cost_s=0.08, plain_cost_s=0.01, batch=64, steps=1000)
+    assert decisions[:2 * PROBE_STEPS] == [True] * PROBE_STEPS + [False] * PROBE_STEPS
+    assert decisions[2 * PROBE_STEPS:].count(True) == 0
+    assert math.ceil(PROBE_STEPS * 7 / PROBE_TIME_SHARE) == 1050 <= MAX_PROBE_INTERVAL
 
 
 def test_one_stalled_step_does_not_flip_the_decision():
