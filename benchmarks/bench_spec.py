@@ -100,7 +100,11 @@ def measure_batch(arms: dict[str, LLM], prompts: list[list[int]], max_tokens: in
             reference = tokens if reference is None else reference
             exact[name] = exact[name] and tokens == reference
     return {
-        name: {**{key: statistics.median(r[key] for r in rows) for key in rows[0]}, "exact": exact[name]}
+        name: {
+            **{key: statistics.median(r[key] for r in rows) for key in rows[0]},
+            "tpot_ms_runs": [r["tpot_ms"] for r in rows],
+            "exact": exact[name],
+        }
         for name, rows in samples.items()
     }
 

@@ -205,7 +205,7 @@ class LLMEngine:
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, drafts: dict):
         rows = [self._sampling_row(c.seq, c.draft_token_ids[:j]) for c in chunks for j in range(c.num_logits_rows)]
-        if self.spec is not None:
+        if self.spec is not None and drafts:  # no drafts this step: exactly the plain path
             return self.spec.sample(chunks, logits, rows, drafts)
         if not rows:
             return []

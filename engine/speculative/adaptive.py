@@ -67,7 +67,10 @@ def seconds_per_token(samples: deque) -> float:
 
 
 def _budget_interval(bucket: _Bucket) -> int:
-    """Fewest steps between probes that keep a probe's extra time under PROBE_TIME_SHARE."""
+    """Fewest steps between probes that keep a probe's extra time under PROBE_TIME_SHARE; none until
+    both windows are full (a few early samples must not space the probes out)."""
+    if len(bucket.spec_s) < WINDOW or len(bucket.plain_s) < WINDOW:
+        return 0
     spec, plain = seconds_per_token(bucket.spec_s), seconds_per_token(bucket.plain_s)
     loss = max(spec, plain) / max(min(spec, plain), 1e-12) - 1
     return min(MAX_PROBE_INTERVAL, math.ceil(PROBE_STEPS * loss / PROBE_TIME_SHARE))
