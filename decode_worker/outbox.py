@@ -18,7 +18,8 @@ import threading
 import time
 
 from cluster.messages import TokenUpdate
-from engine.llm_engine import LLMEngine, SequenceUpdate
+from engine.llm_engine import LLMEngine
+from engine.step_updates import SequenceUpdate
 
 
 class Outbox:

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import NamedTuple, TypeVar
 
-from engine.llm_engine import LLMEngine, SequenceUpdate
+from engine.llm_engine import LLMEngine
 from engine.speculative.counters import SpecCounters
 from engine.step_log import StepLog, StepRecord
+from engine.step_updates import SequenceUpdate
 
 T = TypeVar("T")
 STALL_WAIT_S = 0.005

@@ -13,12 +13,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
 from engine.allocator import keep_freed_memory
-from engine.block_hash import BlockHash, HashNamespace
+from engine.block_hash import HashNamespace
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
@@ -28,31 +27,13 @@ from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.request_checks import check_new_request, check_resumed_outputs
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
+from engine.sampling_rows import sampling_row, step_rows
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.speculative.decoder import build_speculative_decoder
 from engine.speculative.draft_model import speculative_draft_config
+from engine.step_updates import Handoff, SequenceUpdate
 from engine.stop_checker import StopChecker
-
-
-@dataclass(frozen=True)
-class SequenceUpdate:
-    """What one step did for one sequence: the tokens it produced and whether it finished."""
-
-    seq_id: str
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """A prefill-role sequence ready to move: its computed KV lives in `block_ids`."""
-
-    seq_id: str
-    token_ids: tuple[int, ...]  # prompt + first sampled token
-    num_computed_tokens: int  # tokens whose KV is in the blocks (the prompt)
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
 
 
 class LLMEngine:
@@ -204,7 +185,8 @@ class LLMEngine:
         return updates
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, drafts: dict):
-        rows = [self._sampling_row(c.seq, c.draft_token_ids[:j]) for c in chunks for j in range(c.num_logits_rows)]
+        eos = self.model_config.eos_token_ids
+        rows = step_rows([(c.seq, c.draft_token_ids, c.num_logits_rows) for c in chunks], eos)
         if self.spec is not None and drafts:  # no drafts this step: exactly the plain path
             return self.spec.sample(chunks, logits, rows, drafts)
         if not rows:
@@ -229,9 +211,7 @@ class LLMEngine:
             self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.refresh_block_hashes(), seq.num_computed_tokens)
 
     def _sampling_row(self, seq: Sequence, drafts: Seq[int] = ()) -> SamplingRow:
-        """The row sampling `seq`'s next token, or the token after `drafts` (speculative decoding)."""
-        stop_ids = self.model_config.eos_token_ids + seq.params.stop_token_ids
-        return SamplingRow(seq.params, seq.prompt_view(), seq.output_view(drafts), stop_ids)
+        return sampling_row(seq, self.model_config.eos_token_ids, drafts)
 
     @staticmethod
     def _append_token(seq: Sequence, token: int, logprobs, now: float) -> None:

@@ -29,8 +29,9 @@ from cluster.worker_telemetry import WorkerTelemetry
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
 from engine.errors import InvalidRequestError
-from engine.llm_engine import Handoff, LLMEngine, SequenceUpdate
+from engine.llm_engine import LLMEngine
 from engine.sequence import FinishReason
+from engine.step_updates import Handoff, SequenceUpdate
 from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s, remaining_s, send_sequence_kv
 from kvtransfer.session import HandoffFailed, HandoffSession, HandoffStats, KVSender
 from kvtransfer.torch_dist import TorchDistTransport
