@@ -104,7 +104,8 @@ def build_step_input(
     slots: list[int] = []
     ids: list[int] = []
     logits_rows: list[int] = []
-    decode_tables: list[Sequence[int]] = []
+    decode_tables: list[Sequence[int]] = []  # one per decode chunk; its rows share it
+    decode_rows: list[int] = []  # rows per decode chunk
     decode_lens: list[int] = []
     prefill_q, prefill_ctx, prefill_tables = [], [], []
     for chunk in chunks:
@@ -116,7 +117,8 @@ def build_step_input(
         logits_rows.extend(range(len(ids) - chunk.num_logits_rows, len(ids)))
         num_blocks = (end + block_size - 1) // block_size
         if chunk.num_new_tokens <= decode_chunk_tokens:
-            decode_tables.extend([table[:num_blocks]] * chunk.num_new_tokens)
+            decode_tables.append(table[:num_blocks])
+            decode_rows.append(chunk.num_new_tokens)
             decode_lens.extend(range(chunk.start + 1, end + 1))
         else:
             prefill_q.append(chunk.num_new_tokens)
@@ -128,7 +130,7 @@ def build_step_input(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         num_decode_tokens=len(decode_lens),
         decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64),
-        decode_block_tables=_pad_tables(decode_tables),
+        decode_block_tables=_pad_tables(decode_tables, decode_rows),
         prefill_query_lens=tuple(prefill_q),
         prefill_context_lens=tuple(prefill_ctx),
         prefill_block_tables=tuple(prefill_tables),
@@ -136,9 +138,13 @@ def build_step_input(
     )
 
 
-def _pad_tables(tables: list[Sequence[int]]) -> torch.Tensor:
+def _pad_tables(tables: list[Sequence[int]], rows: list[int]) -> torch.Tensor:
+    """[sum(rows), widest table] int64, padded with block 0: table i repeated for its rows[i] rows."""
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    padded = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    if len(rows) == sum(rows):
+        return padded.view(len(tables), width)  # one row per chunk (plain decoding): no copy
+    return padded.view(len(tables), width).repeat_interleave(torch.tensor(rows), dim=0)
 
 
 def attention_metadata(step: StepInput, block_size: int, native_decode: bool = False) -> AttentionMetadata:
