@@ -7,7 +7,10 @@
 - ngram: prompt lookup, adaptive off-switch on (the shipped default), and `ngram-forced` (adaptive off:
   speculates on every step, to show what the switch saves);
 - draft: a layer-truncated copy of the target (its first `--draft-layers` layers, same embeddings, norm
-  and head), adaptive on, and `draft-forced`.
+  and head), adaptive on, and `draft-forced`;
+- with `--int8-self-draft`, `int8-self` (and `-forced`): the target's own checkpoint as the draft, its
+  weights quantized to int8 at load (`speculative_config.quantization`): a draft that agrees often,
+  where a truncated copy of a random-weight model rarely does.
 
 Workload, "the output repeats the prompt" (code edit / summary shaped): each prompt is a random text
 X, the model's own greedy continuation G of X (computed here without speculation), and X again, so the
@@ -157,6 +160,10 @@ def run(args) -> dict:
         "draft": LLM(model_dir, **common, speculative_config=draft),
         "draft-forced": LLM(model_dir, **common, speculative_config={**draft, "adaptive": False}),
     }
+    if args.int8_self_draft:  # the target itself, int8 weights (a draft that agrees often)
+        self_draft = {"model": str(model_dir), "quantization": "int8", "num_speculative_tokens": k}
+        arms["int8-self"] = LLM(model_dir, **common, speculative_config=self_draft)
+        arms["int8-self-forced"] = LLM(model_dir, **common, speculative_config={**self_draft, "adaptive": False})
     prompts = repeat_workload(plain, max(args.batches), args.text_tokens, args.seed)
     for llm in arms.values():  # warm-up: first-call costs, and the adaptive switch's first measurements
         measure(llm, prompts[:1], 8)
@@ -179,12 +186,12 @@ def run(args) -> dict:
 def _print(batch: int, rows: dict) -> None:
     print(f"batch {batch}")
     print(
-        f"  {'arm':14s} {'TPOT ms':>9s} {'x plain':>8s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} "
+        f"  {'arm':16s} {'TPOT ms':>9s} {'x plain':>8s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} "
         f"{'spec steps':>10s} exact"
     )
     for name, r in rows.items():
         print(
-            f"  {name:14s} {r['tpot_ms']:9.2f} {r['tpot_ratio']:8.2f} {r['tokens_per_s']:8.1f} "
+            f"  {name:16s} {r['tpot_ms']:9.2f} {r['tpot_ratio']:8.2f} {r['tokens_per_s']:8.1f} "
             f"{r['throughput_ratio']:8.2f} {r.get('acceptance', float('nan')):7.2f} "
             f"{r.get('spec_step_share', float('nan')):10.2f} {r['exact']}",
             flush=True,
@@ -204,6 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--handoff-prompt", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per arm and batch, round-robin; medians")
+    parser.add_argument(
+        "--int8-self-draft", action="store_true", help="also arms drafting with the target's own int8 weights"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU machine)")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
     parser.add_argument("--json", default=None, help="also write the results here")

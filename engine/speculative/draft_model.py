@@ -64,8 +64,19 @@ def _draft_dir(config: EngineConfig) -> str:
 
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
-    """How the draft runs: the target's settings on its own checkpoint, unsharded, never speculating."""
-    return replace(config, model_dir=_draft_dir(config), tp_size=1, speculative_config=None)
+    """How the draft runs: the target's settings on its own checkpoint, unsharded, never speculating,
+    with its own weight quantization where `speculative_config.quantization` names one."""
+    spec = config.speculative_config
+    assert isinstance(spec, SpeculativeConfig)
+    quantization = config.quantization if spec.quantization is None else spec.quantization
+    return replace(
+        config,
+        model_dir=_draft_dir(config),
+        tp_size=1,
+        speculative_config=None,
+        quantization=quantization,
+        quantize_lm_head=config.quantize_lm_head and quantization != "none",
+    )
 
 
 def load_draft_model_config(config: EngineConfig, target: ModelConfig) -> ModelConfig:

@@ -5,6 +5,7 @@ everything. `make_llm` checks every pool's integrity and that no block leaked af
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.errors import UnsupportedModelError
@@ -65,6 +66,22 @@ def test_draft_equal_to_target_accepts_everything(checkpoint, make_llm):
         assert out.metrics.spec_acceptance_rate == 1.0
         # 15 tokens after the first, 5 per verify step (4 drafts + bonus): 3 steps
         assert out.metrics.spec_steps == 3 and out.metrics.spec_mean_accepted_length == 5.0
+
+
+def test_int8_self_draft_agrees_often_and_output_stays_exact(checkpoint, make_llm):
+    """The target's own checkpoint, weights quantized to int8 at load, as its draft (self-speculation):
+    greedy output is the fp32 target's, and the draft agrees with most of it."""
+    model_dir = checkpoint(TinySpec(weight_std=0.02))
+    prompts = random_prompts(4, 3, 40, 512, seed=6)
+    llm = make_llm(model_dir, block_size=4, num_kv_blocks=BLOCKS, speculative_config={
+        "model": str(model_dir), "quantization": "int8", "num_speculative_tokens": 4, "adaptive": False})
+    draft_layer = llm.engine.spec.draft.runner.model.model.layers[0].mlp.down_proj
+    assert draft_layer.weight.dtype == torch.int8
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [list(o.token_ids) for o in outs] == hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
+    counters = llm.engine.spec.counters
+    assert counters.accepted_tokens / counters.draft_tokens > 0.8
 
 
 def test_chunked_prefill_prefix_caching_and_only_accepted_tokens_hashed(checkpoint, make_llm):
