@@ -16,7 +16,8 @@ The rule, decided before each step from measured costs:
   over tokens, not a median of per-step ratios: acceptance is lumpy (a step accepts all k drafts or
   none), and a median of ratios would judge by the typical step, not by what the tokens cost.
 - A bucket first runs `PROBE_STEPS` speculative steps, then `PROBE_STEPS` plain ones. From then on it
-  speculates iff its speculative cost per token is below its plain cost.
+  speculates iff its speculative cost per token is below its plain cost. A step with a prompt chunk
+  due cannot be a sample: it speculates only if its bucket has measured speculation cheaper.
 - The losing mode is re-measured for `PROBE_STEPS` steps once every `probe_interval` steps of the
   bucket (acceptance and batch shape drift). A probe that confirms the decision doubles the interval
   (up to `MAX_PROBE_INTERVAL`), a flip resets it. A probe costs its steps' extra time over the winning
@@ -85,11 +86,16 @@ class AdaptiveSwitch:
     def bucket_of(num_decoding: int) -> int:
         return max(num_decoding, 1).bit_length()
 
-    def decide(self, num_decoding: int) -> bool:
-        """Whether the next step with `num_decoding` decoding sequences speculates."""
+    def decide(self, num_decoding: int, measurable: bool = True) -> bool:
+        """Whether the next step with `num_decoding` decoding sequences speculates. `measurable`: no
+        prompt chunk is due, so the step can be a cost sample; a step that cannot be measured
+        speculates only where speculation is already measured cheaper (a probe there would cost
+        without teaching anything: ramp-ups of a batch are all such steps)."""
         if not self.enabled:
             return True
         bucket = self._bucket(num_decoding)
+        if not measurable:
+            return bucket.better() is True
         if len(bucket.spec_s) < PROBE_STEPS:
             return True
         if len(bucket.plain_s) < PROBE_STEPS:

@@ -50,7 +50,8 @@ class SpeculativeDecoder:
     # ---- 1. decide --------------------------------------------------------------------------------
     def lookahead(self, running: Seq[Sequence]) -> int:
         decoding = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
-        speculating = decoding > 0 and self.switch.decide(decoding)
+        measurable = decoding == len(running)  # no running sequence has a prompt chunk due
+        speculating = decoding > 0 and self.switch.decide(decoding, measurable)
         self._step = (speculating, decoding, time.perf_counter())
         if decoding:
             self.counters = self.counters._replace(

@@ -127,6 +127,18 @@ def test_switch_follows_a_drop_in_acceptance():
     assert decisions[-64:].count(True) <= PROBE_STEPS
 
 
+def test_steps_that_cannot_be_measured_speculate_only_where_it_pays():
+    """A prompt chunk due (a batch ramping up): no cost sample can come of the step, so an unmeasured
+    bucket does not spend a probe on it; a bucket measured cheaper with speculation keeps it on."""
+    switch = AdaptiveSwitch()
+    assert switch.decide(8, measurable=False) is False
+    assert switch.decide(8) is True  # a measurable step starts the bucket's probes
+    for _ in range(2 * PROBE_STEPS):
+        on = switch.decide(1)
+        switch.observe(on, 1, 0.004 if on else 0.010, 1)
+    assert switch.decide(1, measurable=False) is True
+
+
 def test_disabled_switch_always_speculates():
     switch = AdaptiveSwitch(enabled=False)
     switch.observe(True, 1, 100.0, 1)
