@@ -1,20 +1,19 @@
 """The decode instance's tensor-parallel group: forming it, and rank 0 driving the other ranks.
 
-Rank 0 is a whole `LLMEngine` (scheduler, block pool, sampler); ranks > 0 hold only their shard of the
-weights and of a KV pool of the same block count. Each step rank 0 broadcasts the `StepInput` over the
-TP group itself, then every rank runs the same forward. Messages and the forward's all-reduces share
-the group, so they happen in one total order on every rank: no second channel, no Ray call per step.
+Rank 0 is a whole `LLMEngine` (scheduler, block pool, sampler); ranks > 0 hold only their shard of the weights and
+of a KV pool of the same block count. Each step rank 0 broadcasts the `StepInput` over the TP group itself, then
+every rank runs the same forward. Messages and the forward's all-reduces share the group, so they happen in one
+total order on every rank: no second channel, no Ray call per step.
 
-One message = two broadcasts from rank 0: header int64[4] = (MAGIC, sequence number, kind, payload
-length), then, unless the length is 0, the payload int64[length] (`encode_step`). Kinds: IDLE
-(heartbeat), STEP, STOP. Magic and sequence number turn a follower that got out of step into a loud
-error instead of a garbled forward.
+One message = two broadcasts from rank 0: header int64[4] = (MAGIC, sequence number, kind, payload length), then,
+unless the length is 0, the payload int64[length] (`encode_step`). Kinds: IDLE (heartbeat), STEP, STOP. Magic and
+sequence number turn a follower that got out of step into a loud error instead of a garbled forward.
 
-Liveness: a heartbeat thread on rank 0 sends IDLE whenever nothing went out for
-`heartbeat_interval_s`; a follower that hears nothing for `heartbeat_timeout_s` raises. A crashed rank
-0 is noticed at once (its sockets close); the timeout catches a hung or unreachable one. A heartbeat
-proves rank 0's process is alive, not that its loop makes progress: that is the supervisor's check.
-Any `CollectiveError` is fatal to the instance: every rank is torn down and the group re-formed.
+Liveness: a heartbeat thread on rank 0 sends IDLE whenever nothing went out for `heartbeat_interval_s`; a follower
+that hears nothing for `heartbeat_timeout_s` raises. A crashed rank 0 is noticed at once (its sockets close); the
+timeout catches a hung or unreachable one. A heartbeat proves rank 0's process is alive, not that its loop makes
+progress: that is the supervisor's check. Any `CollectiveError` is fatal to the instance: every rank is torn down
+and the group re-formed.
 """
 
 from __future__ import annotations
@@ -137,8 +136,7 @@ class StepBroadcaster:
             self._heartbeat.start()
 
     def stop_heartbeat(self) -> None:
-        # No join: the thread checks the flag under `lock` before each send, so once this returns no
-        # heartbeat can follow a later message, and a caller holding `lock` cannot deadlock on it.
+        # No join (a caller holding `lock` could deadlock): the flag is checked under `lock` before each send.
         self._heartbeat_stop.set()
 
     def _beat(self, interval_s: float) -> None:
