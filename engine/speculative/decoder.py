@@ -155,8 +155,10 @@ class SpeculativeDecoder:
 
     # ---- 5. measure -------------------------------------------------------------------------------
     def observe(self, chunks: Seq[ScheduledChunk], num_output_tokens: int) -> None:
-        """The step ended; only pure decode steps (no prompt chunk) are cost samples."""
+        """The step ended; only pure decode steps (no prompt chunk, no draft catch-up) are cost samples."""
         speculating, decoding, started_s = self._step
+        if speculating and self.draft is not None and self.draft.caught_up:
+            return  # the draft caught up a prompt's or a pause's KV: a one-off, not the per-step cost
         if decoding and all(c.num_new_tokens - len(c.draft_token_ids) == 1 for c in chunks):
             drafted = speculating and any(c.draft_token_ids for c in chunks)  # else it cost a plain step
             self.switch.observe(drafted, decoding, time.perf_counter() - started_s, num_output_tokens)

@@ -128,6 +128,7 @@ class DraftModelProposer:
             max_decode_rows=config.max_num_seqs * self.decode_chunk_tokens,
         )
         self.block_size = config.block_size
+        self.caught_up = False  # the last proposal caught some sequence's draft KV up by more than a step
         self.max_catch_up_tokens = config.prefill_chunk_tokens
         self.sampler = sampler
 
@@ -139,6 +140,10 @@ class DraftModelProposer:
     ) -> dict[str, Drafts]:
         """Up to k drafts for each (sequence, k); `sampling_row(seq, drafts)` is the row sampling the
         token after `drafts`. The draft's KV slots must already be allocated (lookahead slots)."""
+        # Catching up more than a verify chunk's worth (a new prompt, a hand-off, steps without
+        # speculation) is a one-off per sequence, not what speculating costs per step.
+        lag = self.decode_chunk_tokens
+        self.caught_up = any(seq.num_tokens - seq.num_draft_computed_tokens > lag for seq, _ in jobs)
         jobs = self._catch_up_lagging(jobs, block_table)
         tokens: dict[str, list[int]] = {seq.seq_id: [] for seq, _ in jobs}
         probs: dict[str, list[torch.Tensor | None]] = {seq.seq_id: [] for seq, _ in jobs}

@@ -206,3 +206,24 @@ def test_prompt_lookup_ignores_byte_matches_across_token_boundaries():
     x = 0x0000002211000000  # = the 8 bytes straddling a and b
     assert NgramProposer(1, 1).propose([a, b, 5, x], 2) == ()
     assert NgramProposer(1, 1).propose([x, 9, a, b, 5, x], 2) == (9, a)
+
+
+def test_a_step_that_caught_the_draft_up_is_not_a_cost_sample():
+    """The draft's KV of a new prompt (or of steps run without speculation) is computed on the next
+    speculative step: a one-off per sequence, which must not make speculation look dear per step."""
+    from types import SimpleNamespace
+
+    from engine.sampler import Sampler
+    from engine.speculative.decoder import SpeculativeDecoder
+
+    draft = SimpleNamespace(caught_up=True)
+    decoder = SpeculativeDecoder(SpeculativeConfig(method="draft_model", model="d"), Sampler(), 64, draft)
+    running = [SimpleNamespace(num_uncomputed_tokens=1)]
+    chunk = SimpleNamespace(num_new_tokens=5, draft_token_ids=(1, 2, 3, 4))
+    assert decoder.lookahead(running) == 4  # an unmeasured bucket probes speculation
+    decoder.observe([chunk], 5)
+    assert decoder.switch.costs(1) == (None, None)
+    draft.caught_up = False
+    decoder.lookahead(running)
+    decoder.observe([chunk], 5)
+    assert decoder.switch.costs(1)[0] is not None
