@@ -1,6 +1,7 @@
 """Workers sharing a host's cores (cluster/sim/contention.py), on the linear test profile
 (tests/cluster/sim_factories.py: dense(T) = 1 ms + 0.01 ms * T, no other cost). Each expected figure
 is worked out in the comment above it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ from cluster.sim import Profile, SimConfig, SimRequest, simulate
 from cluster.sim.contention import HostShare
 from tests.cluster.sim_factories import linear_profile
 
+TWO_COLOCATED = {"prefill": 0, "decode": 0, "colocated": 2, "policy": "round_robin"}
 approx = lambda v: pytest.approx(v, rel=1e-9, abs=1e-12)  # noqa: E731
 
 
@@ -25,8 +27,8 @@ def test_two_busy_workers_on_one_core_take_twice_as_long():
     # Two colocated workers each prefill 100 tokens from t=0: 2 ms alone; on one shared core both are
     # busy throughout, so each step takes 2 x 2 = 4 ms.
     requests = [SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 1)]
-    alone = simulate(SimConfig(prefill=0, decode=0, colocated=2, policy="round_robin"), linear_profile(), requests)
-    shared = simulate(SimConfig(prefill=0, decode=0, colocated=2, policy="round_robin", host_cores=1), linear_profile(), requests)
+    alone = simulate(SimConfig(**TWO_COLOCATED), linear_profile(), requests)
+    shared = simulate(SimConfig(**TWO_COLOCATED, host_cores=1), linear_profile(), requests)
     assert [r.first_token_s for r in alone.records] == [approx(0.002), approx(0.002)]
     assert [r.first_token_s for r in shared.records] == [approx(0.004), approx(0.004)]
 
@@ -38,7 +40,7 @@ def test_runs_in_progress_are_retimed_at_their_next_step_boundary():
     # Alone again, A's step under way (from 5.03) ends at 7.05 ms; its last 7 steps take 1.01 ms each:
     # 7.05 + 7.07 = 14.12 ms. All 10 decode steps: 1 + 2 + 7.
     requests = [SimRequest(0.0, 100, 11), SimRequest(0.003, 100, 1)]
-    result = simulate(SimConfig(prefill=0, decode=0, colocated=2, policy="round_robin", host_cores=1), linear_profile(), requests)
+    result = simulate(SimConfig(**TWO_COLOCATED, host_cores=1), linear_profile(), requests)
     a, b = result.records
     assert (a.first_token_s, a.last_token_s) == (approx(0.002), approx(0.01412))
     assert b.first_token_s == approx(0.007)
@@ -58,11 +60,11 @@ def test_threads_and_background_count_toward_the_demand():
 
 
 def test_host_settings_are_validated_and_threads_round_trip(tmp_path):
-    with pytest.raises(ValueError, match="^host_cores:"):
+    with pytest.raises(ValueError, match=r"^host_cores:"):
         SimConfig(host_cores=0)
-    with pytest.raises(ValueError, match="^host_background_cores: needs host_cores"):
+    with pytest.raises(ValueError, match=r"^host_background_cores: needs host_cores"):
         SimConfig(host_background_cores=1.0)
     profile = dataclasses.replace(linear_profile(), threads_per_worker=3)
     assert Profile.load(profile.save(tmp_path / "p.json")).threads_per_worker == 3
-    with pytest.raises(ValueError, match="^threads_per_worker:"):
+    with pytest.raises(ValueError, match=r"^threads_per_worker:"):
         dataclasses.replace(profile, threads_per_worker=0)
