@@ -118,7 +118,11 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
                 overheads, probe_rows = fit_overheads(profile, measured)
                 print(format_rows(probe_rows, overheads), flush=True)
                 profile = profile.with_overheads(overheads)
-            rows.extend([await _one_rate(server.address, shape, profile, rate, args) for rate in args.rates])
+            # Each rate its own seed: the same prompts again would hit the cluster's prefix cache from
+            # the previous rate's run (measured TTFTs below one prefill step), which the simulation,
+            # starting empty, cannot know.
+            for i, rate in enumerate(args.rates):
+                rows.append(await _one_rate(server.address, shape, profile, rate, args, args.seed + i))
         finally:
             await server.stop(1.0)
     finally:
@@ -140,19 +144,19 @@ async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: 
             await asyncio.gather(*(one(r * concurrent + i) for i in range(max(concurrent, 2))))
 
 
-async def _one_rate(target: str, shape, profile: Profile, rate: float, args) -> dict:
+async def _one_rate(target: str, shape, profile: Profile, rate: float, args, seed: int) -> dict:
     spec = spec_for(args, rate)
     slo = Slo(args.ttft_ms, args.tpot_ms)
     bench = BenchConfig(
         target=target,
         workload="poisson",
         spec=spec,
-        seed=args.seed,
+        seed=seed,
         driver=DriverConfig(max_concurrency=args.max_concurrency),
         defaults=RequestDefaults(slo),
     )
     (measured,) = await run_bench(bench, echo=lambda _: None)
-    requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, args.seed)
+    requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, seed)
     host_cores = getattr(args, "host_cores", None) or None
     predicted, unshared = (
         sim_summary(

@@ -96,15 +96,19 @@ def measure_profile(
         {1: capacity},
         transfer,
         Overheads(),
-        {
-            "made_by": "splitserve profile",
-            "created_unix_s": int(time.time()),
-            "samples": len(samples),
-            "fit_rms_relative_error": round(rms, 4),
-            "grid": dataclasses.asdict(grid),
-        },
+        _source(len(samples), rms, grid),
         threads,
     )
+
+
+def _source(samples: int, rms: float, grid: Grid) -> dict:
+    return {
+        "made_by": "splitserve profile",
+        "created_unix_s": int(time.time()),
+        "samples": samples,
+        "fit_rms_relative_error": round(rms, 4),
+        "grid": dataclasses.asdict(grid),
+    }
 
 
 def _covered_knots(knots: tuple[int, ...], samples: list[StepSample]) -> tuple[int, ...]:
