@@ -11,10 +11,14 @@ one router, calibrates the profile's cluster overheads once on the first shape (
 same requests. The table prints measured / predicted and the error of p50 and p99 TTFT and TPOT and
 of goodput; the issue's targets are 15% for goodput and p50s, 30% for p99s.
 
-The machine is shared (2 cores, other jobs): every worker is a process with one torch thread, and a
-2P1D cluster plus its router and the bench client ask for more cores than there are. The profile
-times one engine alone; contention the simulator does not model shows up as error, and the figures
-vary between runs.
+Every worker here is a process with one torch thread on this machine's cores (2 on the dev box), so
+a 2P1D cluster's three workers ask for more cores than there are: the simulation says so
+(`SimConfig.host_cores`, `--host-cores`, default this machine's count; 0: every worker on its own
+accelerator, which the rows also report as `unshared` for comparison). Before the calibration and
+before each shape's bench, `--warmup` rounds of concurrent requests (discarded) warm every worker and
+every prefill->decode hand-off pair. Other jobs on a shared box are not modelled: the load average
+is printed before and after each shape; take timing runs on a quiet box (`flock` the lock the other
+timing runs take).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
@@ -31,7 +36,7 @@ from cluster.sim.profile import Profile
 from cluster.sim.profiler import Grid, measure_profile
 from cluster.sim.simulator import simulate
 from cluster.sim.worker import EngineLimits
-from loadtest.calibrate import fit_overheads, measure
+from loadtest.calibrate import fit_overheads, format_rows, measure
 from loadtest.config import BenchConfig, DriverConfig
 from loadtest.lengths import LengthDist
 from loadtest.plan import RequestDefaults, Slo
@@ -39,6 +44,7 @@ from loadtest.poisson import PoissonSpec
 from loadtest.runner import run_bench
 from loadtest.sim_report import sim_summary
 from loadtest.sim_workload import limits_of, sim_requests
+from router.client import AsyncClient
 
 METRICS = (
     ("ttft_p50", "ttft_ms", "p50", 0.15),
@@ -91,10 +97,9 @@ def spec_for(args, rate: float) -> PoissonSpec:
 async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, args, calibrate: bool):
     """(profile, rows): the bench and the simulation at every rate on one cluster shape."""
     prefill, decode = shape
-    pool = PoolConfig(num_cpus=1.0, threads=1)
     config = ClusterConfig(
         prefill=PoolConfig(replicas=prefill, num_cpus=1.0, threads=1),
-        decode=pool if decode == 1 else PoolConfig(replicas=decode, num_cpus=1.0, threads=1),
+        decode=PoolConfig(replicas=decode, num_cpus=1.0, threads=1),
         router=RouterConfig(port=0, http_port=None),
         ray_num_cpus=8,
     )
@@ -106,12 +111,18 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
     try:
         server = await RouterServer.start(cluster, config)
         try:
+            vocab = tuple(limits_of(profile).ordinary_token_ids)
+            await warm_up(server.address, vocab, prefill * decode * 2, getattr(args, "warmup", 2))
             if calibrate:
-                vocab = tuple(limits_of(profile).ordinary_token_ids)
-                measured = await measure(server.address, [(64, 256)[i % 2] for i in range(12)], vocab)
-                overheads, _ = fit_overheads(profile, measured[2:])
+                measured = await measure(server.address, [(64, 256)[i % 2] for i in range(10)], vocab, warmup=2)
+                overheads, probe_rows = fit_overheads(profile, measured)
+                print(format_rows(probe_rows, overheads), flush=True)
                 profile = profile.with_overheads(overheads)
-            rows.extend([await _one_rate(server.address, shape, profile, rate, args) for rate in args.rates])
+            # Each rate its own seed: the same prompts again would hit the cluster's prefix cache from
+            # the previous rate's run (measured TTFTs below one prefill step), which the simulation,
+            # starting empty, cannot know.
+            for i, rate in enumerate(args.rates):
+                rows.append(await _one_rate(server.address, shape, profile, rate, args, args.seed + i))
         finally:
             await server.stop(1.0)
     finally:
@@ -119,31 +130,59 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
     return profile, rows
 
 
-async def _one_rate(target: str, shape, profile: Profile, rate: float, args) -> dict:
+async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: int) -> None:
+    """`rounds` of `concurrent` requests at once (results discarded): every worker and every
+    prefill->decode pair serves some before anything is timed."""
+    async with AsyncClient(target, max_retries=0) as client:
+
+        async def one(i: int) -> None:
+            prompt = [vocab[(i * 7919 + j * 104729 + 17) % len(vocab)] for j in range(64 + 64 * (i % 4))]
+            async for _ in client.generate_stream(prompt, max_tokens=8, temperature=0.0, ignore_eos=True):
+                pass
+
+        for r in range(rounds):
+            await asyncio.gather(*(one(r * concurrent + i) for i in range(max(concurrent, 2))))
+
+
+async def _one_rate(target: str, shape, profile: Profile, rate: float, args, seed: int) -> dict:
     spec = spec_for(args, rate)
     slo = Slo(args.ttft_ms, args.tpot_ms)
     bench = BenchConfig(
         target=target,
         workload="poisson",
         spec=spec,
-        seed=args.seed,
+        seed=seed,
         driver=DriverConfig(max_concurrency=args.max_concurrency),
         defaults=RequestDefaults(slo),
     )
     (measured,) = await run_bench(bench, echo=lambda _: None)
-    requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, args.seed)
-    sim_config = SimConfig(
+    requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, seed)
+    host_cores = getattr(args, "host_cores", None) or None
+    predicted, unshared = (
+        sim_summary(
+            simulate(_sim_config(shape, args, cores), profile, requests), profile, workload="poisson", notes=notes
+        ).to_dict()
+        for cores in (host_cores, None)
+    )
+    row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured.to_dict(), predicted)}
+    row["unshared"] = compare(measured.to_dict(), unshared)
+    print(format_row(row), flush=True)
+    if host_cores:
+        print(f"{'':>14}unshared: " + format_row({"shape": "", "rate_per_s": rate, **row["unshared"]}), flush=True)
+    return row
+
+
+def _sim_config(shape: tuple[int, int], args, host_cores: int | None) -> SimConfig:
+    return SimConfig(
         prefill=shape[0],
         decode=shape[1],
         limits=EngineLimits(),
         ttft_slo_s=args.ttft_ms / 1e3,
         tpot_slo_s=args.tpot_ms / 1e3,
         max_concurrency=args.max_concurrency,
+        host_cores=host_cores,
+        host_background_cores=getattr(args, "host_background_cores", 0.0) if host_cores else 0.0,
     )
-    predicted = sim_summary(simulate(sim_config, profile, requests), profile, workload="poisson", notes=notes)
-    row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured.to_dict(), predicted.to_dict())}
-    print(format_row(row), flush=True)
-    return row
 
 
 def format_row(row: dict) -> str:
@@ -166,15 +205,20 @@ async def main_async(args) -> dict:
         grid=Grid.quick() if args.quick_profile else Grid(),
         say=lambda line: print(line, flush=True),
     )
+    print(f"load average (1, 5, 15 min) before: {_load()}; host cores simulated: {args.host_cores or 'not shared'}")
     print(f"profile: {profile.label} (fit RMS error {profile.source['fit_rms_relative_error']:.1%})")
-    rows = []
+    rows, loads = [], [_load()]
     for i, shape in enumerate(args.shapes):
         profile, shape_rows = await run_shape(model_dir, shape, profile, args, calibrate=i == 0)
-        if i == 0:
-            print(f"calibrated overheads: {profile.overheads.to_dict()}")
+        loads.append(_load())
+        print(f"load average (1, 5, 15 min) after {shape[0]}P{shape[1]}D: {loads[-1]}", flush=True)
         rows += shape_rows
     within = {name: sum(r[name]["within"] for r in rows) for name, *_ in METRICS}
-    return {"profile": profile.to_dict(), "rows": rows, "within_target": within, "runs": len(rows)}
+    return {"profile": profile.to_dict(), "rows": rows, "within_target": within, "runs": len(rows), "loads": loads}
+
+
+def _load() -> list[float]:
+    return [round(v, 2) for v in os.getloadavg()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,6 +233,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tpot-ms", type=float, default=100.0)
     parser.add_argument("--max-concurrency", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--host-cores", type=int, default=os.cpu_count() or 1, help="cores the workers share (0: not shared)"
+    )
+    parser.add_argument(
+        "--host-background-cores", type=float, default=0.0, help="other busy processes on the host, in cores"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="rounds of discarded requests before timing")
     parser.add_argument("--quick-profile", action="store_true", help="the small profile grid (for smoke runs)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)

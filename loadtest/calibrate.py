@@ -1,14 +1,19 @@
 """Calibrating a profile's cluster overheads against a running cluster.
 
 The engine profile times steps inside one process; a request through the cluster also pays the
-router, Ray calls and streaming, and its hand-off's fixed costs. `calibrate` sends sequential
-requests (nothing else should load the cluster) of `output_tokens` tokens through the SDK, simulates
-each alone on 1P1D with the profile, and sets, in this order:
+router, Ray calls and streaming, and its hand-off's fixed costs. `measure` first sends `warmup`
+requests whose figures are discarded (a fresh cluster's first requests open channels, build the
+hand-off's process groups and warm kernels: tens of ms that later requests never pay again), then
+sequential requests (nothing else should load the cluster) of `output_tokens` tokens through the
+SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in this order:
 - step: the median of (measured - simulated) time per token after the second: what a worker's loop
   adds to each engine step (the actor loop, streaming each step's tokens back);
-- route: the median of (measured TTFT - simulated TTFT): router, Ray calls and the first token's trip;
-- adopt: the median of (measured - simulated) gap between the first and second token (with `step`
-  applied): reserve, announce, the transfer's fixed part, adopt, the second token's trip.
+- route: (measured TTFT - simulated TTFT): router, Ray calls and the first token's trip;
+- adopt: (measured - simulated) gap between the first and second token (with `step` applied):
+  reserve, announce, the transfer's fixed part, adopt, the second token's trip.
+Route and adopt are fixed costs charged to every request, so each is the smaller of its per-prompt-
+length medians: the part every length pays. A difference that grows with the prompt is the
+profile's error (or contention), not an overhead, and stays visible in the printed rows.
 first_token and token stay 0: only their difference would show in TPOT, and both trips are lumped
 into route and adopt above. The figures are printed beside what was measured.
 """
@@ -34,12 +39,19 @@ class Probe(NamedTuple):
 
 
 async def measure(
-    target: str, prompt_lens: list[int], vocab: tuple[int, ...], token: str | None = None, output_tokens: int = 16
+    target: str,
+    prompt_lens: list[int],
+    vocab: tuple[int, ...],
+    token: str | None = None,
+    output_tokens: int = 16,
+    warmup: int = 4,
 ) -> list[Probe]:
-    """One sequential request per length, prompts sharing no prefix."""
+    """One sequential request per length after `warmup` discarded ones (the lengths in turn), prompts
+    sharing no prefix."""
     out = []
+    lengths = [prompt_lens[i % len(prompt_lens)] for i in range(warmup)] + list(prompt_lens)
     async with AsyncClient(target, token=token, max_retries=0) as client:
-        for i, length in enumerate(prompt_lens):
+        for i, length in enumerate(lengths):
             prompt = [vocab[(i * 7919 + j * 104729) % len(vocab)] for j in range(length)]
             started_s, times = time.perf_counter(), []
             async for chunk in client.generate_stream(
@@ -47,7 +59,7 @@ async def measure(
             ):
                 times += [time.perf_counter() - started_s] * len(chunk.token_ids)
             out.append(Probe(length, times[0], times[1] - times[0], (times[-1] - times[1]) / (len(times) - 2)))
-    return out
+    return out[warmup:]
 
 
 def _alone(profile: Profile, probe: Probe, output_tokens: int) -> Probe:
@@ -83,10 +95,19 @@ def fit_overheads(profile: Profile, measured: list[Probe], output_tokens: int = 
                 "sim_per_token_ms": sim.per_token_s * 1e3,
             }
         )
+    lengths = [m.prompt_tokens for m in measured]
     overheads = Overheads(
-        route_s=max(statistics.median(ttft_extra), 0.0), adopt_s=max(statistics.median(gap_extra), 0.0), step_s=step_s
+        route_s=_fixed_part(lengths, ttft_extra), adopt_s=_fixed_part(lengths, gap_extra), step_s=step_s
     )
     return overheads, rows
+
+
+def _fixed_part(lengths: list[int], extra_s: list[float]) -> float:
+    """The smallest per-length median of `extra_s` (>= 0): what every prompt length pays."""
+    by_length: dict[int, list[float]] = {}
+    for length, extra in zip(lengths, extra_s, strict=True):
+        by_length.setdefault(length, []).append(extra)
+    return max(min(statistics.median(v) for v in by_length.values()), 0.0)
 
 
 def format_rows(rows: list[dict], overheads: Overheads) -> str:

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--profile", metavar="FILE", help="with --calibrate: the profile to calibrate")
     parser.add_argument("--target", default="127.0.0.1:50051", help="with --calibrate: the router HOST:PORT")
-    parser.add_argument("--requests", type=int, default=12, help="with --calibrate: sequential requests")
+    parser.add_argument(
+        "--requests", type=int, default=12, help="with --calibrate: sequential requests (after 4 warm-up ones)"
+    )
     return parser
 
 
@@ -71,10 +73,10 @@ def _calibrate(args) -> Profile:
     if args.profile is None:
         raise ValueError("--calibrate needs --profile FILE")
     profile = Profile.load(args.profile)
-    lengths = [(64, 256)[i % 2] for i in range(max(args.requests, 2))]
+    lengths = [(64, 256)[i % 2] for i in range(max(args.requests, 2))]  # after 4 warm-up requests
     vocab = tuple(i for i in range(profile.model.vocab_size) if i not in profile.model.eos_token_ids)
     measured = asyncio.run(measure(args.target, lengths, vocab))
-    overheads, rows = fit_overheads(profile, measured[2:] or measured)  # the first two warm the path up
+    overheads, rows = fit_overheads(profile, measured)  # `measure` discarded its warm-up requests
     print(format_rows(rows, overheads))
     return profile.with_overheads(overheads)
 

@@ -4,7 +4,9 @@ Pools mirror `ClusterConfig` (cluster/config.py): `prefill` workers and `decode`
 ranks each, or `colocated` workers doing both (the baseline disaggregation is compared against), and
 each worker's engine limits. The router part mirrors `router.*` and the bench's client: the routing
 policy, admission, the router's concurrency limit, the client's concurrency cap, and the SLO every
-request is judged against (as `splitserve bench --ttft-ms/--tpot-ms` sends it).
+request is judged against (as `splitserve bench --ttft-ms/--tpot-ms` sends it). `host_cores` says
+the workers share one host's CPU cores (a test cluster on one machine, cluster/sim/contention.py);
+by default every worker has its own accelerator, as in a real fleet.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class SimConfig:
     migration_limit: int = 3
     faults: tuple[Fault, ...] = field(default_factory=tuple)
     restart_s: float = 5.0
+    # Workers sharing one host's CPU cores (cluster/sim/contention.py); None: each on its own accelerator.
+    host_cores: int | None = None
+    host_background_cores: float = 0.0  # other busy processes on that host, in cores (router, client)
 
     def __post_init__(self):
         _check(self.colocated >= 0, "colocated", "must be >= 0")
@@ -71,6 +76,17 @@ class SimConfig:
         _check(self.router_max_requests >= 1, "router_max_requests", "must be >= 1")
         _check(self.migration_limit >= 0, "migration_limit", "must be >= 0")
         _check(self.restart_s >= 0, "restart_s", "must be >= 0")
+        _check(self.host_cores is None or self.host_cores >= 1, "host_cores", "must be None or >= 1")
+        _check(
+            self.host_background_cores >= 0 and math.isfinite(self.host_background_cores),
+            "host_background_cores",
+            "must be a number >= 0",
+        )
+        _check(
+            self.host_cores is not None or not self.host_background_cores,
+            "host_background_cores",
+            "needs host_cores",
+        )
         for fault in self.faults:
             pool = self.colocated if fault.role == "colocated" else getattr(self, fault.role, 0)
             _check(

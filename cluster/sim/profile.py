@@ -10,6 +10,8 @@ JSON layout (`format: splitserve-profile/v1`, times in ms, rates in bytes/s):
 - `steps`: one `StepCost` per tensor-parallel size ("1", "2", ...): the engine's step time;
 - `kv_capacity_tokens`: KV tokens one worker (decode: one TP instance) holds, per TP size;
 - `transfer`: KV hand-off cost, latency_ms + bytes / bytes_per_s, one sender per prefill worker;
+- `threads_per_worker`: CPU threads one engine stepped with when it was timed (measured profiles;
+  1 for a roofline one); what a busy worker asks of a shared host (cluster/sim/contention.py);
 - `overheads`: the cluster's fixed costs around the engine (router, Ray calls, streaming), measured
   against a running cluster (`splitserve profile --calibrate`) or set by hand:
   route_ms (arrival at the router -> queued on the prefill worker), first_token_ms (sampled -> client),
@@ -80,6 +82,7 @@ class Profile:
     transfer: Transfer
     overheads: Overheads = Overheads()
     source: dict[str, Any] = field(default_factory=dict)
+    threads_per_worker: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -92,6 +95,8 @@ class Profile:
             raise ValueError("kv_capacity_tokens: every worker must hold at least one block")
         if not (self.transfer.bytes_per_s > 0 and self.transfer.latency_s >= 0):
             raise ValueError("transfer: bytes_per_s must be > 0 and latency_ms >= 0")
+        if not (isinstance(self.threads_per_worker, int) and self.threads_per_worker >= 1):
+            raise ValueError(f"threads_per_worker: must be an integer >= 1, got {self.threads_per_worker!r}")
         if not all(v >= 0 and math.isfinite(v) for v in vars(self.overheads).values()):
             raise ValueError("overheads: every overhead must be a finite number >= 0")
 
@@ -120,6 +125,7 @@ class Profile:
             "kv_capacity_tokens": {str(tp): v for tp, v in sorted(self.kv_capacity_tokens.items())},
             "transfer": {"latency_ms": self.transfer.latency_s * 1e3, "bytes_per_s": self.transfer.bytes_per_s},
             "overheads": self.overheads.to_dict(),
+            "threads_per_worker": self.threads_per_worker,
             "source": dict(self.source),
         }
 
@@ -144,6 +150,7 @@ class Profile:
                     *(over.get(k, 0.0) / 1e3 for k in ("route_ms", "first_token_ms", "adopt_ms", "token_ms", "step_ms"))
                 ),
                 dict(raw.get("source", {})),
+                raw.get("threads_per_worker", 1),
             )
         except KeyError as err:
             raise ValueError(f"profile: missing key {err.args[0]!r}") from None

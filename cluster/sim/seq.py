@@ -8,9 +8,11 @@ mutable state inside a run, counters as in the engine (engine/sequence.py): `com
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from cluster.sim.result import SimRecord
 
 
 class SimRequest(NamedTuple):
@@ -52,3 +54,43 @@ class SimSeq:
     @property
     def decode_left(self) -> int:
         return self.output - self.emitted
+
+    def record(self) -> SimRecord:
+        """What the run's result keeps of it (a request still pending at the end failed)."""
+        status = "failed" if self.status == "pending" else self.status
+        return SimRecord(
+            self.index,
+            self.arrival_s,
+            self.send_s,
+            self.prompt_tokens,
+            self.output,
+            self.cached,
+            self.first_token_s,
+            self.last_token_s,
+            status,
+            self.migrations,
+        )
+
+
+def shared_keys(requests: Sequence[SimRequest]) -> set:
+    """Block keys that occur in more than one request: the only ones a prefix hit can ever find."""
+    seen, shared = set(), set()
+    for r in requests:
+        for key in r.block_keys:
+            if key in seen:
+                shared.add(key)
+            else:
+                seen.add(key)
+    return shared
+
+
+def useful_keys(keys: tuple, shared: set | None) -> tuple:
+    """The keys up to the last one another request shares. Registering the rest in the cache would
+    change no hit and no eviction (cached or not, a free block sits in the same LRU queue): dropping
+    them only saves work. Kept whole when faults run (a migrated request hits its own blocks)."""
+    if shared is None:
+        return tuple(keys)
+    end = len(keys)
+    while end and keys[end - 1] not in shared:
+        end -= 1
+    return tuple(keys[:end])

@@ -17,6 +17,8 @@ A request's life, as in the cluster (README "A request through the disaggregated
    its prefill blocks are released (they stay cached), the decode instance adopts it `adopt` later;
 5. it decodes in the instance's continuous batch; its last token reaches the client `token` later.
 Colocated workers do 3 and 5 in one batch. Worker faults migrate requests (cluster/sim/faults.py).
+Workers sharing one host's cores (`host_cores`) step slower while more of them are busy
+(cluster/sim/contention.py).
 Time is simulated: a run is deterministic and reads no clock except to report its own speed.
 """
 
@@ -28,12 +30,13 @@ from collections import deque
 from collections.abc import Sequence
 
 from cluster.sim.config import SimConfig
+from cluster.sim.contention import HostShare, SharedHost
 from cluster.sim.faults import FaultHandler
 from cluster.sim.kv import BlockCounter, PrefixPool
 from cluster.sim.profile import Profile
-from cluster.sim.result import SimRecord, SimResult
+from cluster.sim.result import SimResult
 from cluster.sim.router import SimRouter
-from cluster.sim.seq import SimRequest, SimSeq
+from cluster.sim.seq import SimRequest, SimSeq, shared_keys, useful_keys
 from cluster.sim.worker import SimWorker
 
 # Event kinds, in the order they run at one instant: work finishing frees room before new work lands.
@@ -49,6 +52,11 @@ class Simulation:
         self.config, self.profile = config, profile
         self.block_tokens = config.cache_block_tokens or profile.model.block_size
         self.over = profile.overheads
+        self.host = (
+            None
+            if config.host_cores is None
+            else SharedHost(HostShare(config.host_cores, profile.threads_per_worker, config.host_background_cores))
+        )
         prefill_pool = config.colocated or config.prefill
         self.router = SimRouter(config.policy, prefill_pool, max(config.decode, 1), self.block_tokens)
         self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
@@ -79,14 +87,16 @@ class Simulation:
                 config.enable_prefix_caching,
                 self.router.index.on_event(index),
             )
-        return SimWorker(index, role, cost, config.limits, kv)
+        worker = SimWorker(index, role, cost, config.limits, kv)
+        worker.stretch = self.host.current if self.host is not None else 1.0
+        return worker
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         started = time.perf_counter()
-        shared = None if self.config.faults else _shared_keys(requests)
+        shared = None if self.config.faults else shared_keys(requests)
         seqs = [
-            SimSeq(i, r.arrival_s, r.prompt_tokens, r.output_tokens, _useful(r.block_keys, shared), r.prompt_tokens)
+            SimSeq(i, r.arrival_s, r.prompt_tokens, r.output_tokens, useful_keys(r.block_keys, shared), r.prompt_tokens)
             for i, r in enumerate(requests)
         ]
         for seq in seqs:
@@ -117,9 +127,12 @@ class Simulation:
         self.push(self.now_s + self.config.restart_s, RESTART, key)
 
     def schedule(self, worker: SimWorker) -> None:
-        end_s = worker.next_time()
-        if end_s is not None:
-            self.push(end_s, WORKER, worker, worker.version)
+        """Queues the end of the worker's run (and of the runs a shared host's new stretch moved)."""
+        moved = [] if self.host is None else self.host.update([*self.front, *self.decode], self.now_s)
+        for each in (worker, *(w for w in moved if w is not worker)):
+            end_s = each.next_time()
+            if end_s is not None:
+                self.push(end_s, WORKER, each, each.version)
 
     # ---- client and router ------------------------------------------------------------------------
     def _on_arrive(self, seq: SimSeq, _) -> None:
@@ -263,21 +276,7 @@ class Simulation:
         self.finish(seq)
 
     def _result(self, seqs: list[SimSeq], events: int, wall_s: float) -> SimResult:
-        records = [
-            SimRecord(
-                s.index,
-                s.arrival_s,
-                s.send_s,
-                s.prompt_tokens,
-                s.output,
-                s.cached,
-                s.first_token_s,
-                s.last_token_s,
-                "failed" if s.status == "pending" else s.status,
-                s.migrations,
-            )
-            for s in seqs
-        ]
+        records = [s.record() for s in seqs]
         busy = {"prefill": sum(w.busy_s for w in self.front), "decode": sum(w.busy_s for w in self.decode)}
         return SimResult(
             self.config.name,
@@ -290,27 +289,3 @@ class Simulation:
             busy,
             self.handoff_s,
         )
-
-
-def _shared_keys(requests: Sequence[SimRequest]) -> set:
-    """Block keys that occur in more than one request: the only ones a prefix hit can ever find."""
-    seen, shared = set(), set()
-    for r in requests:
-        for key in r.block_keys:
-            if key in seen:
-                shared.add(key)
-            else:
-                seen.add(key)
-    return shared
-
-
-def _useful(keys: tuple, shared: set | None) -> tuple:
-    """The keys up to the last one another request shares. Registering the rest in the cache would
-    change no hit and no eviction (cached or not, a free block sits in the same LRU queue): dropping
-    them only saves work. Kept whole when faults run (a migrated request hits its own blocks)."""
-    if shared is None:
-        return tuple(keys)
-    end = len(keys)
-    while end and keys[end - 1] not in shared:
-        end -= 1
-    return tuple(keys[:end])

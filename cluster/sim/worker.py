@@ -80,6 +80,7 @@ class SimWorker:
         self.version = 0  # bumped whenever the run's end moves (stale scheduled events are skipped)
         self.blocked = False  # the waiting head found no KV room at the last plan
         self.dead = False  # a fault ended it (cluster/sim/faults.py)
+        self.stretch = 1.0  # steps take this many times their cost (cores shared: cluster/sim/contention.py)
         self.busy_s = 0.0
         self.tokens_computed = 0
         self._order = 0
@@ -125,6 +126,21 @@ class SimWorker:
                 self.version += 1
                 return True
         return False
+
+    def restretch(self, now_s: float, stretch: float) -> bool:
+        """Steps from the next boundary on take `stretch` x their cost; True when the run's end moved."""
+        old, self.stretch, run = self.stretch, stretch, self.run
+        if run is None or old == stretch:
+            return False
+        if now_s <= run.start_s:  # nothing of the run has happened yet: it all runs at the new stretch
+            run.first_s, run.growth_s = run.first_s * stretch / old, run.growth_s * stretch / old
+        else:
+            steps = run.boundary_after(now_s)
+            if steps >= run.steps:
+                return False
+            run.steps = steps  # the rest is planned again at its end, at the new stretch
+        self.version += 1
+        return True
 
     # ---- advancing --------------------------------------------------------------------------------
     def next_time(self) -> float | None:
@@ -220,8 +236,10 @@ class SimWorker:
         cost = self.cost
         tokens = batch + sum(new for _, new in chunks)
         pairs = sum(prefill_pairs(seq.computed, new) for seq, new in chunks)
-        first_s = cost.seconds(tokens, batch + len(chunks), pairs, self.context_tokens)
-        growth_s = cost.prefill_pair_s * sum(new * new for _, new in chunks) + cost.decode_context_s * batch
+        first_s = self.stretch * cost.seconds(tokens, batch + len(chunks), pairs, self.context_tokens)
+        growth_s = self.stretch * (
+            cost.prefill_pair_s * sum(new * new for _, new in chunks) + cost.decode_context_s * batch
+        )
         steps = [(seq.prompt - seq.computed) // new for seq, new in chunks]
         if batch:
             steps.append(self._decoding[0][0] - self.steps_done)

@@ -13,8 +13,9 @@ the measured tail latencies by up to ~10x, so a tighter SLO would fail whenever 
 
 Why goodput and why 30% (the issue's target for the full validation is 15%): this box has 2 cores
 shared with other jobs, and the profile times one engine alone, so every latency figure carries
-contention the simulator does not model (the README's validation section measured p50 errors of
--80% to +500% on a loaded box). Goodput (requests meeting the SLO per second) is what the planner
+CPU the simulator does not model (the README's validation section, warm-calibrated and with the
+workers' host sharing modelled, still measured p50 errors of -21% to -61% on a quiet box: the
+cluster's processes outside engine steps are not modelled yet). Goodput (requests meeting the SLO per second) is what the planner
 sizes pools by, and at a rate the cluster can serve it stays near the offered rate on both sides
 unless the model of step costs, batching or hand-off is grossly wrong — a profile off by 20x, a
 hand-off charged per token instead of per byte, batches never formed: those push the predicted

@@ -1,0 +1,70 @@
+"""Workers sharing a host's cores (cluster/sim/contention.py), on the linear test profile
+(tests/cluster/sim_factories.py: dense(T) = 1 ms + 0.01 ms * T, no other cost). Each expected figure
+is worked out in the comment above it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cluster.sim import Profile, SimConfig, SimRequest, simulate
+from cluster.sim.contention import HostShare
+from tests.cluster.sim_factories import linear_profile
+
+TWO_COLOCATED = {"prefill": 0, "decode": 0, "colocated": 2, "policy": "round_robin"}
+approx = lambda v: pytest.approx(v, rel=1e-9, abs=1e-12)  # noqa: E731
+
+
+def test_stretch_is_demand_over_cores_never_below_one():
+    two = HostShare(cores=2)
+    assert [two.stretch(busy) for busy in range(5)] == [1.0, 1.0, 1.0, 1.5, 2.0]
+    assert HostShare(cores=2, background=1.0).stretch(2) == 1.5  # 2 workers + 1 core of router/client
+    assert HostShare(cores=4, threads_per_worker=2).stretch(3) == 1.5  # 6 threads on 4 cores
+
+
+def test_two_busy_workers_on_one_core_take_twice_as_long():
+    # Two colocated workers each prefill 100 tokens from t=0: 2 ms alone; on one shared core both are
+    # busy throughout, so each step takes 2 x 2 = 4 ms.
+    requests = [SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 1)]
+    alone = simulate(SimConfig(**TWO_COLOCATED), linear_profile(), requests)
+    shared = simulate(SimConfig(**TWO_COLOCATED, host_cores=1), linear_profile(), requests)
+    assert [r.first_token_s for r in alone.records] == [approx(0.002), approx(0.002)]
+    assert [r.first_token_s for r in shared.records] == [approx(0.004), approx(0.004)]
+
+
+def test_runs_in_progress_are_retimed_at_their_next_step_boundary():
+    # One core. A (worker 0): prefill 100 tokens alone 0-2 ms, then 10 decode steps of 1.01 ms.
+    # B (worker 1) arrives at 3 ms: both busy, stretch 2. A's step under way ends at 3.01 ms, then its
+    # steps take 2.02 ms (5.03, 7.05, ...); B's prefill takes 4 ms: first token at 7 ms, and B stops.
+    # Alone again, A's step under way (from 5.03) ends at 7.05 ms; its last 7 steps take 1.01 ms each:
+    # 7.05 + 7.07 = 14.12 ms. All 10 decode steps: 1 + 2 + 7.
+    requests = [SimRequest(0.0, 100, 11), SimRequest(0.003, 100, 1)]
+    result = simulate(SimConfig(**TWO_COLOCATED, host_cores=1), linear_profile(), requests)
+    a, b = result.records
+    assert (a.first_token_s, a.last_token_s) == (approx(0.002), approx(0.01412))
+    assert b.first_token_s == approx(0.007)
+
+
+def test_threads_and_background_count_toward_the_demand():
+    # 1P1D, prefill 100 tokens then a 6 ms hand-off, 2 decode steps of 1.01 ms: only one worker is
+    # ever busy. Two threads each plus one core of background on two cores: stretch (2 + 1) / 2 = 1.5,
+    # so prefill 3 ms, hand-off 6 ms (not a step), decode 2 x 1.515 ms: last token at 12.03 ms.
+    profile = dataclasses.replace(linear_profile(), threads_per_worker=2)
+    config = SimConfig(host_cores=2, host_background_cores=1.0)
+    (record,) = simulate(config, profile, [SimRequest(0.0, 100, 3)]).records
+    assert (record.first_token_s, record.last_token_s) == (approx(0.003), approx(0.01203))
+    # A host with cores to spare changes nothing: the figures of a worker per accelerator.
+    (spare,) = simulate(SimConfig(host_cores=8), profile, [SimRequest(0.0, 100, 3)]).records
+    assert (spare.first_token_s, spare.last_token_s) == (approx(0.002), approx(0.01002))
+
+
+def test_host_settings_are_validated_and_threads_round_trip(tmp_path):
+    with pytest.raises(ValueError, match=r"^host_cores:"):
+        SimConfig(host_cores=0)
+    with pytest.raises(ValueError, match=r"^host_background_cores: needs host_cores"):
+        SimConfig(host_background_cores=1.0)
+    profile = dataclasses.replace(linear_profile(), threads_per_worker=3)
+    assert Profile.load(profile.save(tmp_path / "p.json")).threads_per_worker == 3
+    with pytest.raises(ValueError, match=r"^threads_per_worker:"):
+        dataclasses.replace(profile, threads_per_worker=0)
