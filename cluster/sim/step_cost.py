@@ -117,7 +117,10 @@ def prefill_pairs(start: int, new: int) -> float:
 
 def fit_step_cost(samples: Iterable[StepSample], knots_tokens: tuple[int, ...]) -> tuple[StepCost, float]:
     """The non-negative least-squares fit of the model to the samples, weighted so that every sample's
-    relative error counts alike; returns the cost and the fit's RMS relative error."""
+    relative error counts alike; returns the cost and the fit's RMS relative error.
+
+    dense(T) is fitted as non-negative increments from knot to knot, so it never falls as T grows: more
+    tokens never cost less, however noisy the timer (a free fit of the knot values could dip there)."""
     samples = list(samples)
     if len(samples) < len(knots_tokens) + 3:
         raise ValueError(f"{len(samples)} samples cannot fit {len(knots_tokens) + 3} coefficients")
@@ -126,19 +129,22 @@ def fit_step_cost(samples: Iterable[StepSample], knots_tokens: tuple[int, ...]) 
     weights = 1.0 / target
     coef = nnls(design * weights[:, None], target * weights)
     k = len(knots_tokens)
-    cost = StepCost(knots_tokens, tuple(float(v) for v in coef[:k]), *(float(v) for v in coef[k:]))
+    dense_s = np.cumsum(coef[:k])
+    cost = StepCost(knots_tokens, tuple(float(v) for v in dense_s), *(float(v) for v in coef[k:]))
     predicted = np.array([cost.seconds(s.tokens, s.seqs, s.prefill_pairs, s.decode_context) for s in samples])
     return cost, float(np.sqrt(np.mean(((predicted - target) / target) ** 2)))
 
 
 def _row(sample: StepSample, knots: tuple[int, ...]) -> list[float]:
-    """Hat-function basis of dense(T) (weights of the two knots around T), then the linear terms."""
+    """Basis of dense(T) in knot-to-knot increments (increment j counts wherever knot j or a later one
+    weighs in: the suffix sums of the hat functions around T), then the linear terms."""
     hats = [0.0] * len(knots)
     t = sample.tokens
     i = min(max(bisect.bisect_right(knots, t) - 1, 0), len(knots) - 2)
     w = (t - knots[i]) / (knots[i + 1] - knots[i])
     hats[i], hats[i + 1] = 1.0 - w, w
-    return [*hats, sample.seqs, sample.prefill_pairs, sample.decode_context]
+    increments = np.cumsum(hats[::-1])[::-1]
+    return [*increments.tolist(), sample.seqs, sample.prefill_pairs, sample.decode_context]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:

@@ -8,23 +8,36 @@ it costs more per token than plain decoding and must stop.
 
 The rule, decided before each step from measured costs:
 - A cost sample is one pure decode step (no prompt chunk in it, which would swamp the figure): its wall
-  time and the tokens its decoding sequences emitted. A speculative step in which no sequence got a
-  draft is a plain sample (that is what it cost).
+  time, the tokens its decoding sequences emitted and, for a speculative step, the most it could have
+  emitted (every draft accepted). A speculative step in which no sequence got a draft is a plain sample
+  (that is what it cost). A step in which the draft model caught up KV it lacked (a new prompt, steps
+  run without speculation) is not a sample: a one-off, but its time is what re-trying speculation
+  costs, and the probe spacing below charges it.
 - Samples are kept per batch-size bucket (decoding sequences: 1, 2-3, 4-7, 8-15, ...), the last
   `WINDOW` of each mode; a mode's cost is its window's seconds over its tokens, leaving out the slowest
   step once there are 3 or more (one step stalled by a busy host must not decide anything). Seconds
   over tokens, not a median of per-step ratios: acceptance is lumpy (a step accepts all k drafts or
   none), and a median of ratios would judge by the typical step, not by what the tokens cost.
-- A bucket first runs `PROBE_STEPS` speculative steps, then `PROBE_STEPS` plain ones. From then on it
-  speculates iff its speculative cost per token is below its plain cost. A step with a prompt chunk
-  due cannot be a sample: it speculates only if its bucket has measured speculation cheaper.
+- A bucket first runs `PROBE_STEPS` plain steps, then `PROBE_STEPS` speculative ones; from then on it
+  speculates iff its speculative cost per token is below its plain cost. Speculation is *hopeless* in
+  a bucket when, at the acceptance rate measured so far, its tokens would cost more than plain ones: a
+  speculative step's seconds over (its sequences + its drafts x the rate) is at least the plain cost
+  per token. The rate is accepted over drafted tokens of the last `RATE_SAMPLES` speculative samples
+  of every bucket (acceptance is a property of the draft and the text, not of the batch size), taken
+  as 1 until `MIN_RATE_DRAFTS` drafts have been judged: then hopeless means "even at full acceptance",
+  true of compute-bound batches. One sample shows it, so the first probe stops there. A step with a
+  prompt chunk due cannot be a sample: it speculates only if its bucket has measured speculation
+  cheaper.
 - The losing mode is re-measured for `PROBE_STEPS` steps once every `probe_interval` steps of the
-  bucket (acceptance and batch shape drift). A probe that confirms the decision doubles the interval
-  (up to `MAX_PROBE_INTERVAL`), a flip resets it. A probe costs its steps' extra time over the winning
-  mode, so the interval is also at least what keeps that extra under `PROBE_TIME_SHARE` of the
-  bucket's time: PROBE_STEPS x (loser's cost / winner's cost - 1) / PROBE_TIME_SHARE steps. A draft
-  that makes steps 8x dearer per token is re-tried every ~1,000 steps, not every 16 (measured: at
-  every 16-256 steps such probes alone cost a 64-sequence batch 40% of its TPOT on the H100).
+  bucket (acceptance and batch shape drift); a speculative probe stops at a hopeless sample. A probe
+  that confirms the decision doubles the interval (up to `MAX_PROBE_INTERVAL`), a flip resets it. A
+  probe costs its steps' extra time over the winning mode plus, for a draft model, its catch-up step,
+  so the interval is also at least what keeps that extra under `PROBE_TIME_SHARE` of the bucket's
+  time: (probe steps x (loser's cost / winner's cost - 1) + catch-up step / plain step) /
+  PROBE_TIME_SHARE steps, counted once both windows are full; a hopeless bucket (on 2 samples) counts
+  one probe step's time beyond what its tokens cost at the plain rate.
+  A draft that makes steps 8x dearer per token is re-tried every ~1,000 steps, not every 16 (measured:
+  at every 16-256 steps such probes alone cost a 64-sequence batch 40% of its TPOT on the H100).
 
 Acceptance enters through the measured cost (fewer accepted tokens, more seconds per token). Nothing
 here reads a clock: the engine reports each step's duration (`observe`), so the rule is tested with
@@ -42,12 +55,16 @@ PROBE_STEPS = 3
 FIRST_PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 2048
 PROBE_TIME_SHARE = 0.02
+RATE_SAMPLES = 64
+MIN_RATE_DRAFTS = 64
 
 
 @dataclass
 class _Bucket:
     spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, tokens), speculative
     plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    spec_steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, sequences, drafts)
+    catch_up_s: float = 0.0  # the last step in which the draft caught up KV it lacked
     steps_since_probe: int = 0
     probe_interval: int = FIRST_PROBE_INTERVAL
     probe_left: int = 0  # steps of the current probe still to run
@@ -67,20 +84,50 @@ def seconds_per_token(samples: deque) -> float:
     return sum(s for s, _ in kept) / sum(t for _, t in kept)
 
 
-def _budget_interval(bucket: _Bucket) -> int:
+def _plain_step_s(bucket: _Bucket) -> float:
+    return sum(s for s, _ in bucket.plain_s) / len(bucket.plain_s)
+
+
+def _budget_interval(bucket: _Bucket, hopeless: bool) -> int:
     """Fewest steps between probes that keep a probe's extra time under PROBE_TIME_SHARE; none until
-    both windows are full (a few early samples must not space the probes out)."""
-    if len(bucket.spec_s) < WINDOW or len(bucket.plain_s) < WINDOW:
+    both windows are full or speculation is hopeless on 2 samples (a few early samples must not space
+    the probes out)."""
+    plain = seconds_per_token(bucket.plain_s) if bucket.plain_s else 0.0
+    if len(bucket.spec_s) >= WINDOW and len(bucket.plain_s) >= WINDOW:
+        spec = seconds_per_token(bucket.spec_s)
+        probe_steps = PROBE_STEPS * (max(spec, plain) / max(min(spec, plain), 1e-12) - 1)
+    elif hopeless:  # a speculative probe stops at its first (hopeless) sample
+        spec_step_s = sum(s for s, _ in bucket.spec_s) / len(bucket.spec_s)
+        spec_tokens = sum(t for _, t in bucket.spec_s) / len(bucket.spec_s)
+        probe_steps = max(spec_step_s - spec_tokens * plain, 0.0) / max(_plain_step_s(bucket), 1e-12)
+    else:
         return 0
-    spec, plain = seconds_per_token(bucket.spec_s), seconds_per_token(bucket.plain_s)
-    loss = max(spec, plain) / max(min(spec, plain), 1e-12) - 1
-    return min(MAX_PROBE_INTERVAL, math.ceil(PROBE_STEPS * loss / PROBE_TIME_SHARE))
+    if bucket.better() is False and bucket.catch_up_s > 0:
+        probe_steps += max(bucket.catch_up_s / max(_plain_step_s(bucket), 1e-12) - 1, 0.0)
+    return min(MAX_PROBE_INTERVAL, math.ceil(probe_steps / PROBE_TIME_SHARE))
 
 
 class AdaptiveSwitch:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self._buckets: dict[int, _Bucket] = {}
+        self._judged: deque = deque(maxlen=RATE_SAMPLES)  # (accepted, drafted) of speculative samples
+
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens lately, across buckets; 1 until MIN_RATE_DRAFTS were judged."""
+        drafted = sum(d for _, d in self._judged)
+        return sum(a for a, _ in self._judged) / drafted if drafted >= MIN_RATE_DRAFTS else 1.0
+
+    def _hopeless(self, bucket: _Bucket, min_samples: int = 1) -> bool:
+        """Whether speculation costs more per token than plain decoding at the measured acceptance rate,
+        on the cheapest of at least `min_samples` speculative samples that know their drafts."""
+        if len(bucket.spec_steps) < min_samples or len(bucket.plain_s) < PROBE_STEPS:
+            return False
+        return min(self._expected_s(step) for step in bucket.spec_steps) >= seconds_per_token(bucket.plain_s)
+
+    def _expected_s(self, step: tuple[float, int, int]) -> float:
+        seconds, sequences, drafts = step
+        return seconds / (sequences + drafts * self.acceptance_rate())
 
     @staticmethod
     def bucket_of(num_decoding: int) -> int:
@@ -96,29 +143,50 @@ class AdaptiveSwitch:
         bucket = self._bucket(num_decoding)
         if not measurable:
             return bucket.better() is True
-        if len(bucket.spec_s) < PROBE_STEPS:
-            return True
         if len(bucket.plain_s) < PROBE_STEPS:
             return False
+        if len(bucket.spec_s) < PROBE_STEPS and not self._hopeless(bucket):
+            return True
         if bucket.probe_left:
             bucket.probe_left -= 1
             return not bucket.decided_before_probe
         if bucket.decided_before_probe is not None:  # a probe's steps have all been measured: judge it
             self._end_probe(bucket)
         better = bucket.better()
-        assert better is not None, "both modes have PROBE_STEPS samples here"
+        assert better is not None, "both modes have samples here"
         bucket.steps_since_probe += 1
-        if bucket.steps_since_probe >= max(bucket.probe_interval, _budget_interval(bucket)):
+        if bucket.steps_since_probe >= max(bucket.probe_interval, _budget_interval(bucket, self._hopeless(bucket, 2))):
             bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better
             return not better
         return better
 
-    def observe(self, speculated: bool, num_decoding: int, duration_s: float, num_output_tokens: int) -> None:
-        """A pure decode step ran: `speculated` (some sequence had drafts) or not, its wall time and the
-        tokens it emitted."""
-        if self.enabled and num_output_tokens > 0:
-            bucket = self._bucket(num_decoding)
-            (bucket.spec_s if speculated else bucket.plain_s).append((duration_s, num_output_tokens))
+    def observe(
+        self,
+        speculated: bool,
+        num_decoding: int,
+        duration_s: float,
+        num_output_tokens: int,
+        most_tokens: int | None = None,
+        catch_up: bool = False,
+    ) -> None:
+        """A pure decode step ran: `speculated` (some sequence had drafts) or not, its wall time, the
+        tokens it emitted and, if it speculated, the most it could have (None: not known). `catch_up`:
+        the draft caught up KV it lacked in it, so it is no sample, only the price of re-trying."""
+        if not self.enabled or num_output_tokens <= 0:
+            return
+        bucket = self._bucket(num_decoding)
+        if catch_up:
+            bucket.catch_up_s = duration_s
+            return
+        (bucket.spec_s if speculated else bucket.plain_s).append((duration_s, num_output_tokens))
+        if speculated and most_tokens:
+            drafts = max(most_tokens - num_decoding, 0)
+            self._judged.append((min(max(num_output_tokens - num_decoding, 0), drafts), drafts))
+            step = (duration_s, num_decoding, drafts)
+            bucket.spec_steps.append(step)
+            probing_speculation = bucket.probe_left and bucket.decided_before_probe is False
+            if probing_speculation and self._expected_s(step) >= seconds_per_token(bucket.plain_s):
+                bucket.probe_left = 0  # this sample alone shows it cannot win: the rest of the probe would not
 
     def costs(self, num_decoding: int) -> tuple[float | None, float | None]:
         """(speculative, plain) seconds per output token of this batch size's bucket (see the rule)."""

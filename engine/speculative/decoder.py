@@ -157,11 +157,13 @@ class SpeculativeDecoder:
     def observe(self, chunks: Seq[ScheduledChunk], num_output_tokens: int) -> None:
         """The step ended; only pure decode steps (no prompt chunk, no draft catch-up) are cost samples."""
         speculating, decoding, started_s = self._step
-        if speculating and self.draft is not None and self.draft.caught_up:
-            return  # the draft caught up a prompt's or a pause's KV: a one-off, not the per-step cost
+        # The draft caught up a prompt's or a pause's KV: a one-off, not the per-step cost.
+        catch_up = speculating and self.draft is not None and self.draft.caught_up
         if decoding and all(c.num_new_tokens - len(c.draft_token_ids) == 1 for c in chunks):
             drafted = speculating and any(c.draft_token_ids for c in chunks)  # else it cost a plain step
-            self.switch.observe(drafted, decoding, time.perf_counter() - started_s, num_output_tokens)
+            most_tokens = sum(1 + len(c.draft_token_ids) for c in chunks) if drafted else None
+            duration_s = time.perf_counter() - started_s
+            self.switch.observe(drafted, decoding, duration_s, num_output_tokens, most_tokens, catch_up)
 
 
 def build_speculative_decoder(

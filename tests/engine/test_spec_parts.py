@@ -1,5 +1,6 @@
 """The parts of speculative decoding, exactly: config validation, prompt lookup, the adaptive switch's
 rule (fed exact costs), the KV table rollback; and the switch turning itself off in a real engine."""
+
 from __future__ import annotations
 
 import math
@@ -20,16 +21,19 @@ from engine.speculative.ngram import NgramProposer
 from tests.factories import TinySpec, random_prompts
 
 
-@pytest.mark.parametrize("raw, key", [
-    ({"method": "medusa"}, "speculative_config.method"),
-    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
-    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
-    ({"method": "draft_model"}, "speculative_config.model"),
-    ({"method": "ngram", "model": "x"}, "speculative_config.model"),
-    ({"model": "x", "quantization": "int4"}, "speculative_config.quantization"),
-    ({"method": "ngram", "quantization": "int8"}, "speculative_config.quantization"),
-    ({"k": 3}, "unknown key"),
-])
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"method": "medusa"}, "speculative_config.method"),
+        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
+        ({"method": "draft_model"}, "speculative_config.model"),
+        ({"method": "ngram", "model": "x"}, "speculative_config.model"),
+        ({"model": "x", "quantization": "int4"}, "speculative_config.quantization"),
+        ({"method": "ngram", "quantization": "int8"}, "speculative_config.quantization"),
+        ({"k": 3}, "unknown key"),
+    ],
+)
 def test_bad_config_names_the_key(raw, key):
     with pytest.raises(SpeculativeConfigError, match=key):
         SpeculativeConfig.from_dict(raw)
@@ -59,7 +63,7 @@ def _switch_after(spec_cost_s: float, plain_cost_s: float, batch: int, steps: in
 def test_switch_turns_off_when_speculation_costs_more_per_token():
     # A large batch (compute-bound) or low acceptance: a speculative step costs more per token.
     decisions = _switch_after(spec_cost_s=0.012, plain_cost_s=0.010, batch=64, steps=600)
-    assert decisions[:2 * PROBE_STEPS] == [True] * PROBE_STEPS + [False] * PROBE_STEPS  # both modes measured
+    assert decisions[: 2 * PROBE_STEPS] == [False] * PROBE_STEPS + [True] * PROBE_STEPS  # both modes measured
     settled = decisions[200:]  # probe intervals have doubled past 128 steps by now
     assert settled.count(True) <= PROBE_STEPS * (len(settled) // 128 + 1)  # only the probes
 
@@ -69,9 +73,82 @@ def test_a_costly_loser_is_probed_rarely():
     the time that is one probe per 1,050 steps once both windows are full (after the probes at 16, 48
     and 112 steps), where doubling alone would probe at 240, 496, 1008 and 2032 too."""
     decisions = _switch_after(spec_cost_s=0.08, plain_cost_s=0.01, batch=64, steps=3000)
-    assert decisions[:2 * PROBE_STEPS] == [True] * PROBE_STEPS + [False] * PROBE_STEPS
+    assert decisions[: 2 * PROBE_STEPS] == [False] * PROBE_STEPS + [True] * PROBE_STEPS
     assert decisions[200:].count(True) <= 2 * PROBE_STEPS
     assert math.ceil(PROBE_STEPS * 7 / PROBE_TIME_SHARE) == 1050 <= MAX_PROBE_INTERVAL
+
+
+def _switch_with_drafts(step_s, batch: int, k: int, accepted: int, steps: int, catch_up_s: float = 0.0):
+    """Decisions of a switch fed steps of `step_s(on)` seconds; a speculative step emits (1 + accepted)
+    tokens per sequence of at most 1 + k; `catch_up_s` > 0: the draft model must catch up on the first
+    speculative step after plain ones, a step that long."""
+    switch, decisions, behind = AdaptiveSwitch(), [], True
+    for _ in range(steps):
+        on = switch.decide(batch)
+        decisions.append(on)
+        if on and behind and catch_up_s:
+            switch.observe(True, batch, catch_up_s, batch, batch * (1 + k), catch_up=True)
+        elif on:
+            switch.observe(True, batch, step_s(True), batch * (1 + accepted), batch * (1 + k))
+        else:
+            switch.observe(False, batch, step_s(False), batch)
+        behind = not on
+    return decisions
+
+
+def test_a_hopeless_speculation_is_dropped_after_one_step():
+    """A compute-bound batch: a verify step over 1 + 4 tokens per sequence costs 6x a plain step, so even
+    five tokens per sequence would cost more than plain ones, whatever the acceptance. One speculative
+    sample shows it; the first probe stops there, and so does every later one."""
+    for accepted in (4, 0):
+        decisions = _switch_with_drafts(lambda on: 6.0 if on else 1.0, batch=64, k=4, accepted=accepted, steps=3000)
+        assert decisions[: PROBE_STEPS + 2] == [False] * PROBE_STEPS + [True, False]
+        probes = [i for i in range(1, 3000) if decisions[i] and not decisions[i - 1]]
+        assert all(not decisions[i + 1] for i in probes)  # one step each
+        assert len(probes) <= 8  # doubling from 16 steps, or the time budget where it is longer
+    # Nothing accepted: a probe step costs 5 plain steps more than its 64 tokens do; 2% of the time
+    # allows one every 250 steps.
+    late = [i for i in range(600, 3000) if decisions[i]]
+    assert all(b - a >= 250 for a, b in zip(late, late[1:]))
+
+
+def test_a_costly_catch_up_spaces_the_probes_out():
+    """A draft as big as the target: low acceptance makes speculation lose, and every probe first
+    catches the draft up on the steps it skipped, a step 40x a plain one. The probes' spacing counts
+    that step: at most 2% of the time goes to probing."""
+    decisions = _switch_with_drafts(
+        lambda on: 2.0 if on else 1.0, batch=8, k=4, accepted=0, steps=3000, catch_up_s=40.0
+    )
+    probe_starts = [i for i in range(1, 3000) if decisions[i] and not decisions[i - 1]]
+    settled = [i for i in probe_starts if i > 200]
+    assert all(b - a >= 2000 for a, b in zip(settled, settled[1:])) and len(settled) <= 2
+    cost = sum(2.0 if on else 1.0 for on in decisions) + 40.0 * len(probe_starts)
+    assert cost < 1.1 * 3000  # plain all along would cost 3000
+
+
+def test_a_draft_that_could_win_is_dropped_once_its_acceptance_is_known():
+    """Speculation costing 1.5x a plain step could win at full acceptance (5 tokens for 1.5): not
+    hopeless on the first sample (32 drafts judged, too few for a rate). With nothing accepted, the
+    second sample brings the rate (0 of 64) and shows it cannot win: off after two speculative steps."""
+    decisions = _switch_with_drafts(lambda on: 1.5 if on else 1.0, batch=8, k=4, accepted=0, steps=100)
+    assert decisions[: PROBE_STEPS + 3] == [False] * PROBE_STEPS + [True, True, False]
+    assert decisions[PROBE_STEPS + 2 : PROBE_STEPS + 12] == [False] * 10
+
+
+def test_the_acceptance_rate_is_shared_by_buckets():
+    """A batch of 2 learns that nothing is accepted; a batch of 8 then needs one speculative step to see
+    that speculation cannot pay there either, where it would otherwise take PROBE_STEPS."""
+    switch = AdaptiveSwitch()
+    for _ in range(200):  # 3 speculative samples, then probes: 8 drafts each
+        on = switch.decide(2)
+        switch.observe(on, 2, 1.2 if on else 1.0, 2, 2 * 5 if on else None)
+    assert switch.acceptance_rate() == 0.0
+    decisions = []
+    for _ in range(PROBE_STEPS + 3):
+        on = switch.decide(8)
+        decisions.append(on)
+        switch.observe(on, 8, 1.2 if on else 1.0, 8, 8 * 5 if on else None)
+    assert decisions == [False] * PROBE_STEPS + [True, False, False]
 
 
 def test_one_stalled_step_does_not_flip_the_decision():
@@ -83,7 +160,7 @@ def test_one_stalled_step_does_not_flip_the_decision():
         stalled = step == 40  # the host stalled the process for one step
         switch.observe(on, batch, 1.0 if stalled else (0.004 if on else 0.010), batch)
     assert all(decisions[41:52])  # the stalled step (the window's slowest) is left out
-    assert decisions[2 * PROBE_STEPS:].count(False) <= 2 * PROBE_STEPS  # the two probes only
+    assert decisions[2 * PROBE_STEPS :].count(False) <= 2 * PROBE_STEPS  # the two probes only
 
 
 def test_switch_stays_on_when_speculation_is_cheaper_and_buckets_are_separate():
@@ -93,7 +170,8 @@ def test_switch_stays_on_when_speculation_is_cheaper_and_buckets_are_separate():
         on = switch.decide(64)
         switch.observe(on, 64, 2.0 if on else 1.0, 64)
     assert switch.decide(64) is False
-    assert switch.decide(1) is True and switch.costs(64) == (2.0 / 64, 1.0 / 64)
+    assert switch.decide(1) is False  # batch 1 starts with plain samples of its own
+    assert switch.costs(64) == (2.0 / 64, 1.0 / 64) and switch.costs(1) == (None, None)
 
 
 def test_lumpy_acceptance_is_judged_by_what_the_tokens_cost():
@@ -110,7 +188,7 @@ def test_lumpy_acceptance_is_judged_by_what_the_tokens_cost():
         step += on
         switch.observe(on, batch, 1.3 if on else 1.0, tokens)
     assert switch.costs(batch)[0] < 0.7 and switch.costs(batch)[1] == 1.0
-    assert decisions[2 * PROBE_STEPS:].count(False) <= 3 * PROBE_STEPS  # plain only in probes
+    assert decisions[2 * PROBE_STEPS :].count(False) <= 3 * PROBE_STEPS  # plain only in probes
 
 
 def test_switch_follows_a_drop_in_acceptance():
@@ -132,7 +210,10 @@ def test_steps_that_cannot_be_measured_speculate_only_where_it_pays():
     bucket does not spend a probe on it; a bucket measured cheaper with speculation keeps it on."""
     switch = AdaptiveSwitch()
     assert switch.decide(8, measurable=False) is False
-    assert switch.decide(8) is True  # a measurable step starts the bucket's probes
+    assert switch.decide(8) is False  # a measurable step starts the bucket's measurements, plain first
+    for _ in range(PROBE_STEPS):
+        switch.observe(False, 8, 0.010, 8)
+    assert switch.decide(8) is True and switch.decide(8, measurable=False) is False
     for _ in range(2 * PROBE_STEPS):
         on = switch.decide(1)
         switch.observe(on, 1, 0.004 if on else 0.010, 1)
@@ -160,8 +241,7 @@ def test_engine_switches_off_a_draft_that_is_never_accepted(checkpoint, make_llm
     for about one token, so the measured rule turns speculation off after its first measurements."""
     model_dir = checkpoint(TinySpec())
     draft = checkpoint(TinySpec(num_layers=1, seed=77))
-    llm = make_llm(model_dir, num_kv_blocks=256, speculative_config={"model": str(draft),
-                                                                     "num_speculative_tokens": 6})
+    llm = make_llm(model_dir, num_kv_blocks=256, speculative_config={"model": str(draft), "num_speculative_tokens": 6})
     prompts = random_prompts(1, 8, 8, 512, seed=3)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True), use_tqdm=False)
     counters = llm.engine.spec.counters
@@ -180,9 +260,9 @@ def test_engine_config_takes_the_dict_and_refuses_the_prefill_role():
 
 def _brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, ...]:
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
         if starts:
-            return tuple(tokens[starts[-1] + n:starts[-1] + n + k])
+            return tuple(tokens[starts[-1] + n : starts[-1] + n + k])
     return ()
 
 
@@ -220,9 +300,11 @@ def test_a_step_that_caught_the_draft_up_is_not_a_cost_sample():
     decoder = SpeculativeDecoder(SpeculativeConfig(method="draft_model", model="d"), Sampler(), 64, draft)
     running = [SimpleNamespace(num_uncomputed_tokens=1)]
     chunk = SimpleNamespace(num_new_tokens=5, draft_token_ids=(1, 2, 3, 4))
-    assert decoder.lookahead(running) == 4  # an unmeasured bucket probes speculation
+    for _ in range(PROBE_STEPS):
+        decoder.switch.observe(False, 1, 0.010, 1)
+    assert decoder.lookahead(running) == 4  # measured plain, not yet speculation: probe it
     decoder.observe([chunk], 5)
-    assert decoder.switch.costs(1) == (None, None)
+    assert decoder.switch.costs(1) == (None, 0.010)
     draft.caught_up = False
     decoder.lookahead(running)
     decoder.observe([chunk], 5)

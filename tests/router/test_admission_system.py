@@ -8,6 +8,7 @@ Timing on a shared 2-core box: the SLO is not a constant but the median TTFT of 
 same prompts measured in the same test, so it means "room for about half of a 24-prompt burst" on a
 fast machine and on a slow one alike.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -22,18 +23,20 @@ from tests.router.conftest import router_config, start_router
 
 BURST = 80
 WARM_UP = 24
-# Share of admitted requests that must meet the SLO. Not 100%: on this machine one engine step in a
-# few hundred stalls for ~0.3 s (another process holds the core), which no prediction made before the
-# burst can foresee; 90% allows one such late request in the ~10 a burst admits, and still fails if
-# the predictions run short (with the step models alone: 12-88% met in 4 runs).
-MIN_MET_SHARE = 0.9
+# Admitted requests allowed to miss the SLO: one per ten admitted, and at least one. Not none: on this
+# machine one engine step in a few hundred stalls for ~0.3 s (another process holds the core), which no
+# prediction made before the burst can foresee; a burst admits ~8-12, so this allows one such late
+# request and still fails if the predictions run short (with the step models alone: 12-88% met in 4
+# runs). A share alone (90% of 8 = 7.2) would have allowed none.
+LATE_PER_TEN_ADMITTED = 1
 
 
 @pytest.fixture(scope="module")
 def admitting(ray_session, checkpoint):
     config = router_config()
-    admission = AdmissionConfig(policy="predictive", default_tpot_ms=10_000.0, cost_min_samples=4,
-                                shed_step_per_priority=0.3)
+    admission = AdmissionConfig(
+        policy="predictive", default_tpot_ms=10_000.0, cost_min_samples=4, shed_step_per_priority=0.3
+    )
     config = replace(config, admission=admission, decode=replace(config.decode, num_kv_blocks=4096))
     stack = start_router(checkpoint(TinySpec()), config)
     yield stack
@@ -68,7 +71,10 @@ def test_a_burst_is_rejected_early_and_admitted_requests_meet_their_slo(admittin
     assert len(rejected) >= len(results) // 4  # the tail of the burst was turned away, not queued
     assert admitting.server.service.metrics.snapshot()["rejected_requests_total"]["ttft_slo"] >= len(rejected)
     met = sum(ttft_s * 1000.0 <= slo_ms for ttft_s in admitted_s)
-    assert met >= MIN_MET_SHARE * len(admitted_s), f"{met} met: {sorted(round(t * 1000) for t in admitted_s)} ms vs SLO {slo_ms:.0f} ms"
+    late_allowed = max(1, LATE_PER_TEN_ADMITTED * len(admitted_s) // 10)
+    assert met >= len(admitted_s) - late_allowed, (
+        f"{met} met: {sorted(round(t * 1000) for t in admitted_s)} ms vs SLO {slo_ms:.0f} ms"
+    )
     admitting.check_workers_clean()  # rejections reserved nothing; admitted requests freed theirs
 
 
