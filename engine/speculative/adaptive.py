@@ -61,9 +61,9 @@ MIN_RATE_DRAFTS = 64
 
 @dataclass
 class _Bucket:
-    spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, tokens), speculative
-    plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    spec_steps: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, sequences, drafts)
+    # speculative samples: (seconds, tokens, sequences, drafts or None when not known)
+    spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, tokens)
     catch_up_s: float = 0.0  # the last step in which the draft caught up KV it lacked
     steps_since_probe: int = 0
     probe_interval: int = FIRST_PROBE_INTERVAL
@@ -81,7 +81,7 @@ def seconds_per_token(samples: deque) -> float:
     """A window's seconds over its tokens, without its slowest step once it has 3 or more."""
     # The slowest by duration; among equal durations the one that emitted fewest tokens.
     kept = sorted(samples, key=lambda sample: (sample[0], -sample[1]))[:-1] if len(samples) >= 3 else list(samples)
-    return sum(s for s, _ in kept) / sum(t for _, t in kept)
+    return sum(sample[0] for sample in kept) / sum(sample[1] for sample in kept)
 
 
 def _plain_step_s(bucket: _Bucket) -> float:
@@ -97,8 +97,8 @@ def _budget_interval(bucket: _Bucket, hopeless: bool) -> int:
         spec = seconds_per_token(bucket.spec_s)
         probe_steps = PROBE_STEPS * (max(spec, plain) / max(min(spec, plain), 1e-12) - 1)
     elif hopeless:  # a speculative probe stops at its first (hopeless) sample
-        spec_step_s = sum(s for s, _ in bucket.spec_s) / len(bucket.spec_s)
-        spec_tokens = sum(t for _, t in bucket.spec_s) / len(bucket.spec_s)
+        spec_step_s = sum(sample[0] for sample in bucket.spec_s) / len(bucket.spec_s)
+        spec_tokens = sum(sample[1] for sample in bucket.spec_s) / len(bucket.spec_s)
         probe_steps = max(spec_step_s - spec_tokens * plain, 0.0) / max(_plain_step_s(bucket), 1e-12)
     else:
         return 0
@@ -121,12 +121,14 @@ class AdaptiveSwitch:
     def _hopeless(self, bucket: _Bucket, min_samples: int = 1) -> bool:
         """Whether speculation costs more per token than plain decoding at the measured acceptance rate,
         on the cheapest of at least `min_samples` speculative samples that know their drafts."""
-        if len(bucket.spec_steps) < min_samples or len(bucket.plain_s) < PROBE_STEPS:
+        known = [sample for sample in bucket.spec_s if sample[3] is not None]
+        if len(known) < min_samples or len(bucket.plain_s) < PROBE_STEPS:
             return False
-        return min(self._expected_s(step) for step in bucket.spec_steps) >= seconds_per_token(bucket.plain_s)
+        return min(self._expected_s(sample) for sample in known) >= seconds_per_token(bucket.plain_s)
 
-    def _expected_s(self, step: tuple[float, int, int]) -> float:
-        seconds, sequences, drafts = step
+    def _expected_s(self, sample: tuple[float, int, int, int]) -> float:
+        """A speculative sample's seconds per token had it accepted drafts at the measured rate."""
+        seconds, _, sequences, drafts = sample
         return seconds / (sequences + drafts * self.acceptance_rate())
 
     @staticmethod
@@ -155,7 +157,8 @@ class AdaptiveSwitch:
         better = bucket.better()
         assert better is not None, "both modes have samples here"
         bucket.steps_since_probe += 1
-        if bucket.steps_since_probe >= max(bucket.probe_interval, _budget_interval(bucket, self._hopeless(bucket, 2))):
+        due = bucket.steps_since_probe >= bucket.probe_interval  # the budget is worked out only then
+        if due and bucket.steps_since_probe >= _budget_interval(bucket, self._hopeless(bucket, 2)):
             bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better
             return not better
         return better
@@ -178,15 +181,19 @@ class AdaptiveSwitch:
         if catch_up:
             bucket.catch_up_s = duration_s
             return
-        (bucket.spec_s if speculated else bucket.plain_s).append((duration_s, num_output_tokens))
-        if speculated and most_tokens:
-            drafts = max(most_tokens - num_decoding, 0)
-            self._judged.append((min(max(num_output_tokens - num_decoding, 0), drafts), drafts))
-            step = (duration_s, num_decoding, drafts)
-            bucket.spec_steps.append(step)
-            probing_speculation = bucket.probe_left and bucket.decided_before_probe is False
-            if probing_speculation and self._expected_s(step) >= seconds_per_token(bucket.plain_s):
-                bucket.probe_left = 0  # this sample alone shows it cannot win: the rest of the probe would not
+        if not speculated:
+            bucket.plain_s.append((duration_s, num_output_tokens))
+            return
+        if not most_tokens:
+            bucket.spec_s.append((duration_s, num_output_tokens, num_decoding, None))
+            return
+        drafts = max(most_tokens - num_decoding, 0)
+        sample = (duration_s, num_output_tokens, num_decoding, drafts)
+        bucket.spec_s.append(sample)
+        self._judged.append((min(max(num_output_tokens - num_decoding, 0), drafts), drafts))
+        probing_speculation = bucket.probe_left and bucket.decided_before_probe is False
+        if probing_speculation and self._expected_s(sample) >= seconds_per_token(bucket.plain_s):
+            bucket.probe_left = 0  # this sample alone shows it cannot win: the rest of the probe would not
 
     def costs(self, num_decoding: int) -> tuple[float | None, float | None]:
         """(speculative, plain) seconds per output token of this batch size's bucket (see the rule)."""

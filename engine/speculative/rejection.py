@@ -5,7 +5,8 @@ the token after d_1..d_j. Rows are processed exactly as the sampler would proces
 (penalties and min_tokens see d_1..d_j as output; seeded draws are keyed by the row's position).
 
 - Greedy rows (temperature 0): x_j = the sampler's argmax of row j. Accept the longest prefix with
-  d_{j+1} == x_j, then emit x_a (the target's own next token): the output equals plain greedy decoding.
+  d_{j+1} == x_j (`matching_prefix`), then emit x_a (the target's own next token): the output equals
+  plain greedy decoding. The decoder does this over one batched argmax of every greedy sequence.
 - Random rows, the standard rejection-sampling rule (Leviathan et al., Chen et al.): accept d_{j+1} with
   probability min(1, p_j(d) / q_j(d)), p = the target's processed distribution, q = the draft's
   (one-hot for a deterministic proposal such as n-gram or a greedy draft). At the first rejection emit
@@ -40,13 +41,12 @@ class Drafts:
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], drafts: Drafts) -> list[int]:
-    """The tokens one sequence emits this step: accepted drafts, then one target token (>= 1 token).
-    `logits`: its `len(drafts) + 1` rows of raw target logits; `rows`: their sampling rows."""
+    """The tokens one sequence with random (temperature > 0) rows emits this step: accepted drafts,
+    then one target token (>= 1 token). `logits`: its `len(drafts) + 1` rows of raw target logits;
+    `rows`: their sampling rows. Greedy rows need no draws: the decoder takes every greedy sequence's
+    argmax in one batched call and accepts `matching_prefix` of it."""
+    assert not rows[0].params.greedy, "greedy verification is matching_prefix over the batched argmax"
     k = len(drafts.token_ids)
-    if rows[0].params.greedy:
-        targets = sampler(logits, rows).token_ids
-        accepted = matching_prefix(drafts.token_ids, targets)
-        return [*drafts.token_ids[:accepted], targets[accepted]]
     probs = processed_logits(logits, rows).softmax(dim=-1)
     draft_ids = torch.tensor(drafts.token_ids, dtype=torch.long, device=probs.device)
     p_draft = probs[:k].gather(1, draft_ids[:, None]).squeeze(1)
