@@ -11,13 +11,18 @@ The rule, decided before each step from measured costs:
   time, the tokens its decoding sequences emitted and, for a speculative step, the most it could have
   emitted (every draft accepted). A speculative step in which no sequence got a draft is a plain sample
   (that is what it cost). A step in which the draft model caught up KV it lacked (a new prompt, steps
-  run without speculation) is not a sample: a one-off, but its time is what re-trying speculation
-  costs, and the probe spacing below charges it.
+  run without speculation) is a speculative sample marked `catch_up`: speculating is what made the
+  draft compute that KV, and plain decoding never pays it (measured on CPU with a draft that agrees
+  90% of the time: leaving it out let a 64-sequence batch pay the draft's prompt KV of every request
+  and run at 0.77x of plain). It counts in the mode's cost, never as an outlier, but not in the
+  per-step judgements below (hopeless, a probe's early stop): those are about what a step costs once
+  the draft is level.
 - Samples are kept per batch-size bucket (decoding sequences: 1, 2-3, 4-7, 8-15, ...), the last
   `WINDOW` of each mode; a mode's cost is its window's seconds over its tokens, leaving out the slowest
-  step once there are 3 or more (one step stalled by a busy host must not decide anything). Seconds
-  over tokens, not a median of per-step ratios: acceptance is lumpy (a step accepts all k drafts or
-  none), and a median of ratios would judge by the typical step, not by what the tokens cost.
+  step other than a catch-up once there are 3 or more (one step stalled by a busy host must not decide
+  anything). Seconds over tokens, not a median of per-step ratios: acceptance is lumpy (a step accepts
+  all k drafts or none), and a median of ratios would judge by the typical step, not by what the tokens
+  cost.
 - A bucket first runs `PROBE_STEPS` plain steps, then `PROBE_STEPS` speculative ones; from then on it
   speculates iff its speculative cost per token is below its plain cost. Speculation is *hopeless* in
   a bucket when, at the acceptance rate measured so far, its tokens would cost more than plain ones: a
@@ -29,13 +34,15 @@ The rule, decided before each step from measured costs:
   prompt chunk due cannot be a sample: it speculates only if its bucket has measured speculation
   cheaper.
 - The losing mode is re-measured for `PROBE_STEPS` steps once every `probe_interval` steps of the
-  bucket (acceptance and batch shape drift); a speculative probe stops at a hopeless sample. A probe
+  bucket (acceptance and batch shape drift); a speculative probe stops at a hopeless sample (not at its
+  catch-up step). A probe
   that confirms the decision doubles the interval (up to `MAX_PROBE_INTERVAL`), a flip resets it. A
   probe costs its steps' extra time over the winning mode plus, for a draft model, its catch-up step,
   so the interval is also at least what keeps that extra under `PROBE_TIME_SHARE` of the bucket's
   time: (probe steps x (loser's cost / winner's cost - 1) + catch-up step / plain step) /
-  PROBE_TIME_SHARE steps, counted once both windows are full; a hopeless bucket (on 2 samples) counts
-  one probe step's time beyond what its tokens cost at the plain rate.
+  PROBE_TIME_SHARE steps, the first term counted once both windows are full (a hopeless bucket, on 2
+  samples: one probe step's time beyond what its tokens cost at the plain rate), the catch-up from its
+  first measurement.
   A draft that makes steps 8x dearer per token is re-tried every ~1,000 steps, not every 16 (measured:
   at every 16-256 steps such probes alone cost a 64-sequence batch 40% of its TPOT on the H100).
 
@@ -49,6 +56,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 WINDOW = 8
 PROBE_STEPS = 3
@@ -59,11 +67,21 @@ RATE_SAMPLES = 64
 MIN_RATE_DRAFTS = 64
 
 
+class Sample(NamedTuple):
+    """One measured decode step: its wall time and the tokens it emitted; for a speculative step also
+    its decoding sequences, its drafts (None: not known) and whether the draft caught up KV in it."""
+
+    seconds: float
+    tokens: int
+    sequences: int = 0
+    drafts: int | None = None
+    catch_up: bool = False
+
+
 @dataclass
 class _Bucket:
-    # speculative samples: (seconds, tokens, sequences, drafts or None when not known)
-    spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, tokens)
+    spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # Samples of speculative steps
+    plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # Samples of plain steps
     catch_up_s: float = 0.0  # the last step in which the draft caught up KV it lacked
     steps_since_probe: int = 0
     probe_interval: int = FIRST_PROBE_INTERVAL
@@ -78,30 +96,35 @@ class _Bucket:
 
 
 def seconds_per_token(samples: deque) -> float:
-    """A window's seconds over its tokens, without its slowest step once it has 3 or more."""
-    # The slowest by duration; among equal durations the one that emitted fewest tokens.
-    kept = sorted(samples, key=lambda sample: (sample[0], -sample[1]))[:-1] if len(samples) >= 3 else list(samples)
-    return sum(sample[0] for sample in kept) / sum(sample[1] for sample in kept)
+    """A window's seconds over its tokens, without its slowest step (a catch-up step is no outlier: it
+    is a cost) once it has 3 or more steps."""
+    kept = list(samples)
+    ordinary = [sample for sample in kept if not sample.catch_up]
+    if len(kept) >= 3 and ordinary:  # the slowest by duration; among equal ones, the fewest tokens
+        kept.remove(max(ordinary, key=lambda sample: (sample.seconds, -sample.tokens)))
+    return sum(sample.seconds for sample in kept) / sum(sample.tokens for sample in kept)
 
 
 def _plain_step_s(bucket: _Bucket) -> float:
-    return sum(s for s, _ in bucket.plain_s) / len(bucket.plain_s)
+    return sum(sample.seconds for sample in bucket.plain_s) / len(bucket.plain_s)
 
 
 def _budget_interval(bucket: _Bucket, hopeless: bool) -> int:
-    """Fewest steps between probes that keep a probe's extra time under PROBE_TIME_SHARE; none until
-    both windows are full or speculation is hopeless on 2 samples (a few early samples must not space
-    the probes out)."""
+    """Fewest steps between probes that keep a probe's extra time under PROBE_TIME_SHARE. The probe's
+    steps count once both windows are full or speculation is hopeless on 2 samples (a few early
+    samples must not space the probes out); the draft's catch-up counts from its first measurement: it
+    is the dearest part of a probe (the whole batch's prompts after a round of new requests: ~10 plain
+    steps at batch 64 on CPU), and doubling alone would pay it at 16, 48 and 112 steps."""
     plain = seconds_per_token(bucket.plain_s) if bucket.plain_s else 0.0
     if len(bucket.spec_s) >= WINDOW and len(bucket.plain_s) >= WINDOW:
         spec = seconds_per_token(bucket.spec_s)
         probe_steps = PROBE_STEPS * (max(spec, plain) / max(min(spec, plain), 1e-12) - 1)
     elif hopeless:  # a speculative probe stops at its first (hopeless) sample
-        spec_step_s = sum(sample[0] for sample in bucket.spec_s) / len(bucket.spec_s)
-        spec_tokens = sum(sample[1] for sample in bucket.spec_s) / len(bucket.spec_s)
+        spec_step_s = sum(sample.seconds for sample in bucket.spec_s) / len(bucket.spec_s)
+        spec_tokens = sum(sample.tokens for sample in bucket.spec_s) / len(bucket.spec_s)
         probe_steps = max(spec_step_s - spec_tokens * plain, 0.0) / max(_plain_step_s(bucket), 1e-12)
     else:
-        return 0
+        probe_steps = 0.0
     if bucket.better() is False and bucket.catch_up_s > 0:
         probe_steps += max(bucket.catch_up_s / max(_plain_step_s(bucket), 1e-12) - 1, 0.0)
     return min(MAX_PROBE_INTERVAL, math.ceil(probe_steps / PROBE_TIME_SHARE))
@@ -121,15 +144,15 @@ class AdaptiveSwitch:
     def _hopeless(self, bucket: _Bucket, min_samples: int = 1) -> bool:
         """Whether speculation costs more per token than plain decoding at the measured acceptance rate,
         on the cheapest of at least `min_samples` speculative samples that know their drafts."""
-        known = [sample for sample in bucket.spec_s if sample[3] is not None]
+        known = [sample for sample in bucket.spec_s if sample.drafts is not None and not sample.catch_up]
         if len(known) < min_samples or len(bucket.plain_s) < PROBE_STEPS:
             return False
         return min(self._expected_s(sample) for sample in known) >= seconds_per_token(bucket.plain_s)
 
-    def _expected_s(self, sample: tuple[float, int, int, int]) -> float:
+    def _expected_s(self, sample: Sample) -> float:
         """A speculative sample's seconds per token had it accepted drafts at the measured rate."""
-        seconds, _, sequences, drafts = sample
-        return seconds / (sequences + drafts * self.acceptance_rate())
+        assert sample.drafts is not None
+        return sample.seconds / (sample.sequences + sample.drafts * self.acceptance_rate())
 
     @staticmethod
     def bucket_of(num_decoding: int) -> int:
@@ -174,25 +197,26 @@ class AdaptiveSwitch:
     ) -> None:
         """A pure decode step ran: `speculated` (some sequence had drafts) or not, its wall time, the
         tokens it emitted and, if it speculated, the most it could have (None: not known). `catch_up`:
-        the draft caught up KV it lacked in it, so it is no sample, only the price of re-trying."""
+        the draft caught up KV it lacked in it (a speculative step's cost, whether or not any sequence
+        got drafts: see the module's rule)."""
         if not self.enabled or num_output_tokens <= 0:
             return
         bucket = self._bucket(num_decoding)
         if catch_up:
             bucket.catch_up_s = duration_s
+        elif not speculated:
+            bucket.plain_s.append(Sample(duration_s, num_output_tokens))
             return
-        if not speculated:
-            bucket.plain_s.append((duration_s, num_output_tokens))
-            return
-        if not most_tokens:
-            bucket.spec_s.append((duration_s, num_output_tokens, num_decoding, None))
-            return
-        drafts = max(most_tokens - num_decoding, 0)
-        sample = (duration_s, num_output_tokens, num_decoding, drafts)
+        drafts = max(most_tokens - num_decoding, 0) if speculated and most_tokens else None
+        sample = Sample(duration_s, num_output_tokens, num_decoding, drafts, catch_up)
         bucket.spec_s.append(sample)
+        if drafts is None:
+            return
         self._judged.append((min(max(num_output_tokens - num_decoding, 0), drafts), drafts))
         probing_speculation = bucket.probe_left and bucket.decided_before_probe is False
-        if probing_speculation and self._expected_s(sample) >= seconds_per_token(bucket.plain_s):
+        if catch_up or not probing_speculation:
+            return
+        if self._expected_s(sample) >= seconds_per_token(bucket.plain_s):
             bucket.probe_left = 0  # this sample alone shows it cannot win: the rest of the probe would not
 
     def costs(self, num_decoding: int) -> tuple[float | None, float | None]:
