@@ -16,6 +16,7 @@
 `--check N`: engine greedy tokens vs unbatched HF for the first N requests (reusing B=1 calibration).
 `--profile`: only the engine, on `--profile-requests` requests, under cProfile: top functions, and
 self time per source file with torch builtins charged to their callers.
+The HF runner is benchmarks/hf_baseline.py; the request and throughput record, benchmarks/throughput.py.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
+from benchmarks.hf_baseline import HFBaseline, check_tokens
+from benchmarks.throughput import BenchRequest, Throughput
 from engine import LLM, SamplingParams
 from engine.demo_model import ensure_demo_model
 from engine.model_loader import load_model_config
@@ -77,48 +79,6 @@ class BenchConfig:
             raise ValueError("each --min-* must be <= its --max-*, and --hf-batch-sizes positive integers")
 
 
-class BenchRequest(NamedTuple):
-    prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class Throughput:
-    num_requests: int
-    prompt_tokens: int
-    output_tokens: int  # useful output: each request's own max_tokens
-    computed_output_tokens: int  # what the runner decoded, padding rows and batch overrun included
-    wall_s: float
-
-    @classmethod
-    def of(cls, requests: list[BenchRequest], computed_output_tokens: int, wall_s: float) -> Throughput:
-        return cls(
-            len(requests),
-            sum(len(r.prompt_token_ids) for r in requests),
-            sum(r.max_tokens for r in requests),
-            computed_output_tokens,
-            wall_s,
-        )
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.wall_s
-
-    @property
-    def total_tokens_per_s(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.wall_s
-
-    def __add__(self, other: Throughput) -> Throughput:
-        return Throughput(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
-
-    def to_json(self) -> dict:
-        return {
-            **asdict(self),
-            "output_tokens_per_s": self.output_tokens_per_s,
-            "total_tokens_per_s": self.total_tokens_per_s,
-        }
-
-
 def make_requests(cfg: BenchConfig, vocab_size: int, special_ids: set[int]) -> list[BenchRequest]:
     # Special ids stay out of prompts so no runner can give them a meaning (BOS reset, EOS stop).
     vocab = [t for t in range(vocab_size) if t not in special_ids]
@@ -143,39 +103,6 @@ def run_engine(llm: LLM, requests: list[BenchRequest], use_tqdm: bool = True):
     return Throughput.of(requests, sum(map(len, tokens)), wall_s), tokens
 
 
-class HFBaseline:
-    """HF `generate`, greedy, left padding, no EOS: every row runs to the batch's max_new_tokens."""
-
-    def __init__(self, model_dir: str):
-        from transformers import AutoModelForCausalLM, GenerationConfig
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.pad_id = self.model.config.pad_token_id or 0
-        # A fresh generation config carries no eos_token_id, so no EOS stopping criterion is built.
-        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id)
-        self.generate_batch([BenchRequest((5, 6, 7, 8), 2)])  # warm-up, as for the engine
-
-    @torch.inference_mode()
-    def generate_batch(self, batch: list[BenchRequest]) -> list[list[int]]:
-        prompts = [torch.tensor(r.prompt_token_ids) for r in batch]
-        ids = pad_sequence(prompts, batch_first=True, padding_value=self.pad_id, padding_side="left")
-        mask = pad_sequence([torch.ones_like(p) for p in prompts], batch_first=True, padding_side="left")
-        width = ids.shape[1]
-        steps = max(r.max_tokens for r in batch)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=steps)
-        if out.shape[1] != width + steps:
-            raise RuntimeError(f"HF stopped early: {out.shape[1] - width} of {steps} tokens")
-        return [out[row, width : width + r.max_tokens].tolist() for row, r in enumerate(batch)]
-
-    def run(self, requests: list[BenchRequest], batch_size: int):
-        batches = [requests[first : first + batch_size] for first in range(0, len(requests), batch_size)]
-        start_s = time.perf_counter()
-        tokens = [row for batch in batches for row in self.generate_batch(batch)]
-        wall_s = time.perf_counter() - start_s
-        computed = sum(len(batch) * max(r.max_tokens for r in batch) for batch in batches)
-        return Throughput.of(requests, computed, wall_s), tokens
-
-
 def run_hf(cfg: BenchConfig, requests: list[BenchRequest]):
     """Calibrates B, then measures the sample at the best B; returns (hf, calibration, best B, result)."""
     assert cfg.model_dir is not None, "main() resolves it"
@@ -190,25 +117,6 @@ def run_hf(cfg: BenchConfig, requests: list[BenchRequest]):
         return hf, calibration, best, hf.run(sample, best)[0]
     # The calibration already ran the sample's first requests at this B, in the same batches.
     return hf, calibration, best, reused + hf.run(sample[reused.num_requests :], best)[0]
-
-
-def check_tokens(hf: HFBaseline, requests, engine_tokens, known: list[list[int]]) -> dict:
-    """Engine tokens vs unbatched HF; `known` holds HF B=1 tokens already computed for a prefix."""
-    reference = known[: len(requests)]
-    reference += [hf.generate_batch([r])[0] for r in requests[len(reference) :]]
-    diverged = {
-        index: next(
-            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
-        )
-        for index, (ours, theirs) in enumerate(zip(engine_tokens, reference, strict=True))
-        if ours != theirs
-    }
-    return {
-        "num_requests": len(requests),
-        "num_identical": len(requests) - len(diverged),
-        "first_divergence_by_request": diverged,
-        "passed": not diverged,
-    }
 
 
 def profile_engine(llm, requests: list[BenchRequest], top: int = 25) -> dict:

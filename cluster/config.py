@@ -1,7 +1,10 @@
 """The cluster's one configuration: frozen and typed inside, validated once at the edge.
 
 `ClusterConfig.from_dict` is the single loader for every source (CLI flags, a YAML file, the config
-the Helm chart renders): unknown keys and bad values fail naming the key. Defaults live here only.
+the Helm chart renders): unknown keys and bad values fail naming the key. Defaults live here only,
+or in the module of their section (`router:` in cluster/router_config.py, `admission:`, `planner:`);
+the checks every section passes, and `ConfigError`, are in cluster/config_parsing.py. Importers use
+`cluster.config` for all of these: the router section's names and `ConfigError` are re-exported here.
 """
 
 from __future__ import annotations
@@ -12,15 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.admission_config import AdmissionConfig
+from cluster.config_parsing import ConfigError, build, check, reject_unknown
 from cluster.planner_config import PlannerConfig
+from cluster.router_config import PREFIX_PULL_MODES as PREFIX_PULL_MODES
+from cluster.router_config import ROUTING_POLICIES as ROUTING_POLICIES
+from cluster.router_config import RouterConfig, check_router
 from engine.config import DTYPES, EngineConfig
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
 from engine.speculative.config import SpeculativeConfig
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -46,45 +49,6 @@ class PoolConfig:
     quantization: str | None = None
     # Decode pool only: speculative decoding (engine/speculative/config.py, vLLM's keys); None: off.
     speculative_config: SpeculativeConfig | None = None
-
-
-ROUTING_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
-# When the chosen prefill worker holds less of a prompt's prefix than another worker does, it can pull
-# the difference from that holder: "auto" when the estimated transfer is faster than recomputing,
-# "always" whenever there is a difference (benchmarks, tests), "never".
-PREFIX_PULL_MODES = ("auto", "always", "never")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """The router: where it listens (gRPC, and OpenAI-compatible HTTP on the same host), how it routes,
-    who may call it.
-
-    TLS (`cluster/tls.py` reads and checks the files when the router starts; both front ends serve with
-    the same settings): `tls_cert_file` + `tls_key_file` (PEM; the chain may hold intermediates) turn
-    TLS on for every listening address, gRPC and HTTP; `tls_client_ca_file` then also requires each
-    client to present a certificate signed by that CA (mutual TLS). gRPC re-reads the files when they
-    change, so a renewed certificate (cert-manager) is served without a restart; the HTTP front reads
-    them when it starts.
-    """
-
-    host: str = "127.0.0.1"  # loopback unless deliberately exposed (the Helm chart sets 0.0.0.0)
-    port: int = 50051  # 0: the OS picks a free port (tests)
-    policy: str = "cache_aware"  # one of ROUTING_POLICIES
-    auth_token_file: str | None = None  # a file holding the bearer token; None: no auth
-    max_concurrent_requests: int = 1024  # streams beyond this are refused with RESOURCE_EXHAUSTED
-    metrics_port: int | None = None  # Prometheus endpoint; None: off
-    http_port: int | None = 8000  # the OpenAI-compatible HTTP API; None: off, 0: the OS picks a free port
-    index_poll_interval_s: float = 0.05  # how often the in-process prefix index pulls worker KV events
-    prefix_pull: str = "auto"  # one of PREFIX_PULL_MODES (needs the cache_aware policy's index)
-    migration_limit: int = 3  # a request moves to other workers at most this often when workers fail under it
-    worker_wait_s: float = 60.0  # a pool with no serving worker (a replacement starting) is waited for this long
-    tls_cert_file: str | None = None  # PEM certificate chain the router presents; None: plaintext
-    tls_key_file: str | None = None  # PEM private key of that certificate
-    tls_client_ca_file: str | None = None  # PEM CA bundle client certificates must chain to (mutual TLS)
-    # A plaintext port serving only the standard gRPC health service, for probes that cannot speak TLS
-    # (Kubernetes' gRPC probes); None: health is served on `port` only.
-    health_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,49 +95,49 @@ class ClusterConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # the controller's online planner
 
     def __post_init__(self):
-        _check(self.block_size >= 1, "block_size", "must be >= 1")
-        _check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {sorted(DTYPES)}")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
-        _check(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {list(QUANTIZATIONS)}")
+        check(self.block_size >= 1, "block_size", "must be >= 1")
+        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {sorted(DTYPES)}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
+        check(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {list(QUANTIZATIONS)}")
         for name in ("prefill", "decode"):
             _check_pool(name, getattr(self, name))
-        _check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
-        _check(
+        check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
+        check(
             self.prefill.speculative_config is None,
             "prefill.speculative_config",
             "speculative decoding runs on the decode pool (prefill samples one token and hands off)",
         )
-        _check(self.decode.tp_size in (1, 2, 4, 8), "decode.tp_size", "must be 1, 2, 4 or 8")
-        _check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
-        _check(self.handoff_lease_s > 0, "handoff_lease_s", "must be > 0")
-        _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
-        _check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
-        _check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
-        _check(self.prefix_pull_timeout_s > 0, "prefix_pull_timeout_s", "must be > 0")
-        _check(
+        check(self.decode.tp_size in (1, 2, 4, 8), "decode.tp_size", "must be 1, 2, 4 or 8")
+        check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
+        check(self.handoff_lease_s > 0, "handoff_lease_s", "must be > 0")
+        check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
+        check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
+        check(self.prefix_pull_timeout_s > 0, "prefix_pull_timeout_s", "must be > 0")
+        check(
             self.rendezvous_host is None or bool(self.rendezvous_host),
             "rendezvous_host",
             "must be None or a non-empty host name or address",
         )
-        _check(
+        check(
             self.cluster_name is None or _NAME.fullmatch(self.cluster_name) is not None,
             "cluster_name",
             "must be 1-64 letters, digits, '.', '_' or '-'",
         )
         _check_controller(self.controller)
-        _check(
+        check(
             self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
             "redis_url",
             "must start with redis://, rediss:// or unix://",
         )
-        _check_router(self.router)
+        check_router(self.router)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
         """Builds a config from plain data (YAML, JSON, CLI); rejects unknown keys by name."""
         if not isinstance(raw, dict):
             raise ConfigError(f"cluster config must be a mapping, got {type(raw).__name__}")
-        _reject_unknown(raw, cls, "")
+        reject_unknown(raw, cls, "")
         values = dict(raw)
         for name, section_cls in _SECTIONS.items():
             if name in values:
@@ -186,14 +150,14 @@ class ClusterConfig:
                         "kv_cache_dtype): prefill and decode pools must store KV alike, since "
                         "blocks move between them as stored"
                     )
-                _reject_unknown(section, section_cls, f"{name}.")
-                values[name] = _build(section_cls, _with_speculative(name, section), f"{name}.")
+                reject_unknown(section, section_cls, f"{name}.")
+                values[name] = build(section_cls, _with_speculative(name, section), f"{name}.")
         if "admission" in values:  # its own loader: per-priority SLOs are a nested mapping
             try:
                 values["admission"] = AdmissionConfig.from_dict(values["admission"])
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-        return _build(cls, values, "")
+        return build(cls, values, "")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that `from_dict` reads back (how workers receive the config)."""
@@ -231,22 +195,22 @@ class ClusterConfig:
 
 
 def _check_pool(name: str, pool: PoolConfig) -> None:
-    _check(pool.replicas >= 1, f"{name}.replicas", "must be >= 1")
-    _check(pool.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
-    _check(pool.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
-    _check(pool.ray_resource is None or bool(pool.ray_resource), f"{name}.ray_resource", "must be None or non-empty")
-    _check(pool.threads >= 1, f"{name}.threads", "must be >= 1")
-    _check(pool.kv_cache_memory_bytes > 0, f"{name}.kv_cache_memory_bytes", "must be > 0")
-    _check(pool.num_kv_blocks is None or pool.num_kv_blocks >= 1, f"{name}.num_kv_blocks", "must be >= 1")
-    _check(pool.max_num_seqs >= 1, f"{name}.max_num_seqs", "must be >= 1")
-    _check(pool.max_num_batched_tokens >= 1, f"{name}.max_num_batched_tokens", "must be >= 1")
-    _check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
-    _check(
+    check(pool.replicas >= 1, f"{name}.replicas", "must be >= 1")
+    check(pool.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
+    check(pool.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
+    check(pool.ray_resource is None or bool(pool.ray_resource), f"{name}.ray_resource", "must be None or non-empty")
+    check(pool.threads >= 1, f"{name}.threads", "must be >= 1")
+    check(pool.kv_cache_memory_bytes > 0, f"{name}.kv_cache_memory_bytes", "must be > 0")
+    check(pool.num_kv_blocks is None or pool.num_kv_blocks >= 1, f"{name}.num_kv_blocks", "must be >= 1")
+    check(pool.max_num_seqs >= 1, f"{name}.max_num_seqs", "must be >= 1")
+    check(pool.max_num_batched_tokens >= 1, f"{name}.max_num_batched_tokens", "must be >= 1")
+    check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
+    check(
         pool.metrics_port is None or 0 <= pool.metrics_port <= 65535,
         f"{name}.metrics_port",
         "must be None or in [0, 65535]",
     )
-    _check(
+    check(
         pool.quantization is None or pool.quantization in QUANTIZATIONS,
         f"{name}.quantization",
         f"must be None or one of {list(QUANTIZATIONS)}",
@@ -266,59 +230,8 @@ def _with_speculative(pool_name: str, section: dict) -> dict:
 
 def _check_controller(controller: ControllerConfig) -> None:
     for key in ("health_interval_s", "health_timeout_s", "drain_quiet_s", "restart_backoff_s"):
-        _check(getattr(controller, key) > 0, f"controller.{key}", "must be > 0")
-    _check(controller.health_failures >= 1, "controller.health_failures", "must be >= 1")
-
-
-def _check_router(router: RouterConfig) -> None:
-    _check(isinstance(router.host, str) and bool(router.host), "router.host", "must be a non-empty string")
-    _check(0 <= router.port <= 65535, "router.port", "must be in [0, 65535]")
-    _check(router.policy in ROUTING_POLICIES, "router.policy", f"must be one of {list(ROUTING_POLICIES)}")
-    _check(router.max_concurrent_requests >= 1, "router.max_concurrent_requests", "must be >= 1")
-    _check(
-        router.http_port is None or 0 <= router.http_port <= 65535,
-        "router.http_port",
-        "must be null (off) or in [0, 65535]",
-    )
-    _check(
-        router.metrics_port is None or 0 <= router.metrics_port <= 65535,
-        "router.metrics_port",
-        "must be None or in [0, 65535]",
-    )
-    _check(router.index_poll_interval_s > 0, "router.index_poll_interval_s", "must be > 0")
-    _check(router.prefix_pull in PREFIX_PULL_MODES, "router.prefix_pull", f"must be one of {list(PREFIX_PULL_MODES)}")
-    _check(router.migration_limit >= 0, "router.migration_limit", "must be >= 0")
-    _check(router.worker_wait_s >= 0, "router.worker_wait_s", "must be >= 0")
-    _check_tls(router)
-    _check(
-        router.health_port is None or 0 <= router.health_port <= 65535,
-        "router.health_port",
-        "must be None or in [0, 65535]",
-    )
-    for other in ("port", "metrics_port"):
-        clash = router.health_port not in (None, 0) and router.health_port == getattr(router, other)
-        _check(not clash, "router.health_port", f"must differ from router.{other}")
-
-
-def _check_tls(router: RouterConfig) -> None:
-    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
-        value = getattr(router, key)
-        _check(value is None or bool(value), f"router.{key}", "must be None or a non-empty path")
-    _check(
-        (router.tls_cert_file is None) == (router.tls_key_file is None),
-        "router.tls_key_file",
-        "tls_cert_file and tls_key_file go together (a certificate and its private key)",
-    )
-    _check(
-        router.tls_client_ca_file is None or router.tls_cert_file is not None,
-        "router.tls_client_ca_file",
-        "mutual TLS needs the router's own certificate: set tls_cert_file and tls_key_file too",
-    )
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
+        check(getattr(controller, key) > 0, f"controller.{key}", "must be > 0")
+    check(controller.health_failures >= 1, "controller.health_failures", "must be >= 1")
 
 
 _SECTIONS = {
@@ -347,43 +260,3 @@ def config_conflicts(given: dict[str, Any], running: dict[str, Any], prefix: str
         elif value != have:
             conflicts.append(f"{prefix}{key}: the running cluster has {have!r}, this command asked for {value!r}")
     return conflicts
-
-
-def _reject_unknown(raw: dict, cls, prefix: str) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; known: {sorted(known)}")
-
-
-def _build(cls, values: dict, prefix: str):
-    hints = {f.name: f.type for f in dataclasses.fields(cls)}
-    for key, value in values.items():
-        _check_type(value, str(hints[key]), f"{prefix}{key}")
-    try:
-        return cls(**values)
-    except (ValueError, TypeError) as err:  # ConfigError, or a section's own ValueError naming its key
-        raise ConfigError(f"{prefix}{err}") from None
-
-
-_SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
-
-
-def _check_type(value, hint: str, key: str) -> None:
-    """Plain-data values (YAML, JSON, flags) must match the field's annotation before any rule runs."""
-    allowed = [part.strip() for part in hint.split("|")]
-    if value is None:
-        if "None" not in allowed:
-            raise ConfigError(f"{key}: must not be null (expected {hint})")
-        return
-    for name in allowed:
-        if name == "None":  # null was handled above; a non-null value must match another type
-            continue
-        types = _SCALARS.get(name)
-        if types is None:  # a nested section, already built
-            return
-        if isinstance(value, bool) and name != "bool":
-            continue
-        if isinstance(value, types):
-            return
-    raise ConfigError(f"{key}: expected {hint}, got {type(value).__name__} {value!r}")

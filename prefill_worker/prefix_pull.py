@@ -24,7 +24,8 @@ is computed as if no pull had been asked: a pull can save time, never fail a req
 R receives pulls on a transport of its own, `pull_peer_id(R's peer id)`: two workers pulling from
 each other at once then use two one-way channels (the transport allows one call per peer at a time,
 and a pair's conversation must be one-way or alternate). Workers find each other through the
-membership the controller pushes to them (`find_worker`), never by actor names.
+membership the controller pushes to them (`find_worker`), never by actor names. `PrefixPuller` plays
+R and `PrefixExporter` plays H; the prefill actor only routes its calls to them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from cluster.messages import GenerateRequest, PullOutcome
 from engine.block_hash import HashNamespace, hash_blocks
 from engine.kv_cache_manager import CachedPrefix
 from engine.llm_engine import LLMEngine
+from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s, remaining_s, send_sequence_kv
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.torch_dist import TorchDistTransport
 
@@ -204,3 +206,71 @@ class PrefixPuller:
     def close(self) -> None:
         self.receive_pool.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
+
+
+# ---- holder side ---------------------------------------------------------------------------------
+class PrefixExporter:
+    """Serves pulls of one prefill worker's cached prefixes (the holder, transport id `peer_id`). Blocks
+    go out on `transport` from `sender`, the worker's one sender thread (shared with its hand-offs);
+    `call_engine` and `find_worker` are as for `PrefixPuller`."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        transport: TorchDistTransport,
+        engine: LLMEngine,
+        call_engine: Callable,
+        sender: ThreadPoolExecutor,
+        find_worker: Callable,
+        timeout_s: float,
+        metrics,
+    ):
+        self.peer_id, self.transport, self.engine = peer_id, transport, engine
+        self.timeout_s, self.metrics = timeout_s, metrics
+        self._call_engine, self._sender, self._find_worker = call_engine, sender, find_worker
+
+    async def export(
+        self,
+        requester_id: str,
+        requester_peer: str,
+        request_id: str,
+        token_ids: tuple[int, ...],
+        tenant: str,
+        start_block: int,
+        num_blocks: int,
+    ) -> int:
+        """Pins the prefix blocks this worker still holds and sends blocks [start_block, ...) to the
+        requester; returns how many it will send."""
+        table = export_table_id(requester_id, request_id)
+        block_ids = await asyncio.wrap_future(
+            self._call_engine(lambda engine: pin_export(engine, table, token_ids, tenant, num_blocks))
+        )
+        requester = self._find_worker(requester_id)
+        if len(block_ids) <= start_block or requester is None:
+            self._call_engine(lambda engine: engine.release(table))
+            return 0
+        deadline_s = time.time() + self.timeout_s
+        self._sender.submit(
+            self._serve, table, block_ids[start_block:], requester, requester_peer, request_id, deadline_s
+        )
+        return len(block_ids) - start_block
+
+    def _serve(
+        self, table: str, block_ids: tuple[int, ...], requester, requester_peer: str, request_id: str, deadline_s: float
+    ) -> None:
+        """The holder's part of a prefix pull, on the sender thread (pins released whatever happens)."""
+        started_s = time.perf_counter()
+        try:
+            remaining_s(deadline_s)  # past it the requester gave up: announce nothing
+            announced = requester.receive_prefix.remote(self.peer_id, request_id)
+            peer, kv = pull_peer_id(requester_peer), self.engine.runner.kv_cache
+            target = HandoffTarget(peer, (RankTarget(peer, 0, kv.num_kv_heads),), (), deadline_s)
+            num_bytes = send_sequence_kv(
+                self.transport, kv, block_ids, len(block_ids) * self.engine.config.block_size, request_id, target
+            )
+            announced.future().result(timeout=call_timeout_s(deadline_s))
+            self.metrics.observe_transfer("pull_out", num_bytes, time.perf_counter() - started_s)
+        except Exception as err:  # noqa: BLE001 - the requester falls back to recomputing; nothing else to do here
+            log.info("prefix pull %r for %s failed: %s: %s", request_id, requester_peer, type(err).__name__, err)
+        finally:
+            self._call_engine(lambda engine: engine.release(table))

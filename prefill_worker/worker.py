@@ -7,7 +7,8 @@ continues on decode, the hand-off's `HandoffStats` once the decode instance adop
 itself is a `kvtransfer.session.HandoffSession` (reserve → announce → send → ack → release → adopt);
 this actor only adapts it: the engine's pins, the sender thread, the decode instance's actors.
 A request may first pull its prefix from a peer prefill worker that holds it (`export_prefix` /
-`receive_prefix`; see prefill_worker/prefix_pull.py).
+`receive_prefix`; see prefill_worker/prefix_pull.py). Callers awaiting a first token are answered
+from the engine thread by prefill_worker/first_token.py.
 
 Liveness (`ping`) and load (`stats`) are answered from the actor's event loop and the engine loop's
 last snapshot, never by waiting for an engine step: a busy worker never looks dead.
@@ -16,7 +17,6 @@ last snapshot, never by waiting for an engine step: a busy worker never looks de
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,21 +24,19 @@ from concurrent.futures import ThreadPoolExecutor
 from cluster.config import ClusterConfig
 from cluster.kv_events import KVEventBatch, KVEventBuffer
 from cluster.membership import Member, Membership
-from cluster.messages import GenerateRequest, Liveness, PrefillResult, PullOutcome, WorkerInfo, WorkerStats
+from cluster.messages import GenerateRequest, Liveness, PrefillResult, WorkerInfo, WorkerStats
 from cluster.worker_telemetry import WorkerTelemetry
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
-from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.sequence import FinishReason
-from engine.step_updates import Handoff, SequenceUpdate
-from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s, remaining_s, send_sequence_kv
+from engine.step_updates import Handoff
+from kvtransfer.handoff import HandoffTarget, send_sequence_kv
 from kvtransfer.session import HandoffFailed, HandoffSession, HandoffStats, KVSender
 from kvtransfer.torch_dist import TorchDistTransport
 from prefill_worker.decode_endpoint import RayDecodeEndpoint
-from prefill_worker.prefix_pull import PrefixPuller, export_table_id, pin_export, pull_peer_id, pull_table_id
-
-log = logging.getLogger(__name__)
+from prefill_worker.first_token import FirstTokenWaiters
+from prefill_worker.first_token import RequestAborted as RequestAborted
+from prefill_worker.prefix_pull import PrefixExporter, PrefixPuller, pull_peer_id, pull_table_id
 
 
 class PrefillWorker:
@@ -52,13 +50,12 @@ class PrefillWorker:
         self.index_publisher = _start_publisher(self.kv_events, cluster_config, self.engine)
         self.telemetry = WorkerTelemetry(worker_id, "prefill", cluster_config)
         self.transport = TorchDistTransport(self.peer_id, store_host, store_port)
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self.first_tokens = FirstTokenWaiters(self.engine, self.telemetry.metrics)
         self._sessions: dict[str, HandoffSession | None] = {}  # first token out, hand-off not over yet
-        self._started_s: dict[str, float] = {}
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sender")
         self.kv_sender = KVSender(self._sender)
         self.loop = EngineLoop(
-            self.engine, self._on_updates, name=f"{worker_id}-engine", on_step=self.telemetry.on_step
+            self.engine, self.first_tokens.on_updates, name=f"{worker_id}-engine", on_step=self.telemetry.on_step
         ).start()
         self.membership = Membership("", 0)
         self.puller = PrefixPuller(
@@ -72,7 +69,16 @@ class PrefillWorker:
             cluster_config.prefix_pull_timeout_s,
             self.telemetry.metrics,
         )
-        self._pulls: dict[str, PullOutcome] = {}  # request id → its prefix pull, until its first token
+        self.exporter = PrefixExporter(
+            self.peer_id,
+            self.transport,
+            self.engine,
+            self.loop.call,
+            self._sender,
+            self._find_prefill,
+            cluster_config.prefix_pull_timeout_s,
+            self.telemetry.metrics,
+        )
 
     async def ready(self) -> WorkerInfo:
         cfg = self.engine.model_config
@@ -125,14 +131,12 @@ class PrefillWorker:
             self._sessions.pop(rid, None)
 
     async def _first_token(self, request: GenerateRequest) -> tuple[PrefillResult, Handoff | None]:
-        loop, rid = asyncio.get_running_loop(), request.request_id
-        waiter = loop.create_future()
-        self._waiters[rid] = (loop, waiter)
-        self._started_s[rid] = time.perf_counter()
+        rid = request.request_id
+        waiter = self.first_tokens.expect(rid)
         try:
             if request.prefix_pull is not None:
-                self._pulls[rid] = await self.puller.pull(request)
-                if rid not in self._waiters:  # aborted while pulling: the waiter already failed
+                self.first_tokens.pulls[rid] = await self.puller.pull(request)
+                if not self.first_tokens.is_waiting(rid):  # aborted while pulling: the waiter already failed
                     self.loop.call(lambda engine: engine.release(pull_table_id(rid)))
                     return await waiter
             await asyncio.wrap_future(
@@ -148,9 +152,7 @@ class PrefillWorker:
                 )
             )
         except Exception:
-            self._waiters.pop(rid, None)
-            self._started_s.pop(rid, None)
-            self._pulls.pop(rid, None)
+            self.first_tokens.forget(rid)
             self.loop.call(lambda engine: engine.release(pull_table_id(rid)))
             raise
         return await waiter
@@ -194,19 +196,9 @@ class PrefillWorker:
     ) -> int:
         """Holder side of a prefix pull (prefill_worker/prefix_pull.py): pins the prefix blocks it still
         holds and sends blocks [start_block, ...) to the requester; returns how many it will send."""
-        table = export_table_id(requester_id, request_id)
-        block_ids = await asyncio.wrap_future(
-            self.loop.call(lambda engine: pin_export(engine, table, token_ids, tenant, num_blocks))
+        return await self.exporter.export(
+            requester_id, requester_peer, request_id, token_ids, tenant, start_block, num_blocks
         )
-        requester = self._find_prefill(requester_id)
-        if len(block_ids) <= start_block or requester is None:
-            self.loop.call(lambda engine: engine.release(table))
-            return 0
-        deadline_s = time.time() + self.puller.timeout_s
-        self._sender.submit(
-            self._serve_pull, table, block_ids[start_block:], requester, requester_peer, request_id, deadline_s
-        )
-        return len(block_ids) - start_block
 
     async def receive_prefix(self, holder_peer: str, request_id: str) -> None:
         """Announced by a holder right before it sends a prefix this worker asked for."""
@@ -223,10 +215,7 @@ class PrefillWorker:
         session = self._sessions.pop(request_id, None)
         if session is not None:  # its hand-off stops at the next step, releasing what it holds
             session.cancel()
-        entry = self._waiters.pop(request_id, None)
-        if entry is not None:  # a caller still waits for the first token: tell it, don't leave it hanging
-            loop, waiter = entry
-            loop.call_soon_threadsafe(_fail, waiter, RequestAborted(f"{request_id!r} was aborted"))
+        self.first_tokens.abort(request_id)
         return aborted
 
     async def read_kv_events(self, since_seq: int) -> KVEventBatch:
@@ -268,44 +257,6 @@ class PrefillWorker:
         self.puller.close()
         self.transport.close()
 
-    # ---- engine thread ----------------------------------------------------------------------------
-    def _on_updates(self, updates: list[SequenceUpdate]) -> None:
-        for update in updates:
-            if update.finish_reason is None:
-                continue
-            seq = self.engine.pop_finished(update.seq_id)
-            self.engine.release(pull_table_id(update.seq_id))  # the prefix served its purpose
-            entry = self._waiters.pop(update.seq_id, None)
-            started_s = self._started_s.pop(update.seq_id, time.perf_counter())
-            pull = self._pulls.pop(update.seq_id, None)
-            if entry is None:
-                self.engine.release(update.seq_id)  # nobody waits (aborted): drop its pins
-                continue
-            loop, waiter = entry
-            if not update.new_token_ids:  # ended unscheduled: the prompt can never fit this pool
-                loop.call_soon_threadsafe(
-                    _fail,
-                    waiter,
-                    InvalidRequestError(
-                        "prompt", f"needs more KV blocks than this worker's pool of {self.engine.num_blocks}"
-                    ),
-                )
-                continue
-            self.telemetry.metrics.observe_prompt(seq.num_prompt_tokens, seq.num_cached_tokens)
-            handoff = update.finish_reason is FinishReason.HANDOFF
-            result = PrefillResult(
-                update.seq_id,
-                update.new_token_ids[0],
-                seq.logprobs[0] if seq.logprobs else None,
-                None if handoff else update.finish_reason.value,
-                handoff,
-                seq.num_cached_tokens,
-                time.perf_counter() - started_s,
-                pull,
-            )
-            blocks = self.engine.handoff_blocks(update.seq_id) if handoff else None  # pinned until released
-            loop.call_soon_threadsafe(_resolve, waiter, (result, blocks))
-
     # ---- sender thread ----------------------------------------------------------------------------
     def _send_kv(self, handoff: Handoff, target: HandoffTarget) -> int:
         return send_sequence_kv(
@@ -316,26 +267,6 @@ class PrefillWorker:
             handoff.seq_id,
             target,
         )
-
-    def _serve_pull(
-        self, table: str, block_ids: tuple[int, ...], requester, requester_peer: str, request_id: str, deadline_s: float
-    ) -> None:
-        """The holder's part of a prefix pull (pins released whatever happens)."""
-        started_s = time.perf_counter()
-        try:
-            remaining_s(deadline_s)  # past it the requester gave up: announce nothing
-            announced = requester.receive_prefix.remote(self.peer_id, request_id)
-            peer, kv = pull_peer_id(requester_peer), self.engine.runner.kv_cache
-            target = HandoffTarget(peer, (RankTarget(peer, 0, kv.num_kv_heads),), (), deadline_s)
-            num_bytes = send_sequence_kv(
-                self.transport, kv, block_ids, len(block_ids) * self.engine.config.block_size, request_id, target
-            )
-            announced.future().result(timeout=call_timeout_s(deadline_s))
-            self.telemetry.metrics.observe_transfer("pull_out", num_bytes, time.perf_counter() - started_s)
-        except Exception as err:  # noqa: BLE001 - the requester falls back to recomputing; nothing else to do here
-            log.info("prefix pull %r for %s failed: %s: %s", request_id, requester_peer, type(err).__name__, err)
-        finally:
-            self.loop.call(lambda engine: engine.release(table))
 
     def _find_prefill(self, worker_id: str):
         member = self.membership.get(worker_id)
@@ -351,17 +282,3 @@ def _start_publisher(buffer: KVEventBuffer, config: ClusterConfig, engine: LLMEn
 
     namespace = IndexNamespace(engine.model_config.identity, engine.config.block_size)
     return RedisIndexPublisher(buffer, config.redis_url, namespace, config.index_lease_s).start()
-
-
-class RequestAborted(RuntimeError):
-    """The request was aborted before its first token."""
-
-
-def _fail(waiter: asyncio.Future, error: BaseException) -> None:
-    if not waiter.done():
-        waiter.set_exception(error)
-
-
-def _resolve(waiter: asyncio.Future, result) -> None:
-    if not waiter.done():
-        waiter.set_result(result)

@@ -13,7 +13,7 @@ import grpc
 from cluster.client import RequestFailed
 from engine.errors import InvalidRequestError
 from router.routing import NoWorkersError
-from router.service import DuplicateRequest, Overloaded
+from router.service_types import DuplicateRequest, Overloaded
 
 KV_FULL_RETRY_AFTER_S = 1.0  # a full decode pool frees blocks as its requests finish
 

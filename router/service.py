@@ -3,7 +3,8 @@
 `RouterService.generate` takes a validated `RouterRequest` and yields `RouterOutput`s. It knows
 nothing of gRPC: the servicer translates proto ↔ these types and the error interceptor turns the
 exceptions raised here (`InvalidRequestError`, `RequestFailed`, `Overloaded`, `DuplicateRequest`,
-`NoWorkersError`) into status codes.
+`NoWorkersError`) into status codes. The outputs and the router's own refusals are defined in
+router/service_types.py; choosing the workers of a route, in router/worker_choice.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
 from cluster.client import ClusterClient, RequestFailed
 from cluster.cluster_view import ClusterView
@@ -24,48 +24,15 @@ from router.ledger import RouteLedger
 from router.metrics import RouterMetrics, slo_met
 from router.prefix_pull_planner import PullPlanner
 from router.request_keys import route_query, timed
-from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
-from router.stream_state import StreamState, Usage
+from router.routing import RoutingPolicy
+from router.service_types import DuplicateRequest, Overloaded, RouteInfo, RouterOutput
+from router.stream_state import StreamState
 from router.traffic_reporter import TrafficReporter
 from router.validation import ModelLimits, RouterRequest
+from router.worker_choice import WorkerChooser
 from router.worker_monitor import WorkerMonitor
 
 log = logging.getLogger(__name__)
-
-
-class Overloaded(RuntimeError):
-    """The router refuses new work now; `retry_after_s` suggests when to try again."""
-
-    def __init__(self, reason: str, retry_after_s: float | None):
-        super().__init__(reason)
-        self.reason, self.retry_after_s = reason, retry_after_s
-
-
-class DuplicateRequest(RuntimeError):
-    """A request with the same request_id is still running."""
-
-
-@dataclass(frozen=True)
-class RouteInfo:
-    prefill_worker: str
-    decode_instance: str
-    policy: str
-    cached_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class RouterOutput:
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple  # engine.sampler.TokenLogprobs per token, when requested
-    finish_reason: str | None
-    route: RouteInfo | None = None
-    usage: Usage | None = None
-    migrations: int = 0  # on the last output: how many times the request moved to other workers
-    # On the last output: seconds the router spent waiting on the cluster for this request (all attempts);
-    # what the client saw minus this is what the router path added to it.
-    upstream_s: float | None = None
 
 
 class RouterService:
@@ -111,6 +78,7 @@ class RouterService:
         self._tokens_through: dict[str, int] = {}
         self._running: set[str] = set()
         self.ledger, self.traffic = RouteLedger(), TrafficReporter(cluster.controller, cluster.config.planner)
+        self.chooser = WorkerChooser(cluster, policy, self.monitor, self.ledger, self.client)
 
     def _check_members(self, old: Membership, new: Membership) -> None:
         """Membership listener: every worker must hash blocks by this router's spec and serve its model
@@ -185,7 +153,7 @@ class RouterService:
         query = route_query(
             request.prompt_token_ids + resumed, request.tenant, self.info.model_identity, self.info.block_size
         )
-        prefill, decode, decision = await self._choose(query, deadline_s)
+        prefill, decode, decision = await self.chooser.choose(query, deadline_s)
         worker_id = prefill.worker_id
         healthy = [h.worker_id for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
         pull = self.pull_planner.plan(query, decision, healthy)
@@ -293,36 +261,6 @@ class RouterService:
             raise InvalidRequestError(
                 field, f"prompt needs {blocks_needed} KV blocks; the smallest worker pool has {self._min_pool_blocks}"
             )
-
-    async def _choose(self, query: RouteQuery, deadline_s: float | None):
-        """A serving prefill worker and decode instance for the query; waits for membership (a dead worker's
-        replacement) while a pool has none, up to the request's deadline or `router.worker_wait_s`."""
-        wait_until_s = time.monotonic() + self.cluster.config.router.worker_wait_s
-        if deadline_s is not None:
-            wait_until_s = min(wait_until_s, deadline_s)
-        while True:
-            missing = self._missing_pool()
-            if missing is None:
-                return await self._pick(query)
-            if time.monotonic() >= wait_until_s:
-                raise NoWorkersError(f"no healthy {missing} to route to")
-            await self.cluster.wait_for_change(min(wait_until_s - time.monotonic(), 1.0))
-
-    def _missing_pool(self) -> str | None:
-        if not any(self.monitor.is_healthy(m.worker_id) for m in self.cluster.prefill):
-            return "prefill worker"
-        if not any(self.monitor.is_healthy(m.worker_id) for m in self.cluster.decode):
-            return "decode instance"
-        return None
-
-    async def _pick(self, query: RouteQuery):
-        healthy = [h for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
-        loads = [self.ledger.prefill_load(h.worker_id) for h in healthy]
-        decision = await self.policy.choose(query, loads)
-        prefill = next(h for h in healthy if h.worker_id == decision.worker_id)
-        decodes = [d for d in self.cluster.decode if self.monitor.is_healthy(d.worker_id)]
-        decode = min(decodes, key=lambda d: (self.client.decode_load(d.worker_id), d.worker_id))
-        return prefill, decode, decision
 
     def worker_loads(self) -> dict[str, int]:
         """Requests this router has in flight on each member (draining ones included)."""

@@ -10,7 +10,8 @@ from router.protocol import splitserve_v1_pb2 as pb
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.request_keys import deadline_from_remaining
 from router.sdk_types import UPSTREAM_MS_KEY
-from router.service import RouterOutput, RouterService
+from router.service import RouterService
+from router.service_types import RouterOutput
 from router.validation import client_wait_s, parse_request
 
 _FINISH: dict[str | None, pb.FinishReason] = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}

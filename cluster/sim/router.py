@@ -8,7 +8,7 @@ It models router/ (which `cluster/` may not import: the simulator serves the con
 - `cache_aware` (router/routing/cache_aware.py): cost = queued uncached tokens + the prompt's tokens
   the worker does not hold, lowest wins, ties to the longer cached prefix, then the lower index (the
   real policy breaks the last tie in prefix-hash ring order); `least_loaded`: the same without the
-  cache; `round_robin`; decode instances: fewest requests in flight (router/service.py `_pick`);
+  cache; `round_robin`; decode instances: fewest requests in flight (router/worker_choice.py `_pick`);
 - admission `always`, or `ttft`: refuse a request whose predicted TTFT on its worker (queued tokens
   plus its own at the profile's prefill rate) exceeds the SLO, as `predictive` does for TTFT.
 A tests/ check holds `cache_aware` here to the router's own policy on the same loads and holdings.

@@ -13,7 +13,8 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from router.openai.parse import ApiRequest
-from router.service import RouterOutput, RouterService
+from router.service import RouterService
+from router.service_types import RouterOutput
 
 _DONE = object()
 

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from router.openai.parse import ApiRequest, Choice
-from router.service import RouterOutput
+from router.service_types import RouterOutput
 from router.stream_state import Usage
 
 DONE_EVENT = b"data: [DONE]\n\n"

@@ -1,0 +1,106 @@
+"""Callers waiting for a prompt's first token, and the engine-thread callback that answers them.
+
+`PrefillWorker.prefill` awaits on the actor's event loop while the prompt runs on the engine thread.
+Each request waiting for its first token holds a future here (`expect`); `on_updates`, the engine
+loop's update callback, resolves it with the `PrefillResult` and, for a sequence handed off to
+decode, its pinned blocks, or fails it when the prompt can never fit the pool; `abort` fails it with
+`RequestAborted`. A request's prefix-pull outcome (`pulls`) waits here to be reported with its first
+token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cluster.messages import PrefillResult, PullOutcome
+from cluster.worker_metrics import WorkerMetrics
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.sequence import FinishReason
+from engine.step_updates import SequenceUpdate
+from prefill_worker.prefix_pull import pull_table_id
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted before its first token."""
+
+
+class FirstTokenWaiters:
+    """The first-token futures of one prefill worker's requests (`engine`'s sequences)."""
+
+    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics):
+        self.engine, self.metrics = engine, metrics
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._started_s: dict[str, float] = {}
+        self.pulls: dict[str, PullOutcome] = {}  # request id → its prefix pull, until its first token
+
+    def expect(self, request_id: str) -> asyncio.Future:
+        """A future, on the running loop, of the request's (PrefillResult, hand-off blocks or None)."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiters[request_id] = (loop, waiter)
+        self._started_s[request_id] = time.perf_counter()
+        return waiter
+
+    def is_waiting(self, request_id: str) -> bool:
+        return request_id in self._waiters
+
+    def forget(self, request_id: str) -> None:
+        self._waiters.pop(request_id, None)
+        self._started_s.pop(request_id, None)
+        self.pulls.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        entry = self._waiters.pop(request_id, None)
+        if entry is not None:  # a caller still waits for the first token: tell it, don't leave it hanging
+            loop, waiter = entry
+            loop.call_soon_threadsafe(_fail, waiter, RequestAborted(f"{request_id!r} was aborted"))
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def on_updates(self, updates: list[SequenceUpdate]) -> None:
+        for update in updates:
+            if update.finish_reason is None:
+                continue
+            seq = self.engine.pop_finished(update.seq_id)
+            self.engine.release(pull_table_id(update.seq_id))  # the prefix served its purpose
+            entry = self._waiters.pop(update.seq_id, None)
+            started_s = self._started_s.pop(update.seq_id, time.perf_counter())
+            pull = self.pulls.pop(update.seq_id, None)
+            if entry is None:
+                self.engine.release(update.seq_id)  # nobody waits (aborted): drop its pins
+                continue
+            loop, waiter = entry
+            if not update.new_token_ids:  # ended unscheduled: the prompt can never fit this pool
+                loop.call_soon_threadsafe(
+                    _fail,
+                    waiter,
+                    InvalidRequestError(
+                        "prompt", f"needs more KV blocks than this worker's pool of {self.engine.num_blocks}"
+                    ),
+                )
+                continue
+            self.metrics.observe_prompt(seq.num_prompt_tokens, seq.num_cached_tokens)
+            handoff = update.finish_reason is FinishReason.HANDOFF
+            result = PrefillResult(
+                update.seq_id,
+                update.new_token_ids[0],
+                seq.logprobs[0] if seq.logprobs else None,
+                None if handoff else update.finish_reason.value,
+                handoff,
+                seq.num_cached_tokens,
+                time.perf_counter() - started_s,
+                pull,
+            )
+            blocks = self.engine.handoff_blocks(update.seq_id) if handoff else None  # pinned until released
+            loop.call_soon_threadsafe(_resolve, waiter, (result, blocks))
+
+
+def _fail(waiter: asyncio.Future, error: BaseException) -> None:
+    if not waiter.done():
+        waiter.set_exception(error)
+
+
+def _resolve(waiter: asyncio.Future, result) -> None:
+    if not waiter.done():
+        waiter.set_result(result)
