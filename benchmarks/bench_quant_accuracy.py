@@ -15,6 +15,12 @@ goes through a decode step over the paged cache, as in generation) and compared 
 `bf16-weights` (the checkpoint run in bfloat16) is printed as a yardstick: what the precision every
 serving engine uses by default costs on the same checkpoint. Targets are printed beside the figures;
 nothing is clipped or hidden.
+
+Models: the demo checkpoint by default (random weights: nearly flat logits, so it is the worst case
+for top-1 agreement, and bf16 alone flips ~1% of its argmaxes); `--trained` uses the small Llama
+trained on the shipped corpus (benchmarks/trained_model.py), whose logits have a trained model's
+margins. Prompts: random token ids (`--prompts-from random`, default) or windows of the shipped corpus
+(`--prompts-from corpus`: text of the kind the trained model has seen).
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import random
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
+from benchmarks.trained_model import ensure_trained_model
 from engine.config import EngineConfig
-from engine.demo_model import ensure_demo_model
+from engine.demo_model import corpus_text, ensure_demo_model
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model_config
 from engine.sampling_params import SamplingParams
@@ -114,9 +122,25 @@ def print_report(report: dict, num_prompts: int, max_tokens: int) -> None:
         )
 
 
+def make_prompts(model_dir: str, args) -> list[list[int]]:
+    """`args.prompts` prompts of `args.min_prompt`..`args.max_prompt` tokens: random ids (never EOS or
+    BOS) or windows of the shipped corpus, tokenized by the model's tokenizer."""
+    rng = random.Random(args.seed)
+    if args.prompts_from == "corpus":
+        ids = AutoTokenizer.from_pretrained(model_dir)(corpus_text(), verbose=False)["input_ids"]
+        lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.prompts)]
+        return [ids[start : start + n] for n in lengths for start in [rng.randrange(len(ids) - n)]]
+    model = load_model_config(model_dir)
+    special = {*model.eos_token_ids, model.bos_token_id}
+    vocab = [t for t in range(model.vocab_size) if t not in special]  # no id with a meaning (EOS, BOS)
+    return [rng.choices(vocab, k=rng.randint(args.min_prompt, args.max_prompt)) for _ in range(args.prompts)]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="splitserve bench-engine --accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--trained", action="store_true", help="the model trained on the shipped corpus")
+    parser.add_argument("--prompts-from", choices=("random", "corpus"), default="random")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=256)
@@ -129,12 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
     torch.set_num_threads(args.threads)
-    model_dir = args.model or str(ensure_demo_model())
-    model = load_model_config(model_dir)
-    special = {*model.eos_token_ids, model.bos_token_id}
-    vocab = [t for t in range(model.vocab_size) if t not in special]  # no id with a meaning (EOS, BOS)
-    rng = random.Random(args.seed)
-    prompts = [rng.choices(vocab, k=rng.randint(args.min_prompt, args.max_prompt)) for _ in range(args.prompts)]
+    model_dir = args.model or str(ensure_trained_model() if args.trained else ensure_demo_model())
+    prompts = make_prompts(model_dir, args)
     report = evaluate(model_dir, args.configs.split(","), prompts, args.max_tokens)
     print_report(report, args.prompts, args.max_tokens)
     return report
