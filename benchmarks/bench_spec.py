@@ -124,6 +124,15 @@ def measure_batch(
     }
 
 
+def add_ratios(rows: dict) -> dict:
+    """Each arm's figures against the `plain` arm's, all > 1 where the arm does better than plain."""
+    for row in rows.values():
+        row["tpot_ratio"] = rows["plain"]["tpot_ms"] / row["tpot_ms"]
+        row["throughput_ratio"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
+        row["first_round_tpot_ratio"] = rows["plain"]["first_round_tpot_ms"] / row["first_round_tpot_ms"]
+    return rows
+
+
 def handoff_catch_up(llm: LLM, prompt_tokens: int, repeats: int = 3) -> dict:
     """After a hand-off the decode side holds the target's prompt KV; the draft's must be computed there
     (one draft forward over the prompt) or sent along. Times that forward against the target's prefill
@@ -182,11 +191,7 @@ def run(args) -> dict:
     results = {"model": str(model_dir), "k": k, "draft_layers": args.draft_layers, "repeats": args.repeats}
     results["batches"] = {}
     for batch in args.batches:
-        rows = measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats, args.warmup_rounds)
-        for row in rows.values():
-            row["tpot_ratio"] = rows["plain"]["tpot_ms"] / row["tpot_ms"]  # > 1: lower TPOT than plain
-            row["throughput_ratio"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
-            row["first_round_tpot_ratio"] = rows["plain"]["first_round_tpot_ms"] / row["first_round_tpot_ms"]
+        rows = add_ratios(measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats, args.warmup_rounds))
         results["batches"][batch] = rows
         _print(batch, rows)
     if args.handoff_prompt:
@@ -211,28 +216,33 @@ def _print(batch: int, rows: dict) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_common_arguments(parser: argparse.ArgumentParser, output_tokens: int) -> None:
+    """The model, workload and measurement flags every speculative-decoding benchmark takes."""
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--text-tokens", type=int, default=48, help="tokens of X (and of G) per prompt")
+    parser.add_argument("--max-tokens", type=int, default=output_tokens)
+    parser.add_argument("--text-tokens", type=int, default=output_tokens, help="tokens of X (and of G) per prompt")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (2 oversubscribes a shared 2-core box)")
-    parser.add_argument("--handoff-prompt", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per arm and batch, round-robin; medians")
     parser.add_argument(
         "--warmup-rounds", type=int, default=1, help="untimed rounds per batch first (reported as first round)"
     )
+    parser.add_argument("--json", default=None, help="also write the results here")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, output_tokens=48)
+    parser.add_argument("--handoff-prompt", type=int, default=512)
     parser.add_argument(
         "--int8-self-draft", action="store_true", help="also arms drafting with the target's own int8 weights"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU machine)")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
-    parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     results = run(args)
     if args.json:

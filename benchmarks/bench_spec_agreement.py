@@ -1,6 +1,6 @@
 """Draft-model speculation as a function of how often the draft agrees with the target, same run.
 
-`python -m benchmarks.bench_spec_agreement [--scales 1,0.3,0.1,0.03] [--batches 1,8,64]`
+`python -m benchmarks.bench_spec_agreement [--scales 1,0.2,0.1] [--batches 1,8,64]`
 
 Why: a layer-truncated copy of a *random-weight* target predicts almost nothing of what the full stack
 computes (bench_spec: acceptance 0.02-0.21), so that benchmark cannot show what a draft that agrees
@@ -30,7 +30,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.bench_spec import measure, measure_batch, repeat_workload, truncated_copy
+from benchmarks.bench_spec import (
+    add_common_arguments,
+    add_ratios,
+    measure,
+    measure_batch,
+    repeat_workload,
+    truncated_copy,
+)
 from engine import LLM
 from engine.demo_model import ensure_demo_model
 
@@ -66,10 +73,7 @@ def run_scale(model_dir: Path, scale: float, args, work_dir: Path) -> dict:
         measure(llm, prompts[:1], 8)
     batches = {}
     for batch in args.batches:
-        rows = measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats, args.warmup_rounds)
-        for row in rows.values():
-            row["tpot_ratio"] = rows["plain"]["tpot_ms"] / row["tpot_ms"]
-            row["throughput_ratio"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
+        rows = add_ratios(measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats, args.warmup_rounds))
         batches[batch] = rows
         _print(scale, batch, rows)
     return batches
@@ -87,19 +91,8 @@ def _print(scale: float, batch: int, rows: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
-    parser.add_argument("--scales", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 0.3, 0.1, 0.03])
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--text-tokens", type=int, default=32, help="tokens of X (and of G) per prompt")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--num-kv-blocks", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup-rounds", type=int, default=1)
-    parser.add_argument("--json", default=None, help="also write the results here")
+    add_common_arguments(parser, output_tokens=32)
+    parser.add_argument("--scales", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 0.2, 0.1])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else ensure_demo_model()

@@ -24,14 +24,6 @@ def tiny_model_dir(tmp_path_factory):
     return out
 
 
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    # The bench sets torch's global thread count; later tests in the session must not inherit it.
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def test_bench_reports_both_throughputs_and_checks_tokens(tiny_model_dir, tmp_path):
     summary_path = tmp_path / "summary.json"
     bench.main(["--model", str(tiny_model_dir), "--num-requests", "6", "--min-prompt", "3", "--max-prompt", "12",

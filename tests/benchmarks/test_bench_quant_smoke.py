@@ -2,19 +2,11 @@
 prints every metric for every configuration, and its figures mean what they say."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from benchmarks import bench_quant_accuracy as accuracy
 from benchmarks import bench_quant_throughput as throughput
 from tests.factories import TinySpec
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    before = torch.get_num_threads()  # the benchmarks set the global thread count
-    yield
-    torch.set_num_threads(before)
 
 
 def test_compare_and_agreement_lengths_are_exact():

@@ -2,19 +2,11 @@
 and at scale 0 the truncated draft computes exactly what the target does (it accepts every draft)."""
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from benchmarks import bench_spec_agreement as agreement
 from tests.factories import TinySpec
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    before = torch.get_num_threads()  # the benchmark sets the global thread count
-    yield
-    torch.set_num_threads(before)
 
 
 def test_damped_target_scales_only_the_upper_layers_residual_writes(checkpoint, tmp_path):

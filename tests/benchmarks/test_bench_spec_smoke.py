@@ -2,19 +2,9 @@
 output equals the plain engine's, and the layer-truncated draft is a loadable checkpoint."""
 from __future__ import annotations
 
-import pytest
-import torch
-
 from benchmarks import bench_spec
 from engine.model_loader import load_model_config
 from tests.factories import TinySpec
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    before = torch.get_num_threads()  # the benchmark sets the global thread count
-    yield
-    torch.set_num_threads(before)
 
 
 def test_truncated_copy_keeps_the_first_layers(checkpoint, tmp_path):

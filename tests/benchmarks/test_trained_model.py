@@ -2,6 +2,7 @@
 serves exactly as HF does; the corpus prompts of bench_quant_accuracy are windows of the corpus."""
 from __future__ import annotations
 
+import itertools
 import json
 from types import SimpleNamespace
 
@@ -18,7 +19,8 @@ def test_lr_warms_up_then_decays_to_a_tenth():
     steps = 200
     rates = [trained_model._lr(step, steps) for step in range(steps + 1)]
     assert rates[0] < rates[trained_model.WARMUP_STEPS] == trained_model.PEAK_LR
-    assert all(a >= b for a, b in zip(rates[trained_model.WARMUP_STEPS:], rates[trained_model.WARMUP_STEPS + 1:]))
+    decay = rates[trained_model.WARMUP_STEPS :]
+    assert all(a >= b for a, b in itertools.pairwise(decay))
     assert abs(rates[-1] - 0.1 * trained_model.PEAK_LR) < 1e-9
 
 
