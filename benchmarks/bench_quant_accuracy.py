@@ -129,7 +129,8 @@ def make_prompts(model_dir: str, args) -> list[list[int]]:
     if args.prompts_from == "corpus":
         ids = AutoTokenizer.from_pretrained(model_dir)(corpus_text(), verbose=False)["input_ids"]
         lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.prompts)]
-        return [ids[start : start + n] for n in lengths for start in [rng.randrange(len(ids) - n)]]
+        starts = [rng.randrange(len(ids) - length) for length in lengths]
+        return [ids[start : start + length] for start, length in zip(starts, lengths, strict=True)]
     model = load_model_config(model_dir)
     special = {*model.eos_token_ids, model.bos_token_id}
     vocab = [t for t in range(model.vocab_size) if t not in special]  # no id with a meaning (EOS, BOS)

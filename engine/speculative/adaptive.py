@@ -116,12 +116,14 @@ def _budget_interval(bucket: _Bucket, hopeless: bool) -> int:
     is the dearest part of a probe (the whole batch's prompts after a round of new requests: ~10 plain
     steps at batch 64 on CPU), and doubling alone would pay it at 16, 48 and 112 steps."""
     plain = seconds_per_token(bucket.plain_s) if bucket.plain_s else 0.0
+    # A probe's steps are priced level (the draft caught up); its catch-up step is added once below.
+    level = deque(sample for sample in bucket.spec_s if not sample.catch_up) or bucket.spec_s
     if len(bucket.spec_s) >= WINDOW and len(bucket.plain_s) >= WINDOW:
-        spec = seconds_per_token(bucket.spec_s)
+        spec = seconds_per_token(level)
         probe_steps = PROBE_STEPS * (max(spec, plain) / max(min(spec, plain), 1e-12) - 1)
     elif hopeless:  # a speculative probe stops at its first (hopeless) sample
-        spec_step_s = sum(sample.seconds for sample in bucket.spec_s) / len(bucket.spec_s)
-        spec_tokens = sum(sample.tokens for sample in bucket.spec_s) / len(bucket.spec_s)
+        spec_step_s = sum(sample.seconds for sample in level) / len(level)
+        spec_tokens = sum(sample.tokens for sample in level) / len(level)
         probe_steps = max(spec_step_s - spec_tokens * plain, 0.0) / max(_plain_step_s(bucket), 1e-12)
     else:
         probe_steps = 0.0
