@@ -28,6 +28,7 @@ from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
+from engine.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from kvtransfer.handoff import HandoffTarget, RankTarget
 from kvtransfer.receiver import KVReceiver
@@ -69,6 +70,7 @@ class DecodeRank:
         self.owner_timeout_s = min(OWNER_TIMEOUT_MAX_S, self.config.handoff_lease_s)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep()) if rank == 0 else None
         self._cancels: set[asyncio.Task] = set()  # the loop holds tasks weakly: these must not vanish mid-way
+        freeze_startup_heap()  # this actor's process is ours: later full collections skip the startup heap
 
     async def ready(self) -> WorkerInfo:
         cfg = self.setup.model_config

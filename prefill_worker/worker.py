@@ -28,6 +28,7 @@ from cluster.messages import GenerateRequest, Liveness, PrefillResult, WorkerInf
 from cluster.worker_telemetry import WorkerTelemetry
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
+from engine.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from engine.step_updates import Handoff
 from kvtransfer.handoff import HandoffTarget, send_sequence_kv
@@ -79,6 +80,7 @@ class PrefillWorker:
             cluster_config.prefix_pull_timeout_s,
             self.telemetry.metrics,
         )
+        freeze_startup_heap()  # this actor's process is ours: later full collections skip the startup heap
 
     async def ready(self) -> WorkerInfo:
         cfg = self.engine.model_config

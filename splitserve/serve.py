@@ -123,6 +123,7 @@ async def serve(
 ) -> None:
     """Starts or joins the cluster, serves one router until SIGINT or SIGTERM, then drains streams in flight."""
     from cluster.launcher import launch
+    from engine.heap import freeze_startup_heap
     from router.server import RouterServer
 
     loop = asyncio.get_running_loop()
@@ -136,6 +137,7 @@ async def serve(
             launched, launched.config, extra_addresses=[f"unix:{uds}"] if uds else [], http_uds=http_uds
         )
         _announce(server, launched.config, uds)
+        freeze_startup_heap()  # this process is ours: later full collections skip the startup heap
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)

@@ -11,11 +11,13 @@ fast machine and on a slow one alike.
 
 from __future__ import annotations
 
+import gc
 import statistics
 from dataclasses import replace
 
 import pytest
 
+from engine.heap import freeze_startup_heap
 from router.admission import AdmissionConfig, AlwaysAdmitPolicy
 from tests.factories import TinySpec, random_prompts
 from tests.router.burst_client import burst
@@ -39,7 +41,12 @@ def admitting(ray_session, checkpoint):
     )
     config = replace(config, admission=admission, decode=replace(config.decode, num_kv_blocks=4096))
     stack = start_router(checkpoint(TinySpec()), config)
+    # The router runs in this pytest process, whose heap holds ~0.5 M objects by this point of the suite:
+    # a full collection during a burst paused it for 250-370 ms (every first token late at once). A
+    # router process of its own freezes its startup heap (`splitserve serve`); so does this one.
+    freeze_startup_heap()
     yield stack
+    gc.unfreeze()
     stack.stop()
 
 
