@@ -34,10 +34,12 @@ from cluster.launcher import launch
 from cluster.sim.config import SimConfig
 from cluster.sim.profile import Profile
 from cluster.sim.profiler import Grid, measure_profile
+from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
 from cluster.sim.worker import EngineLimits
 from loadtest.calibrate import fit_overheads, format_rows, measure
 from loadtest.config import BenchConfig, DriverConfig
+from loadtest.host_cpu import CpuSample, fit_with_bursts, idle_cores, with_host_cpu
 from loadtest.lengths import LengthDist
 from loadtest.plan import RequestDefaults, Slo
 from loadtest.poisson import PoissonSpec
@@ -114,10 +116,7 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
             vocab = tuple(limits_of(profile).ordinary_token_ids)
             await warm_up(server.address, vocab, prefill * decode * 2, getattr(args, "warmup", 2))
             if calibrate:
-                measured = await measure(server.address, [(64, 256)[i % 2] for i in range(10)], vocab, warmup=2)
-                overheads, probe_rows = fit_overheads(profile, measured)
-                print(format_rows(probe_rows, overheads), flush=True)
-                profile = profile.with_overheads(overheads)
+                profile = await _calibrate(server.address, profile, vocab, args)
             # Each rate its own seed: the same prompts again would hit the cluster's prefix cache from
             # the previous rate's run (measured TTFTs below one prefill step), which the simulation,
             # starting empty, cannot know.
@@ -128,6 +127,35 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
     finally:
         cluster.shutdown()
     return profile, rows
+
+
+CALIBRATION_LENGTHS = [(64, 256)[i % 2] for i in range(10)]
+CALIBRATION_WARMUP = 2
+
+
+async def _calibrate(target: str, profile: Profile, vocab: tuple[int, ...], args) -> Profile:
+    """The profile with the cluster's overheads; when the simulation shares the host's cores, the
+    host's background cores (unless given) and streaming CPU per step and token too, into `args`."""
+    measure_host = getattr(args, "host_cores", None) and getattr(args, "host_stream_cpu_per_token_s", None) is None
+    background = await idle_cores() if measure_host else 0.0
+    probes = measure(target, CALIBRATION_LENGTHS, vocab, warmup=CALIBRATION_WARMUP)
+    measured, busy_s, window_s = await with_host_cpu(probes)
+    overheads, probe_rows = fit_overheads(profile, measured)
+    print(format_rows(probe_rows, overheads), flush=True)
+    profile = profile.with_overheads(overheads)
+    if measure_host:
+        rounds = [[SimRequest(0.0, n, 16)] for n in CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS]
+        sequential = CpuSample(rounds, busy_s, window_s)
+        per_step_s, per_token_s = await fit_with_bursts(target, vocab, profile, sequential, background)
+        args.host_stream_cpu_per_step_s, args.host_stream_cpu_per_token_s = per_step_s, per_token_s
+        if getattr(args, "host_background_cores", None) is None:
+            args.host_background_cores = background
+        print(
+            f"host: {background:.2f} cores busy while idle (simulated: {args.host_background_cores:.2f}); "
+            f"streaming CPU {per_step_s * 1e3:.2f} ms per decode step + {per_token_s * 1e3:.2f} ms per token",
+            flush=True,
+        )
+    return profile
 
 
 async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: int) -> None:
@@ -181,7 +209,9 @@ def _sim_config(shape: tuple[int, int], args, host_cores: int | None) -> SimConf
         tpot_slo_s=args.tpot_ms / 1e3,
         max_concurrency=args.max_concurrency,
         host_cores=host_cores,
-        host_background_cores=getattr(args, "host_background_cores", 0.0) if host_cores else 0.0,
+        host_background_cores=(getattr(args, "host_background_cores", None) or 0.0) if host_cores else 0.0,
+        host_stream_cpu_per_step_s=(getattr(args, "host_stream_cpu_per_step_s", None) or 0.0) if host_cores else 0.0,
+        host_stream_cpu_per_token_s=(getattr(args, "host_stream_cpu_per_token_s", None) or 0.0) if host_cores else 0.0,
     )
 
 
@@ -214,7 +244,19 @@ async def main_async(args) -> dict:
         print(f"load average (1, 5, 15 min) after {shape[0]}P{shape[1]}D: {loads[-1]}", flush=True)
         rows += shape_rows
     within = {name: sum(r[name]["within"] for r in rows) for name, *_ in METRICS}
-    return {"profile": profile.to_dict(), "rows": rows, "within_target": within, "runs": len(rows), "loads": loads}
+    host = {
+        "background_cores": getattr(args, "host_background_cores", None),
+        "stream_cpu_per_step_ms": (getattr(args, "host_stream_cpu_per_step_s", None) or 0.0) * 1e3,
+        "stream_cpu_per_token_ms": (getattr(args, "host_stream_cpu_per_token_s", None) or 0.0) * 1e3,
+    }
+    return {
+        "profile": profile.to_dict(),
+        "host": host,
+        "rows": rows,
+        "within_target": within,
+        "runs": len(rows),
+        "loads": loads,
+    }
 
 
 def _load() -> list[float]:
@@ -236,9 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--host-cores", type=int, default=os.cpu_count() or 1, help="cores the workers share (0: not shared)"
     )
-    parser.add_argument(
-        "--host-background-cores", type=float, default=0.0, help="other busy processes on the host, in cores"
-    )
+    parser.add_argument("--host-background-cores", type=float, help="busy cores while idle (default: measured)")
     parser.add_argument("--warmup", type=int, default=2, help="rounds of discarded requests before timing")
     parser.add_argument("--quick-profile", action="store_true", help="the small profile grid (for smoke runs)")
     parser.add_argument("--json", help="write the rows here")

@@ -52,7 +52,9 @@ class SimConfig:
     restart_s: float = 5.0
     # Workers sharing one host's CPU cores (cluster/sim/contention.py); None: each on its own accelerator.
     host_cores: int | None = None
-    host_background_cores: float = 0.0  # other busy processes on that host, in cores (router, client)
+    host_background_cores: float = 0.0  # processes busy on that host whatever the load, in cores
+    host_stream_cpu_per_step_s: float = 0.0  # host CPU outside the engines per decode step (outbox, poll)
+    host_stream_cpu_per_token_s: float = 0.0  # and per output token (router relaying it, client reading it)
 
     def __post_init__(self):
         _check(self.colocated >= 0, "colocated", "must be >= 0")
@@ -82,11 +84,10 @@ class SimConfig:
             "host_background_cores",
             "must be a number >= 0",
         )
-        _check(
-            self.host_cores is not None or not self.host_background_cores,
-            "host_background_cores",
-            "needs host_cores",
-        )
+        for key in ("host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s"):
+            _check(getattr(self, key) >= 0 and math.isfinite(getattr(self, key)), key, "must be a number >= 0")
+        for key in ("host_background_cores", "host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s"):
+            _check(self.host_cores is not None or not getattr(self, key), key, "needs host_cores")
         for fault in self.faults:
             pool = self.colocated if fault.role == "colocated" else getattr(self, fault.role, 0)
             _check(

@@ -4,26 +4,40 @@ A profile times one engine alone (measured: `threads` torch threads, nothing els
 one accelerator). In a real fleet every worker has its own accelerator and nothing here applies
 (`SimConfig.host_cores` None, the default). When workers share a host of `cores` CPU cores, as every
 process of a test cluster shares this machine, the kernel shares the cores among whatever is
-runnable: with `busy` workers stepping, each of `threads` threads, and `background` cores' worth of
-other busy processes (a router, a load generator), every step takes
+runnable. The demand, in cores, has three parts:
+- E = busy * threads + background: `busy` workers with a run of steps in progress (a worker waiting
+  for work, for KV room or for a hand-off uses no core), each of `threads` threads, and `background`
+  cores of processes busy whatever the load (Ray's daemons, the controller's loops);
+- streaming: outside the engines, every decode step costs the host `stream_cpu_per_step_s` (the
+  worker's outbox and the router's poll of it) and every output token `stream_cpu_per_token_s` (the
+  router relaying it, the client reading it): ~3.7 ms per token at batch 1 on the dev box, as much
+  as the decode step itself. K = those costs at the steps and tokens per second the busy decode
+  runs would make at their profiled step times; at stretch s they go s times slower, so this part
+  of the demand is K / s.
+Every step takes `stretch` times its profiled time, where s * cores = E + K / s once the demand
+exceeds the cores:
 
-    stretch = max(1, (busy * threads + background) / cores)
+    stretch = 1                                            if E + K <= cores
+    stretch = (E + sqrt(E^2 + 4 * cores * K)) / (2 * cores)  otherwise
 
-times its profiled time. `busy` counts the workers with a run of steps in progress (a worker waiting
-for work, for KV room or for a hand-off uses no core). The stretch is re-evaluated whenever a worker
-starts or stops being busy: the runs in progress are cut at their next step boundary and continue
-at the new stretch (a step already under way keeps the stretch it started with).
+(K = 0: max(1, E / cores)). The stretch is re-evaluated whenever a worker starts or ends a run (a
+decode batch changes size, a worker starts or stops being busy): the runs in progress are cut at
+their next step boundary and continue at the new stretch (a step already under way keeps the
+stretch it started with).
 
-What it leaves out: a worker's own side threads (streaming, receiving KV), cache and memory-bandwidth
-interference between processes, and the scheduler's unfairness over short intervals.
-`benchmarks/host_contention.py` measures the stretch on a real host (README "Validation").
+What it leaves out: the GIL shared by a worker's engine thread and its own side threads (measured
+instead as the calibrated per-step overhead), cache and memory-bandwidth interference between
+processes, and the scheduler's unfairness over short intervals. `benchmarks/host_contention.py`
+measures the stretch on a real host (README "Validation").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.sim.config import SimConfig
 from cluster.sim.worker import SimWorker
 
 
@@ -32,14 +46,34 @@ class HostShare:
     cores: int
     threads_per_worker: int = 1
     background: float = 0.0  # cores' worth of other busy processes
+    stream_cpu_per_step_s: float = 0.0  # host CPU outside the engines per decode step
+    stream_cpu_per_token_s: float = 0.0  # and per output token streamed
 
     def __post_init__(self):
-        if self.cores < 1 or self.threads_per_worker < 1 or self.background < 0:
-            raise ValueError(f"host sharing needs cores >= 1, threads >= 1, background >= 0, got {self}")
+        costs = (self.background, self.stream_cpu_per_step_s, self.stream_cpu_per_token_s)
+        if self.cores < 1 or self.threads_per_worker < 1 or min(costs) < 0:
+            raise ValueError(f"host sharing needs cores >= 1, threads >= 1, background and streaming >= 0, got {self}")
 
-    def stretch(self, busy: int) -> float:
-        """How many times its profiled time a step takes while `busy` workers step."""
-        return max(1.0, (busy * self.threads_per_worker + self.background) / self.cores)
+    def stretch(self, busy: int, steps_per_s: float = 0.0, tokens_per_s: float = 0.0) -> float:
+        """How many times its profiled time a step takes while `busy` workers step and decode runs
+        would make `steps_per_s` steps and `tokens_per_s` output tokens per second unstretched."""
+        engines = busy * self.threads_per_worker + self.background
+        streaming = self.stream_cpu_per_step_s * steps_per_s + self.stream_cpu_per_token_s * tokens_per_s
+        if engines + streaming <= self.cores:
+            return 1.0
+        return (engines + math.sqrt(engines * engines + 4.0 * self.cores * streaming)) / (2.0 * self.cores)
+
+
+def host_share(config: SimConfig, threads_per_worker: int) -> HostShare:
+    """The host of `config` (its `host_cores` set), with workers of `threads_per_worker` threads."""
+    assert config.host_cores is not None, "workers share a host only when host_cores is set"
+    return HostShare(
+        config.host_cores,
+        threads_per_worker,
+        config.host_background_cores,
+        config.host_stream_cpu_per_step_s,
+        config.host_stream_cpu_per_token_s,
+    )
 
 
 class SharedHost:
@@ -53,7 +87,8 @@ class SharedHost:
     def update(self, workers: Sequence[SimWorker], now_s: float) -> list[SimWorker]:
         """Re-counts the busy workers; returns the workers whose run's end moved (to reschedule)."""
         self.busy = sum(w.run is not None and not w.dead for w in workers)
-        stretch = self.share.stretch(self.busy)
+        rates = [w.decode_rates_per_s() for w in workers]
+        stretch = self.share.stretch(self.busy, sum(r[0] for r in rates), sum(r[1] for r in rates))
         if stretch == self.current:
             return []
         self.current = stretch

@@ -93,6 +93,7 @@ class SimResult:
     wall_s: float = 0.0
     busy_s: dict[str, float] = field(default_factory=dict)  # summed run time per pool
     handoff_s: float = 0.0  # summed hand-off transfer time
+    steps: dict[str, int] = field(default_factory=dict)  # engine steps per pool
 
     def met(self) -> list[bool]:
         return [r.met(self.ttft_slo_s, self.tpot_slo_s) for r in self.records]

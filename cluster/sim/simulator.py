@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from cluster.sim.config import SimConfig
-from cluster.sim.contention import HostShare, SharedHost
+from cluster.sim.contention import SharedHost, host_share
 from cluster.sim.faults import FaultHandler
 from cluster.sim.kv import BlockCounter, PrefixPool
 from cluster.sim.profile import Profile
@@ -52,11 +52,7 @@ class Simulation:
         self.config, self.profile = config, profile
         self.block_tokens = config.cache_block_tokens or profile.model.block_size
         self.over = profile.overheads
-        self.host = (
-            None
-            if config.host_cores is None
-            else SharedHost(HostShare(config.host_cores, profile.threads_per_worker, config.host_background_cores))
-        )
+        self.host = None if config.host_cores is None else SharedHost(host_share(config, profile.threads_per_worker))
         prefill_pool = config.colocated or config.prefill
         self.router = SimRouter(config.policy, prefill_pool, max(config.decode, 1), self.block_tokens)
         self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
@@ -278,6 +274,7 @@ class Simulation:
     def _result(self, seqs: list[SimSeq], events: int, wall_s: float) -> SimResult:
         records = [s.record() for s in seqs]
         busy = {"prefill": sum(w.busy_s for w in self.front), "decode": sum(w.busy_s for w in self.decode)}
+        steps = {"prefill": sum(w.steps_done for w in self.front), "decode": sum(w.steps_done for w in self.decode)}
         return SimResult(
             self.config.name,
             self.config.ttft_slo_s,
@@ -288,4 +285,5 @@ class Simulation:
             wall_s,
             busy,
             self.handoff_s,
+            steps,
         )

@@ -48,6 +48,7 @@ class Run:
     chunks: list  # (seq, tokens per step) of the prefilling sequences
     batch: int  # decoding sequences
     cuttable: bool  # new work could join at the next step boundary
+    stretch: float = 1.0  # the host's stretch its step times were planned at
 
     def end_s(self, steps: int | None = None) -> float:
         k = self.steps if steps is None else steps
@@ -134,6 +135,7 @@ class SimWorker:
             return False
         if now_s <= run.start_s:  # nothing of the run has happened yet: it all runs at the new stretch
             run.first_s, run.growth_s = run.first_s * stretch / old, run.growth_s * stretch / old
+            run.stretch = stretch
         else:
             steps = run.boundary_after(now_s)
             if steps >= run.steps:
@@ -141,6 +143,15 @@ class SimWorker:
             run.steps = steps  # the rest is planned again at its end, at the new stretch
         self.version += 1
         return True
+
+    def decode_rates_per_s(self) -> tuple[float, float]:
+        """(decode steps, output tokens) per second of the current run at its profiled step time;
+        (0, 0) when idle, dead or prefilling only: what the host spends streaming scales with them."""
+        run = self.run
+        if run is None or self.dead or not run.batch:
+            return 0.0, 0.0
+        steps_per_s = run.stretch / run.first_s
+        return steps_per_s, run.batch * steps_per_s
 
     # ---- advancing --------------------------------------------------------------------------------
     def next_time(self) -> float | None:
@@ -243,7 +254,7 @@ class SimWorker:
         steps = [(seq.prompt - seq.computed) // new for seq, new in chunks]
         if batch:
             steps.append(self._decoding[0][0] - self.steps_done)
-        return Run(now_s, first_s, growth_s, min(steps), chunks, batch, cuttable)
+        return Run(now_s, first_s, growth_s, min(steps), chunks, batch, cuttable, self.stretch)
 
     # ---- KV ---------------------------------------------------------------------------------------
     def _admit(self, seq: SimSeq) -> bool:

@@ -23,6 +23,18 @@ def test_stretch_is_demand_over_cores_never_below_one():
     assert HostShare(cores=4, threads_per_worker=2).stretch(3) == 1.5  # 6 threads on 4 cores
 
 
+def test_streaming_cpu_adds_demand_that_slows_down_with_the_steps_it_follows():
+    # Two engines on two cores plus 1 core of streaming at profiled speed (250 tokens/s x 4 ms):
+    # s * 2 = 2 + 1 / s, so s = (2 + sqrt(4 + 8)) / 4 = 1.3660; the same demand within the cores: 1.
+    share = HostShare(cores=2, stream_cpu_per_token_s=0.004)
+    assert share.stretch(2, tokens_per_s=250.0) == approx((2 + 12**0.5) / 4)
+    assert share.stretch(1, tokens_per_s=250.0) == 1.0  # 1 engine + 1 core of streaming = 2 cores
+    assert share.stretch(2) == 1.0  # no tokens streamed: the engines alone
+    # Per step and per token: 100 steps/s x 2 ms + 800 tokens/s x 1 ms = the same 1 core.
+    mixed = HostShare(cores=2, stream_cpu_per_step_s=0.002, stream_cpu_per_token_s=0.001)
+    assert mixed.stretch(2, steps_per_s=100.0, tokens_per_s=800.0) == approx((2 + 12**0.5) / 4)
+
+
 def test_two_busy_workers_on_one_core_take_twice_as_long():
     # Two colocated workers each prefill 100 tokens from t=0: 2 ms alone; on one shared core both are
     # busy throughout, so each step takes 2 x 2 = 4 ms.
@@ -59,11 +71,28 @@ def test_threads_and_background_count_toward_the_demand():
     assert (spare.first_token_s, spare.last_token_s) == (approx(0.002), approx(0.01002))
 
 
+def test_a_decode_run_streaming_tokens_is_stretched_by_its_own_streaming():
+    # The 1P1D timeline above on one core: prefill 100 tokens alone, 2 ms (nothing streams yet); a
+    # 6 ms hand-off; then batch-1 decode steps of 1.01 ms, each token costing the host 1.01 ms more:
+    # E = 1, K = 1.01 ms x (1 / 1.01 ms) = 1 core, s = (1 + sqrt(5)) / 2. Last token at
+    # 8 ms + 2 x 1.01 ms x s.
+    config = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.00101)
+    (record,) = simulate(config, linear_profile(), [SimRequest(0.0, 100, 3)]).records
+    golden = (1 + 5**0.5) / 2
+    assert (record.first_token_s, record.last_token_s) == (approx(0.002), approx(0.008 + 0.00202 * golden))
+
+
 def test_host_settings_are_validated_and_threads_round_trip(tmp_path):
     with pytest.raises(ValueError, match=r"^host_cores:"):
         SimConfig(host_cores=0)
     with pytest.raises(ValueError, match=r"^host_background_cores: needs host_cores"):
         SimConfig(host_background_cores=1.0)
+    with pytest.raises(ValueError, match=r"^host_stream_cpu_per_token_s: needs host_cores"):
+        SimConfig(host_stream_cpu_per_token_s=0.001)
+    with pytest.raises(ValueError, match=r"^host_stream_cpu_per_token_s: must be a number >= 0"):
+        SimConfig(host_cores=2, host_stream_cpu_per_token_s=-1.0)
+    with pytest.raises(ValueError, match=r"^host_stream_cpu_per_step_s: needs host_cores"):
+        SimConfig(host_stream_cpu_per_step_s=0.001)
     profile = dataclasses.replace(linear_profile(), threads_per_worker=3)
     assert Profile.load(profile.save(tmp_path / "p.json")).threads_per_worker == 3
     with pytest.raises(ValueError, match=r"^threads_per_worker:"):

@@ -1,0 +1,126 @@
+"""What a cluster sharing this host's cores burns besides its engine steps, measured around a calibration.
+
+The simulator's host sharing (cluster/sim/contention.py) needs, beside the profile:
+- background cores: what the host keeps busy while the cluster idles (Ray's daemons, the controller
+  and rendezvous loops, anything else running): `idle_cores` over a quiet window;
+- streaming CPU per decode step and per output token: what the workers' outbox and poll threads, the
+  router relaying tokens and the client reading them cost the host. Around runs of calibration
+  requests (`with_host_cpu`), the host's busy CPU less the background over that window and less the
+  engines' own busy time (the calibrated profile simulating the same requests) is what streaming
+  cost; `fit_stream_cpu` splits it between steps and tokens over runs of different batch sizes
+  (sequential requests: one token per step; a burst sent at once: several). Prompt-side costs
+  (routing, the hand-off) are folded in: every calibration request has a prompt, so they are not
+  separated.
+
+/proc/stat counts every process on the host, so this means something only when the cluster and its
+clients run here (benchmarks/validate_sim.py); on a shared box the other jobs land in the background
+figure, which is also what the cluster's steps then compete with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Sequence
+from typing import NamedTuple, TypeVar
+
+import numpy as np
+
+from cluster.sim.config import SimConfig
+from cluster.sim.profile import Profile
+from cluster.sim.seq import SimRequest
+from cluster.sim.simulator import simulate
+from router.client import AsyncClient
+
+T = TypeVar("T")
+_BUSY_FIELDS = 8  # user nice system idle iowait irq softirq steal (guest time is already in user)
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds this host's cores have spent busy since boot (all processes), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1 : 1 + _BUSY_FIELDS]]
+    idle = fields[3] + fields[4]
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+async def idle_cores(window_s: float = 2.0) -> float:
+    """Busy cores, on average, over `window_s` in which this process sends nothing."""
+    before_s, started_s = busy_cpu_s(), time.perf_counter()
+    await asyncio.sleep(window_s)
+    return (busy_cpu_s() - before_s) / (time.perf_counter() - started_s)
+
+
+async def burst(target: str, vocab: tuple[int, ...], n: int, prompt_tokens: int, output_tokens: int) -> None:
+    """`n` requests sent at once (prompts sharing no prefix), each streamed to its end."""
+    async with AsyncClient(target, max_retries=0) as client:
+
+        async def one(i: int) -> None:
+            prompt = [vocab[(i * 7919 + j * 104729 + 31) % len(vocab)] for j in range(prompt_tokens)]
+            stream = client.generate_stream(prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+            async for _ in stream:
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def with_host_cpu(work: Awaitable[T]) -> tuple[T, float, float]:
+    """(result, host busy CPU seconds, wall seconds) of awaiting `work`."""
+    before_s, started_s = busy_cpu_s(), time.perf_counter()
+    result = await work
+    return result, busy_cpu_s() - before_s, time.perf_counter() - started_s
+
+
+class CpuSample(NamedTuple):
+    """Requests the cluster served while the host was busy `busy_s` over `window_s`: each of `rounds`
+    sent at once, the rounds one after another."""
+
+    rounds: list[list[SimRequest]]
+    busy_s: float
+    window_s: float
+
+
+def fit_stream_cpu(profile: Profile, samples: Sequence[CpuSample], background_cores: float) -> tuple[float, float]:
+    """(per decode step, per output token) host CPU seconds outside the engines: a non-negative least-
+    squares fit of what each sample left after the background and the engines' simulated busy time
+    (each round simulated alone on 1P1D) against its simulated decode steps and output tokens.
+    Samples of different batch sizes separate the two; one sample gives its cost per token."""
+    rows, left = [], []
+    for sample in samples:
+        engines_s, steps, tokens = 0.0, 0, 0
+        for requests in sample.rounds:
+            result = simulate(SimConfig(), profile, requests)
+            engines_s += sum(result.busy_s.values()) * profile.threads_per_worker
+            steps += result.steps["decode"]
+            tokens += sum(r.output_tokens for r in requests)
+        rows.append((steps, tokens))
+        left.append(max(sample.busy_s - background_cores * sample.window_s - engines_s, 0.0))
+    if not rows or not all(tokens for _, tokens in rows):
+        raise ValueError("the streaming cost needs samples of at least one output token each")
+    a = np.asarray(rows, dtype=float)
+    (per_step_s, per_token_s), *_ = np.linalg.lstsq(a, np.asarray(left), rcond=None)
+    if len(samples) < 2 or per_step_s < 0 or per_token_s < 0:  # one cost alone: the better of the two
+        per_token = (0.0, sum(left) / a[:, 1].sum())
+        per_step = (sum(left) / max(a[:, 0].sum(), 1.0), 0.0)
+        residual = [np.square(a @ np.asarray(p) - left).sum() for p in (per_token, per_step)]
+        per_step_s, per_token_s = per_token if len(samples) < 2 or residual[0] <= residual[1] else per_step
+    return float(per_step_s), float(per_token_s)
+
+
+BURST_REQUESTS, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, BURST_ROUNDS = 8, 64, 32, 2
+
+
+async def fit_with_bursts(
+    target: str, vocab: tuple[int, ...], profile: Profile, sequential: CpuSample, background_cores: float
+) -> tuple[float, float]:
+    """`fit_stream_cpu` over the sequential calibration's sample and `BURST_ROUNDS` bursts of
+    `BURST_REQUESTS` requests sent at once, measured now (decode batches of up to 8)."""
+
+    async def bursts() -> None:
+        for _ in range(BURST_ROUNDS):
+            await burst(target, vocab, BURST_REQUESTS, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS)
+
+    _, busy_s, window_s = await with_host_cpu(bursts())
+    one = [SimRequest(0.0, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS)] * BURST_REQUESTS
+    return fit_stream_cpu(profile, [sequential, CpuSample([one] * BURST_ROUNDS, busy_s, window_s)], background_cores)

@@ -1,0 +1,66 @@
+"""The host CPU figures the validation feeds the simulator's host sharing (loadtest/host_cpu.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.sim import SimConfig, SimRequest, simulate
+from loadtest.host_cpu import CpuSample, busy_cpu_s, fit_stream_cpu, idle_cores, with_host_cpu
+from tests.cluster.sim_factories import linear_profile
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_the_host_busy_counter_counts_this_process_burning_a_core():
+    before = busy_cpu_s()
+    _spin(0.3)
+    assert busy_cpu_s() - before >= 0.2  # /proc/stat ticks at 10 ms; other processes only add
+
+
+def test_around_work_it_reports_the_busy_cpu_and_the_wall_time():
+    async def burn() -> str:
+        _spin(0.3)
+        return "done"
+
+    result, busy_s, window_s = asyncio.run(with_host_cpu(burn()))
+    assert result == "done" and window_s >= 0.3 and busy_s >= 0.2
+    assert asyncio.run(idle_cores(0.2)) >= 0.0
+
+
+def test_streaming_cpu_is_what_is_left_after_background_and_engines_split_by_steps_and_tokens():
+    # linear profile, 1P1D. A request of 100 prompt tokens and 3 output tokens alone: prefill 2 ms,
+    # then 2 decode steps of 1.01 ms: 4.02 ms of engines, 2 decode steps, 3 tokens.
+    profile = linear_profile()
+    alone = simulate(SimConfig(), profile, [SimRequest(0.0, 100, 3)])
+    assert (sum(alone.busy_s.values()), alone.steps["decode"]) == (pytest.approx(0.00402), 2)
+    # Two such requests one after the other, then a burst of four of 30 output tokens at once (their
+    # 6 ms hand-offs come in turn, so their decode rows overlap in batches of up to 4): its engines'
+    # time and decode steps as the simulator has them. Host busy figures made from a known 1 ms per decode
+    # step and 2 ms per token over 0.1 background cores: the fit recovers both.
+    sequential = [[SimRequest(0.0, 100, 3)]] * 2
+    together = [[SimRequest(0.0, 100, 30)] * 4]
+    burst = simulate(SimConfig(), profile, together[0])
+    assert burst.steps["decode"] < 4 * 29  # batched: fewer steps than tokens
+    per_step_s, per_token_s, background = 0.001, 0.002, 0.1
+
+    def busy(engines_s: float, steps: int, tokens: int, window_s: float) -> float:
+        return engines_s + per_step_s * steps + per_token_s * tokens + background * window_s
+
+    samples = [
+        CpuSample(sequential, busy(0.00804, 4, 6, 1.0), 1.0),
+        CpuSample(together, busy(sum(burst.busy_s.values()), burst.steps["decode"], 120, 0.5), 0.5),
+    ]
+    assert fit_stream_cpu(profile, samples, background) == (pytest.approx(per_step_s), pytest.approx(per_token_s))
+    # One sample cannot separate them: all of it is charged per token (here 4 ms + 6 x 2 ms over 6 tokens).
+    assert fit_stream_cpu(profile, samples[:1], background) == (0.0, pytest.approx((0.004 + 0.012) / 6))
+    # Less busy than background and engines together: nothing left for streaming, never negative.
+    assert fit_stream_cpu(profile, [CpuSample(sequential, 0.05, 1.0)], background) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="at least one output token"):
+        fit_stream_cpu(profile, [], background)
