@@ -16,7 +16,9 @@ JSON layout (`format: splitserve-profile/v1`, times in ms, rates in bytes/s):
   against a running cluster (`splitserve profile --calibrate`) or set by hand:
   route_ms (arrival at the router -> queued on the prefill worker), first_token_ms (sampled -> client),
   adopt_ms (KV moved -> decode instance steps it), token_ms (decode step -> client), step_ms (what a
-  cluster worker's loop adds to every engine step: the actor's loop, streaming the step's tokens).
+  cluster worker's loop adds to every engine step: the actor's loop, streaming the step's tokens),
+  prefill_step_scale (how many times its profiled time a prefill worker's engine step takes in the
+  cluster, where the worker's own threads share its process and its GIL; 1 when absent).
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ class Overheads:
     adopt_s: float = 0.0
     token_s: float = 0.0
     step_s: float = 0.0
+    prefill_step_scale: float = 1.0
+
+    def __post_init__(self):
+        if not (self.prefill_step_scale > 0 and math.isfinite(self.prefill_step_scale)):
+            raise ValueError(f"prefill_step_scale: must be a number > 0, got {self.prefill_step_scale}")
 
     def to_dict(self) -> dict:
         return {
@@ -59,6 +66,7 @@ class Overheads:
             "adopt_ms": self.adopt_s * 1e3,
             "token_ms": self.token_s * 1e3,
             "step_ms": self.step_s * 1e3,
+            "prefill_step_scale": self.prefill_step_scale,
         }
 
 
@@ -147,7 +155,11 @@ class Profile:
                 {int(tp): int(v) for tp, v in raw["kv_capacity_tokens"].items()},
                 Transfer(raw["transfer"]["latency_ms"] / 1e3, float(raw["transfer"]["bytes_per_s"])),
                 Overheads(
-                    *(over.get(k, 0.0) / 1e3 for k in ("route_ms", "first_token_ms", "adopt_ms", "token_ms", "step_ms"))
+                    *(
+                        over.get(k, 0.0) / 1e3
+                        for k in ("route_ms", "first_token_ms", "adopt_ms", "token_ms", "step_ms")
+                    ),
+                    prefill_step_scale=over.get("prefill_step_scale", 1.0),
                 ),
                 dict(raw.get("source", {})),
                 raw.get("threads_per_worker", 1),

@@ -71,6 +71,18 @@ class StepCost:
             + self.decode_context_s * decode_context
         )
 
+    def scaled(self, factor: float) -> StepCost:
+        """Every step `factor` times as long (an engine slower in its cluster worker than profiled)."""
+        if factor == 1.0:
+            return self
+        return StepCost(
+            self.knots_tokens,
+            tuple(v * factor for v in self.dense_s),
+            self.per_seq_s * factor,
+            self.prefill_pair_s * factor,
+            self.decode_context_s * factor,
+        )
+
     def plus_step_s(self, extra_s: float) -> StepCost:
         """The same cost with `extra_s` more on every step (a cluster worker's own per-step overhead)."""
         return (

@@ -60,7 +60,8 @@ def _dearer(profile: Profile, factor: float) -> Profile:
                                      per_seq_s=cost.per_seq_s * factor, prefill_pair_s=cost.prefill_pair_s * factor,
                                      decode_context_s=cost.decode_context_s * factor)
              for tp, cost in profile.steps.items()}
-    overheads = Overheads(*(v * factor for v in dataclasses.astuple(profile.overheads)))
+    over = profile.overheads
+    overheads = Overheads(*(v * factor for v in dataclasses.astuple(over)[:5]), prefill_step_scale=over.prefill_step_scale)
     transfer = Transfer(profile.transfer.latency_s * factor, profile.transfer.bytes_per_s / factor)
     return dataclasses.replace(profile, steps=steps, overheads=overheads, transfer=transfer)
 
