@@ -155,10 +155,11 @@ class Profile:
                 {int(tp): int(v) for tp, v in raw["kv_capacity_tokens"].items()},
                 Transfer(raw["transfer"]["latency_ms"] / 1e3, float(raw["transfer"]["bytes_per_s"])),
                 Overheads(
-                    *(
-                        over.get(k, 0.0) / 1e3
-                        for k in ("route_ms", "first_token_ms", "adopt_ms", "token_ms", "step_ms")
-                    ),
+                    route_s=over.get("route_ms", 0.0) / 1e3,
+                    first_token_s=over.get("first_token_ms", 0.0) / 1e3,
+                    adopt_s=over.get("adopt_ms", 0.0) / 1e3,
+                    token_s=over.get("token_ms", 0.0) / 1e3,
+                    step_s=over.get("step_ms", 0.0) / 1e3,
                     prefill_step_scale=over.get("prefill_step_scale", 1.0),
                 ),
                 dict(raw.get("source", {})),
