@@ -56,29 +56,14 @@ class Outbox:
 
     def push(self, update: TokenUpdate) -> None:
         """Thread-safe; merges with what is already pending for the request. Unowned: dropped."""
-        with self._lock:
-            owner = self._owner_of.get(update.request_id)
-            if owner is None:
-                return
-            if update.finish_reason is not None or update.error is not None:
-                del self._owner_of[update.request_id]
-            pending = self._pending.setdefault(owner, {})
-            earlier = pending.get(update.request_id)
-            if earlier is not None:
-                update = TokenUpdate(
-                    update.request_id,
-                    earlier.token_ids + update.token_ids,
-                    earlier.logprobs + update.logprobs,
-                    update.finish_reason,
-                    update.error or earlier.error,
-                )
-            pending[update.request_id] = update
-            loop, event = self._loop, self._events.get(owner)
-        if loop is not None and event is not None:
-            loop.call_soon_threadsafe(event.set)
+        self._wake(self._add([update]))
 
     def push_step(self, engine: LLMEngine, updates: list[SequenceUpdate]) -> None:
-        """Engine thread: record a step's tokens; finished sequences leave the engine here."""
+        """Engine thread: record a step's tokens (finished sequences leave the engine here), then wake
+        each owner's poll once. Waking it per update would let the poll answer with the step's first
+        update before the rest is in, and its router would come back for the remainder: one more
+        round trip per step, each a Ray call on both processes' CPU."""
+        tokens = []
         for update in updates:
             seq = engine.seqs.get(update.seq_id)
             if seq is None:
@@ -88,7 +73,38 @@ class Outbox:
             reason = None if update.finish_reason is None else update.finish_reason.value
             if reason is not None:
                 engine.pop_finished(update.seq_id)
-            self.push(TokenUpdate(update.seq_id, update.new_token_ids, logprobs, reason))
+            tokens.append(TokenUpdate(update.seq_id, update.new_token_ids, logprobs, reason))
+        self._wake(self._add(tokens))
+
+    def _add(self, updates: list[TokenUpdate]) -> list[asyncio.Event]:
+        """Merges `updates` into their owners' pending ones; returns the events of the owners to wake."""
+        owners: set[str] = set()
+        with self._lock:
+            for update in updates:
+                owner = self._owner_of.get(update.request_id)
+                if owner is None:
+                    continue
+                if update.finish_reason is not None or update.error is not None:
+                    del self._owner_of[update.request_id]
+                pending = self._pending.setdefault(owner, {})
+                earlier = pending.get(update.request_id)
+                if earlier is not None:
+                    update = TokenUpdate(
+                        update.request_id,
+                        earlier.token_ids + update.token_ids,
+                        earlier.logprobs + update.logprobs,
+                        update.finish_reason,
+                        update.error or earlier.error,
+                    )
+                pending[update.request_id] = update
+                owners.add(owner)
+            return [event for event in (self._events.get(owner) for owner in owners) if event is not None]
+
+    def _wake(self, events: list[asyncio.Event]) -> None:
+        loop = self._loop
+        if loop is not None:
+            for event in events:
+                loop.call_soon_threadsafe(event.set)
 
     def forget(self, request_id: str) -> None:
         with self._lock:
