@@ -25,9 +25,11 @@ decode batch changes size, a worker starts or stops being busy): the runs in pro
 their next step boundary and continue at the new stretch (a step already under way keeps the
 stretch it started with).
 
-What it leaves out: the GIL shared by a worker's engine thread and its own side threads (measured
-instead as the calibrated per-step overhead), cache and memory-bandwidth interference between
-processes, and the scheduler's unfairness over short intervals. `benchmarks/host_contention.py`
+What it leaves out: the GIL shared by a worker's engine thread and its own side threads (the
+calibration measures its effect instead: a per-step overhead and the prefill step scale,
+loadtest/calibrate.py), cache and memory-bandwidth interference between processes, and the
+scheduler's unfairness over short intervals (the model shares the cores fairly; the kernel and the
+GIL do not, which is why it is optimistic about tails). `benchmarks/host_contention.py`
 measures the stretch on a real host (README "Validation").
 """
 
