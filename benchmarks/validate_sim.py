@@ -39,14 +39,13 @@ from cluster.sim.simulator import simulate
 from cluster.sim.worker import EngineLimits
 from loadtest.calibrate import fit_overheads, format_rows, measure
 from loadtest.config import BenchConfig, DriverConfig
-from loadtest.host_cpu import CpuSample, fit_with_bursts, idle_cores, with_host_cpu
+from loadtest.host_cpu import CpuSample, burst, fit_with_bursts, idle_cores, with_host_cpu
 from loadtest.lengths import LengthDist
 from loadtest.plan import RequestDefaults, Slo
 from loadtest.poisson import PoissonSpec
 from loadtest.runner import run_bench
 from loadtest.sim_report import sim_summary
 from loadtest.sim_workload import limits_of, sim_requests
-from router.client import AsyncClient
 
 METRICS = (
     ("ttft_p50", "ttft_ms", "p50", 0.15),
@@ -161,15 +160,9 @@ async def _calibrate(target: str, profile: Profile, vocab: tuple[int, ...], args
 async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: int) -> None:
     """`rounds` of `concurrent` requests at once (results discarded): every worker and every
     prefill->decode pair serves some before anything is timed."""
-    async with AsyncClient(target, max_retries=0) as client:
-
-        async def one(i: int) -> None:
-            prompt = [vocab[(i * 7919 + j * 104729 + 17) % len(vocab)] for j in range(64 + 64 * (i % 4))]
-            async for _ in client.generate_stream(prompt, max_tokens=8, temperature=0.0, ignore_eos=True):
-                pass
-
-        for r in range(rounds):
-            await asyncio.gather(*(one(r * concurrent + i) for i in range(max(concurrent, 2))))
+    n = max(concurrent, 2)
+    for r in range(rounds):
+        await burst(target, vocab, [64 + 64 * (i % 4) for i in range(n)], 8, first=r * n)
 
 
 async def _one_rate(target: str, shape, profile: Profile, rate: float, args, seed: int) -> dict:
@@ -209,10 +202,15 @@ def _sim_config(shape: tuple[int, int], args, host_cores: int | None) -> SimConf
         tpot_slo_s=args.tpot_ms / 1e3,
         max_concurrency=args.max_concurrency,
         host_cores=host_cores,
-        host_background_cores=(getattr(args, "host_background_cores", None) or 0.0) if host_cores else 0.0,
-        host_stream_cpu_per_step_s=(getattr(args, "host_stream_cpu_per_step_s", None) or 0.0) if host_cores else 0.0,
-        host_stream_cpu_per_token_s=(getattr(args, "host_stream_cpu_per_token_s", None) or 0.0) if host_cores else 0.0,
+        host_background_cores=_host_figure(args, "host_background_cores") if host_cores else 0.0,
+        host_stream_cpu_per_step_s=_host_figure(args, "host_stream_cpu_per_step_s") if host_cores else 0.0,
+        host_stream_cpu_per_token_s=_host_figure(args, "host_stream_cpu_per_token_s") if host_cores else 0.0,
     )
+
+
+def _host_figure(args, key: str) -> float:
+    """A host figure given on the command line or measured by the calibration (0: neither)."""
+    return getattr(args, key, None) or 0.0
 
 
 def format_row(row: dict) -> str:
@@ -244,14 +242,13 @@ async def main_async(args) -> dict:
         print(f"load average (1, 5, 15 min) after {shape[0]}P{shape[1]}D: {loads[-1]}", flush=True)
         rows += shape_rows
     within = {name: sum(r[name]["within"] for r in rows) for name, *_ in METRICS}
-    host = {
-        "background_cores": getattr(args, "host_background_cores", None),
-        "stream_cpu_per_step_ms": (getattr(args, "host_stream_cpu_per_step_s", None) or 0.0) * 1e3,
-        "stream_cpu_per_token_ms": (getattr(args, "host_stream_cpu_per_token_s", None) or 0.0) * 1e3,
-    }
     return {
         "profile": profile.to_dict(),
-        "host": host,
+        "host": {
+            "background_cores": _host_figure(args, "host_background_cores"),
+            "stream_cpu_per_step_ms": _host_figure(args, "host_stream_cpu_per_step_s") * 1e3,
+            "stream_cpu_per_token_ms": _host_figure(args, "host_stream_cpu_per_token_s") * 1e3,
+        },
         "rows": rows,
         "within_target": within,
         "runs": len(rows),

@@ -76,8 +76,9 @@ class Outbox:
             tokens.append(TokenUpdate(update.seq_id, update.new_token_ids, logprobs, reason))
         self._wake(self._add(tokens))
 
-    def _add(self, updates: list[TokenUpdate]) -> list[asyncio.Event]:
-        """Merges `updates` into their owners' pending ones; returns the events of the owners to wake."""
+    def _add(self, updates: list[TokenUpdate]) -> tuple[asyncio.AbstractEventLoop | None, list[asyncio.Event]]:
+        """Merges `updates` into their owners' pending ones; returns the polls' loop and the events of
+        the owners to wake (both read under the lock, as `drain` sets them)."""
         owners: set[str] = set()
         with self._lock:
             for update in updates:
@@ -98,10 +99,12 @@ class Outbox:
                     )
                 pending[update.request_id] = update
                 owners.add(owner)
-            return [event for event in (self._events.get(owner) for owner in owners) if event is not None]
+            events = [event for event in (self._events.get(owner) for owner in owners) if event is not None]
+            return self._loop, events
 
-    def _wake(self, events: list[asyncio.Event]) -> None:
-        loop = self._loop
+    @staticmethod
+    def _wake(loop_and_events: tuple[asyncio.AbstractEventLoop | None, list[asyncio.Event]]) -> None:
+        loop, events = loop_and_events
         if loop is not None:
             for event in events:
                 loop.call_soon_threadsafe(event.set)

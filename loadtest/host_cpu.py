@@ -52,17 +52,21 @@ async def idle_cores(window_s: float = 2.0) -> float:
     return (busy_cpu_s() - before_s) / (time.perf_counter() - started_s)
 
 
-async def burst(target: str, vocab: tuple[int, ...], n: int, prompt_tokens: int, output_tokens: int) -> None:
-    """`n` requests sent at once (prompts sharing no prefix), each streamed to its end."""
+async def burst(
+    target: str, vocab: tuple[int, ...], prompt_lens: Sequence[int], output_tokens: int, first: int = 0
+) -> None:
+    """One request per entry of `prompt_lens`, all sent at once and each streamed to its end. Prompt i
+    is made from index `first + i`: distinct indices give prompts sharing no prefix, so a later burst
+    with other indices finds nothing of an earlier one in the prefix cache."""
     async with AsyncClient(target, max_retries=0) as client:
 
-        async def one(i: int) -> None:
+        async def one(i: int, prompt_tokens: int) -> None:
             prompt = [vocab[(i * 7919 + j * 104729 + 31) % len(vocab)] for j in range(prompt_tokens)]
             stream = client.generate_stream(prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
             async for _ in stream:
                 pass
 
-        await asyncio.gather(*(one(i) for i in range(n)))
+        await asyncio.gather(*(one(first + i, n) for i, n in enumerate(prompt_lens)))
 
 
 async def with_host_cpu(work: Awaitable[T]) -> tuple[T, float, float]:
@@ -109,6 +113,7 @@ def fit_stream_cpu(profile: Profile, samples: Sequence[CpuSample], background_co
 
 
 BURST_REQUESTS, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, BURST_ROUNDS = 8, 64, 32, 2
+BURST_FIRST_INDEX = 100_000  # past the indices of the warm-up bursts before it (benchmarks/validate_sim.py)
 
 
 async def fit_with_bursts(
@@ -118,8 +123,9 @@ async def fit_with_bursts(
     `BURST_REQUESTS` requests sent at once, measured now (decode batches of up to 8)."""
 
     async def bursts() -> None:
-        for _ in range(BURST_ROUNDS):
-            await burst(target, vocab, BURST_REQUESTS, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS)
+        for r in range(BURST_ROUNDS):  # each round its own prompts: the simulation charges every prefill
+            first = BURST_FIRST_INDEX + r * BURST_REQUESTS
+            await burst(target, vocab, [BURST_PROMPT_TOKENS] * BURST_REQUESTS, BURST_OUTPUT_TOKENS, first)
 
     _, busy_s, window_s = await with_host_cpu(bursts())
     one = [SimRequest(0.0, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS)] * BURST_REQUESTS

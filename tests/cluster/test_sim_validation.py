@@ -56,10 +56,7 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
 
 def _dearer(profile: Profile, factor: float) -> Profile:
     """Every cost `factor` times: engine steps, the calibrated cluster overheads, the hand-off."""
-    steps = {tp: dataclasses.replace(cost, dense_s=tuple(v * factor for v in cost.dense_s),
-                                     per_seq_s=cost.per_seq_s * factor, prefill_pair_s=cost.prefill_pair_s * factor,
-                                     decode_context_s=cost.decode_context_s * factor)
-             for tp, cost in profile.steps.items()}
+    steps = {tp: cost.scaled(factor) for tp, cost in profile.steps.items()}
     over = profile.overheads
     overheads = Overheads(*(v * factor for v in dataclasses.astuple(over)[:5]), prefill_step_scale=over.prefill_step_scale)
     transfer = Transfer(profile.transfer.latency_s * factor, profile.transfer.bytes_per_s / factor)
