@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import tempfile
@@ -37,6 +38,7 @@ from cluster.sim.profiler import Grid, measure_profile
 from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
 from cluster.sim.worker import EngineLimits
+from engine.heap import CollectionPauses, freeze_startup_heap
 from loadtest.calibrate import fit_overheads, format_rows, measure
 from loadtest.config import BenchConfig, DriverConfig
 from loadtest.host_cpu import CpuSample, burst, fit_with_bursts, idle_cores, with_host_cpu
@@ -111,6 +113,11 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
     rows = []
     try:
         server = await RouterServer.start(cluster, config)
+        # This process hosts the router: freeze its startup heap as `splitserve serve` does, so that
+        # the router measured is the router served (engine/heap.py). Each row counts the full
+        # collections during its bench: none in a run without this freeze either, so it is parity,
+        # not a correction.
+        freeze_startup_heap()
         try:
             vocab = tuple(limits_of(profile).ordinary_token_ids)
             await warm_up(server.address, vocab, prefill * decode * 2, getattr(args, "warmup", 2))
@@ -123,6 +130,7 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
                 rows.append(await _one_rate(server.address, shape, profile, rate, args, args.seed + i))
         finally:
             await server.stop(1.0)
+            gc.unfreeze()  # this shape's cluster and router objects become collectable again
     finally:
         cluster.shutdown()
     return profile, rows
@@ -145,13 +153,16 @@ async def _calibrate(target: str, profile: Profile, vocab: tuple[int, ...], args
     if measure_host:
         rounds = [[SimRequest(0.0, n, 16)] for n in CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS]
         sequential = CpuSample(rounds, busy_s, window_s)
-        per_step_s, per_token_s = await fit_with_bursts(target, vocab, profile, sequential, background)
-        args.host_stream_cpu_per_step_s, args.host_stream_cpu_per_token_s = per_step_s, per_token_s
         if getattr(args, "host_background_cores", None) is None:
             args.host_background_cores = background
+        host = SimConfig(host_cores=args.host_cores, host_background_cores=args.host_background_cores)
+        costs = await fit_with_bursts(target, vocab, profile, sequential, host)
+        args.host_stream_cpu_per_step_s, args.host_stream_cpu_per_token_s = costs.per_step_s, costs.per_token_s
+        args.host_stream_interference = costs.interference
         print(
             f"host: {background:.2f} cores busy while idle (simulated: {args.host_background_cores:.2f}); "
-            f"streaming CPU {per_step_s * 1e3:.2f} ms per decode step + {per_token_s * 1e3:.2f} ms per token",
+            f"streaming CPU {costs.per_step_s * 1e3:.2f} ms per decode step + {costs.per_token_s * 1e3:.2f} ms "
+            f"per token, felt by the engines x{costs.interference:.2f}",
             flush=True,
         )
     return profile
@@ -176,7 +187,8 @@ async def _one_rate(target: str, shape, profile: Profile, rate: float, args, see
         driver=DriverConfig(max_concurrency=args.max_concurrency),
         defaults=RequestDefaults(slo),
     )
-    (measured,) = await run_bench(bench, echo=lambda _: None)
+    with CollectionPauses() as pauses:
+        (measured,) = await run_bench(bench, echo=lambda _: None)
     requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, seed)
     host_cores = getattr(args, "host_cores", None) or None
     predicted, unshared = (
@@ -187,7 +199,8 @@ async def _one_rate(target: str, shape, profile: Profile, rate: float, args, see
     )
     row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured.to_dict(), predicted)}
     row["unshared"] = compare(measured.to_dict(), unshared)
-    print(format_row(row), flush=True)
+    row["router_gc"] = {"full_collections": pauses.count, "longest_ms": round(pauses.longest_s * 1e3, 1)}
+    print(format_row(row) + f"  [router process: {pauses.describe()}]", flush=True)
     if host_cores:
         print(f"{'':>14}unshared: " + format_row({"shape": "", "rate_per_s": rate, **row["unshared"]}), flush=True)
     return row
@@ -205,6 +218,7 @@ def _sim_config(shape: tuple[int, int], args, host_cores: int | None) -> SimConf
         host_background_cores=_host_figure(args, "host_background_cores") if host_cores else 0.0,
         host_stream_cpu_per_step_s=_host_figure(args, "host_stream_cpu_per_step_s") if host_cores else 0.0,
         host_stream_cpu_per_token_s=_host_figure(args, "host_stream_cpu_per_token_s") if host_cores else 0.0,
+        host_stream_interference=(_host_figure(args, "host_stream_interference") or 1.0) if host_cores else 1.0,
     )
 
 
@@ -248,6 +262,7 @@ async def main_async(args) -> dict:
             "background_cores": _host_figure(args, "host_background_cores"),
             "stream_cpu_per_step_ms": _host_figure(args, "host_stream_cpu_per_step_s") * 1e3,
             "stream_cpu_per_token_ms": _host_figure(args, "host_stream_cpu_per_token_s") * 1e3,
+            "stream_interference": _host_figure(args, "host_stream_interference") or 1.0,
         },
         "rows": rows,
         "within_target": within,

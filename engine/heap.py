@@ -17,6 +17,8 @@ code that runs inside a user's process. `gc.unfreeze()` undoes it.
 from __future__ import annotations
 
 import gc
+import time
+from typing import Self
 
 
 def freeze_startup_heap() -> int:
@@ -24,3 +26,36 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+class CollectionPauses:
+    """Times the collector's pauses while installed (`with CollectionPauses() as pauses:`): `count`
+    and `longest_s` of the collections of `generation` or older (2: full collections only)."""
+
+    def __init__(self, generation: int = 2) -> None:
+        self.generation = generation
+        self.count = 0
+        self.longest_s = 0.0
+        self.total_s = 0.0
+        self._started_s: float | None = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info.get("generation", 0) < self.generation:
+            return
+        if phase == "start":
+            self._started_s = time.perf_counter()
+        elif self._started_s is not None:
+            pause_s = time.perf_counter() - self._started_s
+            self.count, self.total_s = self.count + 1, self.total_s + pause_s
+            self.longest_s = max(self.longest_s, pause_s)
+            self._started_s = None
+
+    def __enter__(self) -> Self:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def describe(self) -> str:
+        return f"{self.count} collections of generation {self.generation}, longest {self.longest_s * 1e3:.0f} ms"

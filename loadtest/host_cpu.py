@@ -10,7 +10,10 @@ The simulator's host sharing (cluster/sim/contention.py) needs, beside the profi
   cost; `fit_stream_cpu` splits it between steps and tokens over runs of different batch sizes
   (sequential requests: one token per step; a burst sent at once: several). Prompt-side costs
   (routing, the hand-off) are folded in: every calibration request has a prompt, so they are not
-  separated.
+  separated;
+- streaming's interference: its wake-ups preempt the engine threads, which then slow down by more
+  than the CPU the streaming threads burn. `fit_stream_interference` finds the factor on streaming's
+  demand at which the simulated bursts end, on average, when the measured ones did.
 
 /proc/stat counts every process on the host, so this means something only when the cluster and its
 clients run here (benchmarks/validate_sim.py); on a shared box the other jobs land in the background
@@ -20,6 +23,7 @@ figure, which is also what the cluster's steps then compete with.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Sequence
@@ -54,19 +58,22 @@ async def idle_cores(window_s: float = 2.0) -> float:
 
 async def burst(
     target: str, vocab: tuple[int, ...], prompt_lens: Sequence[int], output_tokens: int, first: int = 0
-) -> None:
-    """One request per entry of `prompt_lens`, all sent at once and each streamed to its end. Prompt i
-    is made from index `first + i`: distinct indices give prompts sharing no prefix, so a later burst
-    with other indices finds nothing of an earlier one in the prefix cache."""
+) -> list[float]:
+    """One request per entry of `prompt_lens`, all sent at once and each streamed to its end; returns
+    each one's seconds from the send to its stream's end. Prompt i is made from index `first + i`:
+    distinct indices give prompts sharing no prefix, so a later burst with other indices finds nothing
+    of an earlier one in the prefix cache."""
     async with AsyncClient(target, max_retries=0) as client:
+        sent_s = time.perf_counter()
 
-        async def one(i: int, prompt_tokens: int) -> None:
+        async def one(i: int, prompt_tokens: int) -> float:
             prompt = [vocab[(i * 7919 + j * 104729 + 31) % len(vocab)] for j in range(prompt_tokens)]
             stream = client.generate_stream(prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
             async for _ in stream:
                 pass
+            return time.perf_counter() - sent_s
 
-        await asyncio.gather(*(one(first + i, n) for i, n in enumerate(prompt_lens)))
+        return list(await asyncio.gather(*(one(first + i, n) for i, n in enumerate(prompt_lens))))
 
 
 async def with_host_cpu(work: Awaitable[T]) -> tuple[T, float, float]:
@@ -112,21 +119,60 @@ def fit_stream_cpu(profile: Profile, samples: Sequence[CpuSample], background_co
     return float(per_step_s), float(per_token_s)
 
 
-BURST_REQUESTS, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, BURST_ROUNDS = 8, 64, 32, 2
+def fit_stream_interference(
+    profile: Profile, host: SimConfig, rounds: Sequence[Sequence[SimRequest]], measured_e2e_s: Sequence[float]
+) -> float:
+    """The `host_stream_interference` (1 to MAX_INTERFERENCE) at which `rounds`, each simulated alone on
+    `host` (its host figures set), end their requests on average when the measured ones did
+    (`measured_e2e_s`: every round's requests, in order). The mean grows with the factor: bisection."""
+
+    def mean_e2e_s(interference: float) -> float:
+        config = dataclasses.replace(host, host_stream_interference=interference)
+        ends = [r.end_s - r.send_s for requests in rounds for r in simulate(config, profile, list(requests)).records]
+        return sum(ends) / len(ends)
+
+    target_s = sum(measured_e2e_s) / len(measured_e2e_s)
+    low, high = 1.0, MAX_INTERFERENCE
+    if mean_e2e_s(low) >= target_s:
+        return low
+    if mean_e2e_s(high) <= target_s:
+        return high
+    while high - low > 0.01:
+        middle = (low + high) / 2
+        low, high = (middle, high) if mean_e2e_s(middle) < target_s else (low, middle)
+    return round((low + high) / 2, 3)
+
+
+class StreamCosts(NamedTuple):
+    per_step_s: float
+    per_token_s: float
+    interference: float
+
+
+MAX_INTERFERENCE = 8.0
+# Prompts of several lengths sent at once: the longer ones prefill while the shorter ones decode and
+# stream, the overlap the interference is about.
+BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, BURST_ROUNDS = (64, 128, 256, 512) * 2, 32, 2
 BURST_FIRST_INDEX = 100_000  # past the indices of the warm-up bursts before it (benchmarks/validate_sim.py)
 
 
 async def fit_with_bursts(
-    target: str, vocab: tuple[int, ...], profile: Profile, sequential: CpuSample, background_cores: float
-) -> tuple[float, float]:
-    """`fit_stream_cpu` over the sequential calibration's sample and `BURST_ROUNDS` bursts of
-    `BURST_REQUESTS` requests sent at once, measured now (decode batches of up to 8)."""
+    target: str, vocab: tuple[int, ...], profile: Profile, sequential: CpuSample, host: SimConfig
+) -> StreamCosts:
+    """`fit_stream_cpu` over the sequential calibration's sample and `BURST_ROUNDS` bursts of requests
+    sent at once (decode batches of up to 8), measured now; then `fit_stream_interference` on those
+    bursts, `host` (its cores and background set) with the streaming costs just fitted."""
+    rounds: list[list[float]] = []
 
     async def bursts() -> None:
         for r in range(BURST_ROUNDS):  # each round its own prompts: the simulation charges every prefill
-            first = BURST_FIRST_INDEX + r * BURST_REQUESTS
-            await burst(target, vocab, [BURST_PROMPT_TOKENS] * BURST_REQUESTS, BURST_OUTPUT_TOKENS, first)
+            first = BURST_FIRST_INDEX + r * len(BURST_PROMPT_TOKENS)
+            rounds.append(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, first))
 
     _, busy_s, window_s = await with_host_cpu(bursts())
-    one = [SimRequest(0.0, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS)] * BURST_REQUESTS
-    return fit_stream_cpu(profile, [sequential, CpuSample([one] * BURST_ROUNDS, busy_s, window_s)], background_cores)
+    one = [SimRequest(0.0, n, BURST_OUTPUT_TOKENS) for n in BURST_PROMPT_TOKENS]
+    sample = CpuSample([one] * BURST_ROUNDS, busy_s, window_s)
+    per_step_s, per_token_s = fit_stream_cpu(profile, [sequential, sample], host.host_background_cores)
+    host = dataclasses.replace(host, host_stream_cpu_per_step_s=per_step_s, host_stream_cpu_per_token_s=per_token_s)
+    interference = fit_stream_interference(profile, host, sample.rounds, [e for ends in rounds for e in ends])
+    return StreamCosts(per_step_s, per_token_s, interference)

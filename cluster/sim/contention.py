@@ -13,7 +13,11 @@ runnable. The demand, in cores, has three parts:
   router relaying it, the client reading it): ~3.7 ms per token at batch 1 on the dev box, as much
   as the decode step itself. K = those costs at the steps and tokens per second the busy decode
   runs would make at their profiled step times; at stretch s they go s times slower, so this part
-  of the demand is K / s.
+  of the demand is K / s. Each of streaming's wake-ups also preempts an engine thread, which then
+  refills its caches and waits its turn back: engines slow down by more than the CPU the streaming
+  threads burn (measured on the dev box: a prefill overlapping one batch-1 decode stream took a
+  median 1.5x its time alone, where the CPU figures alone give 1.3x). `stream_interference` (>= 1,
+  fitted by the calibration's bursts, loadtest/host_cpu.py) multiplies K for that.
 Every step takes `stretch` times its profiled time, where s * cores = E + K / s once the demand
 exceeds the cores:
 
@@ -50,17 +54,22 @@ class HostShare:
     background: float = 0.0  # cores' worth of other busy processes
     stream_cpu_per_step_s: float = 0.0  # host CPU outside the engines per decode step
     stream_cpu_per_token_s: float = 0.0  # and per output token streamed
+    stream_interference: float = 1.0  # streaming's demand as the engines feel it, over its CPU time
 
     def __post_init__(self):
         costs = (self.background, self.stream_cpu_per_step_s, self.stream_cpu_per_token_s)
-        if self.cores < 1 or self.threads_per_worker < 1 or min(costs) < 0:
-            raise ValueError(f"host sharing needs cores >= 1, threads >= 1, background and streaming >= 0, got {self}")
+        if self.cores < 1 or self.threads_per_worker < 1 or min(costs) < 0 or not self.stream_interference >= 1:
+            raise ValueError(
+                "host sharing needs cores >= 1, threads >= 1, background and streaming >= 0, "
+                f"interference >= 1, got {self}"
+            )
 
     def stretch(self, busy: int, steps_per_s: float = 0.0, tokens_per_s: float = 0.0) -> float:
         """How many times its profiled time a step takes while `busy` workers step and decode runs
         would make `steps_per_s` steps and `tokens_per_s` output tokens per second unstretched."""
         engines = busy * self.threads_per_worker + self.background
         streaming = self.stream_cpu_per_step_s * steps_per_s + self.stream_cpu_per_token_s * tokens_per_s
+        streaming *= self.stream_interference
         if engines + streaming <= self.cores:
             return 1.0
         return (engines + math.sqrt(engines * engines + 4.0 * self.cores * streaming)) / (2.0 * self.cores)
@@ -75,6 +84,7 @@ def host_share(config: SimConfig, threads_per_worker: int) -> HostShare:
         config.host_background_cores,
         config.host_stream_cpu_per_step_s,
         config.host_stream_cpu_per_token_s,
+        config.host_stream_interference,
     )
 
 

@@ -35,6 +35,19 @@ def test_streaming_cpu_adds_demand_that_slows_down_with_the_steps_it_follows():
     assert mixed.stretch(2, steps_per_s=100.0, tokens_per_s=800.0) == approx((2 + 12**0.5) / 4)
 
 
+def test_interference_multiplies_the_streaming_demand_the_engines_feel():
+    # The 1 core of streaming above felt as 2: s * 2 = 2 + 2 / s, s = (2 + sqrt(4 + 16)) / 4 = 1.6180;
+    # 1 engine + 0.5 core of streaming felt as 1 fits 2 cores: 1. Nothing streamed: nothing to multiply.
+    felt_twice = HostShare(cores=2, stream_cpu_per_token_s=0.004, stream_interference=2.0)
+    assert felt_twice.stretch(2, tokens_per_s=250.0) == approx((2 + 20**0.5) / 4)
+    assert felt_twice.stretch(1, tokens_per_s=125.0) == 1.0
+    assert felt_twice.stretch(3) == 1.5
+    # Through the simulator: the golden-ratio timeline below with K felt as 2 cores: s = (1 + 3) / 2 = 2.
+    config = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.00101, host_stream_interference=2.0)
+    (record,) = simulate(config, linear_profile(), [SimRequest(0.0, 100, 3)]).records
+    assert record.last_token_s == approx(0.008 + 0.00202 * 2)
+
+
 def test_two_busy_workers_on_one_core_take_twice_as_long():
     # Two colocated workers each prefill 100 tokens from t=0: 2 ms alone; on one shared core both are
     # busy throughout, so each step takes 2 x 2 = 4 ms.
@@ -93,6 +106,12 @@ def test_host_settings_are_validated_and_threads_round_trip(tmp_path):
         SimConfig(host_cores=2, host_stream_cpu_per_token_s=-1.0)
     with pytest.raises(ValueError, match=r"^host_stream_cpu_per_step_s: needs host_cores"):
         SimConfig(host_stream_cpu_per_step_s=0.001)
+    with pytest.raises(ValueError, match=r"^host_stream_interference: must be a number >= 1"):
+        SimConfig(host_cores=2, host_stream_interference=0.5)
+    with pytest.raises(ValueError, match=r"^host_stream_interference: needs host_cores"):
+        SimConfig(host_stream_interference=2.0)
+    with pytest.raises(ValueError, match="interference >= 1"):
+        HostShare(cores=2, stream_interference=0.9)
     profile = dataclasses.replace(linear_profile(), threads_per_worker=3)
     assert Profile.load(profile.save(tmp_path / "p.json")).threads_per_worker == 3
     with pytest.raises(ValueError, match=r"^threads_per_worker:"):

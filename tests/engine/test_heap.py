@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from engine.heap import freeze_startup_heap
+from engine.heap import CollectionPauses, freeze_startup_heap
 
 
 @pytest.fixture
@@ -37,3 +37,26 @@ def test_garbage_alive_only_through_a_cycle_is_collected_not_frozen(unfreeze_aft
     del node
     freeze_startup_heap()
     assert freed() is None
+
+
+def test_collection_pauses_times_full_collections_and_skips_younger_ones():
+    heap = [[i] for i in range(200_000)]  # enough objects that a full collection takes measurable time
+    with CollectionPauses() as pauses:
+        gc.collect(0)
+        gc.collect(1)
+        assert pauses.count == 0
+        gc.collect()
+        gc.collect()
+    gc.collect()  # after the `with`: not counted
+    assert pauses.count == 2
+    assert 0 < pauses.longest_s <= pauses.total_s
+    assert gc.callbacks.count(pauses._callback) == 0
+    assert "2 collections of generation 2" in pauses.describe()
+    assert heap[-1] == [199_999]
+
+
+def test_collection_pauses_of_generation_zero_counts_every_collection():
+    with CollectionPauses(generation=0) as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    assert pauses.count == 2

@@ -9,7 +9,15 @@ import time
 import pytest
 
 from cluster.sim import SimConfig, SimRequest, simulate
-from loadtest.host_cpu import CpuSample, busy_cpu_s, fit_stream_cpu, idle_cores, with_host_cpu
+from loadtest.host_cpu import (
+    MAX_INTERFERENCE,
+    CpuSample,
+    busy_cpu_s,
+    fit_stream_cpu,
+    fit_stream_interference,
+    idle_cores,
+    with_host_cpu,
+)
 from tests.cluster.sim_factories import linear_profile
 
 
@@ -71,3 +79,18 @@ def test_streaming_cpu_is_what_is_left_after_background_and_engines_split_by_ste
     assert fit_stream_cpu(profile, [CpuSample(sequential, 0.05, 1.0)], background) == (0.0, 0.0)
     with pytest.raises(ValueError, match="at least one output token"):
         fit_stream_cpu(profile, [], background)
+
+
+def test_interference_is_the_factor_at_which_simulated_bursts_end_when_measured_ones_did():
+    # tests/cluster/test_sim_contention.py's 1P1D timeline on one core: a request (100 prompt tokens, 3
+    # output) ends at 8 ms + 2.02 ms x s, with s = (1 + sqrt(1 + 4 f)) / 2 at interference f (1.01 ms
+    # of streaming per 1.01 ms decode step). Measured ends made at f = 2 (s = 2) and f = 3.5 (s = 2.5).
+    profile = linear_profile()
+    host = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.00101)
+    rounds = [[SimRequest(0.0, 100, 3)]] * 2
+    assert fit_stream_interference(profile, host, rounds, [0.008 + 0.00202 * 2] * 2) == pytest.approx(2.0, abs=0.01)
+    ends = [0.008 + 0.00202 * 2, 0.008 + 0.00202 * 2.5]  # the mean lies between: 2 < f < 3.5
+    assert 2.0 < fit_stream_interference(profile, host, rounds, ends) < 3.5
+    # Ends the model reaches without interference: 1, never below; ends beyond any factor: the cap.
+    assert fit_stream_interference(profile, host, rounds, [0.009] * 2) == 1.0
+    assert fit_stream_interference(profile, host, rounds, [1.0] * 2) == MAX_INTERFERENCE
