@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -41,7 +42,7 @@ from cluster.sim.worker import EngineLimits
 from engine.heap import CollectionPauses, freeze_startup_heap
 from loadtest.calibrate import fit_overheads, format_rows, measure
 from loadtest.config import BenchConfig, DriverConfig
-from loadtest.host_cpu import CpuSample, burst, fit_with_bursts, idle_cores, with_host_cpu
+from loadtest.host_cpu import CpuSample, burst, fit_stream_costs, idle_cores, measure_bursts, with_host_cpu
 from loadtest.lengths import LengthDist
 from loadtest.plan import RequestDefaults, Slo
 from loadtest.poisson import PoissonSpec
@@ -140,23 +141,34 @@ CALIBRATION_LENGTHS = [(64, 256)[i % 2] for i in range(10)]
 CALIBRATION_WARMUP = 2
 
 
+HOST_FIT_ROUNDS = 3  # the overheads and the host's figures each depend on the other: fit them in turn
+
+
 async def _calibrate(target: str, profile: Profile, vocab: tuple[int, ...], args) -> Profile:
     """The profile with the cluster's overheads; when the simulation shares the host's cores, the
-    host's background cores (unless given) and streaming CPU per step and token too, into `args`."""
+    host's background cores (unless given), streaming CPU per step and token and its interference
+    too, into `args`, and the overheads are then what the host model leaves unexplained."""
     measure_host = getattr(args, "host_cores", None) and getattr(args, "host_stream_cpu_per_token_s", None) is None
     background = await idle_cores() if measure_host else 0.0
     probes = measure(target, CALIBRATION_LENGTHS, vocab, warmup=CALIBRATION_WARMUP)
     measured, busy_s, window_s = await with_host_cpu(probes)
     overheads, probe_rows = fit_overheads(profile, measured)
-    print(format_rows(probe_rows, overheads), flush=True)
-    profile = profile.with_overheads(overheads)
     if measure_host:
+        bursts = await measure_bursts(target, vocab)
         rounds = [[SimRequest(0.0, n, 16)] for n in CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS]
         sequential = CpuSample(rounds, busy_s, window_s)
         if getattr(args, "host_background_cores", None) is None:
             args.host_background_cores = background
         host = SimConfig(host_cores=args.host_cores, host_background_cores=args.host_background_cores)
-        costs = await fit_with_bursts(target, vocab, profile, sequential, host)
+        for _ in range(HOST_FIT_ROUNDS):
+            costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host)
+            host = dataclasses.replace(
+                host,
+                host_stream_cpu_per_step_s=costs.per_step_s,
+                host_stream_cpu_per_token_s=costs.per_token_s,
+                host_stream_interference=costs.interference,
+            )
+            overheads, probe_rows = fit_overheads(profile, measured, host=host)
         args.host_stream_cpu_per_step_s, args.host_stream_cpu_per_token_s = costs.per_step_s, costs.per_token_s
         args.host_stream_interference = costs.interference
         print(
@@ -165,7 +177,8 @@ async def _calibrate(target: str, profile: Profile, vocab: tuple[int, ...], args
             f"per token, felt by the engines x{costs.interference:.2f}",
             flush=True,
         )
-    return profile
+    print(format_rows(probe_rows, overheads), flush=True)
+    return profile.with_overheads(overheads)
 
 
 async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: int) -> None:

@@ -66,9 +66,9 @@ async def measure(
     return out[warmup:]
 
 
-def _alone(profile: Profile, probe: Probe, output_tokens: int) -> Probe:
-    record = simulate(SimConfig(), profile, [SimRequest(0.0, probe.prompt_tokens, output_tokens)]).records[0]
-    second = simulate(SimConfig(), profile, [SimRequest(0.0, probe.prompt_tokens, 2)]).records[0]
+def _alone(profile: Profile, probe: Probe, output_tokens: int, host: SimConfig) -> Probe:
+    record = simulate(host, profile, [SimRequest(0.0, probe.prompt_tokens, output_tokens)]).records[0]
+    second = simulate(host, profile, [SimRequest(0.0, probe.prompt_tokens, 2)]).records[0]
     ttft_s, last_s = record.ttft_s, record.last_token_s
     second_first_s, second_last_s = second.first_token_s, second.last_token_s
     if ttft_s is None or last_s is None or second_first_s is None or second_last_s is None:
@@ -77,17 +77,22 @@ def _alone(profile: Profile, probe: Probe, output_tokens: int) -> Probe:
     return Probe(probe.prompt_tokens, ttft_s, second_last_s - second_first_s, per_token)
 
 
-def fit_overheads(profile: Profile, measured: list[Probe], output_tokens: int = 16) -> tuple[Overheads, list[dict]]:
+def fit_overheads(
+    profile: Profile, measured: list[Probe], output_tokens: int = 16, host: SimConfig | None = None
+) -> tuple[Overheads, list[dict]]:
+    """`host`: a SimConfig whose host figures (cores, background, streaming) the probes are simulated
+    with, so that the overheads are what the host model leaves unexplained (None: no host model)."""
     if output_tokens < 3:
         raise ValueError("calibration needs at least 3 output tokens per request")
     bare = profile.with_overheads(Overheads())
-    step_s = max(statistics.median(m.per_token_s - _alone(bare, m, output_tokens).per_token_s for m in measured), 0.0)
+    host = host or SimConfig()
+    step_s = _fit_step(bare, measured, output_tokens, host)
     stepped = bare.with_overheads(Overheads(step_s=step_s))
-    scale = _prefill_scale(stepped, measured, output_tokens)
+    scale = _prefill_scale(stepped, measured, output_tokens, host)
     stepped = bare.with_overheads(Overheads(step_s=step_s, prefill_step_scale=scale))
     rows, ttft_extra, gap_extra = [], [], []
     for m in measured:
-        sim = _alone(stepped, m, output_tokens)
+        sim = _alone(stepped, m, output_tokens, host)
         ttft_extra.append(m.ttft_s - sim.ttft_s)
         gap_extra.append(m.gap_s - sim.gap_s)
         rows.append(
@@ -114,7 +119,31 @@ def fit_overheads(profile: Profile, measured: list[Probe], output_tokens: int = 
 PREFILL_SCALE_RANGE = (0.5, 4.0)  # beyond it the probes measured noise, not the engine
 
 
-def _prefill_scale(profile: Profile, measured: list[Probe], output_tokens: int) -> float:
+def _fit_step(bare: Profile, measured: list[Probe], output_tokens: int, host: SimConfig) -> float:
+    """The step overhead at which the median probe's simulated time per token is the measured one.
+    Without a host model that is the median difference; with one, a step's cost also moves the
+    host's stretch, so it is found by bisection (the simulated time grows with the overhead)."""
+
+    def short_by_s(step_s: float) -> float:
+        profile = bare.with_overheads(Overheads(step_s=step_s))
+        sim = {
+            n: _alone(profile, Probe(n, 0.0, 0.0, 0.0), output_tokens, host)
+            for n in {m.prompt_tokens for m in measured}
+        }
+        return statistics.median(m.per_token_s - sim[m.prompt_tokens].per_token_s for m in measured)
+
+    if host.host_cores is None:
+        return max(short_by_s(0.0), 0.0)
+    low, high = 0.0, max(m.per_token_s for m in measured)
+    if short_by_s(low) <= 0:
+        return 0.0
+    while high - low > 1e-6:
+        middle = (low + high) / 2
+        low, high = (middle, high) if short_by_s(middle) > 0 else (low, middle)
+    return (low + high) / 2
+
+
+def _prefill_scale(profile: Profile, measured: list[Probe], output_tokens: int, host: SimConfig) -> float:
     """Measured over simulated growth of TTFT from the shortest to the longest prompt (medians)."""
     by_length: dict[int, list[float]] = {}
     for m in measured:
@@ -123,7 +152,7 @@ def _prefill_scale(profile: Profile, measured: list[Probe], output_tokens: int) 
         return 1.0
     short, long = min(by_length), max(by_length)
     grew_s = statistics.median(by_length[long]) - statistics.median(by_length[short])
-    sim = {n: _alone(profile, Probe(n, 0.0, 0.0, 0.0), output_tokens).ttft_s for n in (short, long)}
+    sim = {n: _alone(profile, Probe(n, 0.0, 0.0, 0.0), output_tokens, host).ttft_s for n in (short, long)}
     if sim[long] <= sim[short]:
         return 1.0
     low, high = PREFILL_SCALE_RANGE

@@ -156,23 +156,33 @@ BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, BURST_ROUNDS = (64, 128, 256, 512) * 2
 BURST_FIRST_INDEX = 100_000  # past the indices of the warm-up bursts before it (benchmarks/validate_sim.py)
 
 
-async def fit_with_bursts(
-    target: str, vocab: tuple[int, ...], profile: Profile, sequential: CpuSample, host: SimConfig
-) -> StreamCosts:
-    """`fit_stream_cpu` over the sequential calibration's sample and `BURST_ROUNDS` bursts of requests
-    sent at once (decode batches of up to 8), measured now; then `fit_stream_interference` on those
-    bursts, `host` (its cores and background set) with the streaming costs just fitted."""
-    rounds: list[list[float]] = []
+class BurstSample(NamedTuple):
+    """The calibration's bursts: the host CPU around them, and every request's end (seconds from its send)."""
+
+    cpu: CpuSample
+    ends_s: list[float]
+
+
+async def measure_bursts(target: str, vocab: tuple[int, ...]) -> BurstSample:
+    """`BURST_ROUNDS` bursts of requests sent at once (decode batches of up to 8), one after another."""
+    ends_s: list[float] = []
 
     async def bursts() -> None:
         for r in range(BURST_ROUNDS):  # each round its own prompts: the simulation charges every prefill
             first = BURST_FIRST_INDEX + r * len(BURST_PROMPT_TOKENS)
-            rounds.append(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, first))
+            ends_s.extend(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, first))
 
     _, busy_s, window_s = await with_host_cpu(bursts())
     one = [SimRequest(0.0, n, BURST_OUTPUT_TOKENS) for n in BURST_PROMPT_TOKENS]
-    sample = CpuSample([one] * BURST_ROUNDS, busy_s, window_s)
-    per_step_s, per_token_s = fit_stream_cpu(profile, [sequential, sample], host.host_background_cores)
+    return BurstSample(CpuSample([one] * BURST_ROUNDS, busy_s, window_s), ends_s)
+
+
+def fit_stream_costs(profile: Profile, sequential: CpuSample, bursts: BurstSample, host: SimConfig) -> StreamCosts:
+    """`fit_stream_cpu` over the sequential calibration's sample and the bursts, then
+    `fit_stream_interference` on the bursts, `host` (its cores and background set) with the streaming
+    costs just fitted."""
+    per_step_s, per_token_s = fit_stream_cpu(profile, [sequential, bursts.cpu], host.host_background_cores)
     host = dataclasses.replace(host, host_stream_cpu_per_step_s=per_step_s, host_stream_cpu_per_token_s=per_token_s)
-    interference = fit_stream_interference(profile, host, sample.rounds, [e for ends in rounds for e in ends])
-    return StreamCosts(per_step_s, per_token_s, interference)
+    return StreamCosts(
+        per_step_s, per_token_s, fit_stream_interference(profile, host, bursts.cpu.rounds, bursts.ends_s)
+    )

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from cluster.sim.config import SimConfig
 from cluster.sim.profile import Overheads, Profile
 from loadtest.calibrate import Probe, _alone, fit_overheads
 from tests.cluster.sim_factories import linear_profile
@@ -15,9 +16,9 @@ from tests.cluster.sim_factories import linear_profile
 TRUTH = Overheads(route_s=0.005, adopt_s=0.007, step_s=0.0005, prefill_step_scale=1.5)
 
 
-def _probes(overheads: Overheads, lengths: list[int]) -> list[Probe]:
+def _probes(overheads: Overheads, lengths: list[int], host: SimConfig | None = None) -> list[Probe]:
     truth = linear_profile().with_overheads(overheads)
-    return [_alone(truth, Probe(n, 0.0, 0.0, 0.0), 16) for n in lengths]
+    return [_alone(truth, Probe(n, 0.0, 0.0, 0.0), 16, host or SimConfig()) for n in lengths]
 
 
 def test_the_fit_recovers_route_adopt_step_and_the_prefill_scale():
@@ -28,6 +29,23 @@ def test_the_fit_recovers_route_adopt_step_and_the_prefill_scale():
     assert fitted.prefill_step_scale == pytest.approx(TRUTH.prefill_step_scale)
     # The rows show the simulation before route: what is left over is route alone, at every length.
     assert [r["ttft_ms"] - r["sim_ttft_ms"] for r in rows] == pytest.approx([5.0] * 4)
+
+
+def test_with_a_host_model_the_fit_leaves_to_the_overheads_only_what_the_host_does_not_explain():
+    # Probes timed on a 1-core host whose streaming costs 1 ms per token: a batch-1 decode step of
+    # 1.01 ms + 0.5 ms overhead is stretched there (one engine and ~0.7 core of streaming on 1 core). Without the host
+    # model, the stretch lands in the step overhead; fitted with it, the overheads are recovered.
+    host = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.001)
+    probes = _probes(TRUTH, [64, 256, 64, 256], host)
+    fitted, _ = fit_overheads(linear_profile(), probes, host=host)
+    assert fitted.step_s == pytest.approx(TRUTH.step_s, abs=1e-6)
+    assert fitted.prefill_step_scale == pytest.approx(TRUTH.prefill_step_scale, rel=1e-3)
+    assert (fitted.route_s, fitted.adopt_s) == (
+        pytest.approx(TRUTH.route_s, abs=1e-5),
+        pytest.approx(TRUTH.adopt_s, abs=1e-5),
+    )
+    unaware, _ = fit_overheads(linear_profile(), probes)
+    assert unaware.step_s > TRUTH.step_s + 0.0005  # the host's stretch counted as overhead
 
 
 def test_one_prompt_length_cannot_tell_a_scale_from_a_route():
