@@ -137,7 +137,7 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
     return profile, rows
 
 
-CALIBRATION_LENGTHS = [(64, 256)[i % 2] for i in range(10)]
+CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(20)]  # 5 probes per length
 CALIBRATION_WARMUP = 2
 
 

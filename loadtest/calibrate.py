@@ -18,6 +18,9 @@ SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in 
 Route and adopt are fixed costs charged to every request, so each is the smaller of its per-prompt-
 length medians: the part every length pays. A difference that grows with the prompt is the
 prefill scale's, not an overhead's; what is left stays visible in the printed rows.
+With `host` (a SimConfig with host figures: benchmarks/validate_sim.py, when the simulation shares the
+machine's cores) the probes are simulated on that host, so the overheads are what its stretch leaves
+unexplained; otherwise a stretch the host model applies again would be counted twice.
 first_token and token stay 0: only their difference would show in TPOT, and both trips are lumped
 into route and adopt above. The figures are printed beside what was measured.
 """

@@ -152,7 +152,7 @@ class StreamCosts(NamedTuple):
 MAX_INTERFERENCE = 8.0
 # Prompts of several lengths sent at once: the longer ones prefill while the shorter ones decode and
 # stream, the overlap the interference is about.
-BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, BURST_ROUNDS = (64, 128, 256, 512) * 2, 32, 2
+BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, BURST_ROUNDS = (64, 128, 256, 384) * 2, 32, 3
 BURST_FIRST_INDEX = 100_000  # past the indices of the warm-up bursts before it (benchmarks/validate_sim.py)
 
 
