@@ -139,6 +139,7 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
 
 CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(20)]  # 5 probes per length
 CALIBRATION_WARMUP = 2
+CALIBRATION_IDLE_S = 0.5  # idle before each probe, as between the bench's Poisson arrivals at 1-4/s
 
 
 HOST_FIT_ROUNDS = 3  # the overheads and the host's figures each depend on the other: fit them in turn
@@ -150,7 +151,7 @@ async def _calibrate(target: str, profile: Profile, vocab: tuple[int, ...], args
     too, into `args`, and the overheads are then what the host model leaves unexplained."""
     measure_host = getattr(args, "host_cores", None) and getattr(args, "host_stream_cpu_per_token_s", None) is None
     background = await idle_cores() if measure_host else 0.0
-    probes = measure(target, CALIBRATION_LENGTHS, vocab, warmup=CALIBRATION_WARMUP)
+    probes = measure(target, CALIBRATION_LENGTHS, vocab, warmup=CALIBRATION_WARMUP, idle_s=CALIBRATION_IDLE_S)
     measured, busy_s, window_s = await with_host_cpu(probes)
     overheads, probe_rows = fit_overheads(profile, measured)
     if measure_host:

@@ -8,6 +8,7 @@ import tempfile
 import pytest
 
 from tests.factories import TinySpec, make_tiny_checkpoint
+from tests.sandbox_guard import require_sandbox
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -58,6 +59,8 @@ def assert_engine_clean(engine) -> None:
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
+
+    require_sandbox()
 
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     ray.init(num_cpus=8, include_dashboard=False, namespace="splitserve", _temp_dir=temp_dir,

@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.sandbox_guard import require_sandbox
+
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -24,6 +26,7 @@ def free_port() -> int:
 
 class RayHead:
     def __init__(self, num_cpus: int = 4):
+        require_sandbox()
         self.temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # Ray's socket paths must stay short
         self.port = free_port()
         subprocess.run([RAY, "start", "--head", "--port", str(self.port), "--num-cpus", str(num_cpus),
