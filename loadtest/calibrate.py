@@ -9,15 +9,16 @@ SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in 
 - step: the median of (measured - simulated) time per token after the second: what a worker's loop
   adds to each engine step (the actor loop, streaming each step's tokens back);
 - prefill_step_scale: with two or more prompt lengths, how much faster measured TTFT grows with the
-  prompt than simulated TTFT does, between the shortest and the longest (per-length medians): the
+  prompt than simulated TTFT does (the slope of a least-squares line through per-length medians): the
   engine in a prefill worker shares its process (and GIL) with the worker's own threads and runs
   slower than the profiler's engine alone (1.2-1.3x measured on the dev box);
 - route: (measured TTFT - simulated TTFT): router, Ray calls and the first token's trip;
 - adopt: (measured - simulated) gap between the first and second token (with `step` applied):
   reserve, announce, the transfer's fixed part, adopt, the second token's trip.
-Route and adopt are fixed costs charged to every request, so each is the smaller of its per-prompt-
-length medians: the part every length pays. A difference that grows with the prompt is the
-prefill scale's, not an overhead's; what is left stays visible in the printed rows.
+Route and adopt are fixed costs charged to every request, each the mean of its per-prompt-length
+medians; for route that is the intercept of the prefill scale's least-squares line. A difference that
+grows with the prompt is the prefill scale's, not an overhead's; what is left stays visible in the
+printed rows.
 With `host` (a SimConfig with host figures: benchmarks/validate_sim.py, when the simulation shares the
 machine's cores) the probes are simulated on that host, so the overheads are what its stretch leaves
 unexplained; otherwise a stretch the host model applies again would be counted twice.
@@ -152,27 +153,33 @@ def _fit_step(bare: Profile, measured: list[Probe], output_tokens: int, host: Si
 
 
 def _prefill_scale(profile: Profile, measured: list[Probe], output_tokens: int, host: SimConfig) -> float:
-    """Measured over simulated growth of TTFT from the shortest to the longest prompt (medians)."""
-    by_length: dict[int, list[float]] = {}
-    for m in measured:
-        by_length.setdefault(m.prompt_tokens, []).append(m.ttft_s)
-    if len(by_length) < 2:
+    """The least-squares slope of measured over simulated TTFT through the per-length medians: how
+    many times as fast measured TTFT grows with the prompt (its intercept is route's, `_fixed_part`)."""
+    medians = _per_length_medians([m.prompt_tokens for m in measured], [m.ttft_s for m in measured])
+    if len(medians) < 2:
         return 1.0
-    short, long = min(by_length), max(by_length)
-    grew_s = statistics.median(by_length[long]) - statistics.median(by_length[short])
-    sim = {n: _alone(profile, Probe(n, 0.0, 0.0, 0.0), output_tokens, host).ttft_s for n in (short, long)}
-    if sim[long] <= sim[short]:
+    sim = [_alone(profile, Probe(n, 0.0, 0.0, 0.0), output_tokens, host).ttft_s for n in medians]
+    sim_mean, measured_mean = statistics.fmean(sim), statistics.fmean(medians.values())
+    spread = sum((x - sim_mean) ** 2 for x in sim)
+    if spread <= 0:
         return 1.0
+    slope = sum((x - sim_mean) * (y - measured_mean) for x, y in zip(sim, medians.values(), strict=True)) / spread
     low, high = PREFILL_SCALE_RANGE
-    return min(max(grew_s / (sim[long] - sim[short]), low), high)
+    return min(max(slope, low), high)
+
+
+def _per_length_medians(lengths: list[int], values: list[float]) -> dict[int, float]:
+    by_length: dict[int, list[float]] = {}
+    for length, value in zip(lengths, values, strict=True):
+        by_length.setdefault(length, []).append(value)
+    return {length: statistics.median(v) for length, v in sorted(by_length.items())}
 
 
 def _fixed_part(lengths: list[int], extra_s: list[float]) -> float:
-    """The smallest per-length median of `extra_s` (>= 0): what every prompt length pays."""
-    by_length: dict[int, list[float]] = {}
-    for length, extra in zip(lengths, extra_s, strict=True):
-        by_length.setdefault(length, []).append(extra)
-    return max(min(statistics.median(v) for v in by_length.values()), 0.0)
+    """The mean of the per-length medians of `extra_s` (>= 0), each length weighing the same. For route
+    that is the intercept of the prefill scale's fit; the smallest median, which this once was, reads
+    low by the noise of the lengths it picks from (a 0.9 ms route from four lengths where two gave 6-10)."""
+    return max(statistics.fmean(_per_length_medians(lengths, extra_s).values()), 0.0)
 
 
 def format_rows(rows: list[dict], overheads: Overheads) -> str:
