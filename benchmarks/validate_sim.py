@@ -137,7 +137,7 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
     return profile, rows
 
 
-CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(20)]  # 5 probes per length
+CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(32)]  # 8 probes per length
 CALIBRATION_WARMUP = 2
 CALIBRATION_IDLE_S = 0.5  # idle before each probe, as between the bench's Poisson arrivals at 1-4/s
 
