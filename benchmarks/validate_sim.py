@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import json
 import os
@@ -36,13 +35,12 @@ from cluster.launcher import launch
 from cluster.sim.config import SimConfig
 from cluster.sim.profile import Profile
 from cluster.sim.profiler import Grid, measure_profile
-from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
 from cluster.sim.worker import EngineLimits
 from engine.heap import CollectionPauses, freeze_startup_heap
-from loadtest.calibrate import fit_overheads, format_rows, measure
+from loadtest.cluster_calibration import HOST_FIGURES, calibrate_cluster, describe
 from loadtest.config import BenchConfig, DriverConfig
-from loadtest.host_cpu import CpuSample, burst, fit_stream_costs, idle_cores, measure_bursts, with_host_cpu
+from loadtest.host_cpu import burst
 from loadtest.lengths import LengthDist
 from loadtest.plan import RequestDefaults, Slo
 from loadtest.poisson import PoissonSpec
@@ -137,49 +135,17 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
     return profile, rows
 
 
-CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(32)]  # 8 probes per length
-CALIBRATION_WARMUP = 2
-CALIBRATION_IDLE_S = 0.5  # idle before each probe, as between the bench's Poisson arrivals at 1-4/s
-
-
-HOST_FIT_ROUNDS = 3  # the overheads and the host's figures each depend on the other: fit them in turn
-
-
 async def _calibrate(target: str, profile: Profile, vocab: tuple[int, ...], args) -> Profile:
-    """The profile with the cluster's overheads; when the simulation shares the host's cores, the
-    host's background cores (unless given), streaming CPU per step and token and its interference
-    too, into `args`, and the overheads are then what the host model leaves unexplained."""
+    """The profile with the cluster's overheads; when the simulation shares the host's cores (and no
+    streaming figures were given) the host's figures too, into `args` (loadtest/cluster_calibration.py)."""
     measure_host = getattr(args, "host_cores", None) and getattr(args, "host_stream_cpu_per_token_s", None) is None
-    background = await idle_cores() if measure_host else 0.0
-    probes = measure(target, CALIBRATION_LENGTHS, vocab, warmup=CALIBRATION_WARMUP, idle_s=CALIBRATION_IDLE_S)
-    measured, busy_s, window_s = await with_host_cpu(probes)
-    overheads, probe_rows = fit_overheads(profile, measured)
-    if measure_host:
-        bursts = await measure_bursts(target, vocab)
-        rounds = [[SimRequest(0.0, n, 16)] for n in CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS]
-        sequential = CpuSample(rounds, busy_s, window_s)
-        if getattr(args, "host_background_cores", None) is None:
-            args.host_background_cores = background
-        host = SimConfig(host_cores=args.host_cores, host_background_cores=args.host_background_cores)
-        for _ in range(HOST_FIT_ROUNDS):
-            costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host)
-            host = dataclasses.replace(
-                host,
-                host_stream_cpu_per_step_s=costs.per_step_s,
-                host_stream_cpu_per_token_s=costs.per_token_s,
-                host_stream_interference=costs.interference,
-            )
-            overheads, probe_rows = fit_overheads(profile, measured, host=host)
-        args.host_stream_cpu_per_step_s, args.host_stream_cpu_per_token_s = costs.per_step_s, costs.per_token_s
-        args.host_stream_interference = costs.interference
-        print(
-            f"host: {background:.2f} cores busy while idle (simulated: {args.host_background_cores:.2f}); "
-            f"streaming CPU {costs.per_step_s * 1e3:.2f} ms per decode step + {costs.per_token_s * 1e3:.2f} ms "
-            f"per token, felt by the engines x{costs.interference:.2f}",
-            flush=True,
-        )
-    print(format_rows(probe_rows, overheads), flush=True)
-    return profile.with_overheads(overheads)
+    background = getattr(args, "host_background_cores", None)
+    calibration = await calibrate_cluster(target, profile, vocab, args.host_cores if measure_host else None, background)
+    print(describe(calibration), flush=True)
+    if calibration.host is not None:
+        for key in HOST_FIGURES:
+            setattr(args, key, getattr(calibration.host, key))
+    return calibration.profile
 
 
 async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: int) -> None:

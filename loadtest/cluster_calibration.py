@@ -1,0 +1,99 @@
+"""Calibrating a profile against a running cluster on this host, every figure the simulator needs.
+
+`calibrate_cluster` sends `CALIBRATION_LENGTHS` sequential probes (`loadtest/calibrate.py`: each after
+`CALIBRATION_IDLE_S` idle, as between Poisson arrivals at 1-4/s) and fits the cluster overheads. When
+the simulation shares the host's cores it also measures the host (`loadtest/host_cpu.py`): the cores
+busy while the cluster idles, the CPU streaming costs per decode step and per token, and streaming's
+interference with the engines, from the probes' CPU time and bursts of requests sent at once. The
+overheads and the host's figures depend on each other (the engines' busy time under the overheads is
+what the streaming fit subtracts; the host's stretch is what the overheads must not count again), so
+they are fitted in turn from the one set of measurements until neither moves by more than
+`HOST_FIT_TOLERANCE` (a fixed-point iteration: on simulated measurements it closes about half the
+remaining gap per round, within 1% in 10 rounds; `HOST_FIT_MAX_ROUNDS` bounds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from cluster.sim.config import SimConfig
+from cluster.sim.profile import Overheads, Profile
+from cluster.sim.seq import SimRequest
+from loadtest.calibrate import Probe, fit_overheads, format_rows, measure
+from loadtest.host_cpu import BurstSample, CpuSample, fit_stream_costs, idle_cores, measure_bursts, with_host_cpu
+
+CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(32)]  # 8 probes per length
+CALIBRATION_WARMUP = 2
+CALIBRATION_IDLE_S = 0.5
+PROBE_OUTPUT_TOKENS = 16  # loadtest.calibrate.measure's default
+HOST_FIT_MAX_ROUNDS = 30
+HOST_FIT_TOLERANCE = 0.002  # relative change of the step overhead and of the streaming CPU per token
+HOST_FIGURES = (
+    "host_background_cores",
+    "host_stream_cpu_per_step_s",
+    "host_stream_cpu_per_token_s",
+    "host_stream_interference",
+)
+
+
+class ClusterCalibration(NamedTuple):
+    profile: Profile  # the given profile with the fitted overheads
+    host: SimConfig | None  # its HOST_FIGURES set; None: the host was not measured
+    rows: list[dict]  # the probes, measured beside simulated (`format_rows`)
+    idle_cores: float  # measured busy cores while idle (0 when the host was not measured)
+
+
+async def calibrate_cluster(
+    target: str, profile: Profile, vocab: tuple[int, ...], host_cores: int | None, background_cores: float | None = None
+) -> ClusterCalibration:
+    """The overheads of the cluster at `target`; with `host_cores`, the host's figures too
+    (`background_cores`: given instead of measured)."""
+    idle = await idle_cores() if host_cores else 0.0
+    probes = measure(target, CALIBRATION_LENGTHS, vocab, warmup=CALIBRATION_WARMUP, idle_s=CALIBRATION_IDLE_S)
+    measured, busy_s, window_s = await with_host_cpu(probes)
+    if not host_cores:
+        overheads, rows = fit_overheads(profile, measured)
+        return ClusterCalibration(profile.with_overheads(overheads), None, rows, 0.0)
+    bursts = await measure_bursts(target, vocab)
+    lengths = CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS
+    sequential = CpuSample([[SimRequest(0.0, n, PROBE_OUTPUT_TOKENS)] for n in lengths], busy_s, window_s)
+    background = idle if background_cores is None else background_cores
+    host = SimConfig(host_cores=host_cores, host_background_cores=background)
+    overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host)
+    return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
+
+
+def fit_in_turn(
+    profile: Profile, measured: list[Probe], sequential: CpuSample, bursts: BurstSample, host: SimConfig
+) -> tuple[Overheads, list[dict], SimConfig]:
+    """(overheads, probe rows, `host` with its streaming figures): fitted in turn until they settle,
+    starting from overheads fitted without a host model."""
+    overheads, rows = fit_overheads(profile, measured)
+    for _ in range(HOST_FIT_MAX_ROUNDS):
+        before = (overheads.step_s, host.host_stream_cpu_per_token_s)
+        costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host)
+        host = dataclasses.replace(
+            host,
+            host_stream_cpu_per_step_s=costs.per_step_s,
+            host_stream_cpu_per_token_s=costs.per_token_s,
+            host_stream_interference=costs.interference,
+        )
+        overheads, rows = fit_overheads(profile, measured, host=host)
+        after = (overheads.step_s, host.host_stream_cpu_per_token_s)
+        if all(abs(a - b) <= HOST_FIT_TOLERANCE * max(abs(a), 1e-9) for a, b in zip(after, before, strict=True)):
+            break
+    return overheads, rows, host
+
+
+def describe(calibration: ClusterCalibration) -> str:
+    lines = [format_rows(calibration.rows, calibration.profile.overheads)]
+    host = calibration.host
+    if host is not None:
+        lines.append(
+            f"host: {calibration.idle_cores:.2f} cores busy while idle (simulated: {host.host_background_cores:.2f}); "
+            f"streaming CPU {host.host_stream_cpu_per_step_s * 1e3:.2f} ms per decode step + "
+            f"{host.host_stream_cpu_per_token_s * 1e3:.2f} ms per token, felt by the engines "
+            f"x{host.host_stream_interference:.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""`fit_in_turn`: the overheads and the host's streaming figures, fitted in turn from one set of
+measurements, recover the figures that produced them. The measurements here are the simulator's own
+(linear test profile, known overheads, a 1-core host with known streaming costs and interference)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.sim import SimConfig, SimRequest, simulate
+from cluster.sim.profile import Overheads, Profile
+from loadtest.calibrate import Probe, _alone
+from loadtest.cluster_calibration import fit_in_turn
+from loadtest.host_cpu import BurstSample, CpuSample
+from tests.cluster.sim_factories import linear_profile
+
+TRUTH = Overheads(route_s=0.005, adopt_s=0.007, step_s=0.0005, prefill_step_scale=1.5)
+HOST = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.001, host_stream_interference=1.5)
+PER_TOKEN_S = 0.001
+
+
+def _busy_s(profile: Profile, rounds: list[list[SimRequest]]) -> float:
+    """Host CPU of `rounds` one after another: the engines' busy time plus the streaming per token."""
+    engines = sum(sum(simulate(SimConfig(), profile, r).busy_s.values()) for r in rounds)
+    return engines + PER_TOKEN_S * sum(q.output_tokens for r in rounds for q in r)
+
+
+def test_fitting_in_turn_recovers_the_overheads_the_streaming_cost_and_the_interference():
+    truth = linear_profile().with_overheads(TRUTH)
+    lengths = [64, 256] * 3
+    probes = [_alone(truth, Probe(n, 0.0, 0.0, 0.0), 16, HOST) for n in lengths]
+    sequential_rounds = [[SimRequest(0.0, n, 16)] for n in lengths]
+    burst = [SimRequest(0.0, n, 32) for n in (64, 128, 64, 128)]
+    ends = [r.end_s - r.send_s for _ in range(2) for r in simulate(HOST, truth, burst).records]
+    sequential = CpuSample(sequential_rounds, _busy_s(truth, sequential_rounds), 10.0)
+    bursts = BurstSample(CpuSample([burst] * 2, _busy_s(truth, [burst] * 2), 10.0), ends)
+    overheads, _, host = fit_in_turn(linear_profile(), probes, sequential, bursts, SimConfig(host_cores=1))
+    assert host.host_stream_cpu_per_token_s == pytest.approx(PER_TOKEN_S, rel=0.01)
+    assert host.host_stream_cpu_per_step_s == pytest.approx(0.0, abs=1e-5)
+    assert host.host_stream_interference == pytest.approx(1.5, abs=0.02)
+    assert overheads.step_s == pytest.approx(TRUTH.step_s, rel=0.02)
+    assert overheads.prefill_step_scale == pytest.approx(TRUTH.prefill_step_scale, rel=0.01)
+    assert (overheads.route_s, overheads.adopt_s) == pytest.approx((TRUTH.route_s, TRUTH.adopt_s), rel=0.02)
