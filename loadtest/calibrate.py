@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 from cluster.sim.config import SimConfig
@@ -143,12 +144,19 @@ def _fit_step(bare: Profile, measured: list[Probe], output_tokens: int, host: Si
 
     if host.host_cores is None:
         return max(short_by_s(0.0), 0.0)
-    low, high = 0.0, max(m.per_token_s for m in measured)
-    if short_by_s(low) <= 0:
-        return 0.0
-    while high - low > 1e-6:
+    return solve_increasing(lambda step_s: -short_by_s(step_s), 0.0, 0.0, max(m.per_token_s for m in measured), 1e-6)
+
+
+def solve_increasing(fn: Callable[[float], float], target: float, low: float, high: float, tolerance: float) -> float:
+    """The x in [low, high] where the increasing `fn` reaches `target`, by bisection to `tolerance`;
+    `low` when fn(low) is already there, `high` when even fn(high) falls short."""
+    if fn(low) >= target:
+        return low
+    if fn(high) <= target:
+        return high
+    while high - low > tolerance:
         middle = (low + high) / 2
-        low, high = (middle, high) if short_by_s(middle) > 0 else (low, middle)
+        low, high = (middle, high) if fn(middle) < target else (low, middle)
     return (low + high) / 2
 
 

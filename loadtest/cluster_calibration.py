@@ -26,7 +26,7 @@ from loadtest.host_cpu import BurstSample, CpuSample, fit_stream_costs, idle_cor
 CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(32)]  # 8 probes per length
 CALIBRATION_WARMUP = 2
 CALIBRATION_IDLE_S = 0.5
-PROBE_OUTPUT_TOKENS = 16  # loadtest.calibrate.measure's default
+PROBE_OUTPUT_TOKENS = 16
 HOST_FIT_MAX_ROUNDS = 30
 HOST_FIT_TOLERANCE = 0.002  # relative change of the step overhead and of the streaming CPU per token
 HOST_FIGURES = (
@@ -50,10 +50,17 @@ async def calibrate_cluster(
     """The overheads of the cluster at `target`; with `host_cores`, the host's figures too
     (`background_cores`: given instead of measured)."""
     idle = await idle_cores() if host_cores else 0.0
-    probes = measure(target, CALIBRATION_LENGTHS, vocab, warmup=CALIBRATION_WARMUP, idle_s=CALIBRATION_IDLE_S)
+    probes = measure(
+        target,
+        CALIBRATION_LENGTHS,
+        vocab,
+        output_tokens=PROBE_OUTPUT_TOKENS,
+        warmup=CALIBRATION_WARMUP,
+        idle_s=CALIBRATION_IDLE_S,
+    )
     measured, busy_s, window_s = await with_host_cpu(probes)
     if not host_cores:
-        overheads, rows = fit_overheads(profile, measured)
+        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS)
         return ClusterCalibration(profile.with_overheads(overheads), None, rows, 0.0)
     bursts = await measure_bursts(target, vocab)
     lengths = CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS
@@ -69,7 +76,7 @@ def fit_in_turn(
 ) -> tuple[Overheads, list[dict], SimConfig]:
     """(overheads, probe rows, `host` with its streaming figures): fitted in turn until they settle,
     starting from overheads fitted without a host model."""
-    overheads, rows = fit_overheads(profile, measured)
+    overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS)
     for _ in range(HOST_FIT_MAX_ROUNDS):
         before = (overheads.step_s, host.host_stream_cpu_per_token_s)
         costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host)
@@ -79,7 +86,7 @@ def fit_in_turn(
             host_stream_cpu_per_token_s=costs.per_token_s,
             host_stream_interference=costs.interference,
         )
-        overheads, rows = fit_overheads(profile, measured, host=host)
+        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=host)
         after = (overheads.step_s, host.host_stream_cpu_per_token_s)
         if all(abs(a - b) <= HOST_FIT_TOLERANCE * max(abs(a), 1e-9) for a, b in zip(after, before, strict=True)):
             break

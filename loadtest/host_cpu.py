@@ -35,6 +35,7 @@ from cluster.sim.config import SimConfig
 from cluster.sim.profile import Profile
 from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
+from loadtest.calibrate import solve_increasing
 from router.client import AsyncClient
 
 T = TypeVar("T")
@@ -132,15 +133,7 @@ def fit_stream_interference(
         return sum(ends) / len(ends)
 
     target_s = sum(measured_e2e_s) / len(measured_e2e_s)
-    low, high = 1.0, MAX_INTERFERENCE
-    if mean_e2e_s(low) >= target_s:
-        return low
-    if mean_e2e_s(high) <= target_s:
-        return high
-    while high - low > 0.01:
-        middle = (low + high) / 2
-        low, high = (middle, high) if mean_e2e_s(middle) < target_s else (low, middle)
-    return round((low + high) / 2, 3)
+    return round(solve_increasing(mean_e2e_s, target_s, 1.0, MAX_INTERFERENCE, 0.01), 3)
 
 
 class StreamCosts(NamedTuple):

@@ -33,7 +33,7 @@ What it leaves out: the GIL shared by a worker's engine thread and its own side 
 calibration measures its effect instead: a per-step overhead and the prefill step scale,
 loadtest/calibrate.py), cache and memory-bandwidth interference between processes, and the
 scheduler's unfairness over short intervals (the model shares the cores fairly; the kernel and the
-GIL do not, which is why it is optimistic about tails). `benchmarks/host_contention.py`
+GIL do not, nor does it draw steps' jitter: part of why its tails and p50s miss). `benchmarks/host_contention.py`
 measures the stretch on a real host (README "Validation").
 """
 

@@ -1,6 +1,5 @@
 """The admission evaluation's pure parts (`loadtest.admission_report`, `loadtest.plots`): the saturation
 finder, the issue's targets and the table, on synthetic points; no cluster."""
-
 from __future__ import annotations
 
 import pytest
@@ -26,12 +25,8 @@ def test_a_noisy_dip_below_the_best_ends_the_climb_at_the_best():
 
 
 def test_targets_at_the_highest_load():
-    points = [
-        point("always", 1.0, 9.0),
-        point("predictive", 1.0, 10.0),
-        point("always", 3.0, 2.0, 0.1),
-        point("predictive", 3.0, 8.5, 0.3, 0.7),
-    ]
+    points = [point("always", 1.0, 9.0), point("predictive", 1.0, 10.0),
+              point("always", 3.0, 2.0, 0.1), point("predictive", 3.0, 8.5, 0.3, 0.7)]
     result = targets(points)
     assert result["load"] == 3.0
     assert result["keep_share"] == pytest.approx(0.85) and result["keep_share_met"]
@@ -43,9 +38,8 @@ def test_targets_at_the_highest_load():
 
 
 def test_table_rows_go_by_load_always_first():
-    table = format_table(
-        [point("predictive", 3.0, 8.5, 0.3, 0.7), point("always", 3.0, 2.0, 0.1), point("always", 1.0, 9.0)]
-    )
+    table = format_table([point("predictive", 3.0, 8.5, 0.3, 0.7), point("always", 3.0, 2.0, 0.1),
+                          point("always", 1.0, 9.0)])
     lines = table.splitlines()
     assert lines[0].split()[:4] == ["load", "rate/s", "policy", "goodput/s"]
     assert [line.split()[2] for line in lines[1:]] == ["always", "always", "predictive"]
@@ -56,10 +50,8 @@ def test_table_rows_go_by_load_always_first():
 def test_policy_comparison_plots_are_small_pngs(tmp_path):
     from loadtest.plots import plot_policy_comparison
 
-    points = [
-        point(p, load, g)
-        for p, load, g in (("always", 0.5, 5), ("always", 3, 1), ("predictive", 0.5, 5), ("predictive", 3, 9))
-    ]
+    points = [point(p, load, g) for p, load, g in (("always", 0.5, 5), ("always", 3, 1), ("predictive", 0.5, 5),
+                                                   ("predictive", 3, 9))]
     written = plot_policy_comparison(points, tmp_path, saturation_per_s=10.0)
     assert [p.name for p in written] == ["admission_goodput_vs_load.png", "admission_attainment_vs_load.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size < 200_000 for p in written)

@@ -33,8 +33,8 @@ def test_the_fit_recovers_route_adopt_step_and_the_prefill_scale():
 
 def test_with_a_host_model_the_fit_leaves_to_the_overheads_only_what_the_host_does_not_explain():
     # Probes timed on a 1-core host whose streaming costs 1 ms per token: a batch-1 decode step of
-    # 1.01 ms + 0.5 ms overhead is stretched there (one engine and ~0.7 core of streaming on 1 core). Without the host
-    # model, the stretch lands in the step overhead; fitted with it, the overheads are recovered.
+    # 1.01 ms + 0.5 ms overhead is stretched there (one engine and ~0.7 core of streaming on 1 core).
+    # Without the host model the stretch lands in the step overhead; with it the overheads are recovered.
     host = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.001)
     probes = _probes(TRUTH, [64, 256, 64, 256], host)
     fitted, _ = fit_overheads(linear_profile(), probes, host=host)

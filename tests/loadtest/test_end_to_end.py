@@ -1,6 +1,5 @@
 """`splitserve bench` against a real router on loopback (tests/router's `router_target`: a Ray cluster of
 one prefill and one decode worker over the tiny Llama checkpoint), through the real command entry."""
-
 from __future__ import annotations
 
 import json
@@ -24,40 +23,10 @@ def max_open(records) -> int:
 
 def test_shared_prefix_run_reports_prefix_hits_and_slo(router_stack, router_target, tmp_path, capsys):
     out, plots = tmp_path / "out", tmp_path / "plots"
-    splitserve(
-        [
-            "bench",
-            "--target",
-            router_target,
-            "--workload",
-            "shared-prefix",
-            "--groups",
-            "2",
-            "--prompts-per-group",
-            "3",
-            "--prefix-len",
-            "64",
-            "--suffix-len",
-            "8",
-            "--output-len",
-            "fixed:4",
-            "--rate",
-            "inf",
-            "--max-concurrency",
-            "1",
-            "--ttft-ms",
-            "60000",
-            "--tpot-ms",
-            "60000",
-            "--seed",
-            "11",
-            "--no-progress",
-            "--out",
-            str(out),
-            "--plot",
-            str(plots),
-        ]
-    )
+    splitserve(["bench", "--target", router_target, "--workload", "shared-prefix", "--groups", "2",
+                "--prompts-per-group", "3", "--prefix-len", "64", "--suffix-len", "8", "--output-len", "fixed:4",
+                "--rate", "inf", "--max-concurrency", "1", "--ttft-ms", "60000", "--tpot-ms", "60000",
+                "--seed", "11", "--no-progress", "--out", str(out), "--plot", str(plots)])
     records = read_jsonl(out / "records.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     assert [r.index for r in records] == list(range(6))
@@ -80,34 +49,10 @@ def test_shared_prefix_run_reports_prefix_hits_and_slo(router_stack, router_targ
 
 def test_sweep_bounded_in_time_accounts_for_every_request(router_stack, router_target, tmp_path):
     out = tmp_path / "out"
-    splitserve(
-        [
-            "bench",
-            "--target",
-            router_target,
-            "--workload",
-            "poisson",
-            "--sweep",
-            "4,8",
-            "--num-requests",
-            "12",
-            "--prompt-len",
-            "uniform:8,40",
-            "--output-len",
-            "fixed:400",
-            "--duration-s",
-            "1.0",
-            "--grace-s",
-            "0.3",
-            "--max-concurrency",
-            "3",
-            "--no-progress",
-            "--out",
-            str(out),
-            "--plot",
-            str(tmp_path / "plots"),
-        ]
-    )
+    splitserve(["bench", "--target", router_target, "--workload", "poisson", "--sweep", "4,8",
+                "--num-requests", "12", "--prompt-len", "uniform:8,40", "--output-len", "fixed:400",
+                "--duration-s", "1.0", "--grace-s", "0.3", "--max-concurrency", "3", "--no-progress",
+                "--out", str(out), "--plot", str(tmp_path / "plots")])
     sweep = json.loads((out / "sweep.json").read_text())
     assert [p["rate_per_s"] for p in sweep["points"]] == [4.0, 8.0]
     codes = []
@@ -135,28 +80,9 @@ def test_mooncake_replay_shares_the_traces_first_block(router_stack, router_targ
 
     conversation = FULL if FULL.is_file() else SLICE
     out = tmp_path / "out"
-    splitserve(
-        [
-            "bench",
-            "--target",
-            router_target,
-            "--workload",
-            "trace",
-            "--trace",
-            str(conversation),
-            "--num-requests",
-            "4",
-            "--trace-speedup",
-            "1000",
-            "--trace-output-scale",
-            "0.01",
-            "--max-concurrency",
-            "1",
-            "--no-progress",
-            "--out",
-            str(out),
-        ]
-    )
+    splitserve(["bench", "--target", router_target, "--workload", "trace", "--trace", str(conversation),
+                "--num-requests", "4", "--trace-speedup", "1000", "--trace-output-scale", "0.01",
+                "--max-concurrency", "1", "--no-progress", "--out", str(out)])
     records = read_jsonl(out / "records.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     block_size = summary["run"]["model"]["block_size"]
@@ -164,7 +90,5 @@ def test_mooncake_replay_shares_the_traces_first_block(router_stack, router_targ
     # every conversation request starts with hash id 0, i.e. the same first KV block of tokens
     assert records[0].cached_prompt_tokens == 0
     assert all(r.cached_prompt_tokens >= block_size for r in records[1:])
-    assert summary["notes"]["format"] == "mooncake" and summary["notes"]["rows_read"] == sum(
-        1 for _ in conversation.open()
-    )
+    assert summary["notes"]["format"] == "mooncake" and summary["notes"]["rows_read"] == sum(1 for _ in conversation.open())
     router_stack.check_workers_clean()

@@ -1,7 +1,6 @@
 """`splitserve bench --backend openai` against the router's own HTTP front (a real OpenAI-compatible
 server), side by side with the gRPC backend on the same router: same summary keys, exact token counts,
 prefix hits from the usage's cached tokens."""
-
 from __future__ import annotations
 
 import json
@@ -13,50 +12,16 @@ from loadtest.backends import RequestError
 from loadtest.openai_backend import _event
 from loadtest.records import read_jsonl
 
-SHARED_PREFIX = [
-    "--workload",
-    "shared-prefix",
-    "--groups",
-    "2",
-    "--prompts-per-group",
-    "3",
-    "--prefix-len",
-    "64",
-    "--suffix-len",
-    "8",
-    "--output-len",
-    "fixed:5",
-    "--rate",
-    "inf",
-    "--max-concurrency",
-    "1",
-    "--ttft-ms",
-    "60000",
-    "--tpot-ms",
-    "60000",
-    "--seed",
-    "11",
-    "--no-progress",
-]
+SHARED_PREFIX = ["--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "3", "--prefix-len", "64",
+                 "--suffix-len", "8", "--output-len", "fixed:5", "--rate", "inf", "--max-concurrency", "1",
+                 "--ttft-ms", "60000", "--tpot-ms", "60000", "--seed", "11", "--no-progress"]
 
 
 def test_openai_backend_runs_the_workload_like_the_grpc_one(router_stack, router_target, tmp_path):
     url = router_stack.server.http.url
     for backend, target in (("openai", url), ("splitserve", router_target)):
-        splitserve(
-            [
-                "bench",
-                "--backend",
-                backend,
-                "--target",
-                target,
-                *SHARED_PREFIX,
-                "--out",
-                str(tmp_path / backend),
-                "--plot",
-                str(tmp_path / f"{backend}-plots"),
-            ]
-        )
+        splitserve(["bench", "--backend", backend, "--target", target, *SHARED_PREFIX,
+                    "--out", str(tmp_path / backend), "--plot", str(tmp_path / f"{backend}-plots")])
     summaries = {b: json.loads((tmp_path / b / "summary.json").read_text()) for b in ("openai", "splitserve")}
     assert summaries["openai"].keys() == summaries["splitserve"].keys()
     assert summaries["openai"]["ttft_ms"].keys() >= {"mean", "median", "std", "p99"}
@@ -74,36 +39,10 @@ def test_openai_backend_runs_the_workload_like_the_grpc_one(router_stack, router
 
 def test_errors_come_back_as_the_same_status_names(router_stack, tmp_path):
     out = tmp_path / "out"
-    splitserve(
-        [
-            "bench",
-            "--backend",
-            "openai",
-            "--target",
-            router_stack.server.http.url,
-            "--num-requests",
-            "2",
-            "--prompt-len",
-            "fixed:8",
-            "--output-len",
-            "fixed:2",
-            "--rate",
-            "inf",
-            "--ttft-ms",
-            "60000",
-            "--priority",
-            "1000",
-            "--tenant",
-            "t",
-            "--no-progress",
-            "--out",
-            str(out),
-            "--seed",
-            "3",
-            "--temperature",
-            "0",
-        ]
-    )
+    splitserve(["bench", "--backend", "openai", "--target", router_stack.server.http.url, "--num-requests", "2",
+                "--prompt-len", "fixed:8", "--output-len", "fixed:2", "--rate", "inf", "--ttft-ms", "60000",
+                "--priority", "1000", "--tenant", "t", "--no-progress", "--out", str(out), "--seed", "3",
+                "--temperature", "0"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["requests_completed"] == 2  # priority / tenant / SLO ride along as extra body fields
 

@@ -1,5 +1,4 @@
 """Plots are written as real, non-empty PNGs (Agg backend), also when a run completed nothing."""
-
 from __future__ import annotations
 
 from loadtest.plots import plot_latency_cdfs, plot_sweep
@@ -23,10 +22,8 @@ def test_latency_cdfs_one_file_per_latency(tmp_path):
 
 
 def test_sweep_plots(tmp_path):
-    points = [
-        (rate, summarize(RECORDS[:k], workload="p", planned=k, rate_per_s=rate))
-        for rate, k in ((4.0, 6), (1.0, 1), (2.0, 3))
-    ]
+    points = [(rate, summarize(RECORDS[:k], workload="p", planned=k, rate_per_s=rate))
+              for rate, k in ((4.0, 6), (1.0, 1), (2.0, 3))]
     written = plot_sweep(points, tmp_path, attainment_target=0.9)
     assert sorted(p.name for p in written) == ["goodput_vs_rate.png", "slo_attainment_vs_rate.png"]
     assert all(is_png(p) for p in written)

@@ -1,5 +1,4 @@
 """The recorder turns a backend's stream events and errors into exact records."""
-
 from __future__ import annotations
 
 from loadtest.backends import StreamEvent
@@ -35,12 +34,8 @@ def test_an_error_after_the_first_token_keeps_what_came():
     r.on_error("UNAVAILABLE", "worker lost", 0.5)
     r.on_error("CANCELLED", "later", 0.9)  # the first error sticks
     record = r.record(1.0)
-    assert (record.token_times_s, record.e2e_s, record.error_code, record.error_reason) == (
-        (0.2,),
-        0.5,
-        "UNAVAILABLE",
-        "worker lost",
-    )
+    assert (record.token_times_s, record.e2e_s, record.error_code, record.error_reason) == \
+        ((0.2,), 0.5, "UNAVAILABLE", "worker lost")
     assert record.finish_reason is None and not record.ok and not record.met_slo
 
 

@@ -1,5 +1,4 @@
 """`splitserve profile`, `simulate` and `plan` through the real command entry, on a tiny checkpoint."""
-
 from __future__ import annotations
 
 import json
@@ -41,31 +40,9 @@ def test_roofline_profile_is_labelled(tmp_path, capsys):
 
 def test_simulate_reports_as_the_bench_does(measured, tmp_path, capsys):
     out = tmp_path / "summary.json"
-    splitserve(
-        [
-            "simulate",
-            "--profile",
-            str(measured),
-            "--prefill",
-            "2",
-            "--workload",
-            "shared-prefix",
-            "--groups",
-            "2",
-            "--prompts-per-group",
-            "4",
-            "--prefix-len",
-            "64",
-            "--suffix-len",
-            "8",
-            "--rate",
-            "2",
-            "--ttft-ms",
-            "5000",
-            "--json",
-            str(out),
-        ]
-    )
+    splitserve(["simulate", "--profile", str(measured), "--prefill", "2", "--workload", "shared-prefix",
+                "--groups", "2", "--prompts-per-group", "4", "--prefix-len", "64", "--suffix-len", "8",
+                "--rate", "2", "--ttft-ms", "5000", "--json", str(out)])
     text = capsys.readouterr().out
     assert "splitserve bench: shared-prefix" in text and "simulated requests/s" in text
     summary = json.loads(out.read_text())
@@ -75,31 +52,9 @@ def test_simulate_reports_as_the_bench_does(measured, tmp_path, capsys):
 
 def test_plan_prints_the_table_and_sizes_a_fleet(measured, tmp_path, capsys):
     out = tmp_path / "plan.json"
-    splitserve(
-        [
-            "plan",
-            "--profile",
-            str(measured),
-            "--workload",
-            "poisson",
-            "--rate",
-            "2",
-            "--num-requests",
-            "40",
-            "--ttft-ms",
-            "2000",
-            "--tpot-ms",
-            "500",
-            "--max-workers",
-            "3",
-            "--fleet-rate",
-            "20",
-            "--fleet-duration-s",
-            "60",
-            "--json",
-            str(out),
-        ]
-    )
+    splitserve(["plan", "--profile", str(measured), "--workload", "poisson", "--rate", "2", "--num-requests", "40",
+                "--ttft-ms", "2000", "--tpot-ms", "500", "--max-workers", "3", "--fleet-rate", "20",
+                "--fleet-duration-s", "60", "--json", str(out)])
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert {r["shape"] for r in report["rows"]} == {"1P1D", "1P2D", "2P1D", "1C", "2C", "3C"}

@@ -1,5 +1,4 @@
 """Summary maths on hand-made records: exact percentiles, goodput, attainment, errors, prefix hits."""
-
 from __future__ import annotations
 
 import json
@@ -15,9 +14,8 @@ SLO = dict(ttft_slo_ms=150.0, tpot_slo_ms=200.0)
 
 
 def rec(i, send_s, token_times_s, e2e_s, cached, prompt, finish="length", code=None, reason=None) -> RequestRecord:
-    return RequestRecord(
-        f"r{i}", i, send_s, send_s, prompt, 8, tuple(token_times_s), e2e_s, cached, finish, code, reason, **SLO
-    )
+    return RequestRecord(f"r{i}", i, send_s, send_s, prompt, 8, tuple(token_times_s), e2e_s, cached, finish,
+                         code, reason, **SLO)
 
 
 RECORDS = [
@@ -62,23 +60,12 @@ def test_summary_figures_are_exact():
     assert s.output_token_throughput_per_s == pytest.approx(8 / 3.2)
     assert s.slo_attainment == pytest.approx(2 / 6)
     # TTFTs 50, 100, 300 ms: median = p50; std is the population's (as vllm bench serve reports it)
-    assert s.ttft_ms == Distribution(
-        3,
-        pytest.approx(150),
-        pytest.approx(100),
-        pytest.approx(260),
-        pytest.approx(296),
-        pytest.approx(300),
-        pytest.approx(100),
-        pytest.approx((35000 / 3) ** 0.5),
-    )
+    assert s.ttft_ms == Distribution(3, pytest.approx(150), pytest.approx(100), pytest.approx(260),
+                                     pytest.approx(296), pytest.approx(300), pytest.approx(100),
+                                     pytest.approx((35000 / 3) ** 0.5))
     assert (s.tpot_ms.count, s.tpot_ms.p50, s.tpot_ms.p90) == (2, pytest.approx(150), pytest.approx(190))
-    assert (s.itl_ms.count, s.itl_ms.mean, s.itl_ms.p50, s.itl_ms.p90) == (
-        4,
-        pytest.approx(125),
-        pytest.approx(125),
-        pytest.approx(200),
-    )
+    assert (s.itl_ms.count, s.itl_ms.mean, s.itl_ms.p50, s.itl_ms.p90) == (4, pytest.approx(125), pytest.approx(125),
+                                                                            pytest.approx(200))
     assert (s.e2e_ms.p50, s.e2e_ms.mean) == (pytest.approx(500), pytest.approx(400))
     assert s.errors == {"RESOURCE_EXHAUSTED: estimated TTFT N ms exceeds N ms": 2, "UNAVAILABLE: worker lost": 1}
     assert s.rejection_rate == pytest.approx(2 / 6)
@@ -108,13 +95,8 @@ def test_warmup_requests_are_run_but_not_measured():
 
 def test_empty_run_and_error_keys():
     s = summarize([], workload="poisson", planned=3)
-    assert (s.requests_not_issued, s.duration_s, s.goodput_per_s, s.slo_attainment, s.prefix_hit_rate) == (
-        3,
-        0.0,
-        None,
-        None,
-        None,
-    )
+    assert (s.requests_not_issued, s.duration_s, s.goodput_per_s, s.slo_attainment, s.prefix_hit_rate) == \
+        (3, 0.0, None, None, None)
     assert "poisson" in format_table(s)
     assert reason_key("CANCELLED", None) == "CANCELLED"
     assert reason_key("RESOURCE_EXHAUSTED", "queue 12 > 8") == "RESOURCE_EXHAUSTED: queue N > N"
@@ -130,10 +112,8 @@ def test_table_shows_the_headline_figures():
 
 
 def test_sweep_report_names_the_highest_rate_meeting_the_target():
-    at = {
-        rate: summarize(RECORDS[:k], workload="p", planned=k, rate_per_s=rate)
-        for rate, k in ((1.0, 1), (2.0, 2), (4.0, 6))
-    }  # attainment 1.0, 0.5, 0.33
+    at = {rate: summarize(RECORDS[:k], workload="p", planned=k, rate_per_s=rate)
+          for rate, k in ((1.0, 1), (2.0, 2), (4.0, 6))}  # attainment 1.0, 0.5, 0.33
     report = sweep_report([(4.0, at[4.0]), (1.0, at[1.0]), (2.0, at[2.0])], 0.5)
     assert report["max_rate_meeting_target"] == 2.0
     assert [p["rate_per_s"] for p in report["points"]] == [1.0, 2.0, 4.0]

@@ -1,5 +1,4 @@
 """Synthetic tokens, length distributions and Poisson arrivals: deterministic, in range, exact."""
-
 from __future__ import annotations
 
 import math
@@ -21,17 +20,11 @@ def test_token_blocks_are_a_pure_function_of_seed_salt_stream_key():
     assert block == b.block(tokens.TRACE_BLOCK, 42, 64)
     assert len(block) == 64 and all(type(t) is int for t in block)
     assert a.block(tokens.TRACE_BLOCK, 42, 10) == block[:10]  # a block's prefix does not depend on its length
-    assert a.blocks(tokens.TRACE_BLOCK, [7, 42, 7], 64).tolist() == [
-        list(a.block(tokens.TRACE_BLOCK, 7, 64)),
-        list(block),
-        list(a.block(tokens.TRACE_BLOCK, 7, 64)),
-    ]
-    others = [
-        tokens.TokenSource(LIMITS, seed=4).block(tokens.TRACE_BLOCK, 42, 64),
-        tokens.TokenSource(LIMITS, seed=3, salt=1).block(tokens.TRACE_BLOCK, 42, 64),
-        a.block(tokens.TRACE_PROMPT, 42, 64),
-        a.block(tokens.TRACE_BLOCK, 43, 64),
-    ]
+    assert a.blocks(tokens.TRACE_BLOCK, [7, 42, 7], 64).tolist() == [list(a.block(tokens.TRACE_BLOCK, 7, 64)),
+                                                                       list(block), list(a.block(tokens.TRACE_BLOCK, 7, 64))]
+    others = [tokens.TokenSource(LIMITS, seed=4).block(tokens.TRACE_BLOCK, 42, 64),
+              tokens.TokenSource(LIMITS, seed=3, salt=1).block(tokens.TRACE_BLOCK, 42, 64),
+              a.block(tokens.TRACE_PROMPT, 42, 64), a.block(tokens.TRACE_BLOCK, 43, 64)]
     assert all(other != block for other in others)
 
 
@@ -53,27 +46,18 @@ def test_length_distributions_parse_and_sample_exactly():
     assert LengthDist.parse("fixed:7").sample(np.random.default_rng(0), 3).tolist() == [7, 7, 7]
     uniform = LengthDist.parse("uniform:5,6").sample(np.random.default_rng(0), 200)
     assert set(uniform.tolist()) == {5, 6}
-    expected = np.maximum(np.rint(np.random.default_rng(1).lognormal(math.log(100) - 0.5**2 / 2, 0.5, 1000)), 1)
+    expected = np.maximum(np.rint(np.random.default_rng(1).lognormal(math.log(100) - 0.5 ** 2 / 2, 0.5, 1000)), 1)
     lognormal = LengthDist.parse("lognormal:100,0.5").sample(np.random.default_rng(1), 1000)
     assert lognormal.tolist() == expected.astype(int).tolist()
     assert 90 < lognormal.mean() < 110  # parameterised by its mean, not the log-space mean
     assert LengthDist.parse(" uniform:1,3 ").spelling == "uniform:1,3"
 
 
-@pytest.mark.parametrize(
-    "text, message",
-    [
-        ("7", "must be one of"),
-        ("gauss:1,2", "unknown length distribution"),
-        ("fixed:1,2", "takes 1 value"),
-        ("fixed:0", "integers >= 1"),
-        ("fixed:1.5", "integers >= 1"),
-        ("uniform:9,3", "LO <= HI"),
-        ("lognormal:0.5,1", "MEAN >= 1"),
-        ("lognormal:10,x", "must be numbers"),
-        ("fixed:inf", "finite"),
-    ],
-)
+@pytest.mark.parametrize("text, message", [
+    ("7", "must be one of"), ("gauss:1,2", "unknown length distribution"), ("fixed:1,2", "takes 1 value"),
+    ("fixed:0", "integers >= 1"), ("fixed:1.5", "integers >= 1"), ("uniform:9,3", "LO <= HI"),
+    ("lognormal:0.5,1", "MEAN >= 1"), ("lognormal:10,x", "must be numbers"), ("fixed:inf", "finite"),
+])
 def test_bad_length_distributions_are_named(text, message):
     with pytest.raises(ValueError, match=message):
         LengthDist.parse(text)

@@ -1,5 +1,4 @@
 """Trace parsing (shipped Mooncake and Azure files, and malformed rows) and the trace workload."""
-
 from __future__ import annotations
 
 import json
@@ -15,10 +14,8 @@ from tests.loadtest.helpers import LIMITS, all_tokens_valid
 
 _REPO = Path(__file__).resolve().parents[2]
 # shared/ sits beside the checkout (or inside it, on the device machine); SPLITSERVE_TRACES overrides.
-_CANDIDATES = [Path(p) for p in (os.environ.get("SPLITSERVE_TRACES"),) if p] + [
-    _REPO.parent / "shared" / "traces",
-    _REPO / "shared" / "traces",
-]
+_CANDIDATES = [Path(p) for p in (os.environ.get("SPLITSERVE_TRACES"),) if p] + \
+    [_REPO.parent / "shared" / "traces", _REPO / "shared" / "traces"]
 TRACES = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[-1])
 CONVERSATION = TRACES / "mooncake-fast25" / "conversation_trace.jsonl"
 SYNTHETIC = TRACES / "mooncake-fast25" / "synthetic_trace.jsonl"
@@ -28,14 +25,11 @@ DEFAULTS = RequestDefaults()
 
 
 @needs_traces
-@pytest.mark.parametrize(
-    "path, fmt, rows, first, last_arrival_s",
-    [
-        (CONVERSATION, "mooncake", 12031, TraceRow(0.0, 6758, 500, tuple(range(14))), 3536.999),
-        (SYNTHETIC, "mooncake", 3993, TraceRow(0.0, 40160, 6, tuple(range(79))), 1022.025),
-        (AZURE, "azure", 19366, TraceRow(0.0, 374, 44, None), 3501.721937),
-    ],
-)
+@pytest.mark.parametrize("path, fmt, rows, first, last_arrival_s", [
+    (CONVERSATION, "mooncake", 12031, TraceRow(0.0, 6758, 500, tuple(range(14))), 3536.999),
+    (SYNTHETIC, "mooncake", 3993, TraceRow(0.0, 40160, 6, tuple(range(79))), 1022.025),
+    (AZURE, "azure", 19366, TraceRow(0.0, 374, 44, None), 3501.721937),
+])
 def test_shipped_traces_parse_completely(path, fmt, rows, first, last_arrival_s):
     trace = read_trace(path)
     assert (trace.format, len(trace.rows), trace.dropped, trace.rows_read) == (fmt, rows, {}, rows)
@@ -46,36 +40,24 @@ def test_shipped_traces_parse_completely(path, fmt, rows, first, last_arrival_s)
 
 def test_malformed_rows_are_dropped_and_counted_by_reason(tmp_path):
     good = {"timestamp": 1500, "input_length": 600, "output_length": 3, "hash_ids": [4, 5]}
-    lines = [
-        json.dumps({**good, "timestamp": 3000}),
-        "{not json",
-        json.dumps({**good, "hash_ids": [4]}),
-        json.dumps({**good, "output_length": 0}),
-        json.dumps({**good, "input_length": "600"}),
-        "",
-        json.dumps([1, 2]),
-        json.dumps(good),
-    ]
+    lines = [json.dumps({**good, "timestamp": 3000}), "{not json", json.dumps({**good, "hash_ids": [4]}),
+             json.dumps({**good, "output_length": 0}), json.dumps({**good, "input_length": "600"}), "",
+             json.dumps([1, 2]), json.dumps(good)]
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(lines) + "\n")
     trace = read_trace(path)
     assert trace.rows == (TraceRow(0.0, 600, 3, (4, 5)), TraceRow(1.5, 600, 3, (4, 5)))  # sorted, from first
-    assert trace.dropped == {
-        "malformed: not JSON": 1,
-        "malformed: len(hash_ids) != ceil(input_length / 512)": 1,
-        "non-positive input or output length": 1,
-        "malformed: input_length missing or not an integer": 1,
-        "malformed: not a JSON object": 1,
-    }
+    assert trace.dropped == {"malformed: not JSON": 1, "malformed: len(hash_ids) != ceil(input_length / 512)": 1,
+                             "non-positive input or output length": 1,
+                             "malformed: input_length missing or not an integer": 1,
+                             "malformed: not a JSON object": 1}
     assert trace.rows_read == 7
 
 
 def test_azure_rows_and_format_detection(tmp_path):
     path = tmp_path / "a.csv"
-    path.write_text(
-        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5000000,10,2\n"
-        "2023-11-16 18:15:48.0000000,20,x\nyesterday,1,1\n2023-11-16 18:15:47.0000000,30,4\n"
-    )
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5000000,10,2\n"
+                    "2023-11-16 18:15:48.0000000,20,x\nyesterday,1,1\n2023-11-16 18:15:47.0000000,30,4\n")
     trace = read_trace(path)
     assert trace.rows == (TraceRow(0.0, 10, 2, None), TraceRow(0.5, 30, 4, None))
     assert trace.dropped == {"malformed: token counts not integers": 1, "malformed: bad TIMESTAMP": 1}
@@ -87,20 +69,14 @@ def test_azure_rows_and_format_detection(tmp_path):
 
 
 def write_mooncake(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> str:
-    path.write_text(
-        "".join(
-            json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": h}) + "\n"
-            for t, i, o, h in rows
-        )
-    )
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": h}) + "\n"
+                            for t, i, o, h in rows))
     return str(path)
 
 
 def test_equal_hash_ids_give_token_identical_blocks(tmp_path):
-    path = write_mooncake(
-        tmp_path / "m.jsonl",
-        [(0, 1024, 4, [0, 1]), (1000, 1100, 4, [0, 1, 2]), (2000, 700, 4, [0, 3]), (3000, 100, 4, [5])],
-    )
+    path = write_mooncake(tmp_path / "m.jsonl", [(0, 1024, 4, [0, 1]), (1000, 1100, 4, [0, 1, 2]),
+                                                 (2000, 700, 4, [0, 3]), (3000, 100, 4, [5])])
     plan = TraceSpec(path).build(LIMITS, DEFAULTS, seed=0)
     p = [r.prompt_token_ids for r in plan.requests]
     # auto scale: one 16-token block per 512-token trace block; lengths x 16/512
@@ -115,9 +91,7 @@ def test_equal_hash_ids_give_token_identical_blocks(tmp_path):
 
 def test_rows_over_the_context_are_dropped_or_clipped_and_reported(tmp_path):
     limits = ModelLimits(max_model_len=40, vocab_size=100, block_size=16)
-    path = write_mooncake(
-        tmp_path / "m.jsonl", [(0, 1024, 4, [0, 1]), (10, 1024, 9, [0, 1]), (20, 2000, 1, [0, 1, 2, 3])]
-    )
+    path = write_mooncake(tmp_path / "m.jsonl", [(0, 1024, 4, [0, 1]), (10, 1024, 9, [0, 1]), (20, 2000, 1, [0, 1, 2, 3])])
     dropped = TraceSpec(path).build(limits, DEFAULTS, seed=0)
     assert [(r.num_prompt_tokens, r.max_tokens) for r in dropped.requests] == [(32, 4)]
     assert dropped.notes["rows_dropped"] == {TOO_LONG: 2} and dropped.notes["rows_clipped"] == 0
@@ -128,9 +102,8 @@ def test_rows_over_the_context_are_dropped_or_clipped_and_reported(tmp_path):
 
 
 def test_time_and_length_scaling(tmp_path):
-    path = write_mooncake(
-        tmp_path / "m.jsonl", [(0, 512, 10, [0]), (1000, 512, 10, [1]), (4000, 512, 10, [2]), (5000, 512, 10, [3])]
-    )
+    path = write_mooncake(tmp_path / "m.jsonl", [(0, 512, 10, [0]), (1000, 512, 10, [1]), (4000, 512, 10, [2]),
+                                                 (5000, 512, 10, [3])])
     fast = TraceSpec(path, speedup=2.0, prompt_scale=0.0625, output_scale=0.5).build(LIMITS, DEFAULTS, seed=0)
     assert [r.arrival_s for r in fast.requests] == [0.0, 0.5, 2.0, 2.5]
     assert {(r.num_prompt_tokens, r.max_tokens) for r in fast.requests} == {(32, 5)}
@@ -149,14 +122,9 @@ def test_time_and_length_scaling(tmp_path):
 
 def test_trace_spec_rejects_bad_values(tmp_path):
     path = write_mooncake(tmp_path / "m.jsonl", [(0, 512, 10, [0])])
-    for kwargs, flag in [
-        ({"speedup": 0.0}, "--trace-speedup"),
-        ({"overflow": "wrap"}, "--trace-overflow"),
-        ({"spread_s": -1.0}, "--trace-spread-s"),
-        ({"trace_format": "csv"}, "--trace-format"),
-        ({"num_requests": 0}, "--num-requests"),
-        ({"output_scale": float("inf")}, "output-scale"),
-    ]:
+    for kwargs, flag in [({"speedup": 0.0}, "--trace-speedup"), ({"overflow": "wrap"}, "--trace-overflow"),
+                         ({"spread_s": -1.0}, "--trace-spread-s"), ({"trace_format": "csv"}, "--trace-format"),
+                         ({"num_requests": 0}, "--num-requests"), ({"output_scale": float("inf")}, "output-scale")]:
         with pytest.raises(ValueError, match=flag):
             TraceSpec(path, **kwargs)
     with pytest.raises(ValueError, match="no such file"):

@@ -1,5 +1,4 @@
 """The trace parsers and the trace workload on the slices shipped in tests/data/traces (always present)."""
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,13 +15,10 @@ CONVERSATION = SLICES / "mooncake-fast25" / "conversation_trace.jsonl"
 AZURE = SLICES / "azure-llm-inference-2023" / "AzureLLMInferenceTrace_conv.csv"
 
 
-@pytest.mark.parametrize(
-    "path, fmt, first, last_arrival_s",
-    [
-        (CONVERSATION, "mooncake", TraceRow(0.0, 6758, 500, tuple(range(14))), 102.0),
-        (AZURE, "azure", TraceRow(0.0, 374, 44, None), 84.029102),
-    ],
-)
+@pytest.mark.parametrize("path, fmt, first, last_arrival_s", [
+    (CONVERSATION, "mooncake", TraceRow(0.0, 6758, 500, tuple(range(14))), 102.0),
+    (AZURE, "azure", TraceRow(0.0, 374, 44, None), 84.029102),
+])
 def test_slices_parse_completely(path, fmt, first, last_arrival_s):
     trace = read_trace(path)
     assert (trace.format, len(trace.rows), trace.dropped, trace.rows_read) == (fmt, 300, {}, 300)

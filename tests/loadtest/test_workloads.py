@@ -1,5 +1,4 @@
 """Poisson and shared-prefix workloads: deterministic, within the model's limits, shaped as specified."""
-
 from __future__ import annotations
 
 import math
@@ -36,9 +35,8 @@ def test_poisson_rate_moves_only_arrivals_and_salt_only_tokens():
     salted = poisson(rate=1.0).build(LIMITS, DEFAULTS, seed=1, salt=1)
     assert [r.arrival_s / 4.0 for r in base.requests] == pytest.approx([r.arrival_s for r in faster.requests])
     assert [r.prompt_token_ids for r in base.requests] == [r.prompt_token_ids for r in faster.requests]
-    assert [(r.arrival_s, r.num_prompt_tokens, r.max_tokens) for r in base.requests] == [
-        (r.arrival_s, r.num_prompt_tokens, r.max_tokens) for r in salted.requests
-    ]
+    assert [(r.arrival_s, r.num_prompt_tokens, r.max_tokens) for r in base.requests] == \
+        [(r.arrival_s, r.num_prompt_tokens, r.max_tokens) for r in salted.requests]
     assert all(a.prompt_token_ids != b.prompt_token_ids for a, b in zip(base.requests, salted.requests))
 
 
