@@ -6,10 +6,11 @@
 One process does it all, on this machine: it writes a small validation model (the demo model's
 tokenizer and architecture, shrunk so that a step is milliseconds, `--model` overrides), measures its
 profile with the engine in this process (`splitserve profile`'s code), starts each cluster shape with
-one router, calibrates the profile's cluster overheads once on the first shape (`splitserve profile
---calibrate`'s code), then per rate runs the bench's Poisson workload for real and simulates the very
-same requests. The table prints measured / predicted and the error of p50 and p99 TTFT and TPOT and
-of goodput; the issue's targets are 15% for goodput and p50s, 30% for p99s.
+one router, calibrates the profile's cluster overheads and the host's figures on that shape just
+before its runs (`--calibrate first`: once, on the first shape), then per rate runs the bench's
+Poisson workload for real and simulates the very same requests. The table prints measured /
+predicted and the error of p50 and p99 TTFT and TPOT and of goodput; the issue's targets are 15%
+for goodput and p50s, 30% for p99s.
 
 Every worker here is a process with one torch thread on this machine's cores (2 on the dev box), so
 a 2P1D cluster's three workers ask for more cores than there are: the simulation says so
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
 import tempfile
+from typing import NamedTuple
 
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
@@ -38,7 +41,7 @@ from cluster.sim.profiler import Grid, measure_profile
 from cluster.sim.simulator import simulate
 from cluster.sim.worker import EngineLimits
 from engine.heap import CollectionPauses, freeze_startup_heap
-from loadtest.cluster_calibration import HOST_FIGURES, calibrate_cluster, describe
+from loadtest.cluster_calibration import HOST_FIGURES, calibrate_cluster, describe, host_report
 from loadtest.config import BenchConfig, DriverConfig
 from loadtest.host_cpu import burst
 from loadtest.lengths import LengthDist
@@ -96,8 +99,9 @@ def spec_for(args, rate: float) -> PoissonSpec:
     return PoissonSpec(args.num_requests, rate, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len))
 
 
-async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, args, calibrate: bool):
-    """(profile, rows): the bench and the simulation at every rate on one cluster shape."""
+async def run_shape(model_dir: str, shape: tuple[int, int], model: ShapeModel, args, calibrate: bool):
+    """(model, rows): the bench and the simulation at every rate on one cluster shape; with
+    `calibrate`, `model` calibrated on this shape first."""
     prefill, decode = shape
     config = ClusterConfig(
         prefill=PoolConfig(replicas=prefill, num_cpus=1.0, threads=1),
@@ -118,34 +122,39 @@ async def run_shape(model_dir: str, shape: tuple[int, int], profile: Profile, ar
         # not a correction.
         freeze_startup_heap()
         try:
-            vocab = tuple(limits_of(profile).ordinary_token_ids)
+            vocab = tuple(limits_of(model.profile).ordinary_token_ids)
             await warm_up(server.address, vocab, prefill * decode * 2, getattr(args, "warmup", 2))
             if calibrate:
-                profile = await _calibrate(server.address, profile, vocab, args)
+                model = await _calibrate(server.address, shape, model.profile, vocab, args)
             # Each rate its own seed: the same prompts again would hit the cluster's prefix cache from
             # the previous rate's run (measured TTFTs below one prefill step), which the simulation,
             # starting empty, cannot know.
             for i, rate in enumerate(args.rates):
-                rows.append(await _one_rate(server.address, shape, profile, rate, args, args.seed + i))
+                rows.append(await _one_rate(server.address, shape, model, rate, args, args.seed + i))
         finally:
             await server.stop(1.0)
             gc.unfreeze()  # this shape's cluster and router objects become collectable again
     finally:
         cluster.shutdown()
-    return profile, rows
+    return model, rows
 
 
-async def _calibrate(target: str, profile: Profile, vocab: tuple[int, ...], args) -> Profile:
-    """The profile with the cluster's overheads; when the simulation shares the host's cores (and no
-    streaming figures were given) the host's figures too, into `args` (loadtest/cluster_calibration.py)."""
-    measure_host = getattr(args, "host_cores", None) and getattr(args, "host_stream_cpu_per_token_s", None) is None
-    background = getattr(args, "host_background_cores", None)
-    calibration = await calibrate_cluster(target, profile, vocab, args.host_cores if measure_host else None, background)
-    print(describe(calibration), flush=True)
-    if calibration.host is not None:
-        for key in HOST_FIGURES:
-            setattr(args, key, getattr(calibration.host, key))
-    return calibration.profile
+class ShapeModel(NamedTuple):
+    """What a shape's simulations run on: the profile with its overheads and, when the simulation
+    shares the host's cores, a SimConfig holding the host's figures (HOST_FIGURES)."""
+
+    profile: Profile
+    host: SimConfig | None
+    shape: str = ""  # the shape it was calibrated on ("": not calibrated)
+
+
+async def _calibrate(target: str, shape: tuple[int, int], profile: Profile, vocab: tuple[int, ...], args) -> ShapeModel:
+    """The profile with this shape's cluster overheads and, when the simulation shares the host's
+    cores, the host's figures measured on it (loadtest/cluster_calibration.py)."""
+    background, host_cores = getattr(args, "host_background_cores", None), getattr(args, "host_cores", None)
+    calibration = await calibrate_cluster(target, profile, vocab, host_cores or None, background, shape)
+    print(f"calibration on {shape[0]}P{shape[1]}D:\n{describe(calibration)}", flush=True)
+    return ShapeModel(calibration.profile, calibration.host, f"{shape[0]}P{shape[1]}D")
 
 
 async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: int) -> None:
@@ -156,7 +165,7 @@ async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: 
         await burst(target, vocab, [64 + 64 * (i % 4) for i in range(n)], 8, first=r * n)
 
 
-async def _one_rate(target: str, shape, profile: Profile, rate: float, args, seed: int) -> dict:
+async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, seed: int) -> dict:
     spec = spec_for(args, rate)
     slo = Slo(args.ttft_ms, args.tpot_ms)
     bench = BenchConfig(
@@ -169,42 +178,36 @@ async def _one_rate(target: str, shape, profile: Profile, rate: float, args, see
     )
     with CollectionPauses() as pauses:
         (measured,) = await run_bench(bench, echo=lambda _: None)
+    profile = model.profile
     requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, seed)
-    host_cores = getattr(args, "host_cores", None) or None
     predicted, unshared = (
         sim_summary(
-            simulate(_sim_config(shape, args, cores), profile, requests), profile, workload="poisson", notes=notes
+            simulate(_sim_config(shape, args, host), profile, requests), profile, workload="poisson", notes=notes
         ).to_dict()
-        for cores in (host_cores, None)
+        for host in (model.host, None)
     )
     row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured.to_dict(), predicted)}
     row["unshared"] = compare(measured.to_dict(), unshared)
     row["router_gc"] = {"full_collections": pauses.count, "longest_ms": round(pauses.longest_s * 1e3, 1)}
     print(format_row(row) + f"  [router process: {pauses.describe()}]", flush=True)
-    if host_cores:
+    if model.host is not None:
         print(f"{'':>14}unshared: " + format_row({"shape": "", "rate_per_s": rate, **row["unshared"]}), flush=True)
     return row
 
 
-def _sim_config(shape: tuple[int, int], args, host_cores: int | None) -> SimConfig:
-    return SimConfig(
+def _sim_config(shape: tuple[int, int], args, host: SimConfig | None) -> SimConfig:
+    """The shape with the bench's SLO and client; `host`: the host's figures (None: not shared)."""
+    config = SimConfig(
         prefill=shape[0],
         decode=shape[1],
         limits=EngineLimits(),
         ttft_slo_s=args.ttft_ms / 1e3,
         tpot_slo_s=args.tpot_ms / 1e3,
         max_concurrency=args.max_concurrency,
-        host_cores=host_cores,
-        host_background_cores=_host_figure(args, "host_background_cores") if host_cores else 0.0,
-        host_stream_cpu_per_step_s=_host_figure(args, "host_stream_cpu_per_step_s") if host_cores else 0.0,
-        host_stream_cpu_per_token_s=_host_figure(args, "host_stream_cpu_per_token_s") if host_cores else 0.0,
-        host_stream_interference=(_host_figure(args, "host_stream_interference") or 1.0) if host_cores else 1.0,
     )
-
-
-def _host_figure(args, key: str) -> float:
-    """A host figure given on the command line or measured by the calibration (0: neither)."""
-    return getattr(args, key, None) or 0.0
+    if host is None:
+        return config
+    return dataclasses.replace(config, **{key: getattr(host, key) for key in ("host_cores", *HOST_FIGURES)})
 
 
 def format_row(row: dict) -> str:
@@ -229,21 +232,22 @@ async def main_async(args) -> dict:
     )
     print(f"load average (1, 5, 15 min) before: {_load()}; host cores simulated: {args.host_cores or 'not shared'}")
     print(f"profile: {profile.label} (fit RMS error {profile.source['fit_rms_relative_error']:.1%})")
-    rows, loads = [], [_load()]
+    rows, loads, calibrations = [], [_load()], []
+    model = ShapeModel(profile, None)
     for i, shape in enumerate(args.shapes):
-        profile, shape_rows = await run_shape(model_dir, shape, profile, args, calibrate=i == 0)
+        calibrate = i == 0 or args.calibrate == "each"
+        model, shape_rows = await run_shape(model_dir, shape, model, args, calibrate=calibrate)
+        if calibrate:
+            calibrations.append(
+                {"shape": model.shape, "overheads": model.profile.overheads.to_dict(), "host": host_report(model.host)}
+            )
         loads.append(_load())
         print(f"load average (1, 5, 15 min) after {shape[0]}P{shape[1]}D: {loads[-1]}", flush=True)
-        rows += shape_rows
+        rows += [{**row, "calibrated_on": model.shape} for row in shape_rows]
     within = {name: sum(r[name]["within"] for r in rows) for name, *_ in METRICS}
     return {
         "profile": profile.to_dict(),
-        "host": {
-            "background_cores": _host_figure(args, "host_background_cores"),
-            "stream_cpu_per_step_ms": _host_figure(args, "host_stream_cpu_per_step_s") * 1e3,
-            "stream_cpu_per_token_ms": _host_figure(args, "host_stream_cpu_per_token_s") * 1e3,
-            "stream_interference": _host_figure(args, "host_stream_interference") or 1.0,
-        },
+        "calibrations": calibrations,
         "rows": rows,
         "within_target": within,
         "runs": len(rows),
@@ -271,6 +275,12 @@ def main(argv: list[str] | None = None) -> None:
         "--host-cores", type=int, default=os.cpu_count() or 1, help="cores the workers share (0: not shared)"
     )
     parser.add_argument("--host-background-cores", type=float, help="busy cores while idle (default: measured)")
+    parser.add_argument(
+        "--calibrate",
+        choices=("each", "first"),
+        default="each",
+        help="calibrate on each shape just before its runs, or once on the first shape",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="rounds of discarded requests before timing")
     parser.add_argument("--quick-profile", action="store_true", help="the small profile grid (for smoke runs)")
     parser.add_argument("--json", help="write the rows here")

@@ -21,7 +21,15 @@ from cluster.sim.config import SimConfig
 from cluster.sim.profile import Overheads, Profile
 from cluster.sim.seq import SimRequest
 from loadtest.calibrate import Probe, fit_overheads, format_rows, measure
-from loadtest.host_cpu import BurstSample, CpuSample, fit_stream_costs, idle_cores, measure_bursts, with_host_cpu
+from loadtest.host_cpu import (
+    BurstSample,
+    CpuSample,
+    engines_of,
+    fit_stream_costs,
+    idle_cores,
+    measure_bursts,
+    with_host_cpu,
+)
 
 CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(32)]  # 8 probes per length
 CALIBRATION_WARMUP = 2
@@ -45,10 +53,17 @@ class ClusterCalibration(NamedTuple):
 
 
 async def calibrate_cluster(
-    target: str, profile: Profile, vocab: tuple[int, ...], host_cores: int | None, background_cores: float | None = None
+    target: str,
+    profile: Profile,
+    vocab: tuple[int, ...],
+    host_cores: int | None,
+    background_cores: float | None = None,
+    shape: tuple[int, int] = (1, 1),
 ) -> ClusterCalibration:
-    """The overheads of the cluster at `target`; with `host_cores`, the host's figures too
+    """The overheads of the cluster at `target`, whose pools have `shape` (prefill workers, decode
+    instances): the probes and bursts are simulated on it; with `host_cores`, the host's figures too
     (`background_cores`: given instead of measured)."""
+    pools = SimConfig(prefill=shape[0], decode=shape[1])
     idle = await idle_cores() if host_cores else 0.0
     probes = measure(
         target,
@@ -60,13 +75,13 @@ async def calibrate_cluster(
     )
     measured, busy_s, window_s = await with_host_cpu(probes)
     if not host_cores:
-        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS)
+        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=pools)
         return ClusterCalibration(profile.with_overheads(overheads), None, rows, 0.0)
     bursts = await measure_bursts(target, vocab)
     lengths = CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS
     sequential = CpuSample([[SimRequest(0.0, n, PROBE_OUTPUT_TOKENS)] for n in lengths], busy_s, window_s)
     background = idle if background_cores is None else background_cores
-    host = SimConfig(host_cores=host_cores, host_background_cores=background)
+    host = dataclasses.replace(pools, host_cores=host_cores, host_background_cores=background)
     overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host)
     return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
 
@@ -75,8 +90,8 @@ def fit_in_turn(
     profile: Profile, measured: list[Probe], sequential: CpuSample, bursts: BurstSample, host: SimConfig
 ) -> tuple[Overheads, list[dict], SimConfig]:
     """(overheads, probe rows, `host` with its streaming figures): fitted in turn until they settle,
-    starting from overheads fitted without a host model."""
-    overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS)
+    starting from overheads fitted without a host model (on `host`'s pools)."""
+    overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=engines_of(host))
     for _ in range(HOST_FIT_MAX_ROUNDS):
         before = (overheads.step_s, host.host_stream_cpu_per_token_s)
         costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host)
@@ -91,6 +106,19 @@ def fit_in_turn(
         if all(abs(a - b) <= HOST_FIT_TOLERANCE * max(abs(a), 1e-9) for a, b in zip(after, before, strict=True)):
             break
     return overheads, rows, host
+
+
+def host_report(host: SimConfig | None) -> dict:
+    """`host`'s HOST_FIGURES for a report, in ms where they are times ({} for None)."""
+    if host is None:
+        return {}
+    return {
+        "cores": host.host_cores,
+        "background_cores": host.host_background_cores,
+        "stream_cpu_per_step_ms": host.host_stream_cpu_per_step_s * 1e3,
+        "stream_cpu_per_token_ms": host.host_stream_cpu_per_token_s * 1e3,
+        "stream_interference": host.host_stream_interference,
+    }
 
 
 def describe(calibration: ClusterCalibration) -> str:

@@ -93,16 +93,21 @@ class CpuSample(NamedTuple):
     window_s: float
 
 
-def fit_stream_cpu(profile: Profile, samples: Sequence[CpuSample], background_cores: float) -> tuple[float, float]:
+def fit_stream_cpu(
+    profile: Profile, samples: Sequence[CpuSample], background_cores: float, cluster: SimConfig | None = None
+) -> tuple[float, float]:
     """(per decode step, per output token) host CPU seconds outside the engines: a non-negative least-
     squares fit of what each sample left after the background and the engines' simulated busy time
-    (each round simulated alone on 1P1D) against its simulated decode steps and output tokens.
-    Samples of different batch sizes separate the two; one sample gives its cost per token."""
+    (each round simulated alone on `cluster`'s pools, default 1P1D, the shape the samples ran on: two decode
+    instances split a burst's batch and so run more steps for it) against its simulated decode steps
+    and output tokens. Samples of different batch sizes separate the two; one sample gives its cost
+    per token."""
+    engines_only = engines_of(cluster or SimConfig())
     rows, left = [], []
     for sample in samples:
         engines_s, steps, tokens = 0.0, 0, 0
         for requests in sample.rounds:
-            result = simulate(SimConfig(), profile, requests)
+            result = simulate(engines_only, profile, requests)
             engines_s += sum(result.busy_s.values()) * profile.threads_per_worker
             steps += result.steps["decode"]
             tokens += sum(r.output_tokens for r in requests)
@@ -118,6 +123,18 @@ def fit_stream_cpu(profile: Profile, samples: Sequence[CpuSample], background_co
         residual = [np.square(a @ np.asarray(p) - left).sum() for p in (per_token, per_step)]
         per_step_s, per_token_s = per_token if len(samples) < 2 or residual[0] <= residual[1] else per_step
     return float(per_step_s), float(per_token_s)
+
+
+def engines_of(cluster: SimConfig) -> SimConfig:
+    """`cluster`'s pools and limits without its host figures: what the engines alone demand."""
+    return dataclasses.replace(
+        cluster,
+        host_cores=None,
+        host_background_cores=0.0,
+        host_stream_cpu_per_step_s=0.0,
+        host_stream_cpu_per_token_s=0.0,
+        host_stream_interference=1.0,
+    )
 
 
 def fit_stream_interference(
@@ -172,9 +189,9 @@ async def measure_bursts(target: str, vocab: tuple[int, ...]) -> BurstSample:
 
 def fit_stream_costs(profile: Profile, sequential: CpuSample, bursts: BurstSample, host: SimConfig) -> StreamCosts:
     """`fit_stream_cpu` over the sequential calibration's sample and the bursts, then
-    `fit_stream_interference` on the bursts, `host` (its cores and background set) with the streaming
-    costs just fitted."""
-    per_step_s, per_token_s = fit_stream_cpu(profile, [sequential, bursts.cpu], host.host_background_cores)
+    `fit_stream_interference` on the bursts, `host` (the pools they ran on, its cores and background
+    set) with the streaming costs just fitted."""
+    per_step_s, per_token_s = fit_stream_cpu(profile, [sequential, bursts.cpu], host.host_background_cores, host)
     host = dataclasses.replace(host, host_stream_cpu_per_step_s=per_step_s, host_stream_cpu_per_token_s=per_token_s)
     return StreamCosts(
         per_step_s, per_token_s, fit_stream_interference(profile, host, bursts.cpu.rounds, bursts.ends_s)

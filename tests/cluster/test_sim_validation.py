@@ -29,7 +29,7 @@ import asyncio
 import dataclasses
 from argparse import Namespace
 
-from benchmarks.validate_sim import format_row, run_shape, spec_for
+from benchmarks.validate_sim import ShapeModel, format_row, run_shape, spec_for
 from cluster.sim.config import SimConfig
 from cluster.sim.profile import Overheads, Profile, Transfer
 from cluster.sim.profiler import Grid, measure_profile
@@ -45,7 +45,10 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
     profile = measure_profile(model_dir, threads=1, grid=Grid.quick())
     args = Namespace(rates=[4.0], num_requests=32, prompt_len="uniform:16,200", output_len="uniform:8,24",
                      ttft_ms=200.0, tpot_ms=60.0, max_concurrency=64, seed=0)
-    profile, (row,) = asyncio.run(asyncio.wait_for(run_shape(model_dir, (1, 1), profile, args, calibrate=True), 120))
+    model, (row,) = asyncio.run(
+        asyncio.wait_for(run_shape(model_dir, (1, 1), ShapeModel(profile, None), args, calibrate=True), 120)
+    )
+    profile = model.profile
     print(format_row(row))
     goodput = row["goodput"]
     assert goodput["measured"] > 0 and goodput["predicted"] > 0

@@ -13,6 +13,7 @@ from loadtest.host_cpu import (
     MAX_INTERFERENCE,
     CpuSample,
     busy_cpu_s,
+    engines_of,
     fit_stream_cpu,
     fit_stream_interference,
     idle_cores,
@@ -94,3 +95,33 @@ def test_interference_is_the_factor_at_which_simulated_bursts_end_when_measured_
     # Ends the model reaches without interference: 1, never below; ends beyond any factor: the cap.
     assert fit_stream_interference(profile, host, rounds, [0.009] * 2) == 1.0
     assert fit_stream_interference(profile, host, rounds, [1.0] * 2) == MAX_INTERFERENCE
+
+
+def test_streaming_cpu_is_fitted_on_the_pools_the_samples_ran_on():
+    # The same burst on 1P2D: the two decode instances split its batch, so they run more decode steps
+    # for the same tokens than one instance does. Busy figures made on 1P2D with known costs: the fit
+    # on 1P2D recovers them; taking the samples for 1P1D's would put the extra steps' cost elsewhere.
+    profile = linear_profile()
+    two_decode = SimConfig(decode=2)
+    sequential = [[SimRequest(0.0, 100, 3)]] * 2
+    together = [[SimRequest(0.0, 100, 30)] * 4]
+    split, joined = simulate(two_decode, profile, together[0]), simulate(SimConfig(), profile, together[0])
+    assert split.steps["decode"] > joined.steps["decode"]
+    per_step_s, per_token_s, background = 0.001, 0.002, 0.1
+    samples = [
+        CpuSample(sequential, 0.00804 + per_step_s * 4 + per_token_s * 6 + background, 1.0),
+        CpuSample(
+            together,
+            sum(split.busy_s.values()) + per_step_s * split.steps["decode"] + per_token_s * 120 + background * 0.5,
+            0.5,
+        ),
+    ]
+    assert fit_stream_cpu(profile, samples, background, two_decode) == (
+        pytest.approx(per_step_s),
+        pytest.approx(per_token_s),
+    )
+    assert fit_stream_cpu(profile, samples, background) != pytest.approx((per_step_s, per_token_s))
+    # The host figures of the pools given are ignored: what the engines alone demand is fitted against.
+    hosted = SimConfig(decode=2, host_cores=1, host_stream_cpu_per_token_s=0.01, host_stream_interference=3.0)
+    assert fit_stream_cpu(profile, samples, background, hosted) == (pytest.approx(per_step_s), pytest.approx(per_token_s))
+    assert engines_of(hosted) == two_decode
