@@ -6,11 +6,11 @@
 One process does it all, on this machine: it writes a small validation model (the demo model's
 tokenizer and architecture, shrunk so that a step is milliseconds, `--model` overrides), measures its
 profile with the engine in this process (`splitserve profile`'s code), starts each cluster shape with
-one router, calibrates the profile's cluster overheads and the host's figures on that shape just
-before its runs (`--calibrate first`: once, on the first shape), then per rate runs the bench's
-Poisson workload for real and simulates the very same requests. The table prints measured /
-predicted and the error of p50 and p99 TTFT and TPOT and of goodput; the issue's targets are 15%
-for goodput and p50s, 30% for p99s.
+one router, calibrates the profile's cluster overheads and the host's idle cores on that shape just
+before its runs (the host's streaming figures on the first shape; `--calibrate`), then per rate
+runs the bench's Poisson workload for real and simulates the very same requests. The table prints
+measured / predicted and the error of p50 and p99 TTFT and TPOT and of goodput; the issue's targets
+are 15% for goodput and p50s, 30% for p99s.
 
 Every worker here is a process with one torch thread on this machine's cores (2 on the dev box), so
 a 2P1D cluster's three workers ask for more cores than there are: the simulation says so
@@ -41,7 +41,7 @@ from cluster.sim.profiler import Grid, measure_profile
 from cluster.sim.simulator import simulate
 from cluster.sim.worker import EngineLimits
 from engine.heap import CollectionPauses, freeze_startup_heap
-from loadtest.cluster_calibration import HOST_FIGURES, calibrate_cluster, describe, host_report
+from loadtest.cluster_calibration import calibrate_cluster, describe, host_report
 from loadtest.config import BenchConfig, DriverConfig
 from loadtest.host_cpu import burst
 from loadtest.lengths import LengthDist
@@ -116,16 +116,14 @@ async def run_shape(model_dir: str, shape: tuple[int, int], model: ShapeModel, a
     rows = []
     try:
         server = await RouterServer.start(cluster, config)
-        # This process hosts the router: freeze its startup heap as `splitserve serve` does, so that
-        # the router measured is the router served (engine/heap.py). Each row counts the full
-        # collections during its bench: none in a run without this freeze either, so it is parity,
-        # not a correction.
+        # This process hosts the router: its startup heap frozen as `splitserve serve` does (parity:
+        # without it the rows' benches ran no full collection either; engine/heap.py).
         freeze_startup_heap()
         try:
             vocab = tuple(limits_of(model.profile).ordinary_token_ids)
             await warm_up(server.address, vocab, prefill * decode * 2, getattr(args, "warmup", 2))
             if calibrate:
-                model = await _calibrate(server.address, shape, model.profile, vocab, args)
+                model = await _calibrate(server.address, shape, model, vocab, args)
             # Each rate its own seed: the same prompts again would hit the cluster's prefix cache from
             # the previous rate's run (measured TTFTs below one prefill step), which the simulation,
             # starting empty, cannot know.
@@ -141,18 +139,24 @@ async def run_shape(model_dir: str, shape: tuple[int, int], model: ShapeModel, a
 
 class ShapeModel(NamedTuple):
     """What a shape's simulations run on: the profile with its overheads and, when the simulation
-    shares the host's cores, a SimConfig holding the host's figures (HOST_FIGURES)."""
+    shares the host's cores, a SimConfig holding the host's figures (its HOST_FIGURES)."""
 
     profile: Profile
     host: SimConfig | None
     shape: str = ""  # the shape it was calibrated on ("": not calibrated)
 
 
-async def _calibrate(target: str, shape: tuple[int, int], profile: Profile, vocab: tuple[int, ...], args) -> ShapeModel:
+async def _calibrate(
+    target: str, shape: tuple[int, int], model: ShapeModel, vocab: tuple[int, ...], args
+) -> ShapeModel:
     """The profile with this shape's cluster overheads and, when the simulation shares the host's
-    cores, the host's figures measured on it (loadtest/cluster_calibration.py)."""
+    cores, the host's figures measured on it; the streaming figures are `model`'s when it has them
+    and `--calibrate` is `each` (loadtest/cluster_calibration.py)."""
     background, host_cores = getattr(args, "host_background_cores", None), getattr(args, "host_cores", None)
-    calibration = await calibrate_cluster(target, profile, vocab, host_cores or None, background, shape)
+    streaming = model.host if getattr(args, "calibrate", "each") == "each" else None
+    calibration = await calibrate_cluster(
+        target, model.profile, vocab, host_cores or None, background, shape, streaming
+    )
     print(f"calibration on {shape[0]}P{shape[1]}D:\n{describe(calibration)}", flush=True)
     return ShapeModel(calibration.profile, calibration.host, f"{shape[0]}P{shape[1]}D")
 
@@ -197,7 +201,8 @@ async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, se
 
 def _sim_config(shape: tuple[int, int], args, host: SimConfig | None) -> SimConfig:
     """The shape with the bench's SLO and client; `host`: the host's figures (None: not shared)."""
-    config = SimConfig(
+    return dataclasses.replace(
+        host or SimConfig(),
         prefill=shape[0],
         decode=shape[1],
         limits=EngineLimits(),
@@ -205,9 +210,6 @@ def _sim_config(shape: tuple[int, int], args, host: SimConfig | None) -> SimConf
         tpot_slo_s=args.tpot_ms / 1e3,
         max_concurrency=args.max_concurrency,
     )
-    if host is None:
-        return config
-    return dataclasses.replace(config, **{key: getattr(host, key) for key in ("host_cores", *HOST_FIGURES)})
 
 
 def format_row(row: dict) -> str:
@@ -235,7 +237,7 @@ async def main_async(args) -> dict:
     rows, loads, calibrations = [], [_load()], []
     model = ShapeModel(profile, None)
     for i, shape in enumerate(args.shapes):
-        calibrate = i == 0 or args.calibrate == "each"
+        calibrate = i == 0 or args.calibrate != "first"
         model, shape_rows = await run_shape(model_dir, shape, model, args, calibrate=calibrate)
         if calibrate:
             calibrations.append(
@@ -277,9 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-background-cores", type=float, help="busy cores while idle (default: measured)")
     parser.add_argument(
         "--calibrate",
-        choices=("each", "first"),
+        choices=("each", "each-full", "first"),
         default="each",
-        help="calibrate on each shape just before its runs, or once on the first shape",
+        help="per shape: overheads, idle cores (each), every figure (each-full); first: once, on the first",
     )
     parser.add_argument("--warmup", type=int, default=2, help="rounds of discarded requests before timing")
     parser.add_argument("--quick-profile", action="store_true", help="the small profile grid (for smoke runs)")

@@ -10,6 +10,11 @@ what the streaming fit subtracts; the host's stretch is what the overheads must 
 they are fitted in turn from the one set of measurements until neither moves by more than
 `HOST_FIT_TOLERANCE` (a fixed-point iteration: on simulated measurements it closes about half the
 remaining gap per round, within 1% in 10 rounds; `HOST_FIT_MAX_ROUNDS` bounds it).
+
+The streaming figures are the software's (the workers' outbox and poll threads, the router relaying
+tokens, the client reading them), not the cluster shape's, and the bursts that separate them are
+the noisiest part of a calibration: a calibration of another shape on the same host can take them
+from an earlier one (`streaming`) and fit only its overheads and its idle cores.
 """
 
 from __future__ import annotations
@@ -37,12 +42,8 @@ CALIBRATION_IDLE_S = 0.5
 PROBE_OUTPUT_TOKENS = 16
 HOST_FIT_MAX_ROUNDS = 30
 HOST_FIT_TOLERANCE = 0.002  # relative change of the step overhead and of the streaming CPU per token
-HOST_FIGURES = (
-    "host_background_cores",
-    "host_stream_cpu_per_step_s",
-    "host_stream_cpu_per_token_s",
-    "host_stream_interference",
-)
+STREAMING_FIGURES = ("host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s", "host_stream_interference")
+HOST_FIGURES = ("host_background_cores", *STREAMING_FIGURES)
 
 
 class ClusterCalibration(NamedTuple):
@@ -59,10 +60,12 @@ async def calibrate_cluster(
     host_cores: int | None,
     background_cores: float | None = None,
     shape: tuple[int, int] = (1, 1),
+    streaming: SimConfig | None = None,
 ) -> ClusterCalibration:
     """The overheads of the cluster at `target`, whose pools have `shape` (prefill workers, decode
     instances): the probes and bursts are simulated on it; with `host_cores`, the host's figures too
-    (`background_cores`: given instead of measured)."""
+    (`background_cores`: given instead of measured). `streaming`: a calibration's host whose streaming
+    figures (STREAMING_FIGURES) are taken as they are: no bursts, the overheads fitted once on them."""
     pools = SimConfig(prefill=shape[0], decode=shape[1])
     idle = await idle_cores() if host_cores else 0.0
     probes = measure(
@@ -77,11 +80,15 @@ async def calibrate_cluster(
     if not host_cores:
         overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=pools)
         return ClusterCalibration(profile.with_overheads(overheads), None, rows, 0.0)
+    background = idle if background_cores is None else background_cores
+    host = dataclasses.replace(pools, host_cores=host_cores, host_background_cores=background)
+    if streaming is not None:
+        host = dataclasses.replace(host, **{key: getattr(streaming, key) for key in STREAMING_FIGURES})
+        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=host)
+        return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
     bursts = await measure_bursts(target, vocab)
     lengths = CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS
     sequential = CpuSample([[SimRequest(0.0, n, PROBE_OUTPUT_TOKENS)] for n in lengths], busy_s, window_s)
-    background = idle if background_cores is None else background_cores
-    host = dataclasses.replace(pools, host_cores=host_cores, host_background_cores=background)
     overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host)
     return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
 
