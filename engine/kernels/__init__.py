@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-Wno-psabi"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # name → (C signature): each kernel is `int name(...)` in `name.c`, returning 0 on success.
 SIGNATURES = {

@@ -8,6 +8,6 @@
 
 #define LINEAR_NAME fp32_linear
 #define WEIGHT_T float
-#define LOAD_W(p) (*(const v16 *)(p))
+#define LOAD_W(p) (*(const vf *)(p))
 #define SCALE(job, n) 1.0f
 #include "skinny_linear.h"

@@ -8,6 +8,6 @@
 
 #define LINEAR_NAME int8_linear
 #define WEIGHT_T int8_t
-#define LOAD_W(p) widen_i8(p)
+#define LOAD_W(p) widen_i8_vf(p)
 #define SCALE(job, n) ((job)->scale[n])
 #include "skinny_linear.h"
