@@ -5,6 +5,8 @@ all linear layers of the demo model (12 layers x qkv / o / gate_up / down: 75.5 
 so each pass streams them from memory as a decode step does; each figure is the median of
 `--repeats` passes over all layers, in microseconds. Candidates:
 - `native`: engine/kernels/int8_linear.c (int8 widened in registers, fp32 FMA);
+- `fp32_native`: engine/kernels/fp32_linear.c on the fp32 weights (what fp32 models use for 2-8 rows:
+  engine/layers/dense_matmul.py);
 - `dequantize`: widen the whole weight to fp32, then `F.linear` (what large batches use);
 - `int8pack_fp32`: `torch.ops.aten._weight_int8pack_mm` with fp32 activations;
 - `int8pack_bf16`: the same op with bf16 activations (it is vectorized for bf16; costs activation
@@ -22,10 +24,20 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import kernel
 from engine.layers.int8_matmul import _dequantize, _native
 from engine.layers.quantization import quantize_per_channel
 
 HIDDEN, INTERMEDIATE, LAYERS, QKV = 768, 2048, 12, (12 + 2 * 4) * 64  # the demo model
+
+
+def _fp32_native(x, weight):
+    out = torch.empty(x.shape[0], weight.shape[0])
+    status = kernel("fp32_linear")(
+        x.data_ptr(), weight.data_ptr(), None, out.data_ptr(), *x.shape[:1], *weight.shape, torch.get_num_threads()
+    )
+    assert status == 0
+    return out
 
 
 def _int_mm_w8a8(x, weight_t, scale):
@@ -38,6 +50,7 @@ def _int_mm_w8a8(x, weight_t, scale):
 CANDIDATES = {
     "fp32": lambda x, w: F.linear(x, w["fp32"]),
     "native": lambda x, w: _native(x, w["int8"], w["scale"]),
+    "fp32_native": lambda x, w: _fp32_native(x, w["fp32"]),
     "dequantize": lambda x, w: _dequantize(x, w["int8"], w["scale"]),
     "int8pack_fp32": lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w["int8"], w["scale"]),
     "int8pack_bf16": lambda x, w: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w["int8"], w["scale_bf16"]),

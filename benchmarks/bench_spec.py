@@ -28,11 +28,14 @@ N-token prompt (what a decode instance computes after a hand-off) against the ta
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -40,7 +43,9 @@ from typing import cast
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.step_timer import StepTimer
 from engine import LLM, SamplingParams
+from engine.heap import CollectionPauses, freeze_startup_heap
 from engine.model_runner import build_step_input
 from engine.sequence import Sequence
 from engine.speculative.draft_model import DraftChunk
@@ -77,20 +82,46 @@ def repeat_workload(llm: LLM, count: int, text_tokens: int, seed: int) -> list[l
 
 def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    before = llm.engine.spec.counters if llm.engine.spec is not None else None
-    started_s = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall_s = time.perf_counter() - started_s
+    spec = llm.engine.spec
+    before = spec.counters if spec is not None else None
+    with CollectionPauses() as pauses, StepTimer(llm.engine) as steps:
+        started_s = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall_s = time.perf_counter() - started_s
     row = {
         "tpot_ms": statistics.mean(o.metrics.tpot_s for o in outs) * 1e3,
         "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall_s,
+        "gc_full_pause_ms": pauses.total_s * 1e3,  # full collections during the round
+        "stall_ms": steps.stall_seconds() * 1e3,  # steps far above the round's median, beyond it
+        "stalls": [(round(s.duration_s * 1e3, 2), *s.shape, s.draft_caught_up) for s in steps.stalls()[:3]],
     }
-    if before is not None:
-        after = llm.engine.spec.counters
+    if spec is not None and before is not None:
+        after = spec.counters
         drafts, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
         on, off = after.steps_on - before.steps_on, after.steps_off - before.steps_off
         row.update(acceptance=accepted / drafts if drafts else 0.0, spec_step_share=on / max(on + off, 1))
+        # What the switch measured for this batch size: (speculative, plain) microseconds per token.
+        row.update(zip(("switch_spec_us", "switch_plain_us"), _micro(spec.switch.costs(len(prompts))), strict=True))
     return row, [list(o.token_ids) for o in outs]
+
+
+@contextmanager
+def serving_heap(freeze: bool) -> Iterator[None]:
+    """The measured rounds run with the setup's heap frozen, as a serving worker's engine runs once it
+    is built (engine/heap.py), so a full collection walks only what the rounds allocate; each round
+    reports the collector's pauses (`gc_full_pause_ms`). Unfrozen on the way out: tests call main
+    in-process."""
+    if freeze:
+        freeze_startup_heap()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+
+
+def _micro(costs: tuple[float | None, float | None]) -> tuple[float, float]:
+    return tuple(float("nan") if c is None else c * 1e6 for c in costs)  # type: ignore[return-value]
 
 
 def measure_batch(
@@ -115,8 +146,11 @@ def measure_batch(
                 samples[name].append(row)
     return {
         name: {
-            **{key: statistics.median(r[key] for r in rows) for key in rows[0]},
+            **{key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "stalls"},
+            "stalls_runs": [r["stalls"] for r in rows],
             "tpot_ms_runs": [r["tpot_ms"] for r in rows],
+            "gc_full_pause_ms_runs": [r["gc_full_pause_ms"] for r in rows],
+            "stall_ms_runs": [r["stall_ms"] for r in rows],
             "first_round_tpot_ms": first_round[name],
             "exact": exact[name],
         }
@@ -189,11 +223,13 @@ def run(args) -> dict:
     for llm in arms.values():  # warm-up: first-call costs, and the adaptive switch's first measurements
         measure(llm, prompts[:1], 8)
     results = {"model": str(model_dir), "k": k, "draft_layers": args.draft_layers, "repeats": args.repeats}
+    results["heap_frozen"] = not args.no_freeze_heap
     results["batches"] = {}
-    for batch in args.batches:
-        rows = add_ratios(measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats, args.warmup_rounds))
-        results["batches"][batch] = rows
-        _print(batch, rows)
+    with serving_heap(not args.no_freeze_heap):
+        for batch in args.batches:
+            rows = add_ratios(measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats, args.warmup_rounds))
+            results["batches"][batch] = rows
+            _print(batch, rows)
     if args.handoff_prompt:
         results["handoff"] = handoff_catch_up(arms["draft-forced"], args.handoff_prompt)
         print(json.dumps(results["handoff"]))
@@ -205,13 +241,14 @@ def _print(batch: int, rows: dict) -> None:
     print(f"batch {batch}")
     print(
         f"  {'arm':16s} {'TPOT ms':>9s} {'x plain':>8s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} "
-        f"{'spec steps':>10s} exact  {'first round x':>13s}"
+        f"{'spec steps':>10s} exact  {'first round x':>13s} {'gc ms':>6s} {'stall ms':>8s}"
     )
     for name, r in rows.items():
         print(
             f"  {name:16s} {r['tpot_ms']:9.2f} {r['tpot_ratio']:8.2f} {r['tokens_per_s']:8.1f} "
             f"{r['throughput_ratio']:8.2f} {r.get('acceptance', float('nan')):7.2f} "
-            f"{r.get('spec_step_share', float('nan')):10.2f} {r['exact']!s:5s}  {r['first_round_tpot_ratio']:13.2f}",
+            f"{r.get('spec_step_share', float('nan')):10.2f} {r['exact']!s:5s}  {r['first_round_tpot_ratio']:13.2f} "
+            f"{max(r['gc_full_pause_ms_runs']):6.0f} {max(r['stall_ms_runs']):8.1f}",
             flush=True,
         )
 
@@ -232,6 +269,13 @@ def add_common_arguments(parser: argparse.ArgumentParser, output_tokens: int) ->
         "--warmup-rounds", type=int, default=1, help="untimed rounds per batch first (reported as first round)"
     )
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU machine)")
+    parser.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
+    parser.add_argument(
+        "--no-freeze-heap",
+        action="store_true",
+        help="leave the startup heap to the collector (serving workers freeze it: engine/heap.py)",
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -241,8 +285,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--int8-self-draft", action="store_true", help="also arms drafting with the target's own int8 weights"
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU machine)")
-    parser.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
     args = parser.parse_args(argv)
     results = run(args)
     if args.json:

@@ -36,6 +36,7 @@ from benchmarks.bench_spec import (
     measure,
     measure_batch,
     repeat_workload,
+    serving_heap,
     truncated_copy,
 )
 from engine import LLM
@@ -62,6 +63,7 @@ def run_scale(model_dir: Path, scale: float, args, work_dir: Path) -> dict:
     target_dir = damped_target(model_dir, args.draft_layers, scale, work_dir / f"target-{scale}")
     draft_dir = truncated_copy(target_dir, args.draft_layers, work_dir / f"draft-{scale}")
     common = {"progress": False, "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": max(args.batches)}
+    common.update(device=args.device, dtype=args.dtype)
     draft = {"model": str(draft_dir), "num_speculative_tokens": args.k}
     arms = {
         "plain": LLM(target_dir, **common),
@@ -72,10 +74,11 @@ def run_scale(model_dir: Path, scale: float, args, work_dir: Path) -> dict:
     for llm in arms.values():  # first-call costs, outside every round
         measure(llm, prompts[:1], 8)
     batches = {}
-    for batch in args.batches:
-        rows = add_ratios(measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats, args.warmup_rounds))
-        batches[batch] = rows
-        _print(scale, batch, rows)
+    with serving_heap(not args.no_freeze_heap):
+        for batch in args.batches:
+            rows = add_ratios(measure_batch(arms, prompts[:batch], args.max_tokens, args.repeats, args.warmup_rounds))
+            batches[batch] = rows
+            _print(scale, batch, rows)
     return batches
 
 
@@ -84,7 +87,8 @@ def _print(scale: float, batch: int, rows: dict) -> None:
         print(
             f"scale {scale:<5g} batch {batch:<3d} {name:13s} TPOT {r['tpot_ms']:8.2f} ms  x {r['tpot_ratio']:5.2f}  "
             f"tok/s x {r['throughput_ratio']:5.2f}  accept {r.get('acceptance', float('nan')):5.2f}  "
-            f"spec steps {r.get('spec_step_share', float('nan')):5.2f}  exact {r['exact']}",
+            f"spec steps {r.get('spec_step_share', float('nan')):5.2f}  exact {r['exact']}  "
+            f"stall ms {max(r['stall_ms_runs']):6.1f} {r['stalls_runs']}",
             flush=True,
         )
 

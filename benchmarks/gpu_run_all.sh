@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-env,tests,decode,generate,handoff,spec,spec1b}
+STAGES=${STAGES:-env,tests,decode,generate,handoff,specbf16,spec,agree,specprof,spec1b}
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error GLOO_SOCKET_IFNAME=lo
 export SPLITSERVE_KERNEL_DIR=${SPLITSERVE_KERNEL_DIR:-/tmp/splitserve-kernels}
@@ -31,8 +31,15 @@ stage tests 240 $PYTHON -m pytest -q -rfEs -p no:randomly --timeout 150 \
 stage decode 170 $PYTHON -m benchmarks.bench_gpu_decode --out "$OUT/decode.json"
 stage generate 120 $PYTHON -m benchmarks.bench_gpu_generate --out "$OUT/generate.json"
 stage handoff 100 $PYTHON -m benchmarks.bench_gpu_handoff --out "$OUT/handoff.json"
-stage spec 240 $PYTHON -m benchmarks.bench_spec --device cuda --dtype float32 --batches 1,8,64 --max-tokens 64 \
-    --text-tokens 48 --handoff-prompt 256 --json "$OUT/spec_fp32.json"
+SPEC_ARGS="--device cuda --batches 1,8,64 --max-tokens 128 --text-tokens 48 --repeats 3"
+stage specbf16 150 $PYTHON -m benchmarks.bench_spec $SPEC_ARGS --dtype bfloat16 --handoff-prompt 256 \
+    --json "$OUT/spec_bf16.json"
+stage spec 150 $PYTHON -m benchmarks.bench_spec $SPEC_ARGS --dtype float32 --handoff-prompt 256 \
+    --json "$OUT/spec_fp32.json"
+stage agree 120 $PYTHON -m benchmarks.bench_spec_agreement $SPEC_ARGS --dtype bfloat16 --scales 0.1 \
+    --json "$OUT/spec_agreement_bf16.json"
+stage specprof 90 bash -c "$PYTHON -m benchmarks.profile_spec_step --device cuda --dtype bfloat16 --batch 64 --top 30 \
+    && $PYTHON -m benchmarks.profile_spec_step --device cuda --dtype bfloat16 --batch 1 --top 30"
 stage spec1b 300 bash -c "$PYTHON -c 'from pathlib import Path; from benchmarks.bench_gpu_decode import build_checkpoint; \
     build_checkpoint(Path(\"/tmp/llama1b\"))' && $PYTHON -m benchmarks.bench_spec --model /tmp/llama1b --device cuda \
     --dtype bfloat16 --batches 1,8,64 --max-tokens 64 --text-tokens 48 --handoff-prompt 512 --repeats 2 \

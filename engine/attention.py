@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.kernels import decode_attention_kernel
 from engine.kv_storage import LayerKV
@@ -149,6 +150,18 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads * head_dim)
 
 
+def attend_after_context(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk's queries [1, heads, query_len, dim] over keys/values [1, kv_heads, context_len, dim] whose
+    last query_len positions are the chunk's own: query i sits at context_len - query_len + i and sees
+    the keys up to it (causal, aligned to the bottom right). Passed as PyTorch's `causal_lower_right`
+    bias, not a boolean mask: on CUDA in bf16/fp16 that is the flash kernel with no mask tensor built
+    (benchmarks/bench_prefill_attention.py); elsewhere PyTorch materialises the same boolean mask the
+    engine built before (equal results, tests/engine/test_attention.py)."""
+    query_len, context_len = queries.shape[2], keys.shape[2]
+    bias = causal_lower_right(query_len, context_len)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
 def _prefill_attention(q, k, v, cache: LayerKV, seg: PrefillSegment, scale: float) -> torch.Tensor:
     query_len, num_heads, head_dim = q.shape
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, head_dim]
@@ -160,11 +173,5 @@ def _prefill_attention(q, k, v, cache: LayerKV, seg: PrefillSegment, scale: floa
     else:
         keys = _gather(cache.k, seg.context_slots).unsqueeze(0)
         values = _gather(cache.v, seg.context_slots).unsqueeze(0)
-        # Query i sits at absolute position (context_len - query_len + i) and sees keys up to it.
-        offset = seg.context_len - query_len
-        allowed = (
-            torch.arange(seg.context_len, device=q.device)[None, :]
-            <= torch.arange(offset, seg.context_len, device=q.device)[:, None]
-        )
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
+        out = attend_after_context(queries, keys, values, scale)
     return out.squeeze(0).transpose(0, 1).reshape(query_len, num_heads * head_dim)

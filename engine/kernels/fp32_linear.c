@@ -1,7 +1,7 @@
 /* fp32 linear layer for a few rows (decode and verify steps): y[m, n] = sum_k x[m, k] * w[n, k].
  *
  * w fp32 [n, k]; `scale` is unused (pass NULL). The weights are read once per 4 rows of x, where BLAS
- * packs them per call: measured in benchmarks/bench_skinny_linear.py. The tiling and threading are
+ * packs them per call: measured in benchmarks/bench_int8_matmul.py (fp32_native). The tiling and threading are
  * skinny_linear.h's.
  */
 #include <stdint.h>

@@ -20,7 +20,7 @@
 #include "widen.h"
 
 #define TILE_M 4
-#ifndef TILE_N /* a -D flag may set it (benchmarks/bench_skinny_linear.py compares tile widths) */
+#ifndef TILE_N /* a -D flag may set it (benchmarks/bench_int8_matmul.py compares tile widths) */
 #if VF_LANES == 16
 #define TILE_N 4
 #else

@@ -5,7 +5,7 @@
  * `vf` is the widest vector the target has registers for: VF_LANES = 16 with AVX-512, 8 with AVX, 4
  * otherwise. The skinny linear kernels tile by it: a v16 on an AVX2 CPU is two registers, and their
  * 16 v16 accumulators there were 32 of its 16 registers (measured on an AVX2-only EPYC: 5-14x slower
- * than BLAS for 1-16 rows, from spilling; benchmarks/bench_skinny_linear.py).
+ * than BLAS for 1-16 rows, from spilling; benchmarks/bench_int8_matmul.py).
  * Widening int8 or e4m3fn bytes uses AVX-512 or AVX2 instructions where the compiler targets them: GCC
  * 12 widens a generic `__builtin_convertvector` from 8-bit lanes one lane at a time (measured: slower
  * than reading fp32), so elsewhere a plain loop does it and the auto-vectorizer does what it can.

@@ -3,8 +3,8 @@
 A decode or verify step multiplies a handful of rows by every weight of the model, and reads each
 weight once: the step is bound by memory. BLAS does that for one row (a GEMV), but from 2 rows on it
 packs the weights per call and runs small-m GEMM tiles, so 5 rows (a speculative verify chunk) cost
-~2-4x one row on this CPU where reading the weights once costs ~1.2x (benchmarks/bench_skinny_linear.py,
-README). `engine/kernels/fp32_linear.c` reads them once per 4 rows. One row keeps BLAS's GEMV (as fast,
+~2-4x one row on this CPU where reading the weights once costs ~1.2x (benchmarks/bench_int8_matmul.py's
+`fp32_native`, README). `engine/kernels/fp32_linear.c` reads them once per 4 rows. One row keeps BLAS's GEMV (as fast,
 and the path plain decoding was validated on); other dtypes, devices and larger batches keep BLAS.
 """
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, _decode_attention, _decode_attention_native
+from engine.attention import AttentionMetadata, _decode_attention, _decode_attention_native, attend_after_context
 from engine.kernels import decode_attention_kernel
 from engine.kv_quant import kv_format
 from engine.kv_storage import KVCacheStorage
@@ -126,3 +126,18 @@ def test_torch_path_can_be_forced():
     result = subprocess.run([sys.executable, "-c", code], env={"SPLITSERVE_ATTENTION": "torch",
                             "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "fallback" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("heads, kv_heads, query_len, context_len", [(8, 2, 37, 150), (4, 4, 1, 9), (6, 1, 16, 16)])
+def test_a_chunk_over_its_context_sees_keys_up_to_its_own_position(heads, kv_heads, query_len, context_len):
+    """attend_after_context (causal_lower_right) equals the explicit mask: query i sits at context_len -
+    query_len + i, for GQA/MQA, one query, and a chunk with no earlier context."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, heads, query_len, 16, generator=gen)
+    k, v = (torch.randn(1, kv_heads, context_len, 16, generator=gen) for _ in range(2))
+    first = context_len - query_len
+    allowed = torch.arange(context_len)[None, :] <= torch.arange(first, context_len)[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1),
+        attn_mask=allowed, scale=0.25)
+    torch.testing.assert_close(attend_after_context(q, k, v, 0.25), expected, rtol=1e-6, atol=1e-6)
