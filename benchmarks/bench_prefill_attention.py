@@ -14,7 +14,9 @@ the middle of a decode batch's step. Per dtype, for `--shapes` fresh shapes (the
 
 Prints the median first-call and repeat milliseconds per arm, the worst first call, and the largest
 difference of each arm's output from `mask`'s. Also lists the SDPA backends that accept the `mask`
-call at all.
+call at all. `--model-lengths N`: the demo model's whole eager forward (a draft's catch-up, a prompt
+with no cached prefix) over N fresh prompt lengths, first call and repeat each; the slowest first
+call is profiled (torch.profiler, top ops by self time) when it is 5x the median.
 """
 
 from __future__ import annotations
@@ -53,11 +55,16 @@ def _masked_no_cudnn(queries, keys, values, scale):
 ARMS = {"mask": _masked, "mask-no-cudnn": _masked_no_cudnn, "engine": attend_after_context}
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed_ms(fn, *args) -> tuple[float, torch.Tensor]:
-    torch.cuda.synchronize()
+    _sync()
     started_s = time.perf_counter()
     out = fn(*args)
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - started_s) * 1e3, out
 
 
@@ -114,14 +121,61 @@ def run_dtype(dtype: torch.dtype, num_shapes: int, seed: int) -> dict:
     }
 
 
+def run_model_lengths(dtype_name: str, count: int, device: str = "cuda") -> dict:
+    """First and repeat forward of the demo model over fresh prompt lengths (no cached prefix)."""
+    from types import SimpleNamespace
+
+    from engine import LLM
+    from engine.model_runner import build_step_input
+
+    engine = LLM(None, progress=False, device=device, dtype=dtype_name, num_kv_blocks=256).engine
+    engine.kv.allocate("probe", 2048)
+
+    def step(length: int):
+        chunk = SimpleNamespace(
+            seq=SimpleNamespace(seq_id="probe"),
+            start=0,
+            num_new_tokens=length,
+            input_token_ids=list(range(10, 10 + length)),
+            num_logits_rows=1,
+        )
+        return build_step_input([chunk], engine.kv.block_table, engine.config.block_size)
+
+    engine.runner.execute(step(64))
+    firsts, repeats = [], []
+    for index in range(count):
+        length = 97 + 29 * index
+        firsts.append(_timed_ms(engine.runner.execute, step(length))[0])
+        repeats.append(_timed_ms(engine.runner.execute, step(length))[0])
+    result = {"lengths": [97 + 29 * i for i in range(count)], "first_ms": firsts, "repeat_ms": repeats}
+    if max(firsts) > 5 * statistics.median(firsts):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _timed_ms(engine.runner.execute, step(97 + 29 * count + 13))
+        result["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--shapes", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--model-lengths", type=int, default=0, help="also time the demo model's first calls")
     args = parser.parse_args(argv)
-    results = {}
+    results: dict = {}
+    for name in args.dtypes.split(",") if args.model_lengths else ():
+        model = results.setdefault("model", {})[name] = run_model_lengths(name, args.model_lengths)
+        print(
+            name,
+            "model first calls ms",
+            [round(t, 1) for t in model["first_ms"]],
+            "repeats",
+            [round(t, 1) for t in model["repeat_ms"]],
+        )
+        print(model.get("profile", ""))
     for name in args.dtypes.split(","):
         results[name] = run_dtype(getattr(torch, name), args.shapes, args.seed)
         print(name, "backends accepting the mask call:", results[name]["backends_accepting_mask"])

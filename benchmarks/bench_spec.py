@@ -95,6 +95,8 @@ def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, 
         "stall_ms": steps.stall_seconds() * 1e3,  # steps far above the round's median, beyond it
         "stalls": [(round(s.duration_s * 1e3, 2), *s.shape, s.draft_caught_up) for s in steps.stalls()[:3]],
     }
+    if spec is not None:
+        row["pattern"] = steps.pattern()
     if spec is not None and before is not None:
         after = spec.counters
         drafts, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
@@ -146,8 +148,9 @@ def measure_batch(
                 samples[name].append(row)
     return {
         name: {
-            **{key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "stalls"},
+            **{key: statistics.median(r[key] for r in rows) for key in rows[0] if key not in ("stalls", "pattern")},
             "stalls_runs": [r["stalls"] for r in rows],
+            "pattern_runs": [r.get("pattern", "") for r in rows],
             "tpot_ms_runs": [r["tpot_ms"] for r in rows],
             "gc_full_pause_ms_runs": [r["gc_full_pause_ms"] for r in rows],
             "stall_ms_runs": [r["stall_ms"] for r in rows],

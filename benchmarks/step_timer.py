@@ -18,6 +18,7 @@ class TimedStep(NamedTuple):
     duration_s: float
     shape: tuple[int, int, int]
     draft_caught_up: bool
+    speculated: bool  # the adaptive switch chose speculation for it
 
 
 class StepTimer:
@@ -31,18 +32,25 @@ class StepTimer:
         engine, step = self.engine, self.engine.step
 
         def timed_step():
+            spec = engine.spec
+            steps_on = spec.counters.steps_on if spec is not None else 0
             started_s = time.perf_counter()
             updates = step()
-            draft = engine.spec.draft if engine.spec is not None else None
-            caught_up = bool(draft is not None and draft.caught_up)
-            self.steps.append(TimedStep(time.perf_counter() - started_s, engine.last_step_shape, caught_up))
+            duration_s = time.perf_counter() - started_s
+            caught_up = bool(spec is not None and spec.draft is not None and spec.draft.caught_up)
+            speculated = spec is not None and spec.counters.steps_on > steps_on
+            self.steps.append(TimedStep(duration_s, engine.last_step_shape, caught_up, speculated))
             return updates
 
+        self._shadowed = engine.__dict__.get("step")  # another wrapper already installed, if any
         engine.step = timed_step  # an instance attribute shadows the method until __exit__
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.engine.step
+        if self._shadowed is None:
+            del self.engine.step
+        else:
+            self.engine.step = self._shadowed
 
     def stalls(self, factor: float = 5.0, floor_s: float = 0.005) -> list[TimedStep]:
         """Steps longer than `factor` x the median step and than `floor_s`, slowest first."""
@@ -50,6 +58,21 @@ class StepTimer:
             return []
         limit = max(factor * statistics.median(s.duration_s for s in self.steps), floor_s)
         return sorted((s for s in self.steps if s.duration_s > limit), reverse=True)
+
+    def pattern(self, limit: int = 24) -> str:
+        """The switch's decisions over the round's decode steps, run-length coded: "P3 S40 P3 S81" is 3
+        plain steps, 40 speculative, ... (steps with a prompt chunk are left out); at most `limit` runs."""
+        runs: list[list] = []
+        for step in self.steps:
+            if step.shape[0] > step.shape[1] and not step.speculated:
+                continue  # a prompt chunk was in it
+            mode = "S" if step.speculated else "P"
+            if runs and runs[-1][0] == mode:
+                runs[-1][1] += 1
+            else:
+                runs.append([mode, 1])
+        text = " ".join(f"{mode}{count}" for mode, count in runs[:limit])
+        return text + (" ..." if len(runs) > limit else "")
 
     def stall_seconds(self, **kwargs) -> float:
         """Time the stalled steps spent beyond the median step."""

@@ -159,11 +159,14 @@ class SpeculativeDecoder:
         speculating, decoding, started_s = self._step
         # The draft caught up a prompt's or a pause's KV: a one-off, not the per-step cost.
         catch_up = speculating and self.draft is not None and self.draft.caught_up
+        catch_up_tokens = self.draft.caught_up_tokens if catch_up else 0
         if decoding and all(c.num_new_tokens - len(c.draft_token_ids) == 1 for c in chunks):
             drafted = speculating and any(c.draft_token_ids for c in chunks)  # else it cost a plain step
             most_tokens = sum(1 + len(c.draft_token_ids) for c in chunks) if drafted else None
             duration_s = time.perf_counter() - started_s
-            self.switch.observe(drafted, decoding, duration_s, num_output_tokens, most_tokens, catch_up)
+            self.switch.observe(
+                drafted, decoding, duration_s, num_output_tokens, most_tokens, catch_up, catch_up_tokens
+            )
 
 
 def build_speculative_decoder(

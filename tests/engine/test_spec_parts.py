@@ -14,6 +14,7 @@ from engine.speculative.adaptive import (
     MAX_PROBE_INTERVAL,
     PROBE_STEPS,
     PROBE_TIME_SHARE,
+    STALL_FACTOR,
     AdaptiveSwitch,
 )
 from engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
@@ -297,7 +298,7 @@ def test_a_step_that_caught_the_draft_up_is_a_cost_of_speculation():
     from engine.sampler import Sampler
     from engine.speculative.decoder import SpeculativeDecoder
 
-    draft = SimpleNamespace(caught_up=True)
+    draft = SimpleNamespace(caught_up=True, caught_up_tokens=0)
     decoder = SpeculativeDecoder(SpeculativeConfig(method="draft_model", model="d"), Sampler(), 64, draft)
     running = [SimpleNamespace(num_uncomputed_tokens=1)]
     chunk = SimpleNamespace(num_new_tokens=5, draft_token_ids=(1, 2, 3, 4))
@@ -326,3 +327,30 @@ def test_a_draft_that_wins_per_step_but_must_keep_catching_up_is_turned_off():
     assert decisions[: PROBE_STEPS + 1] == [False] * PROBE_STEPS + [True]  # measured, with its catch-up
     assert decisions[2 * PROBE_STEPS : 1400].count(True) == 0
     assert decisions[1400:].count(True) <= 2 * PROBE_STEPS
+
+
+def test_a_stalled_catch_up_is_charged_what_its_tokens_usually_cost():
+    """Measured on an H200: a batch-1 catch-up step at a new prompt length took 48 ms where catch-ups of
+    similar length took ~3 ms. Charged in full it made speculation (0.37 ms per token level, against
+    0.65 ms plain) read several times dearer and stay off; charged the level step plus the usual rate
+    per caught-up token, the switch keeps speculating. A catch-up that costs what its tokens should,
+    however long, is charged in full."""
+    switch = AdaptiveSwitch()
+    for _ in range(PROBE_STEPS):
+        switch.observe(False, 1, 0.00065, 1)
+    switch.observe(True, 1, 0.0032, 5, 5, catch_up=True, catch_up_tokens=145)  # a new prompt's catch-up
+    for _ in range(3):
+        switch.observe(True, 1, 0.0018, 5, 5)
+    switch.observe(True, 1, 0.048, 5, 5, catch_up=True, catch_up_tokens=245)  # the stall
+    usual = (0.0032 - 0.0018) / 145  # the first catch-up re-rated against the level step
+    assert STALL_FACTOR * usual < (0.048 - 0.0018) / 245
+    spec_s, plain_s = switch.costs(1)
+    # The window's slowest ordinary step (one of the equal level steps) is left out, as always.
+    assert spec_s == pytest.approx((0.0032 + 2 * 0.0018 + 0.0018 + usual * 245) / 20)
+    assert spec_s < plain_s and switch.decide(1)
+    genuine = AdaptiveSwitch()
+    genuine.observe(True, 1, 0.0032, 5, 5, catch_up=True, catch_up_tokens=145)
+    genuine.observe(True, 1, 0.0018, 5, 5)
+    dear = 0.0018 + 3 * (0.0032 - 0.0018) * 40  # 40x the tokens at 3x the usual rate: not a stall
+    genuine.observe(True, 1, dear, 5, 5, catch_up=True, catch_up_tokens=145 * 40)
+    assert genuine.costs(1)[0] == pytest.approx((0.0032 + dear) / 10)  # in full (the level step is the outlier)
