@@ -18,15 +18,23 @@ keeping `AttentionMetadata` and the function's signature.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.kernels import decode_attention_kernel
 from engine.kv_storage import LayerKV
 from engine.quantized_attention import quantized_decode_attention, quantized_prefill_attention
+
+# Prefill attention on CUDA never takes cuDNN's backend: it builds a plan per new input shape, and
+# with GQA in bf16 PyTorch picked it even for a plain causal chunk (measured on an H200: 44 ms of host
+# time in `_cudnn_attention_forward` on each new prompt length, ~6 ms for the whole 12-layer forward
+# once planned; benchmarks/bench_prefill_attention.py). Flash and memory-efficient kernels plan nothing.
+_PLAN_FREE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -167,11 +175,12 @@ def _prefill_attention(q, k, v, cache: LayerKV, seg: PrefillSegment, scale: floa
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, head_dim]
     if seg.context_slots is not None and cache.fmt.quantized:
         return quantized_prefill_attention(q, cache, seg.context_slots, seg.context_len, scale)
-    if seg.context_slots is None:
-        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        keys = _gather(cache.k, seg.context_slots).unsqueeze(0)
-        values = _gather(cache.v, seg.context_slots).unsqueeze(0)
-        out = attend_after_context(queries, keys, values, scale)
+    with sdpa_kernel(_PLAN_FREE_BACKENDS) if q.is_cuda else nullcontext():
+        if seg.context_slots is None:
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            keys = _gather(cache.k, seg.context_slots).unsqueeze(0)
+            values = _gather(cache.v, seg.context_slots).unsqueeze(0)
+            out = attend_after_context(queries, keys, values, scale)
     return out.squeeze(0).transpose(0, 1).reshape(query_len, num_heads * head_dim)
