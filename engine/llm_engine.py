@@ -152,7 +152,7 @@ class LLMEngine:
         logits = self.execute(step_input)
         updates = self._postprocess(chunks, logits, drafts)
         if self.spec is not None:
-            self.spec.observe(chunks, sum(len(u.new_token_ids) for u in updates))
+            self.spec.observe(chunks, sum(len(u.new_token_ids) for u in updates), self.last_step_shape[0])
         return updates
 
     def execute(self, step_input: StepInput) -> torch.Tensor:
@@ -223,6 +223,8 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if self.spec is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.spec.finished(seq)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -45,15 +45,10 @@ The rule, decided before each step from measured costs:
   first measurement.
   A draft that makes steps 8x dearer per token is re-tried every ~1,000 steps, not every 16 (measured:
   at every 16-256 steps such probes alone cost a 64-sequence batch 40% of its TPOT on the H100).
-- A catch-up step that stalled is charged what its tokens usually cost. Its rate is its time beyond a
-  level speculative step of the bucket (the mean of the window's level samples) per token caught up;
-  against the median rate of the bucket's last `CATCH_UP_RATES` catch-ups (each re-rated against the
-  current level step), a rate past `STALL_FACTOR` times it is a stall, and the step is charged the
-  level step plus the median rate per token (the history keeps the bounded rate, so catch-ups that
-  stay dearer move the median within a few steps). Measured on an H200 (bf16): one batch-1 catch-up
-  at a new prompt length took 48 ms where catch-ups of similar length took ~3 ms; charged in full,
-  that one step made speculation read 7x dearer than plain decoding and, through the probe spacing,
-  kept a draft that makes batch 1 1.8x faster off for the next 2,048 steps.
+- A catch-up step's cost is amortised over the tokens the caught-up sequences are expected to produce
+  after it, and a stalled one is charged what its tokens usually cost: engine/speculative/catch_up.py.
+  Amortised catch-ups stay out of the window; their cost per token (`surcharge`) is added to the
+  window's speculative cost.
 
 Acceptance enters through the measured cost (fewer accepted tokens, more seconds per token). Nothing
 here reads a clock: the engine reports each step's duration (`observe`), so the rule is tested with
@@ -63,10 +58,11 @@ exact figures.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from engine.speculative.catch_up import CatchUps
 
 WINDOW = 8
 PROBE_STEPS = 3
@@ -75,8 +71,6 @@ MAX_PROBE_INTERVAL = 2048
 PROBE_TIME_SHARE = 0.02
 RATE_SAMPLES = 64
 MIN_RATE_DRAFTS = 64
-CATCH_UP_RATES = 8
-STALL_FACTOR = 4.0
 
 
 class Sample(NamedTuple):
@@ -95,17 +89,26 @@ class _Bucket:
     spec_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # Samples of speculative steps
     plain_s: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # Samples of plain steps
     catch_up_s: float = 0.0  # the last step in which the draft caught up KV it lacked (as charged)
-    catch_ups: deque = field(default_factory=lambda: deque(maxlen=CATCH_UP_RATES))  # (seconds, tokens)
+    catch_ups: CatchUps = field(default_factory=CatchUps)
     steps_since_probe: int = 0
     probe_interval: int = FIRST_PROBE_INTERVAL
     probe_left: int = 0  # steps of the current probe still to run
     decided_before_probe: bool | None = None
 
+    def level_s(self) -> float:
+        """A level speculative step's seconds: the mean of the window's non-catch-up samples (0: none)."""
+        level = [sample.seconds for sample in self.spec_s if not sample.catch_up]
+        return sum(level) / len(level) if level else 0.0
+
+    def spec_cost(self) -> float:
+        """Speculation's seconds per token: the window's, plus the amortised catch-ups' surcharge."""
+        return seconds_per_token(self.spec_s) + (self.catch_ups.surcharge_s(self.level_s()) or 0.0)
+
     def better(self) -> bool | None:
         """Whether speculation is measured cheaper; None until both modes have samples."""
         if not self.spec_s or not self.plain_s:
             return None
-        return seconds_per_token(self.spec_s) < seconds_per_token(self.plain_s)
+        return self.spec_cost() < seconds_per_token(self.plain_s)
 
 
 def seconds_per_token(samples: deque) -> float:
@@ -210,54 +213,42 @@ class AdaptiveSwitch:
         most_tokens: int | None = None,
         catch_up: bool = False,
         catch_up_tokens: int = 0,
+        tokens_ahead: int = 0,
     ) -> None:
         """A pure decode step ran: `speculated` (some sequence had drafts) or not, its wall time, the
         tokens it emitted and, if it speculated, the most it could have (None: not known). `catch_up`:
-        the draft caught up KV it lacked in it, `catch_up_tokens` of it where known (a speculative
-        step's cost, whether or not any sequence got drafts: see the module's rule)."""
+        the draft caught up KV it lacked in it (a speculative step's cost, whether or not any sequence
+        got drafts), `catch_up_tokens` of it, for sequences expected to emit `tokens_ahead` more tokens
+        (0: not known; catch_up.py)."""
         if not self.enabled or num_output_tokens <= 0:
             return
         bucket = self._bucket(num_decoding)
         if catch_up:
-            duration_s = self._charged_catch_up_s(bucket, duration_s, catch_up_tokens)
+            duration_s = bucket.catch_ups.charge(duration_s, catch_up_tokens, tokens_ahead, bucket.level_s())
             bucket.catch_up_s = duration_s
         elif not speculated:
             bucket.plain_s.append(Sample(duration_s, num_output_tokens))
             return
         drafts = max(most_tokens - num_decoding, 0) if speculated and most_tokens else None
         sample = Sample(duration_s, num_output_tokens, num_decoding, drafts, catch_up)
+        if drafts is not None:
+            self._judged.append((min(max(num_output_tokens - num_decoding, 0), drafts), drafts))
+        if catch_up and tokens_ahead > 0 and catch_up_tokens > 0:
+            return  # amortised: its cost reaches the window as the surcharge
         bucket.spec_s.append(sample)
         if drafts is None:
             return
-        self._judged.append((min(max(num_output_tokens - num_decoding, 0), drafts), drafts))
         probing_speculation = bucket.probe_left and bucket.decided_before_probe is False
         if catch_up or not probing_speculation:
             return
         if self._expected_s(sample) >= seconds_per_token(bucket.plain_s):
             bucket.probe_left = 0  # this sample alone shows it cannot win: the rest of the probe would not
 
-    @staticmethod
-    def _charged_catch_up_s(bucket: _Bucket, duration_s: float, tokens: int) -> float:
-        """A catch-up step's duration, or what its tokens usually cost where it stalled (module rule)."""
-        if tokens <= 0:
-            return duration_s
-        level = [sample.seconds for sample in bucket.spec_s if not sample.catch_up]
-        level_s = sum(level) / len(level) if level else 0.0
-        rate = max(duration_s - level_s, 0.0) / tokens
-        charged_s = duration_s
-        if bucket.catch_ups:
-            usual = statistics.median(max(seconds - level_s, 0.0) / count for seconds, count in bucket.catch_ups)
-            if rate > STALL_FACTOR * usual:
-                charged_s = level_s + usual * tokens
-                duration_s = level_s + STALL_FACTOR * usual * tokens  # what the history keeps
-        bucket.catch_ups.append((duration_s, tokens))
-        return charged_s
-
     def costs(self, num_decoding: int) -> tuple[float | None, float | None]:
         """(speculative, plain) seconds per output token of this batch size's bucket (see the rule)."""
         bucket = self._bucket(num_decoding)
         return (
-            seconds_per_token(bucket.spec_s) if bucket.spec_s else None,
+            bucket.spec_cost() if bucket.spec_s else None,
             seconds_per_token(bucket.plain_s) if bucket.plain_s else None,
         )
 

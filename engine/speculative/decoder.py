@@ -12,12 +12,17 @@
    computed tokens (only accepted tokens, so only they are ever hashed into the prefix cache), the
    rejected drafts' KV slots are released: the block table shrinks to the computed tokens, freeing the
    blocks that held only rejected drafts. The draft model's count shrinks with it.
-5. `observe(...)`: the step's measured cost feeds the switch; counters feed metrics.
+5. `observe(...)`: the step's measured cost feeds the switch; counters feed metrics. A step in which
+   the draft caught up goes with the tokens its sequences are still expected to emit (`_tokens_ahead`:
+   max_tokens, or the median output of the last finished requests where that is less and EOS can stop
+   them; `finished` feeds it), over which the switch spreads the catch-up (catch_up.py).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -46,6 +51,7 @@ class SpeculativeDecoder:
         )
         self.counters = SpecCounters()
         self._step = (False, 0, 0.0)  # (speculating, decoding sequences, start time) of the current step
+        self._finished_outputs: deque[int] = deque(maxlen=64)  # output tokens of the last finished requests
 
     # ---- 1. decide --------------------------------------------------------------------------------
     def lookahead(self, running: Seq[Sequence]) -> int:
@@ -154,19 +160,39 @@ class SpeculativeDecoder:
         seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
 
     # ---- 5. measure -------------------------------------------------------------------------------
-    def observe(self, chunks: Seq[ScheduledChunk], num_output_tokens: int) -> None:
-        """The step ended; only pure decode steps (no prompt chunk, no draft catch-up) are cost samples."""
+    def observe(self, chunks: Seq[ScheduledChunk], num_output_tokens: int, num_step_tokens: int) -> None:
+        """The step ended (`num_step_tokens` computed: drafts included); only pure decode steps (one new
+        token per chunk besides its drafts: no prompt chunk) are cost samples. O(1) per step when it did
+        not speculate: a step of a large batch is short on a GPU, where per-chunk loops show."""
         speculating, decoding, started_s = self._step
+        num_drafts = sum(len(c.draft_token_ids) for c in chunks) if speculating else 0
+        if not decoding or num_step_tokens - num_drafts != len(chunks):
+            return
+        duration_s = time.perf_counter() - started_s
         # The draft caught up a prompt's or a pause's KV: a one-off, not the per-step cost.
         catch_up = speculating and self.draft is not None and self.draft.caught_up
         catch_up_tokens = self.draft.caught_up_tokens if catch_up else 0
-        if decoding and all(c.num_new_tokens - len(c.draft_token_ids) == 1 for c in chunks):
-            drafted = speculating and any(c.draft_token_ids for c in chunks)  # else it cost a plain step
-            most_tokens = sum(1 + len(c.draft_token_ids) for c in chunks) if drafted else None
-            duration_s = time.perf_counter() - started_s
-            self.switch.observe(
-                drafted, decoding, duration_s, num_output_tokens, most_tokens, catch_up, catch_up_tokens
-            )
+        tokens_ahead = self._tokens_ahead(self.draft.caught_up_seqs) if catch_up else 0
+        drafted = num_drafts > 0  # else it cost a plain step
+        most_tokens = len(chunks) + num_drafts if drafted else None
+        self.switch.observe(
+            drafted, decoding, duration_s, num_output_tokens, most_tokens, catch_up, catch_up_tokens, tokens_ahead
+        )
+
+    def finished(self, seq: Sequence) -> None:
+        """A request ended by EOS, a stop or its length: its output length informs `_tokens_ahead`."""
+        self._finished_outputs.append(seq.num_output_tokens)
+
+    def _tokens_ahead(self, seqs: Seq[Sequence]) -> int:
+        """Tokens `seqs` are still expected to emit: up to max_tokens, or up to the median output of
+        the last finished requests where that is less and EOS may end them (at least 1 each)."""
+        typical = statistics.median(self._finished_outputs) if self._finished_outputs else None
+        total = 0
+        for seq in seqs:
+            limit = seq.params.max_tokens
+            expected = limit if typical is None or seq.params.ignore_eos else min(limit, typical)
+            total += max(int(expected) - seq.num_output_tokens, 1)
+        return total
 
 
 def build_speculative_decoder(

@@ -130,6 +130,7 @@ class DraftModelProposer:
         self.block_size = config.block_size
         self.caught_up = False  # the last proposal caught some sequence's draft KV up by more than a step
         self.caught_up_tokens = 0  # tokens of draft KV it computed for the sequences that lagged so
+        self.caught_up_seqs: list[Sequence] = []  # those sequences
         self.max_catch_up_tokens = config.prefill_chunk_tokens
         self.sampler = sampler
 
@@ -143,9 +144,9 @@ class DraftModelProposer:
         token after `drafts`. The draft's KV slots must already be allocated (lookahead slots)."""
         # Catching up more than a verify chunk's worth (a new prompt, a hand-off, steps without
         # speculation) is a one-off per sequence, not what speculating costs per step.
-        lags = [seq.num_tokens - seq.num_draft_computed_tokens for seq, _ in jobs]
-        cap = self.max_catch_up_tokens
-        self.caught_up_tokens = sum(min(lag, cap) for lag in lags if lag > self.decode_chunk_tokens)
+        lags = {seq.seq_id: seq.num_tokens - seq.num_draft_computed_tokens for seq, _ in jobs}
+        self.caught_up_seqs = [seq for seq, _ in jobs if lags[seq.seq_id] > self.decode_chunk_tokens]
+        self.caught_up_tokens = sum(min(lags[seq.seq_id], self.max_catch_up_tokens) for seq in self.caught_up_seqs)
         self.caught_up = self.caught_up_tokens > 0
         jobs = self._catch_up_lagging(jobs, block_table)
         tokens: dict[str, list[int]] = {seq.seq_id: [] for seq, _ in jobs}
