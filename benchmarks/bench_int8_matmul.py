@@ -96,19 +96,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", default="1,4,16,32,64,128,512", help="activation rows (tokens), comma-separated")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--candidates", default=",".join(CANDIDATES), help="columns to run (fp32 always runs)")
     args = parser.parse_args(argv)
+    chosen = {"fp32", *args.candidates.split(",")}
+    candidates = {name: fn for name, fn in CANDIDATES.items() if name in chosen}
     torch.set_num_threads(args.threads)
     layers = _layers()
     print(
         f"{len(layers)} demo-model linear layers, {args.threads} threads; median us per pass over all layers "
         "(ratio: fp32 time / candidate time, > 1 is faster)"
     )
-    print(f"{'rows':>5}" + "".join(f"{name:>22}" for name in CANDIDATES))
+    print(f"{'rows':>5}" + "".join(f"{name:>22}" for name in candidates))
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):
         times = {
             name: (None if rows > SLOW_ABOVE_ROWS.get(name, rows) else _time_us(fn, layers, rows, args.repeats))
-            for name, fn in CANDIDATES.items()
+            for name, fn in candidates.items()
         }
         results[rows] = times
         base = times["fp32"]

@@ -11,7 +11,9 @@
  * step is bound by reading the weights once: here each weight vector is loaded once per TILE_M rows of x
  * into tiles of TILE_M rows x TILE_N output channels, sized so that the accumulators, the weight
  * vectors and one x vector fit the target's vector registers (widen.h's `vf`): 4 x 4 with AVX-512's 32
- * registers, 4 x 2 with AVX2's 16. Output channels are split over `num_threads` POSIX threads.
+ * registers, 4 x 2 with AVX2's 16; one or two rows (a decode step) take 4 channels per tile on every
+ * target, more weight rows streaming at once. Output channels are split over `num_threads` POSIX
+ * threads.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -20,12 +22,11 @@
 #include "widen.h"
 
 #define TILE_M 4
-#ifndef TILE_N /* a -D flag may set it (benchmarks/bench_int8_matmul.py compares tile widths) */
+#define SMALL_M_TILE_N 4 /* channels per tile for 1-2 rows: at most 8 accumulators, fits any target */
 #if VF_LANES == 16
 #define TILE_N 4
 #else
 #define TILE_N 2
-#endif
 #endif
 
 typedef struct {
@@ -46,11 +47,11 @@ static inline float hsum(vf v) {
  * inlining (dispatch below), so the loops over them unroll into straight register code. */
 static inline __attribute__((always_inline)) void tile(const Job *job, int64_t m0, int64_t n0, int MR, int NR) {
     const int64_t k = job->k, kv = k & ~(int64_t)(VF_LANES - 1);
-    vf acc[TILE_M][TILE_N];
+    vf acc[TILE_M][SMALL_M_TILE_N]; /* SMALL_M_TILE_N >= TILE_N */
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = (vf){0};
     for (int64_t kk = 0; kk < kv; kk += VF_LANES) {
-        vf wv[TILE_N];
+        vf wv[SMALL_M_TILE_N];
         for (int j = 0; j < NR; j++) wv[j] = LOAD_W(job->w + (n0 + j) * k + kk);
         for (int i = 0; i < MR; i++) {
             const vf xv = *(const vf *)(job->x + (m0 + i) * k + kk);
@@ -73,12 +74,16 @@ static void tile_3xn(const Job *j, int64_t m0, int64_t n0) { tile(j, m0, n0, 3, 
 static void tile_2xn(const Job *j, int64_t m0, int64_t n0) { tile(j, m0, n0, 2, TILE_N); }
 static void tile_1xn(const Job *j, int64_t m0, int64_t n0) { tile(j, m0, n0, 1, TILE_N); }
 static void tile_1x1(const Job *j, int64_t m0, int64_t n0) { tile(j, m0, n0, 1, 1); }
+static void tile_1xs(const Job *j, int64_t m0, int64_t n0) { tile(j, m0, n0, 1, SMALL_M_TILE_N); }
+static void tile_2xs(const Job *j, int64_t m0, int64_t n0) { tile(j, m0, n0, 2, SMALL_M_TILE_N); }
 typedef void (*TileFn)(const Job *, int64_t, int64_t);
 static const TileFn TILE_ROWS[TILE_M + 1] = {NULL, tile_1xn, tile_2xn, tile_3xn, tile_4xn};
 
 static void *run_job(void *arg) {
     const Job *job = (const Job *)arg;
     int64_t n0 = job->n_start;
+    if (job->m <= 2) /* a decode step's one or two rows: more weight rows in flight per tile */
+        for (; n0 + SMALL_M_TILE_N <= job->n_end; n0 += SMALL_M_TILE_N) (job->m == 1 ? tile_1xs : tile_2xs)(job, 0, n0);
     for (; n0 + TILE_N <= job->n_end; n0 += TILE_N) {
         int64_t m0 = 0;
         for (; m0 + TILE_M <= job->m; m0 += TILE_M) tile_4xn(job, m0, n0);

@@ -1,11 +1,12 @@
 """`x @ weightᵀ + bias` for unquantized weights: BLAS, or a skinny C kernel for a few fp32 rows on CPU.
 
 A decode or verify step multiplies a handful of rows by every weight of the model, and reads each
-weight once: the step is bound by memory. BLAS does that for one row (a GEMV), but from 2 rows on it
-packs the weights per call and runs small-m GEMM tiles, so 5 rows (a speculative verify chunk) cost
-~2-4x one row on this CPU where reading the weights once costs ~1.2x (benchmarks/bench_int8_matmul.py's
-`fp32_native`, README). `engine/kernels/fp32_linear.c` reads them once per 4 rows. One row keeps BLAS's GEMV (as fast,
-and the path plain decoding was validated on); other dtypes, devices and larger batches keep BLAS.
+weight once: the step is bound by memory. From 2 rows on BLAS packs the weights per call and runs
+small-m GEMM tiles, so 5 rows (a speculative verify chunk) cost ~2-4x one row where reading the weights
+once costs ~1.2x; `engine/kernels/fp32_linear.c` reads them once per 4 rows (benchmarks/
+bench_int8_matmul.py's `fp32_native`, README). One row takes the kernel too: on an AVX-512 Xeon it was
+as fast as BLAS's GEMV, on an AVX2-only EPYC 1.2-2x faster (same run). Other dtypes, devices and more
+than 8 rows keep BLAS.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from engine.kernels import kernel
 
-SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 2, 8  # measured crossover: BLAS wins again from ~8-16 rows
+SKINNY_MIN_ROWS, SKINNY_MAX_ROWS = 1, 8  # measured crossover: BLAS wins again from ~8-16 rows
 
 
 def _skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
