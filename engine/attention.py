@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.kernels import decode_attention_kernel
 from engine.kv_storage import LayerKV
@@ -161,13 +160,22 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
 def attend_after_context(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """A chunk's queries [1, heads, query_len, dim] over keys/values [1, kv_heads, context_len, dim] whose
     last query_len positions are the chunk's own: query i sits at context_len - query_len + i and sees
-    the keys up to it (causal, aligned to the bottom right). Passed as PyTorch's `causal_lower_right`
-    bias, not a boolean mask: on CUDA in bf16/fp16 that is the flash kernel with no mask tensor built
-    (benchmarks/bench_prefill_attention.py); elsewhere PyTorch materialises the same boolean mask the
-    engine built before (equal results, tests/engine/test_attention.py)."""
+    the keys up to it (causal, aligned to the bottom right). On CUDA that is PyTorch's
+    `causal_lower_right` bias, which runs the flash kernel in bf16/fp16 with no mask tensor built
+    (benchmarks/bench_prefill_attention.py); elsewhere the same boolean mask, built here (the bias module
+    imports torch._dynamo: 2.4 s and its memory in every worker that never runs on a GPU)."""
     query_len, context_len = queries.shape[2], keys.shape[2]
-    bias = causal_lower_right(query_len, context_len)
-    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias, scale=scale, enable_gqa=True)
+    if queries.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+
+        bias = causal_lower_right(query_len, context_len)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias, scale=scale, enable_gqa=True)
+    offset = context_len - query_len
+    allowed = (
+        torch.arange(context_len, device=queries.device)[None, :]
+        <= torch.arange(offset, context_len, device=queries.device)[:, None]
+    )
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale, enable_gqa=True)
 
 
 def _prefill_attention(q, k, v, cache: LayerKV, seg: PrefillSegment, scale: float) -> torch.Tensor:

@@ -141,3 +141,9 @@ def test_a_chunk_over_its_context_sees_keys_up_to_its_own_position(heads, kv_hea
         q, k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1),
         attn_mask=allowed, scale=0.25)
     torch.testing.assert_close(attend_after_context(q, k, v, 0.25), expected, rtol=1e-6, atol=1e-6)
+    # What the CUDA path passes instead of the mask: the same attention.
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(query_len, context_len)
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
