@@ -249,6 +249,11 @@ int paged_decode_attention(const float *q, const void *k, const void *v, const f
     if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || num_threads <= 0) return 2;
     if (kind < KIND_F32 || kind > KIND_F8 || (kind != KIND_F32 && (!k_scale || !v_scale))) return 3;
     if (num_threads > 64) num_threads = 64;
+    /* A thread is created per call: each gets at least 16 MiB of K/V to read (the longest context's
+     * worth for every item bounds the work), else the call runs on the caller's thread alone. */
+    const int64_t kv_bytes = 2 * batch * kv_heads * max_context * head_dim * element_bytes(kind);
+    const int64_t by_work = kv_bytes >> 24;
+    if (num_threads > by_work) num_threads = by_work > 1 ? by_work : 1;
     Job jobs[64];
     pthread_t threads[64];
     int started[64] = {0};
