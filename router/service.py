@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 
 from cluster.client import ClusterClient, RequestFailed
 from cluster.cluster_view import ClusterView
-from cluster.membership import Member, Membership
+from cluster.membership import ROLES, Member, Membership
 from cluster.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
@@ -52,6 +52,7 @@ class RouterService:
     ):
         self.cluster, self.policy, self.tokenizer, self.index = cluster, policy, tokenizer, index
         self.info = cluster.prefill[0].info
+        self._pool_blocks: dict[str, int] = {}  # role → the smallest KV pool of its last known members
         self._check_members(cluster.membership, cluster.membership)
         cluster.listeners.append(self._check_members)
         self.limits = ModelLimits(self.info.vocab_size, self.info.max_model_len, tokenizer is not None)
@@ -90,7 +91,11 @@ class RouterService:
                     f"worker {member.worker_id} serves {member.info.model_identity}, this router "
                     f"{self.info.model_identity}"
                 )
-        self._min_pool_blocks = min((m.info.num_blocks for m in new.members), default=0)
+        for role in ROLES:
+            sizes = [m.info.num_blocks for m in new.members if m.role == role]
+            if sizes:  # a pool with no member now (every worker dead, replacements starting) keeps its size
+                self._pool_blocks[role] = min(sizes)
+        self._min_pool_blocks = min(self._pool_blocks.values(), default=0)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)

@@ -179,6 +179,33 @@ def test_stop_strings_stay_right_across_a_migration(stack, checkpoint):
     assert list(expected.token_ids) == hf_greedy_generate(model_dir, [prompt], MAX_TOKENS)[0][:len(expected.token_ids)]
 
 
+def test_streams_wait_out_every_worker_being_killed_at_once(stack, checkpoint):
+    """Both pools empty at once (every worker SIGKILLed): streams under way and requests sent while no
+    worker is left wait for the replacements and finish with HF's tokens; none is refused (an empty
+    membership once made the router call every prompt too long for a pool of 0 blocks)."""
+    model_dir = checkpoint(TinySpec())
+    _wait_full_strength(stack)
+    prompts = random_prompts(6, 10, 50, 512, seed=46)
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    streams = Streams(stack.target, prompts[:4], greedy)
+    streams.wait_tokens(4)
+    for member in _membership(stack).members:
+        _sigkill(member.actor)
+    deadline_s = time.monotonic() + 30
+    while _membership(stack).members:  # the controller has dropped every dead worker
+        assert time.monotonic() < deadline_s, [m.worker_id for m in _membership(stack).members]
+        time.sleep(0.02)
+    late = Streams(stack.target, prompts[4:], greedy, tag="late")
+    streams.join()
+    late.join()
+    assert streams.errors + late.errors == [None] * len(prompts)
+    assert streams.tokens + late.tokens == hf_greedy_generate(model_dir, prompts, MAX_TOKENS)
+    assert sum(f.migrations for f in streams.finals) >= 1, [f.migrations for f in streams.finals]
+    _wait_full_strength(stack)
+    stack.cluster.refresh()
+    wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
+
+
 def test_past_the_migration_limit_a_request_fails_naming_the_cause(ray_session, checkpoint):
     config = router_config(migration_limit=0)
     stack = start_router(checkpoint(TinySpec()), config)
