@@ -57,7 +57,8 @@ class PrefillResult:
     logprobs: object | None  # engine.sampler.TokenLogprobs
     finish_reason: str | None
     handoff: bool
-    num_cached_tokens: int  # prompt tokens served from cache, pulled ones included
+    num_cached_tokens: int  # context tokens served from cache, pulled ones included (a migrated request's
+    # context is its prompt and the tokens it already streamed)
     prefill_time_s: float
     pull: PullOutcome | None = None  # set when the request asked for a prefix pull
 

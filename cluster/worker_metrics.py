@@ -120,7 +120,8 @@ class WorkerMetrics:
         self._kv_capacity.labels(self.worker_id, self.role).set(kv_capacity_blocks)
 
     def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """A prefilled prompt's length and how many of its tokens were prefix-cache hits."""
+        """A prefilled context's length (a migrated request's includes the tokens it already streamed) and
+        how many of its tokens were prefix-cache hits."""
         if not 0 <= cached_tokens <= prompt_tokens:
             raise ValueError(f"cached tokens {cached_tokens} not in [0, {prompt_tokens}]")
         self._prompt.labels(self.worker_id, self.role).inc(prompt_tokens)

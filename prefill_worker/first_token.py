@@ -80,7 +80,9 @@ class FirstTokenWaiters:
                     ),
                 )
                 continue
-            self.metrics.observe_prompt(seq.num_prompt_tokens, seq.num_cached_tokens)
+            # The prefilled context: the prompt plus, for a migrated request, the tokens it already streamed
+            # (its cache hits can reach past the prompt into those).
+            self.metrics.observe_prompt(seq.num_tokens - len(update.new_token_ids), seq.num_cached_tokens)
             handoff = update.finish_reason is FinishReason.HANDOFF
             result = PrefillResult(
                 update.seq_id,
