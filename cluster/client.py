@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from cluster.membership import Member
 from cluster.messages import GenerateRequest, PullOutcome, TokenUpdate
 from engine.errors import InvalidRequestError
-from kvtransfer.session import HandoffStats
+from kvtransfer.session import HandoffFailed, HandoffStats
 
 POLL_WAIT_S = 0.2
 
@@ -47,12 +47,17 @@ class RequestFailed(RuntimeError):
         timed_out: bool = False,
         out_of_capacity: bool = False,
         lost_worker: tuple[str, int] | None = None,
+        decode_lost: bool = False,
     ):
         super().__init__(reason)
         self.reason, self.unavailable, self.field, self.timed_out = reason, unavailable, field, timed_out
         self.out_of_capacity = out_of_capacity  # a worker's KV pool is full now: retry later
         self.lost_worker = lost_worker  # (worker id, epoch) of a worker found dead on the way, if any
+        self.decode_lost = decode_lost  # its hand-off found the decode instance dead or silent
         self.migration_cause = "worker_failed"  # set by the router: which part was lost (metrics)
+        # False when the request cannot have caused the failure: a worker died during its hand-off, when the
+        # prefill worker had computed it and the decode instance had not begun to (see `migration_limit`).
+        self.counts_toward_limit = True
 
 
 @dataclass(frozen=True)
@@ -124,9 +129,7 @@ class ClusterClient:
             if not first.handoff:  # done at prefill: nothing was reserved on decode
                 finished = True
                 return
-            stats: HandoffStats = await _next(
-                stream, deadline_s, f"KV hand-off {prefill.worker_id} -> {decode.worker_id}", prefill
-            )
+            stats: HandoffStats = await _handoff(stream, deadline_s, prefill, decode)
             prefill_holds = False  # adopted: the prefill worker holds nothing of it any more
             for listener in self.handoff_listeners:
                 listener(stats)
@@ -211,6 +214,16 @@ class ClusterClient:
         self._pollers.clear()
 
 
+async def _handoff(stream, deadline_s: float, prefill: Member, decode: Member) -> HandoffStats:
+    """The hand-off's outcome from the prefill worker's stream. A worker death here (either side) does not
+    count toward the router's migration limit: the request had run to its first token and no decode step."""
+    try:
+        return await _next(stream, deadline_s, f"KV hand-off {prefill.worker_id} -> {decode.worker_id}", prefill)
+    except RequestFailed as err:
+        err.counts_toward_limit = err.lost_worker is None and not err.decode_lost
+        raise
+
+
 async def _next(stream, deadline_s: float, what: str, prefill: Member):
     """The next item of a streaming Ray call, within the request's deadline; failures → RequestFailed."""
     try:
@@ -230,6 +243,8 @@ async def _next(stream, deadline_s: float, what: str, prefill: Member):
             raise RequestFailed(str(cause), field=cause.field) from None
         if isinstance(cause, MemoryError):
             raise RequestFailed(f"{what}: {cause}", out_of_capacity=True) from None
+        if isinstance(cause, HandoffFailed) and cause.decode_lost and time.monotonic() < deadline_s:
+            raise RequestFailed(f"{what} failed: {cause}", unavailable=True, decode_lost=True) from None
         if time.monotonic() >= deadline_s:
             raise RequestFailed(f"{what}: the request's deadline passed ({cause})", timed_out=True) from None
         raise RequestFailed(f"{what} failed: {cause}", unavailable=True) from None

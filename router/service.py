@@ -129,7 +129,9 @@ class RouterService:
         the request's failure: it **migrates** — the prompt and every token already streamed are
         prefilled again elsewhere (prefix-cache hits where they exist, a peer pull where it pays), and
         decoding resumes at the next token; the client sees one unbroken stream, equal to a fault-free
-        run (seeded draws depend only on the token's position). `migration_limit` bounds it."""
+        run (seeded draws depend only on the token's position). `migration_limit` bounds the migrations
+        the request may have caused: a worker lost while computing it (prefilling, or decoding); one lost
+        during its hand-off is not counted (the deadline still bounds those)."""
         limit = self.cluster.config.router.migration_limit
         while True:
             try:
@@ -142,11 +144,12 @@ class RouterService:
                 if not err.unavailable:
                     raise
                 self.monitor.probe_soon()
-                if state.migrations >= limit:
+                if err.counts_toward_limit and state.counted_migrations >= limit:
                     raise RequestFailed(
-                        f"{err.reason} (after {state.migrations} migration(s), the limit)", unavailable=True
+                        f"{err.reason} (after {state.counted_migrations} migration(s), the limit)", unavailable=True
                     ) from None
                 state.migrations += 1
+                state.counted_migrations += err.counts_toward_limit
                 self.metrics.migrated(err.migration_cause)
                 log.info("migrating %s after %d token(s): %s", request.request_id, state.num_tokens, err.reason)
 

@@ -27,6 +27,7 @@ class StreamState:
         )
         self.token_ids: list[int] = []  # every token streamed so far (a migration resumes after them)
         self.migrations = 0
+        self.counted_migrations = 0  # of those, the ones `router.migration_limit` counts
         self.upstream_s = 0.0  # time spent waiting on the cluster, over the attempts that ended
         self.cached_tokens = 0
         self.first_token_s: float | None = None

@@ -221,6 +221,29 @@ def test_past_the_migration_limit_a_request_fails_naming_the_cause(ray_session, 
         stack.stop()
 
 
+def test_a_worker_lost_during_the_hand_off_does_not_count_toward_the_limit(ray_session, checkpoint):
+    """With migration_limit 0, the prefill worker is killed while the request's KV is on the wire: the
+    request had run to its first token and no decode step, so it cannot have caused the death. It
+    migrates anyway (waiting for the replacement) and finishes with HF's tokens."""
+    model_dir = checkpoint(TinySpec())
+    stack = start_router(model_dir, replace(router_config(migration_limit=0), handoff_lease_s=LEASE_S))
+    try:
+        decode = _membership(stack).decode[0]
+        ray.get(decode.actor.debug_set_receive_delay.remote(3.0), timeout=10)
+        prompts = random_prompts(1, 20, 60, 512, seed=47)
+        streams = Streams(stack.target, prompts, dict(temperature=0.0, max_tokens=16, ignore_eos=True))
+        streams.wait_tokens(1)  # the first token is out; its KV is on the wire
+        _sigkill(_membership(stack).prefill[0].actor)
+        ray.get(decode.actor.debug_set_receive_delay.remote(0.0), timeout=10)
+        streams.join()
+        assert streams.errors == [None] and streams.finals[0].migrations == 1
+        assert streams.tokens == hf_greedy_generate(model_dir, prompts, 16)
+        stack.cluster.refresh()
+        wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
+    finally:
+        stack.stop()
+
+
 def test_overload_fails_no_request_with_admission_always(ray_session, checkpoint):
     """Several times what 1 prefill + 1 decode serve, all at once, with a decode pool that cannot hold
     them all: requests wait for room (prefill queue, decode reservations), none is refused or lost."""
