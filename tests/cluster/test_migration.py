@@ -87,10 +87,10 @@ def _membership(stack):
     return stack.server.service.cluster.membership
 
 
-def _wait_full_strength(stack, timeout_s: float = 60) -> None:
-    """Until both pools are back to 2, every decode instance stepping slowly (see STEP_DELAY_S)."""
+def _wait_full_strength(stack, timeout_s: float = 60, replicas: int = 2) -> None:
+    """Until both pools are back to `replicas`, every decode instance stepping slowly (see STEP_DELAY_S)."""
     deadline_s = time.monotonic() + timeout_s
-    while len(_membership(stack).prefill) < 2 or len(_membership(stack).decode) < 2:
+    while len(_membership(stack).prefill) < replicas or len(_membership(stack).decode) < replicas:
         assert time.monotonic() < deadline_s
         time.sleep(0.1)
     for decode in _membership(stack).decode:
@@ -206,42 +206,48 @@ def test_streams_wait_out_every_worker_being_killed_at_once(stack, checkpoint):
     wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
 
 
-def test_past_the_migration_limit_a_request_fails_naming_the_cause(ray_session, checkpoint):
-    config = router_config(migration_limit=0)
-    stack = start_router(checkpoint(TinySpec()), config)
-    try:
-        ray.get(_membership(stack).decode[0].actor.debug_set_step_delay.remote(STEP_DELAY_S), timeout=10)
-        streams = Streams(stack.target, [[5] * 20], dict(temperature=0.0, max_tokens=400, ignore_eos=True))
-        streams.wait_tokens(3)
-        _sigkill(_membership(stack).decode[0].actor)
-        streams.join()
-        assert isinstance(streams.errors[0], Unavailable)
-        assert "decode instance" in str(streams.errors[0]) and "limit" in str(streams.errors[0])
-    finally:
-        stack.stop()
+@pytest.fixture(scope="module")
+def no_migrations(ray_session, checkpoint):
+    """1 prefill + 1 decode with `migration_limit` 0."""
+    stack = start_router(checkpoint(TinySpec()), replace(router_config(migration_limit=0), handoff_lease_s=LEASE_S))
+    yield stack
+    stack.stop()
 
 
-def test_a_worker_lost_during_the_hand_off_does_not_count_toward_the_limit(ray_session, checkpoint):
+def test_past_the_migration_limit_a_request_fails_naming_the_cause(no_migrations):
+    stack = no_migrations
+    _wait_full_strength(stack, replicas=1)
+    streams = Streams(stack.target, [[5] * 20], dict(temperature=0.0, max_tokens=400, ignore_eos=True))
+    streams.wait_tokens(3)
+    victim = _membership(stack).decode[0]
+    _sigkill(victim.actor)
+    streams.join()
+    assert isinstance(streams.errors[0], Unavailable)
+    assert "decode instance" in str(streams.errors[0]) and "limit" in str(streams.errors[0])
+    deadline_s = time.monotonic() + 60
+    while not any(m.worker_id == victim.worker_id and m.epoch > victim.epoch for m in _membership(stack).decode):
+        assert time.monotonic() < deadline_s, "the killed decode instance was not replaced"
+        time.sleep(0.1)
+
+
+def test_a_worker_lost_during_the_hand_off_does_not_count_toward_the_limit(no_migrations, checkpoint):
     """With migration_limit 0, the prefill worker is killed while the request's KV is on the wire: the
     request had run to its first token and no decode step, so it cannot have caused the death. It
     migrates anyway (waiting for the replacement) and finishes with HF's tokens."""
-    model_dir = checkpoint(TinySpec())
-    stack = start_router(model_dir, replace(router_config(migration_limit=0), handoff_lease_s=LEASE_S))
-    try:
-        decode = _membership(stack).decode[0]
-        ray.get(decode.actor.debug_set_receive_delay.remote(3.0), timeout=10)
-        prompts = random_prompts(1, 20, 60, 512, seed=47)
-        streams = Streams(stack.target, prompts, dict(temperature=0.0, max_tokens=16, ignore_eos=True))
-        streams.wait_tokens(1)  # the first token is out; its KV is on the wire
-        _sigkill(_membership(stack).prefill[0].actor)
-        ray.get(decode.actor.debug_set_receive_delay.remote(0.0), timeout=10)
-        streams.join()
-        assert streams.errors == [None] and streams.finals[0].migrations == 1
-        assert streams.tokens == hf_greedy_generate(model_dir, prompts, 16)
-        stack.cluster.refresh()
-        wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
-    finally:
-        stack.stop()
+    model_dir, stack = checkpoint(TinySpec()), no_migrations
+    _wait_full_strength(stack, replicas=1)
+    decode = _membership(stack).decode[0]
+    ray.get(decode.actor.debug_set_receive_delay.remote(3.0), timeout=10)
+    prompts = random_prompts(1, 20, 60, 512, seed=47)
+    streams = Streams(stack.target, prompts, dict(temperature=0.0, max_tokens=16, ignore_eos=True))
+    streams.wait_tokens(1)  # the first token is out; its KV is on the wire
+    _sigkill(_membership(stack).prefill[0].actor)
+    ray.get(decode.actor.debug_set_receive_delay.remote(0.0), timeout=10)
+    streams.join()
+    assert streams.errors == [None] and streams.finals[0].migrations == 1
+    assert streams.tokens == hf_greedy_generate(model_dir, prompts, 16)
+    stack.cluster.refresh()
+    wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
 
 
 def test_overload_fails_no_request_with_admission_always(ray_session, checkpoint):
