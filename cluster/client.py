@@ -243,8 +243,7 @@ async def _next(stream, deadline_s: float, what: str, prefill: Member):
             raise RequestFailed(str(cause), field=cause.field) from None
         if isinstance(cause, MemoryError):
             raise RequestFailed(f"{what}: {cause}", out_of_capacity=True) from None
-        if isinstance(cause, HandoffFailed) and cause.decode_lost and time.monotonic() < deadline_s:
-            raise RequestFailed(f"{what} failed: {cause}", unavailable=True, decode_lost=True) from None
         if time.monotonic() >= deadline_s:
             raise RequestFailed(f"{what}: the request's deadline passed ({cause})", timed_out=True) from None
-        raise RequestFailed(f"{what} failed: {cause}", unavailable=True) from None
+        decode_lost = isinstance(cause, HandoffFailed) and cause.decode_lost
+        raise RequestFailed(f"{what} failed: {cause}", unavailable=True, decode_lost=decode_lost) from None

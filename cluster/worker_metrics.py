@@ -69,7 +69,9 @@ class WorkerMetrics:
         self._kv_used = self._gauge("kv_used_blocks", "KV blocks held by sequences, reservations or pins.")
         self._waiting = self._gauge("waiting_requests", "Requests waiting in the worker's scheduler.")
         self._running = self._gauge("running_requests", "Requests in the worker's running batch.")
-        self._prompt = self._counter("prompt_tokens_total", "Prompt tokens of requests prefilled here.")
+        self._prompt = self._counter(
+            "prompt_tokens_total", "Prompt tokens prefilled here (a migrated request's include its streamed tokens)."
+        )
         self._hits = self._counter(
             "prefix_cache_hit_tokens_total", "Of those, tokens found in the local prefix cache (not computed)."
         )
@@ -119,12 +121,12 @@ class WorkerMetrics:
         self._kv_used.labels(self.worker_id, self.role).set(kv_used_blocks)
         self._kv_capacity.labels(self.worker_id, self.role).set(kv_capacity_blocks)
 
-    def observe_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def observe_prompt(self, context_tokens: int, cached_tokens: int) -> None:
         """A prefilled context's length (a migrated request's includes the tokens it already streamed) and
         how many of its tokens were prefix-cache hits."""
-        if not 0 <= cached_tokens <= prompt_tokens:
-            raise ValueError(f"cached tokens {cached_tokens} not in [0, {prompt_tokens}]")
-        self._prompt.labels(self.worker_id, self.role).inc(prompt_tokens)
+        if not 0 <= cached_tokens <= context_tokens:
+            raise ValueError(f"cached tokens {cached_tokens} not in [0, {context_tokens}]")
+        self._prompt.labels(self.worker_id, self.role).inc(context_tokens)
         self._hits.labels(self.worker_id, self.role).inc(cached_tokens)
 
     def observe_step(self, phase: str, seconds: float, num_tokens: int) -> None:

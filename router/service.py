@@ -95,7 +95,6 @@ class RouterService:
             sizes = [m.info.num_blocks for m in new.members if m.role == role]
             if sizes:  # a pool with no member now (every worker dead, replacements starting) keeps its size
                 self._pool_blocks[role] = min(sizes)
-        self._min_pool_blocks = min(self._pool_blocks.values(), default=0)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
@@ -264,10 +263,11 @@ class RouterService:
                 f"the router is serving its limit of {self.max_concurrent_requests} requests", retry_after_s=1.0
             )
         blocks_needed = -(-(len(request.prompt_token_ids) + 1) // self.info.block_size)
-        if blocks_needed > self._min_pool_blocks:
+        smallest_pool_blocks = min(self._pool_blocks.values())
+        if blocks_needed > smallest_pool_blocks:
             field = "text" if request.prompt_text is not None else "token_ids"
             raise InvalidRequestError(
-                field, f"prompt needs {blocks_needed} KV blocks; the smallest worker pool has {self._min_pool_blocks}"
+                field, f"prompt needs {blocks_needed} KV blocks; the smallest worker pool has {smallest_pool_blocks}"
             )
 
     def worker_loads(self) -> dict[str, int]:
