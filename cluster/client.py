@@ -1,8 +1,9 @@
 """The cluster's request API: submit a request, iterate its tokens (what the router builds on).
 
 One request's lifecycle (DESIGN.md steps 4–6), every wait bounded by the request's deadline:
-1. one streaming call to the chosen prefill worker, `prefill(request, decode, owner)`: it yields the
-   first token as soon as it is sampled (streamed at once: TTFT), then — after its hand-off session
+1. one streaming call to the chosen prefill worker, `prefill(request, decode, owner)`: it yields
+   whether the request waits in the worker's queue (only when it does), the first token as soon as it
+   is sampled (streamed at once: TTFT), then — after its hand-off session
    reserved blocks on the decode instance, moved the KV and had the instance adopt the sequence —
    the hand-off's statistics;
 2. the decode instance's per-step outputs arrive through one poller per instance (this client is
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.membership import Member
-from cluster.messages import GenerateRequest, PullOutcome, TokenUpdate
+from cluster.messages import GenerateRequest, PrefillQueue, PrefillResult, PullOutcome, TokenUpdate
 from engine.errors import InvalidRequestError
 from kvtransfer.session import HandoffFailed, HandoffStats
 
@@ -55,8 +56,9 @@ class RequestFailed(RuntimeError):
         self.lost_worker = lost_worker  # (worker id, epoch) of a worker found dead on the way, if any
         self.decode_lost = decode_lost  # its hand-off found the decode instance dead or silent
         self.migration_cause = "worker_failed"  # set by the router: which part was lost (metrics)
-        # False when the request cannot have caused the failure: a worker died during its hand-off, when the
-        # prefill worker had computed it and the decode instance had not begun to (see `migration_limit`).
+        # False when the request cannot have caused the failure: a worker died while the request waited in
+        # its queue, or during its hand-off, when the prefill worker had computed it and the decode instance
+        # had not begun to (see `migration_limit`).
         self.counts_toward_limit = True
 
 
@@ -83,10 +85,6 @@ class ClusterClient:
         self.client_id = secrets.token_hex(4)  # decode instances route this client's tokens by it
         self._cleanups: dict[str, asyncio.Task] = {}  # request id → abort in progress on its workers
         self.handoff_listeners: list = []  # called with each finished hand-off's HandoffStats (cost models)
-
-    def is_active(self, request_id: str) -> bool:
-        """True while the request streams or its abort has not reached its workers yet."""
-        return request_id in self._queues or request_id in self._cleanups
 
     @property
     def num_cleanups(self) -> int:
@@ -118,7 +116,7 @@ class ClusterClient:
         finished, prefill_holds = False, True
         try:
             stream = prefill.actor.prefill.options(num_returns="streaming").remote(request, decode, self.client_id)
-            first = await _next(stream, deadline_s, f"prefill worker {prefill.worker_id}", prefill)
+            first = await _first_token(stream, deadline_s, prefill)
             yield TokenChunk(
                 (first.token_id,),
                 (first.logprobs,) if first.logprobs else (),
@@ -212,6 +210,20 @@ class ClusterClient:
         for task in self._pollers.values():
             task.cancel()
         self._pollers.clear()
+
+
+async def _first_token(stream, deadline_s: float, prefill: Member) -> PrefillResult:
+    """The first token from the prefill worker's stream, past its queue changes. The worker's death while
+    the request waited in its queue does not count toward the router's migration limit: only a request
+    being computed can have caused it."""
+    what, waiting = f"prefill worker {prefill.worker_id}", False
+    try:
+        while isinstance(item := await _next(stream, deadline_s, what, prefill), PrefillQueue):
+            waiting = item.waiting
+        return item
+    except RequestFailed as err:
+        err.counts_toward_limit = not (waiting and err.lost_worker is not None)
+        raise
 
 
 async def _handoff(stream, deadline_s: float, prefill: Member, decode: Member) -> HandoffStats:

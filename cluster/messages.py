@@ -64,6 +64,18 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class PrefillQueue:
+    """Before its first token: the request waits in the prefill worker's queue (`waiting`; sent after a
+    step that did not schedule it), or it left the queue and is being computed (not `waiting`; sent
+    before that step runs). A request scheduled by the first step after it arrived gets neither. The
+    router counts the worker's death toward `migration_limit` unless the request was waiting: a queued
+    request cannot have caused it."""
+
+    request_id: str
+    waiting: bool
+
+
+@dataclass(frozen=True)
 class TokenUpdate:
     """Tokens a decode instance produced for one request since the last poll; `error` set on failure."""
 

@@ -40,7 +40,8 @@ class RouterConfig:
     index_poll_interval_s: float = 0.05  # how often the in-process prefix index pulls worker KV events
     prefix_pull: str = "auto"  # one of PREFIX_PULL_MODES (needs the cache_aware policy's index)
     # A request moves to other workers at most this often when workers fail while computing it (a worker lost
-    # during its hand-off is not counted: the request cannot have caused that; its deadline still bounds it).
+    # while the request waited in its queue or during its hand-off is not counted: the request cannot have
+    # caused that; its deadline still bounds it).
     migration_limit: int = 3
     worker_wait_s: float = 60.0  # a pool with no serving worker (a replacement starting) is waited for this long
     tls_cert_file: str | None = None  # PEM certificate chain the router presents; None: plaintext

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -60,6 +61,9 @@ class LLMEngine:
         self.stops = StopChecker(config.model_dir, self.model_config.eos_token_ids, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        # Called with a step's chunks after scheduling, before the model runs (a prefill worker tells a
+        # waiting request's caller that it is being computed now; see prefill_worker/first_token.py).
+        self.on_scheduled: Callable[[Seq[ScheduledChunk]], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
@@ -140,6 +144,8 @@ class LLMEngine:
         if lookahead and self.spec is not None:
             chunks, drafts = self.spec.propose(chunks, self.kv.block_table, self._sampling_row)
         chunks = order_chunks(chunks, self.config.decode_chunk_tokens)
+        if self.on_scheduled is not None:
+            self.on_scheduled(chunks)
         # (tokens computed, sequences, KV tokens attended) of this step: the step log records it
         self.last_step_shape = (
             sum(c.num_new_tokens for c in chunks),

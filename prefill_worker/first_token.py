@@ -1,4 +1,4 @@
-"""Callers waiting for a prompt's first token, and the engine-thread callback that answers them.
+"""Callers waiting for a prompt's first token, and the engine-thread callbacks that answer them.
 
 `PrefillWorker.prefill` awaits on the actor's event loop while the prompt runs on the engine thread.
 Each request waiting for its first token holds a future here (`expect`); `on_updates`, the engine
@@ -6,17 +6,25 @@ loop's update callback, resolves it with the `PrefillResult` and, for a sequence
 decode, its pinned blocks, or fails it when the prompt can never fit the pool; `abort` fails it with
 `RequestAborted`. A request's prefix-pull outcome (`pulls`) waits here to be reported with its first
 token.
+
+Before the first token, a caller learns when its request waits in the queue and when it then starts
+(`queue_changes`, `PrefillQueue` markers): after a step that did not schedule it (`on_updates`), and
+from the engine's `on_scheduled` hook before the step that does runs, so a request that kills the
+worker while being computed has said so first. A request the first step schedules gets no marker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
 
-from cluster.messages import PrefillResult, PullOutcome
+from cluster.messages import PrefillQueue, PrefillResult, PullOutcome
 from cluster.worker_metrics import WorkerMetrics
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
+from engine.scheduler import ScheduledChunk
 from engine.sequence import FinishReason
 from engine.step_updates import SequenceUpdate
 from prefill_worker.prefix_pull import pull_table_id
@@ -34,14 +42,31 @@ class FirstTokenWaiters:
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._started_s: dict[str, float] = {}
         self.pulls: dict[str, PullOutcome] = {}  # request id → its prefix pull, until its first token
+        self._markers: dict[str, asyncio.Queue] = {}  # request id → its PrefillQueue markers (caller's loop)
+        self._scheduled: set[str] = set()  # awaited requests a step has scheduled (engine thread)
+        self._told_waiting: set[str] = set()  # awaited requests told they wait and not yet that they run
+        engine.on_scheduled = self.on_scheduled
 
     def expect(self, request_id: str) -> asyncio.Future:
         """A future, on the running loop, of the request's (PrefillResult, hand-off blocks or None)."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
+        self._markers[request_id] = asyncio.Queue()
         self._waiters[request_id] = (loop, waiter)
         self._started_s[request_id] = time.perf_counter()
         return waiter
+
+    async def queue_changes(self, request_id: str, waiter: asyncio.Future) -> AsyncIterator[PrefillQueue]:
+        """The request's queue markers, in order, until `waiter` (its `expect` future) is done."""
+        markers = self._markers.get(request_id)
+        while markers is not None and not waiter.done():
+            get = asyncio.ensure_future(markers.get())
+            try:
+                await asyncio.wait({get, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                get.cancel()
+            if get.done() and not get.cancelled():
+                yield get.result()
 
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._waiters
@@ -50,20 +75,55 @@ class FirstTokenWaiters:
         self._waiters.pop(request_id, None)
         self._started_s.pop(request_id, None)
         self.pulls.pop(request_id, None)
+        self._forget_queue(request_id)
+
+    def _forget_queue(self, request_id: str) -> None:
+        self._markers.pop(request_id, None)
+        self._scheduled.discard(request_id)
+        self._told_waiting.discard(request_id)
 
     def abort(self, request_id: str) -> None:
+        self._forget_queue(request_id)
         entry = self._waiters.pop(request_id, None)
         if entry is not None:  # a caller still waits for the first token: tell it, don't leave it hanging
             loop, waiter = entry
             loop.call_soon_threadsafe(_fail, waiter, RequestAborted(f"{request_id!r} was aborted"))
 
     # ---- engine thread ----------------------------------------------------------------------------
+    def on_scheduled(self, chunks: Seq[ScheduledChunk]) -> None:
+        """Before a step runs: awaited requests it schedules for the first time; those told they wait
+        learn that they are being computed."""
+        for chunk in chunks:
+            rid = chunk.seq.seq_id
+            if rid in self._waiters and rid not in self._scheduled:
+                self._scheduled.add(rid)
+                if rid in self._told_waiting:
+                    self._told_waiting.discard(rid)
+                    self._tell(rid, waiting=False)
+
+    def _tell_waiting(self) -> None:
+        """After a step: awaited requests in the engine that no step has scheduled yet are told they wait."""
+        for rid in list(self._waiters):  # a snapshot: the caller's loop adds and removes entries meanwhile
+            if rid not in self._scheduled and rid not in self._told_waiting and rid in self.engine.seqs:
+                self._told_waiting.add(rid)
+                self._tell(rid, waiting=True)
+
+    def _tell(self, request_id: str, waiting: bool) -> None:
+        entry, markers = self._waiters.get(request_id), self._markers.get(request_id)
+        if entry is not None and markers is not None:
+            entry[0].call_soon_threadsafe(markers.put_nowait, PrefillQueue(request_id, waiting))
+
     def on_updates(self, updates: list[SequenceUpdate]) -> None:
+        self._answer(updates)
+        self._tell_waiting()
+
+    def _answer(self, updates: list[SequenceUpdate]) -> None:
         for update in updates:
             if update.finish_reason is None:
                 continue
             seq = self.engine.pop_finished(update.seq_id)
             self.engine.release(pull_table_id(update.seq_id))  # the prefix served its purpose
+            self._forget_queue(update.seq_id)
             entry = self._waiters.pop(update.seq_id, None)
             started_s = self._started_s.pop(update.seq_id, time.perf_counter())
             pull = self.pulls.pop(update.seq_id, None)

@@ -2,10 +2,11 @@
 
 It owns an engine in the prefill role (batched chunked prefill under a token budget, local prefix
 reuse). A router makes one call per request, `prefill(request, decode, owner)`, a streaming call
-that yields the first token (`PrefillResult`) as soon as it is sampled and then, for a sequence that
-continues on decode, the hand-off's `HandoffStats` once the decode instance adopted it. The hand-off
-itself is a `kvtransfer.session.HandoffSession` (reserve → announce → send → ack → release → adopt);
-this actor only adapts it: the engine's pins, the sender thread, the decode instance's actors.
+that yields whether the request waits in the queue (`PrefillQueue`, only when it does), the first
+token (`PrefillResult`) as soon as it is sampled and then, for a sequence that continues on decode,
+the hand-off's `HandoffStats` once the decode instance adopted it. The hand-off itself is a
+`kvtransfer.session.HandoffSession` (reserve → announce → send → ack → release → adopt); this actor
+only adapts it: the engine's pins, the sender thread, the decode instance's actors.
 A request may first pull its prefix from a peer prefill worker that holds it (`export_prefix` /
 `receive_prefix`; see prefill_worker/prefix_pull.py). Callers awaiting a first token are answered
 from the engine thread by prefill_worker/first_token.py.
@@ -115,13 +116,17 @@ class PrefillWorker:
             self.puller.transport.forget_peer(pull_peer_id(peer))
 
     async def prefill(self, request: GenerateRequest, decode: Member | None, owner: str):
-        """Streaming: yields the first token (PrefillResult), then — when the sequence continues on
-        `decode` — the hand-off's HandoffStats. Raises InvalidRequestError for bad input, HandoffFailed
+        """Streaming: yields the request's queue changes (PrefillQueue, see first_token.py), the first
+        token (PrefillResult), then — when the sequence continues on `decode` — the hand-off's
+        HandoffStats. Raises InvalidRequestError for bad input, HandoffFailed
         when the KV could not reach `decode`. `owner` is the caller's id on the decode instance."""
         rid = request.request_id
         self._sessions[rid] = None
         try:
-            result, handoff = await self._first_token(request)
+            waiter = await self._enqueue(request)
+            async for change in self.first_tokens.queue_changes(rid, waiter):
+                yield change  # PrefillQueue: waiting in this worker's queue, or being computed now
+            result, handoff = await waiter
             yield result
             if handoff is None:
                 return
@@ -132,7 +137,9 @@ class PrefillWorker:
         finally:
             self._sessions.pop(rid, None)
 
-    async def _first_token(self, request: GenerateRequest) -> tuple[PrefillResult, Handoff | None]:
+    async def _enqueue(self, request: GenerateRequest) -> asyncio.Future:
+        """Adds the request to the engine (after its prefix pull, if any); the future of its first
+        token: (PrefillResult, the hand-off's pinned blocks or None)."""
         rid = request.request_id
         waiter = self.first_tokens.expect(rid)
         try:
@@ -140,7 +147,7 @@ class PrefillWorker:
                 self.first_tokens.pulls[rid] = await self.puller.pull(request)
                 if not self.first_tokens.is_waiting(rid):  # aborted while pulling: the waiter already failed
                     self.loop.call(lambda engine: engine.release(pull_table_id(rid)))
-                    return await waiter
+                    return waiter
             await asyncio.wrap_future(
                 self.loop.call(
                     lambda engine: engine.add_request(
@@ -157,7 +164,7 @@ class PrefillWorker:
             self.first_tokens.forget(rid)
             self.loop.call(lambda engine: engine.release(pull_table_id(rid)))
             raise
-        return await waiter
+        return waiter
 
     async def _hand_off(
         self, request: GenerateRequest, result: PrefillResult, handoff: Handoff, decode: Member, owner: str

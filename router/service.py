@@ -130,7 +130,8 @@ class RouterService:
         decoding resumes at the next token; the client sees one unbroken stream, equal to a fault-free
         run (seeded draws depend only on the token's position). `migration_limit` bounds the migrations
         the request may have caused: a worker lost while computing it (prefilling, or decoding); one lost
-        during its hand-off is not counted (the deadline still bounds those)."""
+        while it waited in the worker's queue or during its hand-off is not counted (the deadline still
+        bounds those)."""
         limit = self.cluster.config.router.migration_limit
         while True:
             try:
@@ -172,10 +173,9 @@ class RouterService:
         cluster_s, first = [0.0], True
         try:
             # Each attempt has an id of its own on the workers: the cleanup of a failed attempt (abort, cancel)
-            # must never reach the next attempt of the same request on the same worker.
-            attempt_id = request.request_id if state.migrations == 0 else f"{request.request_id}~m{state.migrations}"
+            # must never reach the next attempt of the same request, nor a client's retry of it.
             cluster_request = GenerateRequest(
-                attempt_id,
+                state.attempt_id,
                 request.prompt_token_ids,
                 request.params,
                 request.priority,
@@ -256,7 +256,7 @@ class RouterService:
         self.traffic.finished(state.num_tokens, ttft_s, state.tpot_s)
 
     def _admit(self, request: RouterRequest) -> None:
-        if request.request_id in self._running or self.client.is_active(request.request_id):
+        if request.request_id in self._running:
             raise DuplicateRequest(f"request_id {request.request_id!r} is already running")
         if len(self._running) >= self.max_concurrent_requests:
             raise Overloaded(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -28,10 +29,18 @@ class StreamState:
         self.token_ids: list[int] = []  # every token streamed so far (a migration resumes after them)
         self.migrations = 0
         self.counted_migrations = 0  # of those, the ones `router.migration_limit` counts
+        self.call_tag = secrets.token_hex(3)  # this router call's, in every attempt id (see attempt_id)
         self.upstream_s = 0.0  # time spent waiting on the cluster, over the attempts that ended
         self.cached_tokens = 0
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
+
+    @property
+    def attempt_id(self) -> str:
+        """The current attempt's id on the workers, unique to this router call and attempt: a worker refuses
+        an id it cancelled for a while (a hand-off that arrives after its cancel), so a client's retry of the
+        request id, or a migration, must never reuse an earlier attempt's."""
+        return f"{self.request.request_id}~{self.call_tag}" + (f"m{self.migrations}" if self.migrations else "")
 
     @property
     def started(self) -> bool:

@@ -36,8 +36,8 @@ def _sigkill(actor) -> None:
 class Streams:
     """Runs each prompt as one streaming request on its own thread, recording tokens as they arrive."""
 
-    def __init__(self, target: str, prompts, params: dict, tag: str = "s"):
-        self.tag = tag
+    def __init__(self, target: str, prompts, params: dict, tag: str = "s", max_retries: int = 3):
+        self.tag, self.max_retries = tag, max_retries
         self.tokens = [[] for _ in prompts]
         self.texts, self.routes = [[] for _ in prompts], [None] * len(prompts)
         self.finals, self.errors = [None] * len(prompts), [None] * len(prompts)
@@ -48,7 +48,7 @@ class Streams:
 
     def _run(self, target, index, prompt, params) -> None:
         try:
-            with Client(target) as client:
+            with Client(target, max_retries=self.max_retries) as client:
                 for chunk in client.generate_stream(prompt, request_id=f"{self.tag}{index}", **params):
                     self.tokens[index].extend(chunk.token_ids)
                     self.texts[index].append(chunk.text)
@@ -208,8 +208,11 @@ def test_streams_wait_out_every_worker_being_killed_at_once(stack, checkpoint):
 
 @pytest.fixture(scope="module")
 def no_migrations(ray_session, checkpoint):
-    """1 prefill + 1 decode with `migration_limit` 0."""
-    stack = start_router(checkpoint(TinySpec()), replace(router_config(migration_limit=0), handoff_lease_s=LEASE_S))
+    """1 prefill + 1 decode with `migration_limit` 0; the prefill worker computes one request at a time,
+    32 tokens a step (requests queue behind a long prompt)."""
+    config = replace(router_config(migration_limit=0), handoff_lease_s=LEASE_S)
+    config = replace(config, prefill=replace(config.prefill, max_num_seqs=1, max_num_batched_tokens=32))
+    stack = start_router(checkpoint(TinySpec()), config)
     yield stack
     stack.stop()
 
@@ -224,10 +227,7 @@ def test_past_the_migration_limit_a_request_fails_naming_the_cause(no_migrations
     streams.join()
     assert isinstance(streams.errors[0], Unavailable)
     assert "decode instance" in str(streams.errors[0]) and "limit" in str(streams.errors[0])
-    deadline_s = time.monotonic() + 60
-    while not any(m.worker_id == victim.worker_id and m.epoch > victim.epoch for m in _membership(stack).decode):
-        assert time.monotonic() < deadline_s, "the killed decode instance was not replaced"
-        time.sleep(0.1)
+    _wait_replaced(stack, victim)
 
 
 def test_a_worker_lost_during_the_hand_off_does_not_count_toward_the_limit(no_migrations, checkpoint):
@@ -248,6 +248,56 @@ def test_a_worker_lost_during_the_hand_off_does_not_count_toward_the_limit(no_mi
     assert streams.tokens == hf_greedy_generate(model_dir, prompts, 16)
     stack.cluster.refresh()
     wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
+
+
+def test_a_prefill_worker_lost_while_a_request_waited_in_its_queue_does_not_count(no_migrations, checkpoint):
+    """With migration_limit 0, the prefill worker is killed while computing a long prompt, a second
+    request waiting in its queue: the request being computed fails at the limit (it may have caused the
+    death); the waiting one cannot have, migrates to the replacement and finishes with HF's tokens. A
+    client's retry of the failed request id then succeeds (it once met the cancelled first attempt's id
+    on the decode instance, which refuses it for a lease)."""
+    model_dir, stack = checkpoint(TinySpec()), no_migrations
+    _wait_full_strength(stack, replicas=1)
+    prefill = _membership(stack).prefill[0]
+    ray.get(prefill.actor.debug_set_step_delay.remote(0.3), timeout=10)  # the long prompt: ~13 steps, 4 s
+    params = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    long_prompt = random_prompts(1, 400, 400, 512, seed=48)
+    computing = Streams(stack.target, long_prompt, params, tag="c", max_retries=0)  # the router's verdict
+    _wait_load(prefill, lambda stats: stats.running == 1)
+    prompts = random_prompts(1, 30, 60, 512, seed=49)
+    waiting = Streams(stack.target, prompts, params, tag="w")
+    _wait_load(prefill, lambda stats: stats.waiting == 1)  # a step left it waiting: the worker said so
+    time.sleep(0.5)  # for the router to read it (the long prompt has seconds of steps left)
+    _sigkill(prefill.actor)
+    computing.join()
+    waiting.join()
+    error = computing.errors[0]
+    assert isinstance(error, Unavailable) and "prefill worker" in str(error) and "the limit" in str(error)
+    assert waiting.errors == [None] and waiting.finals[0].migrations == 1
+    assert waiting.tokens == hf_greedy_generate(model_dir, prompts, 8)
+    retried = Streams(stack.target, long_prompt, params, tag="c", max_retries=0)  # the same request id
+    retried.join()
+    assert retried.errors == [None] and retried.tokens == hf_greedy_generate(model_dir, long_prompt, 8)
+    stack.cluster.refresh()
+    wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
+
+
+def _wait_replaced(stack, victim, timeout_s: float = 60):
+    """The member that replaced `victim` (same slot, a later epoch) once it serves."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        for member in _membership(stack).members:
+            if member.worker_id == victim.worker_id and member.epoch > victim.epoch:
+                return member
+        assert time.monotonic() < deadline_s, f"{victim.worker_id} was not replaced"
+        time.sleep(0.1)
+
+
+def _wait_load(worker, condition, timeout_s: float = 30) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition(ray.get(worker.actor.stats.remote(), timeout=10)):
+        assert time.monotonic() < deadline_s, "the worker's load never reached the expected state"
+        time.sleep(0.05)
 
 
 def test_overload_fails_no_request_with_admission_always(ray_session, checkpoint):

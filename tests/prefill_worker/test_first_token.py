@@ -1,11 +1,13 @@
-"""The prefill worker's first-token callback over a real prefill-role engine: a migrated request (its
+"""The prefill worker's first-token callbacks over a real prefill-role engine: a migrated request (its
 prompt plus the tokens it already streamed) whose prefix-cache hit reaches past its prompt gets its first
 token, and the worker's metrics count the prefilled context (such a hit once raised in the engine loop's
-callback and broke the worker)."""
+callback and broke the worker); a request left waiting by a step is told so, and told again before the
+step that starts it runs; one scheduled at once is told nothing."""
 from __future__ import annotations
 
 import asyncio
 
+from cluster.messages import PrefillQueue
 from cluster.worker_metrics import WorkerMetrics
 from engine import SamplingParams
 from prefill_worker.first_token import FirstTokenWaiters
@@ -47,3 +49,53 @@ def test_a_migrated_request_cached_past_its_prompt_gets_its_first_token(checkpoi
     read = metrics.registry.get_sample_value
     assert read("splitserve_worker_prompt_tokens_total", PREFILL) == 84 + 87
     assert read("splitserve_worker_prefix_cache_hit_tokens_total", PREFILL) == 80
+
+
+def test_a_request_left_waiting_is_told_so_and_told_again_before_it_is_computed(checkpoint, make_llm):
+    model_dir = checkpoint(TinySpec())
+    engine = make_llm(model_dir, role="prefill", block_size=16, max_num_seqs=1, max_num_batched_tokens=32).engine
+    waiters = FirstTokenWaiters(engine, WorkerMetrics(PREFILL["worker"], PREFILL["role"]))
+    prompts = random_prompts(2, 70, 70, 512, seed=73)  # 3 steps each at 32 tokens a step, one at a time
+    seen: list[tuple[int, str, object]] = []  # (step, request, marker or first token) in arrival order
+    steps = [0]
+
+    def on_scheduled(chunks):  # the hook runs before the step's model: record what was already said
+        waiters.on_scheduled(chunks)
+        seen.append((steps[0], "scheduled", tuple(c.seq.seq_id for c in chunks)))
+
+    async def listen(request_id, waiter):
+        async for change in waiters.queue_changes(request_id, waiter):
+            seen.append((steps[0], request_id, change))
+        result, _ = await waiter
+        seen.append((steps[0], request_id, result.token_id))
+        engine.release(request_id)
+
+    execute = engine.execute
+
+    def execute_logged(step_input):
+        seen.append((steps[0], "model", None))
+        return execute(step_input)
+
+    async def run():
+        engine.on_scheduled, engine.execute = on_scheduled, execute_logged
+        listeners = []
+        for index, prompt in enumerate(prompts):
+            rid = f"r{index}"
+            listeners.append(asyncio.ensure_future(listen(rid, waiters.expect(rid))))
+            engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=8))
+        while engine.has_unfinished():
+            waiters.on_updates(engine.step())
+            steps[0] += 1
+            await asyncio.sleep(0.01)  # the markers reach the listeners between steps, as on an actor's loop
+        await asyncio.wait_for(asyncio.gather(*listeners), 10)
+
+    asyncio.run(run())
+    # Markers are read between steps here: r1 waits after step 0 and is told after step 0 ran (read at 1);
+    # step 3 is the first to schedule r1, whose hook sent "computing" before that step's model ran (read at 4).
+    markers = [(step, rid, m) for step, rid, m in seen if isinstance(m, PrefillQueue)]
+    assert markers == [(1, "r1", PrefillQueue("r1", True)), (4, "r1", PrefillQueue("r1", False))]
+    step3 = [what for step, what, _ in seen if step == 3 and what in ("scheduled", "model")]
+    assert step3 == ["scheduled", "model"]
+    assert next(step for step, what, ids in seen if what == "scheduled" and "r1" in ids) == 3
+    tokens = {rid: token for _, rid, token in seen if rid in ("r0", "r1") and isinstance(token, int)}
+    assert [tokens["r0"], tokens["r1"]] == [t[0] for t in hf_greedy_generate(model_dir, prompts, 1)]
