@@ -33,6 +33,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from kvtransfer.handoff import HandoffTarget, RankTarget, call_timeout_s, layout_mismatch
+from kvtransfer.transport import PeerGone
 
 
 class DecodeFull(Exception):
@@ -192,7 +193,9 @@ class HandoffSession:
             try:
                 num_bytes = await loop.run_in_executor(self._sender.executor, self._send, target)
             except Exception as err:  # TransferError and anything else: named, decode side first
-                raise HandoffFailed("send", f"{type(err).__name__}: {err}") from err
+                # A rank's peer left the cluster (the decode instance is gone): a worker loss, not the request's.
+                lost = isinstance(err, PeerGone)
+                raise HandoffFailed("send", f"{type(err).__name__}: {err}", decode_lost=lost) from err
             wait_s = call_timeout_s(target.lease_deadline_s)
             try:
                 await asyncio.wait_for(asyncio.gather(*confirmations), wait_s)

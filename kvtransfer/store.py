@@ -35,12 +35,15 @@ closes and evictions, so the store grows by about a kilobyte per channel re-crea
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
 DEFAULT_STORE_TIMEOUT_S = 30.0
+HANDSHAKE_POLL_S = 0.05  # longest pause of a handshake polling for its peer's hello (and whether it left)
 
 
 class RendezvousStore(NamedTuple):
@@ -115,19 +118,30 @@ class PairRendezvous:
             return None
         return self._store.get(key).decode(errors="replace")
 
-    def handshake(self, generation: int, backend: str, timeout_s: float, gpu_id: str = "") -> str:
+    def handshake(
+        self, generation: int, backend: str, timeout_s: float, gpu_id: str = "", gone: Callable[[], bool] = bool
+    ) -> str:
         """Announce our ``backend`` for ``generation``, wait up to ``timeout_s`` for the peer's, and
         return the backend both sides build the group with (each side computes the same answer).
 
         ``backend`` "cuda" (auto on a GPU) names our GPU (``gpu_id``, its UUID): two "cuda" sides agree
         on cuda_ipc when they share the GPU, else on nccl. Raises ``RuntimeError`` (the store's timeout
-        error) if the peer does not show up in time, or if the two choices cannot meet.
+        error) if the peer does not show up in time, or if the two choices cannot meet; also as soon
+        as ``gone()`` (asked at every poll) says the peer left the cluster.
         """
         hello = f"{self._root}/g{generation}/hello"
         mine = f"cuda@{gpu_id}" if backend == "cuda" else backend
         self._store.set(f"{hello}/{self.rank}", mine)
         peer_key = f"{hello}/{1 - self.rank}"
-        self._store.wait([peer_key], datetime.timedelta(seconds=timeout_s))
+        deadline_s, poll_s = time.monotonic() + timeout_s, 0.001
+        # Polled, not one long `wait`: `gone` must be heard mid-wait (and a timed-out TCPStore wait logs).
+        while not self._store.check([peer_key]):
+            if gone():
+                raise RuntimeError("the peer left the cluster")
+            if time.monotonic() >= deadline_s:
+                raise RuntimeError(f"the peer's hello did not arrive within {timeout_s:.1f} s")
+            time.sleep(min(poll_s, max(deadline_s - time.monotonic(), 0.0)))
+            poll_s = min(poll_s * 2, HANDSHAKE_POLL_S)
         return agree_backend(mine, self._store.get(peer_key).decode())
 
     def create_group(self, generation: int, backend: str, timeout_s: float) -> Any:

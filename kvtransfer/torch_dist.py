@@ -19,7 +19,7 @@ from torch.distributed import DistError
 
 from kvtransfer.pair_channel import LOST, MIN_WAIT_S, PairChannel
 from kvtransfer.store import PairRendezvous, connect_store
-from kvtransfer.transport import KVTransport, MessageLayout, PeerId, TransferError, TransferStats
+from kvtransfer.transport import KVTransport, MessageLayout, PeerGone, PeerId, TransferError, TransferStats
 
 _MAX_ATTEMPTS = 3  # a call follows a cleanly closing peer to a new channel at most this often
 # "auto": gloo for CPU tensors; for CUDA tensors cuda_ipc when both sides sit on the same GPU (NCCL
@@ -53,9 +53,10 @@ class TorchDistTransport(KVTransport):
         self.local_id = local_id
         self._backend, self._max_pairs, self._connect_timeout_s = backend, max_pairs, connect_timeout_s
         self._store = connect_store(store_host, store_port, connect_timeout_s)
-        self._lock = threading.Lock()  # guards the three fields below; never held while blocking
+        self._lock = threading.Lock()  # guards the four fields below; never held while blocking
         self._channels: OrderedDict[PeerId, PairChannel] = OrderedDict()  # least recently used first
         self._busy: set[PeerId] = set()
+        self._gone: set[PeerId] = set()  # forgotten peers: they left the cluster (ids are never reused)
         self._closed = False
 
     def send(self, peer: PeerId, tensors: Sequence[torch.Tensor], timeout_s: float) -> TransferStats:
@@ -72,6 +73,7 @@ class TorchDistTransport(KVTransport):
 
     def forget_peer(self, peer: PeerId) -> bool:
         with self._lock:
+            self._gone.add(peer)
             if peer in self._busy or peer not in self._channels:
                 return False
             channel = self._channels.pop(peer)
@@ -93,6 +95,8 @@ class TorchDistTransport(KVTransport):
             raise ValueError(f"the tensors of one message must share a device, got {sorted(map(str, devices))}")
         device = devices.pop() if devices else torch.device("cpu")
         start_s = time.monotonic()
+        if peer in self._gone:
+            raise PeerGone(peer, "the peer left the cluster")
         self._acquire(peer)
         try:
             rendezvous = PairRendezvous(self._store, self.local_id, peer)
@@ -150,11 +154,13 @@ class TorchDistTransport(KVTransport):
         generation = rendezvous.join()
         timeout_s = min(self._connect_timeout_s, max(deadline_s - time.monotonic(), MIN_WAIT_S))
         try:
-            agreed = rendezvous.handshake(generation, backend, timeout_s, _gpu_id(device))
+            agreed = rendezvous.handshake(generation, backend, timeout_s, _gpu_id(device), lambda: peer in self._gone)
             group = rendezvous.create_group(generation, agreed, max(deadline_s - time.monotonic(), MIN_WAIT_S))
         except RuntimeError as exc:  # store timeout, gloo / nccl rendezvous errors: all mean "no channel"
             reason = f"could not open channel generation {generation} within {timeout_s:.1f} s: {exc}"
             rendezvous.mark_failed(generation, f"{self.local_id}: {reason}")
+            if peer in self._gone:  # forgotten while we waited for it
+                raise PeerGone(peer, "the peer left the cluster while the channel was opening") from None
             raise TransferError(peer, reason) from None
         return self._insert(peer, PairChannel(generation, backend, agreed, device, 1 - rendezvous.rank, group))
 

@@ -73,6 +73,10 @@ class TransferError(Exception):
         return (type(self), (self.peer, self.reason))
 
 
+class PeerGone(TransferError):
+    """The call's peer left the cluster (``forget_peer``): nothing can ever reach it again."""
+
+
 class KVTransport(ABC):
     """Point-to-point transport of tensor lists between named workers.
 
@@ -112,8 +116,10 @@ class KVTransport(ABC):
        call it has pending at that moment (nothing of which was delivered yet, as ``close_peer``
        does not race with our own calls to that peer). ``close()`` closes every channel; the
        transport is unusable afterwards. Both are idempotent and never block long. ``forget_peer(peer)``
-       is for a peer known to be dead: it releases an idle channel at once (so a dead peer's pair group
-       does not linger), never races with a call in flight, and never blocks.
+       is for a peer known to be dead (peer ids are never reused): it releases an idle channel at once
+       (so a dead peer's pair group does not linger), never races with a call in flight, and never
+       blocks; every later call with the peer raises ``PeerGone`` at once, and so does a call in flight
+       still waiting for the peer to open a channel (instead of waiting out its timeout).
     8. **Threads.** Calls for different peers may run concurrently from different threads. Calls
        for the same peer must be serialized by the caller (at most one in-flight ``send`` or
        ``recv`` per peer on this side); a concurrent second call for the same peer raises
@@ -139,8 +145,9 @@ class KVTransport(ABC):
     @abstractmethod
     def forget_peer(self, peer: PeerId) -> bool:
         """``peer`` left the cluster (its process is gone): close its channel now unless a call with it is
-        in flight (that call fails on its own and discards the channel). Safe from any thread at any
-        time, unlike ``close_peer``. Returns whether a channel was closed."""
+        in flight (that call fails on its own and discards the channel); later calls with it raise
+        ``PeerGone``. Safe from any thread at any time, unlike ``close_peer``. Returns whether a channel
+        was closed."""
 
     @abstractmethod
     def close(self) -> None:

@@ -5,9 +5,10 @@
 
 1. Replay the workload once with no kill (the fault-free reference; greedy, EOS ignored), unless
    `--reference records.jsonl` gives one from an earlier run.
-2. Replay it again while, every `--every-s`, the controller SIGKILLs one serving worker of the chosen
-   role (`prefill`, `decode` or `any`; the worker's own process, no polite stop), and time how long
-   the pools take to be back to full strength (every slot serving, the victim's with a new epoch).
+2. Replay it again while, every `--every-s` before `--duration-s` (not while the replay drains), the
+   controller SIGKILLs one serving worker of the chosen role (`prefill`, `decode` or `any`; the
+   worker's own process, no polite stop), and time how long the pools take to be back to full strength
+   (every slot serving, the victim's with a new epoch).
 3. Report, per request of the chaos run against the same request of the reference: lost (no end:
    still open when the run stopped, or a stream closed without a finish), failed by status, hung (its
    deadline passed), duplicated or missing tokens (more or fewer than asked), diverged (other tokens),
@@ -140,7 +141,7 @@ async def run_chaos(config: ChaosConfig, controller, echo=print) -> ChaosReport:
         pool = "any pool" if config.kill == "any" else f"the {config.kill} pool"
         echo(f"chaos: the same requests, one worker of {pool} SIGKILLed every {config.every_s:g} s")
         killer = Killer(controller, config.kill, config.every_s, random.Random(bench.seed), echo)
-        killing = asyncio.ensure_future(killer.run())
+        killing = asyncio.ensure_future(killer.run(bench.driver.duration_s))
         try:
             result = await drive(client, plan, dataclasses.replace(bench.driver, run_tag=_tag("chaos")))
         finally:

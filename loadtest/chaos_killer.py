@@ -1,9 +1,11 @@
-"""The killing half of `splitserve chaos`: every `every_s`, SIGKILL one serving worker through the
-controller, and time each kill until the pools are back to full strength."""
+"""The killing half of `splitserve chaos`: every `every_s` while the workload issues requests, SIGKILL
+one serving worker through the controller, and time each kill until the pools are back to full strength."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import random
 import time
 
@@ -19,9 +21,11 @@ class Killer:
         self._watchers: list[asyncio.Task] = []
         self._started_s = time.monotonic()
 
-    async def run(self) -> None:
-        """Kills until cancelled."""
-        while True:
+    async def run(self, duration_s: float | None) -> None:
+        """Kills at every_s, 2 every_s, ... before `duration_s` (the workload's issuing time: the drain after
+        it sees no more kills, so a slow cluster gets no extra ones), or until cancelled when it is None."""
+        kills = itertools.count() if duration_s is None else range(math.ceil(duration_s / self.every_s) - 1)
+        for _ in kills:
             await asyncio.sleep(self.every_s)
             await self._kill_one()
 

@@ -282,6 +282,33 @@ def test_a_prefill_worker_lost_while_a_request_waited_in_its_queue_does_not_coun
     wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
 
 
+def test_hand_offs_to_a_decode_instance_that_died_before_its_channel_opened_fail_fast(no_migrations, checkpoint):
+    """With migration_limit 0, a fresh decode instance (no KV channel yet) takes three reservations and
+    stalls its first receive; it is killed while the prefill worker's sender waits for it to open the
+    channel and two more hand-offs queue behind. The membership change ends that wait at once (not
+    at the transport's connect timeout, once per queued hand-off: requests once hung for minutes),
+    it counts as a lost decode instance, and every request migrates and finishes with HF's tokens."""
+    model_dir, stack = checkpoint(TinySpec()), no_migrations
+    _wait_full_strength(stack, replicas=1)
+    old = _membership(stack).decode[0]
+    _sigkill(old.actor)  # its replacement has no channel with any prefill worker yet
+    fresh = _wait_replaced(stack, old)
+    ray.get(fresh.actor.debug_set_receive_delay.remote(8.0), timeout=10)
+    prompts = random_prompts(3, 20, 40, 512, seed=50)
+    started_s = time.monotonic()
+    streams = Streams(stack.target, prompts, {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True})
+    streams.wait_tokens(1)  # every first token is out: one hand-off waits for the channel, two queue
+    _sigkill(fresh.actor)
+    replacement = _wait_replaced(stack, fresh)
+    ray.get(replacement.actor.debug_set_step_delay.remote(STEP_DELAY_S), timeout=10)
+    streams.join()
+    assert streams.errors == [None] * 3 and all(f.migrations >= 1 for f in streams.finals)
+    assert streams.tokens == hf_greedy_generate(model_dir, prompts, 8)
+    assert time.monotonic() - started_s < 60  # not 30 s of connect timeout per hand-off
+    stack.cluster.refresh()
+    wait_workers_clean(stack.cluster, timeout_s=LEASE_S + 10)
+
+
 def _wait_replaced(stack, victim, timeout_s: float = 60):
     """The member that replaced `victim` (same slot, a later epoch) once it serves."""
     deadline_s = time.monotonic() + timeout_s

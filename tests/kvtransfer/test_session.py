@@ -13,6 +13,7 @@ import pytest
 
 from kvtransfer.handoff import HandoffTarget, RankTarget
 from kvtransfer.session import DecodeEndpoint, DecodeFull, HandoffFailed, HandoffSession, HandoffTimeouts, KVSender
+from kvtransfer.transport import PeerGone
 
 RANKS = (RankTarget("d@1/rank0", 0, 1), RankTarget("d@1/rank1", 1, 2))
 FAST = HandoffTimeouts(call_s=1.0, full_backoff_min_s=0.01, full_backoff_max_s=0.02)
@@ -101,8 +102,23 @@ def test_a_failed_send_cancels_the_reservation_and_releases_once(sender):
 
     with pytest.raises(HandoffFailed) as err:
         _run(go())
-    assert err.value.step == "send" and "peer reset" in err.value.reason
+    assert err.value.step == "send" and "peer reset" in err.value.reason and not err.value.decode_lost
     assert log[-2:] == [("release", "r"), ("cancel",)] and log.count(("release", "r")) == 1
+
+
+def test_a_send_to_a_peer_that_left_the_cluster_is_a_lost_decode_instance(sender):
+    """The transport says the rank's peer left (forgotten on a membership change): the instance is gone,
+    which the router does not count against the request (`migration_limit`)."""
+    log = []
+
+    async def go():
+        gone = PeerGone("d@1/rank0", "the peer left the cluster")
+        await _session(log, ScriptedDecode(log), KVSender(sender), send_error=gone).run()
+
+    with pytest.raises(HandoffFailed) as err:
+        _run(go())
+    assert err.value.step == "send" and err.value.decode_lost
+    assert log.count(("release", "r")) == 1
 
 
 def test_a_failed_adopt_cancels_after_the_pins_went(sender):

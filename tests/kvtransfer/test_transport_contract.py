@@ -145,12 +145,24 @@ def test_pair_is_recreated_after_close_peer(cluster: Cluster) -> None:
     assert_ok(a.run(close_peer(b), close_peer(b)))  # idempotent
 
 
-def test_forget_peer_closes_an_idle_channel_once_and_a_later_call_follows(cluster: Cluster) -> None:
+def test_forget_peer_closes_an_idle_channel_once_and_later_calls_fail_at_once(cluster: Cluster) -> None:
     a, b = cluster.fresh_ids()["a"], cluster.agents["b"]
     transfer(a, b, small(1))
     first, again = a.run({"op": "forget_peer", "peer": b.local_id}, {"op": "forget_peer", "peer": b.local_id})
     assert (first["closed"], again["closed"]) == (True, False)  # idle channel closed; then nothing to close
-    transfer(a, b, small(2))  # b follows to a fresh channel as after any clean close
+    gone = a.run(send(b, small(2)))[0]  # a forgotten peer left the cluster: nothing can reach it again
+    assert (gone["ok"], gone["type"]) == (False, "PeerGone") and gone["elapsed_s"] < 0.5, gone
+
+
+def test_forget_peer_stops_a_call_waiting_for_the_peer_to_open_a_channel(cluster: Cluster) -> None:
+    """A send to a peer that never joins (it died before its channel formed) would wait out its timeout;
+    forgetting the peer ends it within the handshake's poll instead."""
+    a = cluster.fresh_ids()["a"]
+    ghost = {"op": "send", "peer": "ghost-of-b", "tensors": small(1), "timeout_s": 20.0}
+    waiting, _ = a.run({"op": "parallel", "ops": [ghost, {"op": "forget_peer", "peer": "ghost-of-b", "after_s": 0.5}]})[0][
+        "results"
+    ]
+    assert (waiting["ok"], waiting["type"]) == (False, "PeerGone") and waiting["elapsed_s"] < 2.0, waiting
 
 
 def test_forget_peer_leaves_a_call_in_flight_alone(cluster: Cluster) -> None:
