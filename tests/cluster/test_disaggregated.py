@@ -79,13 +79,25 @@ def cluster_factory(ray_session):
         cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_by_one(ray_session, checkpoint):
+    """One 1P1D cluster of the default config over TinySpec(), shared by the tests that leave it clean
+    (a launch costs seconds of worker start-up)."""
+    cluster = launch(_config(), str(checkpoint(TinySpec())))
+    yield cluster
+    cluster.shutdown()
+
+
 @pytest.mark.parametrize("num_prefill, num_decode", [(1, 1), (2, 1), (1, 2)])
 def test_disaggregated_greedy_equals_hf_and_colocated(num_prefill, num_decode, checkpoint, cluster_factory,
-                                                      make_llm):
+                                                      make_llm, request):
     model_dir = checkpoint(TinySpec(num_heads=4, num_kv_heads=2))
     prompts = random_prompts(6, 1, 70, 512, seed=61)
-    cluster = cluster_factory(model_dir, prefill=PoolConfig(**{**SMALL_POOL.__dict__, "replicas": num_prefill}),
-                              decode=PoolConfig(**{**SMALL_POOL.__dict__, "replicas": num_decode}))
+    if (num_prefill, num_decode) == (1, 1):
+        cluster = request.getfixturevalue("one_by_one")
+    else:
+        cluster = cluster_factory(model_dir, prefill=PoolConfig(**{**SMALL_POOL.__dict__, "replicas": num_prefill}),
+                                  decode=PoolConfig(**{**SMALL_POOL.__dict__, "replicas": num_decode}))
     got = run(_generate_all(cluster, prompts))
     assert got == hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
     colocated = [list(o.token_ids) for o in make_llm(model_dir).generate(prompts, GREEDY, use_tqdm=False)]
@@ -93,12 +105,11 @@ def test_disaggregated_greedy_equals_hf_and_colocated(num_prefill, num_decode, c
     _assert_clean(cluster)
 
 
-def test_prefix_hits_on_prefill_keep_output_exact_and_seeded_sampling_matches(checkpoint, cluster_factory,
-                                                                              make_llm):
+def test_prefix_hits_on_prefill_keep_output_exact_and_seeded_sampling_matches(checkpoint, one_by_one, make_llm):
     model_dir = checkpoint(TinySpec(num_heads=4, num_kv_heads=2))
     system = random_prompts(1, 40, 40, 512, seed=62)[0]
     prompts = [system + p for p in random_prompts(4, 3, 20, 512, seed=63)]
-    cluster = cluster_factory(model_dir)
+    cluster = one_by_one
     first = run(_generate_all(cluster, prompts[:1], prefix="warm"))
     again = run(_generate_all(cluster, prompts, prefix="hit"))
     expected = hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
@@ -210,10 +221,10 @@ def test_decode_tp2_from_prefill_tp1_equals_hf(num_kv_heads, checkpoint, cluster
     _assert_clean(cluster)
 
 
-def test_leaving_after_the_first_token_frees_both_sides_and_forgets_the_handoff(checkpoint, cluster_factory):
+def test_leaving_after_the_first_token_frees_both_sides_and_forgets_the_handoff(one_by_one):
     import ray
 
-    cluster = cluster_factory(checkpoint(TinySpec()))
+    cluster = one_by_one
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def leave_early():
