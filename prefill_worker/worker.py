@@ -118,8 +118,8 @@ class PrefillWorker:
     async def prefill(self, request: GenerateRequest, decode: Member | None, owner: str):
         """Streaming: yields the request's queue changes (PrefillQueue, see first_token.py), the first
         token (PrefillResult), then — when the sequence continues on `decode` — the hand-off's
-        HandoffStats. Raises InvalidRequestError for bad input, HandoffFailed
-        when the KV could not reach `decode`. `owner` is the caller's id on the decode instance."""
+        HandoffStats. Raises InvalidRequestError for bad input, HandoffFailed when the KV could not
+        reach `decode`. `owner` is the caller's id on the decode instance."""
         rid = request.request_id
         self._sessions[rid] = None
         try:
