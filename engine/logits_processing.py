@@ -4,13 +4,16 @@ Order of operations; each step touches only the rows that enable it, so neutral 
 
 1. min_tokens: while a row has generated fewer than `params.min_tokens` tokens, its
    `stop_ids_for_min_tokens` (EOS ids and `params.stop_token_ids`) are set to -inf so it cannot stop early.
-2. repetition_penalty, as HF's `RepetitionPenaltyLogitsProcessor`: each distinct token of prompt + output
+2. logit_bias: each (token id, bias) of `params.logit_bias` is added to that token's logit, as HF's
+   `SequenceBiasLogitsProcessor` does for one-token sequences (first among HF's processors, and among
+   vLLM's before its penalties: the penalties see the biased logit).
+3. repetition_penalty, as HF's `RepetitionPenaltyLogitsProcessor`: each distinct token of prompt + output
    has its logit multiplied by the penalty when negative and divided by it otherwise.
-3. presence / frequency penalty, as OpenAI and vLLM define them, over OUTPUT tokens only:
+4. presence / frequency penalty, as OpenAI and vLLM define them, over OUTPUT tokens only:
    `logit -= presence_penalty * (count > 0) + frequency_penalty * count`.
-4. Greedy rows (temperature == 0) stop here: the sampler takes their argmax, which temperature and the
+5. Greedy rows (temperature == 0) stop here: the sampler takes their argmax, which temperature and the
    filters below could not change.
-5. Random rows: divide by temperature, then top-k, top-p and min-p in that order, each with the semantics
+6. Random rows: divide by temperature, then top-k, top-p and min-p in that order, each with the semantics
    of HF's warper of the same name; filtered logits become -inf.
    - top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are all kept);
    - top-p keeps the smallest highest-probability set whose mass is >= top_p, and always the top token;
@@ -25,6 +28,7 @@ head, and the model cannot produce those ids, so there is nothing to penalise or
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,11 +57,6 @@ class SamplingRow:
     def masks_stop_ids(self) -> bool:
         return self.position < self.params.min_tokens and len(self.stop_ids_for_min_tokens) > 0
 
-    @property
-    def has_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
 
 def check_batch_shape(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """Raise ValueError unless `logits` is [len(rows), vocab] with vocab >= 1."""
@@ -66,13 +65,14 @@ def check_batch_shape(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None
 
 
 def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Logits after penalties, min_tokens masking, temperature, top-k, top-p, min-p (filtered = -inf).
+    """Logits after min_tokens masking, bias, penalties, temperature, top-k, top-p, min-p (filtered = -inf).
 
-    Returns a new float32 tensor; the caller's `logits` is never written. Greedy rows get steps 1-3 only.
+    Returns a new float32 tensor; the caller's `logits` is never written. Greedy rows get steps 1-4 only.
     """
     check_batch_shape(logits, rows)
     x = logits.to(dtype=torch.float32, copy=True)
     _mask_stop_ids(x, rows)
+    _apply_logit_bias(x, rows)
     _apply_repetition_penalty(x, rows)
     _apply_presence_frequency_penalty(x, rows)
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -92,6 +92,26 @@ def _mask_stop_ids(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         return
     owners, token_ids = _owned_token_ids([[rows[i].stop_ids_for_min_tokens] for i in masked], x)
     x[_index(masked, x)[owners], token_ids] = float("-inf")
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return
+    columns = [_bias_columns(rows[i].params.logit_bias) for i in biased]
+    owners = torch.repeat_interleave(_index(biased, x), torch.tensor([len(ids) for ids, _ in columns]).to(x.device))
+    token_ids = torch.cat([ids for ids, _ in columns]).to(x.device)
+    biases = torch.cat([values for _, values in columns]).to(x.device)
+    in_vocab = token_ids < x.shape[1]
+    # Ids are unique per row (SamplingParams), so each element gets exactly one float32 addition, as in HF.
+    x[owners[in_vocab], token_ids[in_vocab]] += biases[in_vocab]
+
+
+@functools.lru_cache(maxsize=1024)
+def _bias_columns(logit_bias: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's (ids, biases) as tensors, built once: its rows need them every step (1 + k with drafts)."""
+    ids, biases = zip(*logit_bias, strict=True)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(biases, dtype=torch.float32)
 
 
 def _apply_repetition_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -38,6 +38,9 @@ def check_new_request(
     bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad_stop:
         raise InvalidRequestError("stop_token_ids", f"{bad_stop} outside the vocabulary [0, {vocab_size})")
+    bad_bias = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad_bias:
+        raise InvalidRequestError("logit_bias", f"token ids {bad_bias[:5]} outside the vocabulary [0, {vocab_size})")
     blocks_needed = (len(tokens) + 1 + block_size - 1) // block_size
     if blocks_needed > num_blocks:
         raise InvalidRequestError("prompt", f"needs {blocks_needed} KV blocks; this worker's pool has {num_blocks}")

@@ -149,7 +149,8 @@ class Sampler:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    return row.params.greedy and not row.has_penalties and not row.masks_stop_ids and row.params.logprobs is None
+    p = row.params
+    return p.greedy and not p.adjusts_logits and not row.masks_stop_ids and p.logprobs is None
 
 
 def token_logprobs(

@@ -3,12 +3,14 @@
 Defaults follow the ecosystem (vLLM / OpenAI): `temperature == 0` means greedy; `top_k=None`,
 `top_p=1.0` and `min_p=0.0` disable those filters; penalties at their neutral values disable them.
 `n` is for whoever fans a prompt out (the offline `LLM`, the OpenAI front): one engine sequence
-always generates one completion.
+always generates one completion. `logit_bias` (token id -> a bias in [-100, 100] added to its logit, as
+OpenAI's field of that name) is given as a mapping or (id, bias) pairs and kept as sorted pairs.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
@@ -16,6 +18,8 @@ from engine.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_N = 64
+MAX_LOGIT_BIAS = 1024  # biased tokens per request: enough to ban or force a word list, bounded per step
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 
 @dataclass(frozen=True)
@@ -37,16 +41,28 @@ class SamplingParams:
     n: int = 1  # sequences per prompt; the offline API and the OpenAI front run n requests (seeds seed + i)
     skip_special_tokens: bool = True  # in the output text
     include_stop_str_in_output: bool = False  # output text ends after the stop string instead of before it
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), ids ascending
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples so params stay hashable.
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
+        object.__setattr__(self, "logit_bias", _as_bias_pairs(self.logit_bias))
         self._validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the logits before sampling (greedy picks included)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of completion `index` of n: one sequence, seed + index when seeded (so the
@@ -99,6 +115,14 @@ class SamplingParams:
             "logprobs",
             f"must be None or an integer in [0, {MAX_LOGPROBS}]",
         )
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in self.logit_bias:
+            _check(token >= 0, "logit_bias", f"token id {token} must be >= 0")
+            _check(
+                _finite(bias) and abs(bias) <= MAX_ABS_LOGIT_BIAS,
+                "logit_bias",
+                f"the bias of token {token} must be a number in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]",
+            )
 
 
 def _is_int(value) -> bool:
@@ -106,7 +130,7 @@ def _is_int(value) -> bool:
 
 
 def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return _is_number(value) and math.isfinite(value)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -121,3 +145,19 @@ def _as_tuple(values, field_name: str, item_type: type) -> tuple:
     if not all(isinstance(v, item_type) and not isinstance(v, bool) for v in items):
         raise InvalidRequestError(field_name, f"every item must be a {item_type.__name__}")
     return items
+
+
+def _as_bias_pairs(values) -> tuple[tuple[int, float], ...]:
+    """A mapping or (id, bias) pairs as (id, bias) pairs sorted by id; types checked here, ranges in
+    `_validate`."""
+    items = list(values.items() if isinstance(values, Mapping) else values or ())
+    pairs = [tuple(p) for p in items if isinstance(p, (tuple, list)) and len(p) == 2]
+    if len(pairs) != len(items) or not all(_is_int(t) and _is_number(b) for t, b in pairs):
+        raise InvalidRequestError("logit_bias", "must map integer token ids to numbers")
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise InvalidRequestError("logit_bias", "names a token id twice")
+    return tuple(sorted((token, float(bias)) for token, bias in pairs))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,7 +1,7 @@
 """The sampler's view of a step's sequences: one `SamplingRow` per logits row.
 
 A row carries the sequence's prompt and output (uncopied: `TokenSlice`) because penalties and
-min_tokens read them. Most steps need none of it: a greedy sequence with no penalties, no logprobs
+min_tokens read them. Most steps need none of it: a greedy sequence with no penalties or bias, no logprobs
 and min_tokens behind it takes the argmax of its raw logits, and the sampler reads nothing of its rows
 but that. Such sequences share one stand-in row (`PLAIN_GREEDY_ROW`) instead of building one per
 row: a speculative step has 1 + k rows per sequence, and on a fast device building them was a
@@ -22,14 +22,7 @@ PLAIN_GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), (), (), ())
 def is_plain_greedy(seq: Sequence) -> bool:
     """Every row of `seq` this step is argmax of the raw logits (the sampler's fast path)."""
     p = seq.params
-    return (
-        p.greedy
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.min_tokens <= seq.num_output_tokens
-    )
+    return p.greedy and p.logprobs is None and not p.adjusts_logits and p.min_tokens <= seq.num_output_tokens
 
 
 def sampling_row(seq: Sequence, eos_token_ids: tuple[int, ...], drafts: Seq[int] = ()) -> SamplingRow:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NoReturn, TypeGuard
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from router.protocol import splitserve_v1_pb2 as pb
 from router.sdk_types import SENT_AT_KEY
 
@@ -106,6 +106,8 @@ def sampling_params(values: dict, limits: ModelLimits, prefix: str = "", names: 
     if stop_token_ids and (min(stop_token_ids) < 0 or max(stop_token_ids) >= limits.vocab_size):
         bad = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
         _fail(field("stop_token_ids"), f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
+    if "logit_bias" in values:
+        values["logit_bias"] = _logit_bias(values["logit_bias"], limits, field("logit_bias"))
     max_tokens = values.get("max_tokens")
     if _is_int(max_tokens) and not 1 <= max_tokens <= limits.max_model_len - 1:
         _fail(
@@ -116,6 +118,24 @@ def sampling_params(values: dict, limits: ModelLimits, prefix: str = "", names: 
         return SamplingParams(**values)
     except InvalidRequestError as err:
         raise InvalidRequestError(field(err.field), err.reason) from None
+
+
+def _logit_bias(raw, limits: ModelLimits, field: str) -> dict[int, float]:
+    """Token id -> bias, from the proto's map (integer keys) or OpenAI's JSON object (keys are the ids
+    written as decimal strings); ids checked against the vocabulary, biases by SamplingParams."""
+    if not hasattr(raw, "items"):
+        _fail(field, "must be an object mapping token ids to biases in [-100, 100]")
+    if len(raw) > MAX_LOGIT_BIAS:
+        _fail(field, f"has {len(raw)} tokens; at most {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdecimal() else None
+        if token is None or not 0 <= token < limits.vocab_size:
+            _fail(field, f"key {key!r} is not a token id in the vocabulary [0, {limits.vocab_size})")
+        if token in out:
+            _fail(field, f"names token {token} twice")
+        out[token] = bias
+    return out
 
 
 def text_prompt(text, limits: ModelLimits, tokenize, field: str) -> tuple[int, ...]:

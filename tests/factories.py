@@ -159,12 +159,13 @@ def make_tiny_checkpoint(out_dir: Path, spec: TinySpec = TinySpec()) -> Path:
 
 def hf_greedy_generate(
     model_dir: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int | None = None,
-    device: str = "cpu", dtype: str = "float32",
+    device: str = "cpu", dtype: str = "float32", **generate_options,
 ) -> list[list[int]]:
     """Reference continuations: HF greedy (fp32 on the CPU unless told), EOS ignored, left-padded
     batches; new tokens only.
 
-    `batch_size=None` runs all prompts as one batch; `1` runs them one at a time.
+    `batch_size=None` runs all prompts as one batch; `1` runs them one at a time. `generate_options`
+    go to `generate` as they are (`sequence_bias`, `repetition_penalty`).
     """
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype]).to(device).eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -174,12 +175,12 @@ def hf_greedy_generate(
     step = batch_size or max(len(prompts), 1)
     outputs: list[list[int]] = []
     for start in range(0, len(prompts), step):
-        outputs.extend(_generate_batch(model, prompts[start : start + step], max_new_tokens, pad_id))
+        outputs.extend(_generate_batch(model, prompts[start : start + step], max_new_tokens, pad_id, generate_options))
     return outputs
 
 
 def _generate_batch(
-    model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int
+    model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int, options: dict
 ) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -193,6 +194,7 @@ def _generate_batch(
             attention_mask=attention_mask.to(model.device),
             do_sample=False,
             max_new_tokens=max_new_tokens,
+            **options,
         )
     return [row[width:].tolist() for row in out]
 

@@ -5,8 +5,8 @@ string, a list of strings, token ids or a list of token-id lists, each run `n` t
 `messages`, rendered with the checkpoint's chat template (`router.openai.chat_template`). Choice i of
 a prompt runs with seed + i when seeded. Unknown fields are ignored, as OpenAI does; a known field
 with a bad value raises `InvalidRequestError` naming it as the client sent it (`max_completion_tokens`,
-`temperature`, `prompt`, `messages[2].content`). Fields the engine cannot honour (`logit_bias`,
-`suffix`, `best_of` > n, `tools`, a non-text `response_format`) are refused rather than dropped.
+`temperature`, `prompt`, `messages[2].content`). Fields the engine cannot honour (`suffix`,
+`best_of` > n, `tools`, a non-text `response_format`) are refused rather than dropped.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ _SAMPLING_KEYS = (
     "stop",
     "presence_penalty",
     "frequency_penalty",
+    "logit_bias",
     "n",
     "top_k",
     "min_p",
@@ -55,7 +56,6 @@ _SAMPLING_KEYS = (
 )
 # Known fields the engine cannot honour → the neutral values it accepts.
 _UNSUPPORTED = {
-    "logit_bias": lambda v: not v,
     "suffix": lambda v: not v,
     "tools": lambda v: not v,
     "functions": lambda v: not v,

@@ -114,6 +114,7 @@ def test_timings_are_reported(checkpoint, make_llm):
     ([1, 2, 100000], SamplingParams(), "prompt_token_ids"),
     ([1, -3], SamplingParams(), "prompt_token_ids"),
     ([1, 2], SamplingParams(stop_token_ids=[99999]), "stop_token_ids"),
+    ([1, 2], SamplingParams(logit_bias={5: 1.0, 99999: -1.0}), "logit_bias"),
 ])
 def test_bad_requests_name_the_problem_and_do_not_disturb_others(prompt, params, field, checkpoint,
                                                                  make_llm):
@@ -139,6 +140,9 @@ def test_bad_requests_name_the_problem_and_do_not_disturb_others(prompt, params,
     (dict(top_p=0.0), "top_p"), (dict(temperature=-1.0), "temperature"), (dict(max_tokens=0), "max_tokens"),
     (dict(top_k=0), "top_k"), (dict(logprobs=21), "logprobs"), (dict(temperature=float("nan")), "temperature"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(seed=-1), "seed"), (dict(stop=[""]), "stop"),
+    (dict(logit_bias={5: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={5: float("inf")}), "logit_bias"),
+    (dict(logit_bias=[(5, 1.0), (5, 2.0)]), "logit_bias"), (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as err:

@@ -10,6 +10,7 @@ from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -40,6 +41,8 @@ def hf_reference(logits_row: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     if row.stop_ids_for_min_tokens:
         scores = MinNewTokensLengthLogitsProcessor(len(row.prompt_token_ids), p.min_tokens,
                                                    list(row.stop_ids_for_min_tokens))(input_ids, scores)
+    if p.logit_bias:
+        scores = SequenceBiasLogitsProcessor([[[token], bias] for token, bias in p.logit_bias])(input_ids, scores)
     if p.repetition_penalty != 1.0:
         scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(input_ids, scores)
     if p.greedy:
@@ -57,9 +60,9 @@ def hf_reference(logits_row: torch.Tensor, row: SamplingRow) -> torch.Tensor:
 # --- processed_logits against HF -------------------------------------------------------------------
 
 row_strategy = st.builds(
-    lambda temperature, top_k, top_p, min_p, rep, min_tokens, prompt, output, stops: make_row(
+    lambda temperature, top_k, top_p, min_p, rep, min_tokens, prompt, output, stops, bias: make_row(
         prompt=prompt, output=output, stop_ids=stops, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=min_p, repetition_penalty=rep, min_tokens=min_tokens, max_tokens=16),
+        min_p=min_p, repetition_penalty=rep, min_tokens=min_tokens, max_tokens=16, logit_bias=bias),
     temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]),
     top_k=st.one_of(st.none(), st.integers(1, 70)),
     top_p=st.sampled_from([1.0, 0.95, 0.6, 0.1, 1e-6]),
@@ -69,6 +72,7 @@ row_strategy = st.builds(
     prompt=st.lists(st.integers(0, 63), max_size=12),
     output=st.lists(st.integers(0, 63), max_size=6),
     stops=st.lists(st.integers(0, 63), max_size=3, unique=True),
+    bias=st.dictionaries(st.integers(0, 63), st.sampled_from([-100.0, -2.5, 0.0, 0.3, 4.0, 100.0]), max_size=5),
 )
 
 
@@ -86,6 +90,21 @@ def test_repetition_penalty_ignores_ids_outside_the_vocab_like_hf():
     row = make_row(prompt=[0, 7], output=[1, 99], repetition_penalty=2.0, temperature=0.0)
     assert processed_logits(logits, [row]).tolist() == [[1.0, -4.0, 1.0, 0.5]]
     assert torch.equal(processed_logits(logits, [row])[0], hf_reference(logits[0], row))
+
+
+def test_logit_bias_hand_computed_before_the_penalty_and_ignoring_ids_outside_the_vocab():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    row = make_row(prompt=[2], logit_bias={0: -3.0, 2: 1.0, 9: 50.0}, repetition_penalty=2.0, temperature=0.0)
+    # token 0: 2 - 3 = -1; token 2: (1 + 1) / 2 = 1 (penalised after the bias); id 9 is past the vocab.
+    assert processed_logits(logits, [row]).tolist() == [[-1.0, -2.0, 1.0, 0.5]]
+
+
+def test_logit_bias_changes_greedy_picks_and_the_sampler_leaves_its_fast_path_for_it():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    rows = [make_row(temperature=0.0), make_row(temperature=0.0, logit_bias={2: 100.0})]
+    assert Sampler()(logits, rows).token_ids == [0, 2]
+    banned = [make_row(temperature=1.0, seed=seed, logit_bias={0: -100.0, 1: -100.0}) for seed in range(20)]
+    assert set(Sampler()(logits[:1].expand(20, 3), banned).token_ids) == {2}
 
 
 # --- hand-built distributions ----------------------------------------------------------------------

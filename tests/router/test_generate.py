@@ -110,6 +110,8 @@ def test_deadline_expiry_answers_deadline_exceeded_and_frees_blocks(router_stack
     ([1, 2], {"min_tokens": 20, "max_tokens": 10}, "sampling.min_tokens"),
     ([1, 2], {"stop": [""]}, "sampling.stop"),
     ([1, 2], {"stop_token_ids": [9999]}, "sampling.stop_token_ids"),
+    ([1, 2], {"logit_bias": {9999: 1.0}}, "sampling.logit_bias"),
+    ([1, 2], {"logit_bias": {5: -101.0}}, "sampling.logit_bias"),
     ([1, 2], {"logprobs": 21}, "sampling.logprobs"),
     ([1, 2], {"seed": -3}, "sampling.seed"),
     ([1, 2], {"ttft_ms": -1.0}, "slo.ttft_ms"),

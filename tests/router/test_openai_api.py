@@ -125,6 +125,24 @@ def test_stop_strings_end_the_text_before_them(client, model):
     assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
 
 
+def test_logit_bias_steers_greedy_text_as_hf_sequence_bias_does(client, model, checkpoint, tokenizer, router_stack):
+    prompts = random_prompts(2, 6, 24, 512, seed=26)
+    plain = hf_greedy_generate(checkpoint(TinySpec()), prompts, max_new_tokens=12)
+    bias = {**{tokens[0]: -100 for tokens in plain}, 17: 3, 101: 2}  # ban each first pick, favour two others
+    expected = hf_greedy_generate(checkpoint(TinySpec()), prompts, max_new_tokens=12,
+                                  sequence_bias=[[[token], float(value)] for token, value in bias.items()])
+    assert expected != plain
+    logit_bias = {str(token): value for token, value in bias.items()}
+    for prompt, want in zip(prompts, expected):
+        reply = client.completions.create(model=model, prompt=prompt, logit_bias=logit_bias, **GREEDY)
+        assert reply.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    forced = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], seed=3,
+                                            temperature=1.0, max_tokens=6, logit_bias={"42": 100},
+                                            extra_body={"ignore_eos": True})
+    assert forced.choices[0].message.content == tokenizer.decode([42] * 6, skip_special_tokens=True)
+    router_stack.check_workers_clean()
+
+
 def test_logprobs_shapes(client, model):
     reply = client.completions.create(model=model, prompt=[5, 6, 7, 8], logprobs=3, **GREEDY)
     logprobs = reply.choices[0].logprobs
@@ -143,7 +161,8 @@ def test_logprobs_shapes(client, model):
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"n": 0}, "n"), ({"logprobs": 30}, "logprobs"), ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"extra_body": {"ttft_ms": -1}}, "ttft_ms"), ({"extra_body": {"priority": "high"}}, "priority"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"prompt": [1, 2, 9999]}, "prompt"), ({"prompt": ""}, "prompt"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": [1, 2, 9999]}, "prompt"), ({"prompt": ""}, "prompt"),
 ])
 def test_a_bad_field_is_a_400_naming_it(client, model, options, param):
     request = {"model": model, "prompt": [1, 2, 3], **options}

@@ -54,6 +54,14 @@ def test_defaults_and_vllm_extras(context):
     assert request.params.logprobs == 2 and chat.logprobs == 2
 
 
+def test_logit_bias_keys_are_token_ids_written_as_strings(context):
+    api = parse_completion({"prompt": [1], "n": 2, "logit_bias": {"300": 2.5, "7": -100}}, context)
+    assert [c.request.params.logit_bias for c in api.choices] == [((7, -100.0), (300, 2.5))] * 2
+    with pytest.raises(InvalidRequestError, match="twice"):
+        parse_completion({"prompt": [1], "logit_bias": {"7": 1, "07": 2}}, context)
+    assert parse_completion({"prompt": [1], "logit_bias": {}}, context).choices[0].request.params.logit_bias == ()
+
+
 @pytest.mark.parametrize("body, field", [
     ({}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt[1]"),
     ({"prompt": [1], "stream": "yes"}, "stream"), ({"prompt": [1], "max_tokens": 2.5}, "max_tokens"),
@@ -63,6 +71,9 @@ def test_defaults_and_vllm_extras(context):
     ({"prompt": [[1]] * 200, "n": 2}, "n"), ({"prompt": [1], "timeout_ms": 0}, "timeout_ms"),
     ({"prompt": [1], "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"prompt": [1], "tenant": "t" * 200}, "tenant"), ({"prompt": [1], "model": 5}, "model"),
+    ({"prompt": [1], "logit_bias": {"x": 1}}, "logit_bias"), ({"prompt": [1], "logit_bias": {"512": 1}}, "logit_bias"),
+    ({"prompt": [1], "logit_bias": {"-3": 1}}, "logit_bias"), ({"prompt": [1], "logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"prompt": [1], "logit_bias": {"5": 100.5}}, "logit_bias"), ({"prompt": [1], "logit_bias": [5, 1]}, "logit_bias"),
 ])
 def test_bad_completion_fields_are_named(context, body, field):
     with pytest.raises(InvalidRequestError) as err:
