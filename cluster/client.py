@@ -69,6 +69,7 @@ class TokenChunk:
     finish_reason: str | None
     num_cached_tokens: int = 0  # first chunk: prompt tokens the prefill worker had cached (pulled included)
     pull: PullOutcome | None = None  # first chunk: the prefix pull the request asked for, if any
+    prompt_logprobs: tuple | None = None  # first chunk: TokenLogprobs of prompt tokens 1.., when asked
 
 
 class ClusterClient:
@@ -123,6 +124,7 @@ class ClusterClient:
                 first.finish_reason,
                 first.num_cached_tokens,
                 first.pull,
+                first.prompt_logprobs,
             )
             if not first.handoff:  # done at prefill: nothing was reserved on decode
                 finished = True

@@ -61,6 +61,8 @@ class PrefillResult:
     # context is its prompt and the tokens it already streamed)
     prefill_time_s: float
     pull: PullOutcome | None = None  # set when the request asked for a prefix pull
+    # params.prompt_logprobs: TokenLogprobs of prompt tokens 1.. (a resumed request computes none: None)
+    prompt_logprobs: tuple | None = None
 
 
 @dataclass(frozen=True)

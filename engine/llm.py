@@ -135,8 +135,14 @@ class LLM:
                 )
             )
         first = seqs[0]
+        prompt_logprobs = tuple(first.prompt_logprobs) if params.prompt_logprobs is not None else None
         return RequestOutput(
-            first.seq_id, item[0], tuple(first.prompt_token_ids), tuple(completions), first.num_cached_tokens
+            first.seq_id,
+            item[0],
+            tuple(first.prompt_token_ids),
+            tuple(completions),
+            first.num_cached_tokens,
+            prompt_logprobs,
         )
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:

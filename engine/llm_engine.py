@@ -25,6 +25,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_engine_model_config
 from engine.model_runner import ModelRunner, StepInput, build_step_input, order_chunks
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
+from engine.prompt_logprobs import take_prompt_logprobs
 from engine.request_checks import check_new_request, check_resumed_outputs
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
@@ -130,6 +131,7 @@ class LLMEngine:
             priority=priority,
             arrival_order=next(self._arrivals),
             arrival_time_s=time.perf_counter() if arrival_time_s is None else arrival_time_s,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else [],  # token 0: nothing before it
         )
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -167,6 +169,7 @@ class LLMEngine:
 
     def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor, drafts: dict) -> list[SequenceUpdate]:
         now = time.perf_counter()
+        logits = take_prompt_logprobs(chunks, logits)  # leaves the sampling rows
         sampling = [chunk for chunk in chunks if chunk.samples]
         for chunk in chunks:
             if not chunk.samples:
@@ -192,7 +195,7 @@ class LLMEngine:
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, drafts: dict):
         eos = self.model_config.eos_token_ids
-        rows = step_rows([(c.seq, c.draft_token_ids, c.num_logits_rows) for c in chunks], eos)
+        rows = step_rows([(c.seq, c.draft_token_ids, c.num_sampling_rows) for c in chunks], eos)
         if self.spec is not None and drafts:  # no drafts this step: exactly the plain path
             return self.spec.sample(chunks, logits, rows, drafts)
         if not rows:

@@ -65,6 +65,8 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     num_cached_tokens: int
+    # params.prompt_logprobs: None for the first prompt token, then an engine.sampler.TokenLogprobs each
+    prompt_logprobs: tuple | None = None
 
     @property
     def text(self) -> str:

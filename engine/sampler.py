@@ -38,6 +38,7 @@ __all__ = [
     "SamplingRow",
     "TokenLogprobs",
     "processed_logits",
+    "raw_logprobs",
     "row_generator_seed",
     "token_logprobs",
 ]
@@ -48,7 +49,7 @@ _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / golden rat
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    sampled_logprob: float
+    sampled_logprob: float  # of the token sampled (or, for prompt logprobs, of the prompt's own token)
     top: tuple[tuple[int, float], ...]  # top-n (token_id, logprob), highest first; n = params.logprobs
 
 
@@ -162,16 +163,23 @@ def token_logprobs(
     if not wanted:
         return result
     index = _index(wanted, logits)
-    raw = logits[index].to(torch.float32).log_softmax(dim=-1)
-    sampled = raw.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
-    top_n = min(max(rows[i].params.logprobs or 0 for i in wanted), raw.shape[1])
-    best = raw.topk(top_n, dim=-1)
-    top_values, top_ids = best.values.tolist(), best.indices.tolist()
-    for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs
-        top = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
-        result[i] = TokenLogprobs(sampled_logprob=sampled[j], top=top)
+    found = raw_logprobs(logits[index], token_ids[index], [rows[i].params.logprobs or 0 for i in wanted])
+    for i, entry in zip(wanted, found, strict=True):
+        result[i] = entry
     return result
+
+
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_counts: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row of `logits`: the logprob of `token_ids[row]` and the `top_counts[row]` most likely tokens,
+    all under log_softmax of the raw logits (step 5)."""
+    raw = logits.to(torch.float32).log_softmax(dim=-1)
+    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    best = raw.topk(min(max(top_counts), raw.shape[1]), dim=-1)
+    top_values, top_ids = best.values.tolist(), best.indices.tolist()
+    return [
+        TokenLogprobs(sampled_logprob=chosen[j], top=tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True)))
+        for j, n in enumerate(top_counts)
+    ]
 
 
 def _index(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in the output text
     include_stop_str_in_output: bool = False  # output text ends after the stop string instead of before it
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias), ids ascending
+    # Logprob of every prompt token after the first (and this many top alternatives), as vLLM's field of
+    # that name: the prompt is computed in full (no prefix-cache hits) to produce them.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples so params stay hashable.
@@ -110,11 +113,13 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false")
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs",
-            f"must be None or an integer in [0, {MAX_LOGPROBS}]",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                f"must be None or an integer in [0, {MAX_LOGPROBS}]",
+            )
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
         for token, bias in self.logit_bias:
             _check(token >= 0, "logit_bias", f"token id {token} must be >= 0")

@@ -6,7 +6,8 @@ Each step:
    important running sequence (lowest priority, latest arrival) is preempted — its blocks freed, its
    computed count reset — until the sequence fits or is itself the one preempted.
 2. If nothing was preempted, waiting sequences are admitted in priority order (FCFS within a priority)
-   while the budget, `max_num_seqs` and the pool allow; a new sequence starts after its cached prefix.
+   while the budget, `max_num_seqs` and the pool allow; a new sequence starts after its cached prefix
+   (from 0 while it owes prompt logprobs: a cached position has no logits).
 
 The scheduler asks the KV manager (`can_allocate`) before it acts (`allocate`); it never touches
 block lists itself.
@@ -18,6 +19,7 @@ import bisect
 from dataclasses import dataclass
 
 from engine.kv_cache_manager import CachedPrefix, KVCacheManager
+from engine.prompt_logprobs import num_prompt_logprob_rows, owes_prompt_logprobs
 from engine.sequence import Sequence, SequenceStatus
 
 NO_CACHED_PREFIX = CachedPrefix(block_ids=(), num_tokens=0)
@@ -58,9 +60,20 @@ class ScheduledChunk:
         return (self.seq.token_ids + list(self.draft_token_ids))[self.start : end]
 
     @property
-    def num_logits_rows(self) -> int:
-        """Rows whose logits the step returns: the last, plus one per draft (each is verified)."""
+    def num_sampling_rows(self) -> int:
+        """Rows that sample: the last, plus one per draft (each is verified); none before the end."""
         return 1 + len(self.draft_token_ids) if self.samples else 0
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        """Rows scoring prompt tokens whose logprobs are owed (engine/prompt_logprobs.py); before the
+        sampling rows."""
+        return num_prompt_logprob_rows(self.seq, self.start, self.num_new_tokens)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows whose logits the step returns: this chunk's last rows."""
+        return self.num_prompt_logprob_rows + self.num_sampling_rows
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,6 @@ class Scheduler:
         return chunks
 
     def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
-        if not self.kv.enable_prefix_caching:
+        if not self.kv.enable_prefix_caching or owes_prompt_logprobs(seq):
             return NO_CACHED_PREFIX
         return self.kv.find_cached_prefix(seq.token_ids, seq.refresh_block_hashes())

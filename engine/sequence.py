@@ -73,6 +73,9 @@ class Sequence:
     first_token_time_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    # params.prompt_logprobs: None for the first prompt token, then a TokenLogprobs per prompt token, filled
+    # as the prompt's chunks are computed (engine/prompt_logprobs.py).
+    prompt_logprobs: list = field(default_factory=list)
     # Speculative decoding: tokens whose KV the draft model holds (its own cache, same block table),
     # and what verification did for this sequence (RequestOutput metrics).
     num_draft_computed_tokens: int = 0

@@ -153,9 +153,18 @@ class FirstTokenWaiters:
                 seq.num_cached_tokens,
                 time.perf_counter() - started_s,
                 pull,
+                _prompt_logprobs(seq),
             )
             blocks = self.engine.handoff_blocks(update.seq_id) if handoff else None  # pinned until released
             loop.call_soon_threadsafe(_resolve, waiter, (result, blocks))
+
+
+def _prompt_logprobs(seq) -> tuple | None:
+    """The prompt's logprobs after its first token, when asked and computed here (a resumed request's
+    first attempt returned them)."""
+    if seq.params.prompt_logprobs is None or len(seq.prompt_logprobs) != seq.num_prompt_tokens:
+        return None
+    return tuple(seq.prompt_logprobs[1:])
 
 
 def _fail(waiter: asyncio.Future, error: BaseException) -> None:

@@ -118,6 +118,8 @@ class GenerateChunk:
     route: Route | None  # first chunk only
     usage: Usage | None  # last chunk only
     migrations: int = 0  # last chunk only: times the router moved the request to other workers
+    # First chunk only, when prompt_logprobs was asked: entry i scores prompt token i + 1.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class Completion:
     usage: Usage | None = None
     attempts: int = 1  # calls the SDK made (it retries UNAVAILABLE before the first token)
     migrations: int = 0  # times the router moved the request to other workers (an unbroken stream)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # when asked: entry i scores prompt token i + 1
 
     @staticmethod
     def from_chunks(chunks: list[GenerateChunk], attempts: int = 1) -> Completion:
@@ -147,6 +150,7 @@ class Completion:
             last.usage,
             attempts,
             last.migrations,
+            first.prompt_logprobs,
         )
 
 
@@ -184,18 +188,23 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> GenerateChunk:
         if msg.HasField("usage")
         else None
     )
-    logprobs = tuple(
-        TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in msg.logprobs
-    )
     return GenerateChunk(
         msg.request_id,
         tuple(msg.token_ids),
         msg.text,
-        logprobs,
+        _token_logprobs(msg.logprobs),
         _FINISH.get(msg.finish_reason),
         route,
         usage,
         msg.migrations,
+        _token_logprobs(msg.prompt_logprobs),
+    )
+
+
+def _token_logprobs(entries) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(entry.token_id, entry.logprob, tuple((t.token_id, t.logprob) for t in entry.top))
+        for entry in entries
     )
 
 

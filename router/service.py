@@ -15,11 +15,12 @@ from collections.abc import AsyncGenerator
 
 from cluster.client import ClusterClient, RequestFailed
 from cluster.cluster_view import ClusterView
-from cluster.membership import ROLES, Member, Membership
+from cluster.membership import ROLES, Membership
 from cluster.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
 from router.admission_gate import AdmissionGate
+from router.errors import migration_cause
 from router.ledger import RouteLedger
 from router.metrics import RouterMetrics, slo_met
 from router.prefix_pull_planner import PullPlanner
@@ -164,8 +165,12 @@ class RouterService:
         prefill, decode, decision = await self.chooser.choose(query, deadline_s)
         worker_id = prefill.worker_id
         healthy = [h.worker_id for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
-        pull = self.pull_planner.plan(query, decision, healthy)
-        expected_blocks = pull.num_blocks if pull is not None else decision.expected_cached_blocks
+        # Prompt logprobs need every prompt position computed: no cache hit is read, so none is pulled.
+        scores_prompt = request.params.prompt_logprobs is not None and not resumed
+        pull = None if scores_prompt else self.pull_planner.plan(query, decision, healthy)
+        expected_blocks = (
+            0 if scores_prompt else pull.num_blocks if pull is not None else decision.expected_cached_blocks
+        )
         if state.migrations == 0:  # admitted once: a migration is never refused
             self._admission_check(request, expected_blocks * query.block_size, worker_id, decode, waited_s)
         uncached = max(query.num_prompt_tokens - expected_blocks * query.block_size, 1)
@@ -194,6 +199,7 @@ class RouterService:
                     else RouteInfo(worker_id, decode.worker_id, self.policy.name, chunk.num_cached_tokens)
                 )
                 first = False
+                scored = chunk.prompt_logprobs
                 delta, usage = state.add(chunk)
                 last = chunk.finish_reason is not None
                 yield RouterOutput(
@@ -206,10 +212,11 @@ class RouterService:
                     usage,
                     state.migrations if last else 0,
                     state.upstream_s + cluster_s[0] if last else None,
+                    None if scored is None else tuple(zip(request.prompt_token_ids[1:], scored, strict=True)),
                 )
             self._finished(state)
         except RequestFailed as err:
-            err.migration_cause = _cause(err, prefill, decode)
+            err.migration_cause = migration_cause(err, prefill, decode)
             raise
         finally:
             state.upstream_s += cluster_s[0]
@@ -285,12 +292,3 @@ class RouterService:
 
     async def close(self) -> None:
         await self.client.close()
-
-
-def _cause(err: RequestFailed, prefill: Member, decode: Member) -> str:
-    """Why an attempt failed, for the migration metric: which worker was lost, or the hand-off."""
-    if err.lost_worker == (prefill.worker_id, prefill.epoch):
-        return "prefill_lost"
-    if err.lost_worker == (decode.worker_id, decode.epoch):
-        return "decode_lost"
-    return "handoff_failed" if "hand-off" in err.reason else "worker_failed"

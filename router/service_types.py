@@ -44,3 +44,5 @@ class RouterOutput:
     # On the last output: seconds the router spent waiting on the cluster for this request (all attempts);
     # what the client saw minus this is what the router path added to it.
     upstream_s: float | None = None
+    # On the first output, when params.prompt_logprobs is set: (prompt token i + 1, its TokenLogprobs).
+    prompt_logprobs: tuple | None = None

@@ -99,13 +99,9 @@ def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
     )
     for token_id, logprobs in zip(output.token_ids, output.logprobs, strict=False):
         if logprobs is not None:
-            message.logprobs.append(
-                pb.TokenLogprob(
-                    token_id=token_id,
-                    logprob=logprobs.sampled_logprob,
-                    top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
-                )
-            )
+            message.logprobs.append(_token_logprob(token_id, logprobs))
+    if output.prompt_logprobs:
+        message.prompt_logprobs.extend(_token_logprob(t, logprobs) for t, logprobs in output.prompt_logprobs)
     if output.route is not None:  # fields set in place: a RouteInfo built and copied in costs twice as much
         route, proto = output.route, message.route
         proto.prefill_worker, proto.decode_instance = route.prefill_worker, route.decode_instance
@@ -117,3 +113,11 @@ def output_to_proto(output: RouterOutput) -> pb.GenerateResponse:
         counts.prompt_tokens, counts.completion_tokens = usage.prompt_tokens, usage.completion_tokens
         counts.cached_prompt_tokens = usage.cached_prompt_tokens
     return message
+
+
+def _token_logprob(token_id: int, logprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=token_id,
+        logprob=logprobs.sampled_logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )

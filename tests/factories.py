@@ -199,6 +199,14 @@ def _generate_batch(
     return [row[width:].tolist() for row in out]
 
 
+def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: row p is log_softmax of HF's fp32 logits at position p (scoring token p + 1)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1]
+    return logits.log_softmax(dim=-1)
+
+
 def random_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     """`n` prompts of random length in [min_len, max_len], ids drawn past the special tokens.
 

@@ -98,7 +98,7 @@ class SpeculativeDecoder:
         self, chunks: Seq[ScheduledChunk], logits: torch.Tensor, rows: Seq[SamplingRow], drafts: dict
     ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
         """(tokens, their target logprobs) per sampling chunk; `rows`/`logits` hold each chunk's
-        `num_logits_rows` rows in order.
+        `num_sampling_rows` rows in order.
 
         Plain chunks and greedy verify chunks share one sampler call (one argmax and one host copy per
         step, not one per sequence): a greedy verify row's token is the target's own pick, so the
@@ -106,7 +106,7 @@ class SpeculativeDecoder:
         token are the call's. Random verify chunks take rejection sampling one by one."""
         offsets = [0]
         for chunk in chunks:
-            offsets.append(offsets[-1] + chunk.num_logits_rows)
+            offsets.append(offsets[-1] + chunk.num_sampling_rows)
         batched = [i for i, c in enumerate(chunks) if not c.draft_token_ids or rows[offsets[i]].params.greedy]
         spans = [offsets[i : i + 2] for i in batched]
         picks = dict(zip(batched, self._sample_batched(logits, rows, spans), strict=True))

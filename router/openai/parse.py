@@ -110,10 +110,10 @@ def parse_completion(body, context: Context, request_id: str | None = None) -> A
     prompts = _completion_prompts(body.get("prompt"), context)
     echo = _flag(body, "echo")
     logprobs = _optional_int(body, "logprobs")
-    if echo and logprobs is not None:
-        _fail("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
     max_tokens = body.get("max_tokens")
     values = _sampling_values(body, COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, logprobs)
+    if echo and logprobs is not None:  # the echoed prompt's tokens come with their logprobs too
+        values["prompt_logprobs"] = logprobs
     echoes = [_prompt_text(text, tokens, context) if echo else None for text, tokens in prompts]
     return _api_request("completion", model, body, context, prompts, values, {}, echoes, logprobs, request_id)
 

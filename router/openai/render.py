@@ -4,7 +4,8 @@ Streamed chunks are on every token's path, so each is one string join around the
 (the text, JSON-escaped by the C encoder); everything constant per stream is encoded once. A chunk
 goes out per router output (one decode step of one choice), even when its text is empty (text held
 back at a stop-string prefix or an incomplete character): clients and load testers then see every
-step. `return_token_ids` (vLLM's extra field) adds each chunk's token ids.
+step. `return_token_ids` (vLLM's extra field) adds each chunk's token ids. Completions with `echo` and
+`logprobs` list the prompt's tokens first (what evaluation harnesses score: loglikelihood requests).
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ class Renderer:
 
     def _logprob_entries(self, state: ChoiceState, output: RouterOutput) -> list:
         entries: list[Any] = []  # chat: dicts; completions: tuples, folded later
+        if output.prompt_logprobs is not None and state.choice.echo is not None:
+            entries.extend(self._echo_entries(state.choice, output.prompt_logprobs))
         for token_id, lp in zip(output.token_ids, output.logprobs, strict=False):
             if lp is None:
                 continue
@@ -149,6 +152,18 @@ class Renderer:
                 entries.append((token, lp.sampled_logprob, dict(top), state.text_offset))
                 state.text_offset += len(token)
         state.logprobs.extend(entries)
+        return entries
+
+    def _echo_entries(self, choice: Choice, prompt_logprobs: tuple) -> list:
+        """Completions with echo and logprobs: the echoed prompt's entries, as OpenAI gives them (the first
+        token has no logprob); their offsets run over the prompt's token texts."""
+        first = self._token_text(choice.request.prompt_token_ids[0])
+        entries: list[Any] = [(first, None, None, 0)]
+        offset = len(first)
+        for token_id, lp in prompt_logprobs:
+            token = self._token_text(token_id)
+            entries.append((token, lp.sampled_logprob, {self._token_text(t): v for t, v in lp.top}, offset))
+            offset += len(token)
         return entries
 
     def _token_text(self, token_id: int) -> str:

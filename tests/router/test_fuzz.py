@@ -27,7 +27,7 @@ sampling = st.fixed_dictionaries({}, optional={
     "top_p": FLOATS, "min_p": FLOATS, "repetition_penalty": FLOATS, "presence_penalty": FLOATS,
     "frequency_penalty": FLOATS, "seed": INT64, "stop": st.lists(TEXT, max_size=3),
     "stop_token_ids": st.lists(st.one_of(st.integers(-3, 600), INT64), max_size=4), "ignore_eos": st.booleans(),
-    "logprobs": st.integers(-3, 25),
+    "logprobs": st.integers(-3, 25), "prompt_logprobs": st.integers(-3, 25),
     "logit_bias": st.dictionaries(st.one_of(st.integers(-3, 600), INT64), st.one_of(FLOATS, st.floats(-150, 150)),
                                   max_size=4)})
 

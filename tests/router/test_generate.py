@@ -11,7 +11,7 @@ import pytest
 from router.client import AsyncClient, Client, build_request
 from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.sdk_types import SENT_AT_KEY, AlreadyExists, DeadlineExceeded, InvalidArgument, error_from_rpc
-from tests.factories import TinySpec, hf_greedy_generate, random_prompts
+from tests.factories import TinySpec, hf_greedy_generate, hf_prompt_logprobs, random_prompts
 
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -113,6 +113,7 @@ def test_deadline_expiry_answers_deadline_exceeded_and_frees_blocks(router_stack
     ([1, 2], {"logit_bias": {9999: 1.0}}, "sampling.logit_bias"),
     ([1, 2], {"logit_bias": {5: -101.0}}, "sampling.logit_bias"),
     ([1, 2], {"logprobs": 21}, "sampling.logprobs"),
+    ([1, 2], {"prompt_logprobs": -1}, "sampling.prompt_logprobs"),
     ([1, 2], {"seed": -3}, "sampling.seed"),
     ([1, 2], {"ttft_ms": -1.0}, "slo.ttft_ms"),
     ([1, 2], {"priority": 5000}, "priority"),
@@ -178,6 +179,26 @@ def _wait_inflight_zero(client: Client, timeout_s: float = 10.0) -> None:
     while client.status().inflight_requests:
         assert time.monotonic() < deadline_s, "requests still in flight on the router"
         time.sleep(0.05)
+
+
+def test_prompt_logprobs_come_with_the_first_chunk_and_ignore_the_prefix_cache(router_stack, checkpoint):
+    model_dir = checkpoint(TinySpec())
+    prompt = random_prompts(1, 40, 40, 512, seed=17)[0]
+    reference = hf_prompt_logprobs(model_dir, prompt)
+    with Client(router_stack.target) as client:
+        client.generate(prompt, **GREEDY)  # caches the prompt's blocks on the prefill worker
+        chunks = list(client.generate_stream(prompt, prompt_logprobs=2, **GREEDY))
+        assert [t for c in chunks for t in c.token_ids] == hf_greedy_generate(model_dir, [prompt], 12)[0]
+        assert chunks[0].route.cached_prompt_tokens == 0 and all(not c.prompt_logprobs for c in chunks[1:])
+        scored = chunks[0].prompt_logprobs
+        assert [entry.token_id for entry in scored] == prompt[1:]
+        for p, entry in enumerate(scored):
+            assert abs(entry.logprob - reference[p, prompt[p + 1]].item()) < 1e-4
+            assert [t for t, _ in entry.top] == reference[p].topk(2).indices.tolist()
+        assert client.generate(prompt, **GREEDY).route.cached_prompt_tokens > 0  # the cache still serves others
+        whole = client.generate(prompt, prompt_logprobs=0, **GREEDY)
+        assert len(whole.prompt_logprobs) == len(prompt) - 1 and all(not e.top for e in whole.prompt_logprobs)
+    router_stack.check_workers_clean()
 
 
 def test_a_finished_stream_says_how_long_the_cluster_took(router_stack):

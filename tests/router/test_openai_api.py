@@ -13,7 +13,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.tokenizer import load_tokenizer
-from tests.factories import TinySpec, hf_greedy_generate, random_prompts
+from tests.factories import TinySpec, hf_greedy_generate, hf_prompt_logprobs, random_prompts
 
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 
@@ -141,6 +141,25 @@ def test_logit_bias_steers_greedy_text_as_hf_sequence_bias_does(client, model, c
                                             extra_body={"ignore_eos": True})
     assert forced.choices[0].message.content == tokenizer.decode([42] * 6, skip_special_tokens=True)
     router_stack.check_workers_clean()
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client, model, checkpoint, tokenizer):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, max_tokens 1; the continuation's
+    logprob is the sum of token_logprobs[len(context):-1]."""
+    context, continuation = random_prompts(2, 12, 20, 512, seed=27)
+    prompt = context + continuation
+    reference = hf_prompt_logprobs(checkpoint(TinySpec()), prompt)
+    reply = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(prompt) + 1 and logprobs.token_logprobs[0] is None
+    assert logprobs.tokens[: len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+    want = sum(reference[p, prompt[p + 1]].item() for p in range(len(context) - 1, len(prompt) - 1))
+    assert abs(sum(logprobs.token_logprobs[len(context) : -1]) - want) < 1e-3
+    greedy = [max(top.values()) == lp for lp, top in zip(logprobs.token_logprobs[1:-1], logprobs.top_logprobs[1:-1])]
+    assert greedy == [reference[p].argmax().item() == prompt[p + 1] for p in range(len(prompt) - 1)]
+    streamed = list(client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
+                                              temperature=0, stream=True))
+    assert streamed[0].choices[0].logprobs.token_logprobs[:-1] == logprobs.token_logprobs[:-1]
 
 
 def test_logprobs_shapes(client, model):

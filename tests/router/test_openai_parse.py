@@ -54,6 +54,13 @@ def test_defaults_and_vllm_extras(context):
     assert request.params.logprobs == 2 and chat.logprobs == 2
 
 
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs(context):
+    echoed = parse_completion({"prompt": [5, 6, 7], "echo": True, "logprobs": 2, "max_tokens": 1}, context)
+    assert echoed.choices[0].request.params.prompt_logprobs == 2 and echoed.choices[0].echo is not None
+    plain = parse_completion({"prompt": [5, 6, 7], "logprobs": 2}, context)
+    assert plain.choices[0].request.params.prompt_logprobs is None
+
+
 def test_logit_bias_keys_are_token_ids_written_as_strings(context):
     api = parse_completion({"prompt": [1], "n": 2, "logit_bias": {"300": 2.5, "7": -100}}, context)
     assert [c.request.params.logit_bias for c in api.choices] == [((7, -100.0), (300, 2.5))] * 2
@@ -66,7 +73,7 @@ def test_logit_bias_keys_are_token_ids_written_as_strings(context):
     ({}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt[1]"),
     ({"prompt": [1], "stream": "yes"}, "stream"), ({"prompt": [1], "max_tokens": 2.5}, "max_tokens"),
     ({"prompt": [1], "stop": 5}, "stop"), ({"prompt": [1], "stop_token_ids": ["x"]}, "stop_token_ids"),
-    ({"prompt": [1], "echo": True, "logprobs": 1}, "echo"), ({"prompt": [1], "best_of": 3}, "best_of"),
+    ({"prompt": [1], "echo": True, "logprobs": 21}, "logprobs"), ({"prompt": [1], "best_of": 3}, "best_of"),
     ({"prompt": [1], "suffix": "x"}, "suffix"), ({"prompt": [1], "n": 300}, "n"),
     ({"prompt": [[1]] * 200, "n": 2}, "n"), ({"prompt": [1], "timeout_ms": 0}, "timeout_ms"),
     ({"prompt": [1], "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
