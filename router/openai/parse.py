@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NoReturn, cast
 
 from engine.errors import InvalidRequestError
@@ -70,6 +70,7 @@ class Choice:
     prompt_index: int
     request: RouterRequest
     echo: str | None  # completions with echo: the prompt's text, sent before the completion
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated
 
 
 @dataclass(frozen=True)
@@ -111,11 +112,17 @@ def parse_completion(body, context: Context, request_id: str | None = None) -> A
     echo = _flag(body, "echo")
     logprobs = _optional_int(body, "logprobs")
     max_tokens = body.get("max_tokens")
+    # OpenAI's way to score a prompt without generating: echo with max_tokens 0. The engine samples one
+    # token (the prompt's last logits are computed anyway) and the response leaves it out, as vLLM does.
+    echo_only = echo and _is_int(max_tokens) and max_tokens == 0
+    if echo_only:
+        max_tokens = 1
     values = _sampling_values(body, COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, logprobs)
     if echo and logprobs is not None:  # the echoed prompt's tokens come with their logprobs too
         values["prompt_logprobs"] = logprobs
     echoes = [_prompt_text(text, tokens, context) if echo else None for text, tokens in prompts]
-    return _api_request("completion", model, body, context, prompts, values, {}, echoes, logprobs, request_id)
+    api = _api_request("completion", model, body, context, prompts, values, {}, echoes, logprobs, request_id)
+    return replace(api, choices=tuple(replace(c, echo_only=True) for c in api.choices)) if echo_only else api
 
 
 def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequest:

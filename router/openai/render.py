@@ -68,7 +68,7 @@ class Renderer:
         state.started = True
         logprobs = self._logprobs_json(state, output) if self.api.logprobs is not None else "null"
         finish = f'"{output.finish_reason}"' if output.finish_reason else "null"
-        ids = f',"token_ids":{_dumps(list(output.token_ids))}' if self.api.return_token_ids else ""
+        ids = f',"token_ids":{_dumps(_shown(state, output.token_ids))}' if self.api.return_token_ids else ""
         return (
             f'{self._head}{state.choice.index},{body},"logprobs":{logprobs},"finish_reason":{finish}{ids}}}]'
             f"{self._tail}"
@@ -116,10 +116,10 @@ class Renderer:
     # ---- shared ----
 
     def _account(self, state: ChoiceState, output: RouterOutput) -> str:
-        state.token_ids.extend(output.token_ids)
+        state.token_ids.extend(_shown(state, output.token_ids))
         if output.finish_reason:
             state.finish_reason, state.usage = output.finish_reason, output.usage
-        return output.text
+        return "" if state.choice.echo_only else output.text
 
     def _logprobs_json(self, state: ChoiceState, output: RouterOutput) -> str:
         entries = self._logprob_entries(state, output)
@@ -134,7 +134,7 @@ class Renderer:
         entries: list[Any] = []  # chat: dicts; completions: tuples, folded later
         if output.prompt_logprobs is not None and state.choice.echo is not None:
             entries.extend(self._echo_entries(state.choice, output.prompt_logprobs))
-        for token_id, lp in zip(output.token_ids, output.logprobs, strict=False):
+        for token_id, lp in zip(_shown(state, output.token_ids), output.logprobs, strict=False):
             if lp is None:
                 continue
             token = self._token_text(token_id)
@@ -171,6 +171,12 @@ class Renderer:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id]) if self.tokenizer else ""
         return text
+
+
+def _shown(state: ChoiceState, token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The generated tokens a choice shows: none for echo with max_tokens 0 (its one sampled token is
+    not part of the answer)."""
+    return () if state.choice.echo_only else token_ids
 
 
 def _completion_logprobs(entries: list) -> dict:

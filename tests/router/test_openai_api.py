@@ -160,6 +160,14 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client
     streamed = list(client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
                                               temperature=0, stream=True))
     assert streamed[0].choices[0].logprobs.token_logprobs[:-1] == logprobs.token_logprobs[:-1]
+    # OpenAI's older form (max_tokens 0): the prompt and its logprobs alone, nothing generated.
+    only = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    assert only.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:-1]
+    assert only.choices[0].text == tokenizer.decode(prompt) and only.usage.completion_tokens == 0
+    streamed_only = list(client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=0,
+                                                   stream=True))
+    assert "".join(c.choices[0].text for c in streamed_only) == only.choices[0].text
+    assert [lp for c in streamed_only for lp in c.choices[0].logprobs.token_logprobs] == logprobs.token_logprobs[:-1]
 
 
 def test_logprobs_shapes(client, model):

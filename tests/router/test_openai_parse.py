@@ -59,6 +59,11 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs(context):
     assert echoed.choices[0].request.params.prompt_logprobs == 2 and echoed.choices[0].echo is not None
     plain = parse_completion({"prompt": [5, 6, 7], "logprobs": 2}, context)
     assert plain.choices[0].request.params.prompt_logprobs is None
+    scored = parse_completion({"prompt": [5, 6, 7], "echo": True, "logprobs": 1, "max_tokens": 0}, context)
+    assert scored.choices[0].echo_only and scored.choices[0].request.params.max_tokens == 1
+    with pytest.raises(InvalidRequestError) as err:  # max_tokens 0 only scores an echoed prompt
+        parse_completion({"prompt": [5, 6, 7], "max_tokens": 0}, context)
+    assert err.value.field == "max_tokens"
 
 
 def test_logit_bias_keys_are_token_ids_written_as_strings(context):
