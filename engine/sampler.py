@@ -2,9 +2,9 @@
 
 Per row, in order:
 
-1. The logits are processed as `engine.logits_processing` documents: min_tokens masking, repetition
-   penalty (HF semantics, prompt + output), presence / frequency penalty (OpenAI / vLLM semantics, output
-   only), then for random rows temperature, top-k, top-p and min-p (HF warper semantics).
+1. The logits are processed as `engine.logits_processing` documents: min_tokens masking, logit_bias,
+   repetition penalty (HF semantics, prompt + output), presence / frequency penalty (OpenAI / vLLM
+   semantics, output only), then for random rows temperature, top-k, top-p and min-p (HF warper semantics).
 2. Greedy rows (temperature == 0) take the argmax of the penalised logits; ties go to the lowest token id.
 3. Random rows sample from the softmax of the processed logits by the exponential race: draw
    q ~ Exp(1) per vocab entry and pick argmax(probs / q), which picks token i with probability probs[i].
@@ -19,7 +19,7 @@ Per row, in order:
    mask, temperature or filter. That is vLLM's default: the numbers describe the model rather than the
    sampling settings, and a request's logprobs do not change with its sampling knobs.
 
-When every row is greedy with no penalties, no min_tokens masking in effect and no logprobs, the step is
+When every row is greedy with no penalties or bias, no min_tokens masking in effect and no logprobs, the step is
 one batched argmax with no per-row tensor work: the common case for evaluation and benchmarks.
 """
 
