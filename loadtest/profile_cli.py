@@ -1,14 +1,16 @@
 """`splitserve profile`: write the hardware profile the simulator runs on.
 
     splitserve profile --out cpu.json [--model DIR] [--threads 1]          # time this machine's engine
+    splitserve profile --out h200-1b.json --model DIR --device cuda --dtype bfloat16 --kv-cache-gib 100
     splitserve profile --roofline --model llama-3.2-1b --gpu h100 --out h100-1b.json
     splitserve profile --calibrate --profile cpu.json --target 127.0.0.1:50051 --out cpu.json
 
 The first runs the engine in this process over a grid of step shapes (cluster/sim/profiler.py) with
-the torch threads a pool worker gets; run it on the hardware the cluster serves on (on a GPU box it
-times the GPU). The second writes a roofline estimate for a named model on a named GPU, labelled as
-such (cluster/sim/roofline.py). The third measures the cluster's own overheads (router, Ray calls,
-hand-off fixed costs) against an idle running cluster and stores them in the profile
+the torch threads a pool worker gets; `--device cuda` times it on the GPU (then give the KV memory a
+GPU worker gets and the hand-off's figures: the defaults describe CPU workers on loopback). The second
+writes a roofline estimate for a named model on a named GPU, labelled as such
+(cluster/sim/roofline.py). The third measures the cluster's own overheads (router, Ray calls, hand-off
+fixed costs) against an idle running cluster and stores them in the profile
 (loadtest/calibrate.py).
 """
 
@@ -41,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", default="1,2,4,8", help="with --roofline: tensor-parallel sizes (default 1,2,4,8)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as a pool worker's (default 1)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="where the engine is timed: cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--kv-cache-gib", type=float, help="a worker's KV cache memory, for capacity (default: the pool config's)"
+    )
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds; for smoke tests)")
     parser.add_argument("--label", help="the profile's label (default: says what and where)")
     parser.add_argument(
@@ -100,7 +106,15 @@ def make_profile(args) -> Profile:
         label=args.label,
         transfer=_transfer(args),
         say=lambda line: print(line, flush=True),
+        device=args.device,
+        kv_cache_memory_bytes=_kv_bytes(args.kv_cache_gib),
     )
+
+
+def _kv_bytes(gib: float | None) -> int | None:
+    if gib is not None and gib <= 0:
+        raise ValueError("--kv-cache-gib must be > 0")
+    return None if gib is None else int(gib * 2**30)
 
 
 def main(argv: list[str] | None = None) -> None:

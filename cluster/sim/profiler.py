@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from cluster.config import PoolConfig
 from cluster.sim.profile import ModelFacts, Overheads, Profile, Transfer
 from cluster.sim.step_cost import StepSample, fit_step_cost, prefill_pairs
@@ -62,8 +64,12 @@ def measure_profile(
     label: str | None = None,
     transfer: Transfer = CPU_TRANSFER,
     say: Callable[[str], None] = lambda _: None,
+    device: str = "cpu",
+    kv_cache_memory_bytes: int | None = None,
 ) -> Profile:
-    engine = _engine(model_dir, threads, dtype, grid)
+    """`device`: where the engine runs ("cuda" times a GPU); `kv_cache_memory_bytes`: a pool worker's KV
+    memory, for the profile's capacity (default: the cluster config's, sized for CPU workers)."""
+    engine = _engine(model_dir, threads, dtype, grid, device)
     samples = _prefill_samples(engine, grid, say) + _decode_samples(engine, grid, say)
     cost, rms = fit_step_cost(samples, _covered_knots(grid.knots, samples))
     model = engine.model_config
@@ -72,11 +78,11 @@ def measure_profile(
         model_dir=model_dir,
         dtype=dtype,
         max_num_seqs=pool.max_num_seqs,
-        kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
+        kv_cache_memory_bytes=kv_cache_memory_bytes or pool.kv_cache_memory_bytes,
     )
     capacity = cluster_engine.num_blocks_for(model) * cluster_engine.block_size
     params = sum(p.numel() for p in engine.runner.model.parameters())
-    hardware = f"{platform.processor() or platform.machine()}, {threads} torch thread(s) per worker"
+    hardware = _hardware(engine, threads)
     kv_bytes = cluster_engine.kv_format(model).bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim)
     facts = ModelFacts(
         model.architecture,
@@ -101,6 +107,13 @@ def measure_profile(
     )
 
 
+def _hardware(engine: LLMEngine, threads: int) -> str:
+    device = engine.runner.device
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()}, {threads} torch thread(s) per worker"
+
+
 def _source(samples: int, rms: float, grid: Grid) -> dict:
     return {
         "made_by": "splitserve profile",
@@ -119,7 +132,7 @@ def _covered_knots(knots: tuple[int, ...], samples: list[StepSample]) -> tuple[i
     return covered if len(covered) >= 2 else (1, largest)
 
 
-def _engine(model_dir: str, threads: int, dtype: str, grid: Grid) -> LLMEngine:
+def _engine(model_dir: str, threads: int, dtype: str, grid: Grid, device: str = "cpu") -> LLMEngine:
     max_len = load_model_config(model_dir, dtype).max_position_embeddings
     longest = min(max(max(grid.starts) + max(grid.chunk_tokens), max(grid.contexts) + _decode_tokens(grid)), max_len)
     blocks = -(-longest // EngineConfig().block_size) * max(max(grid.batches), 1) + 8
@@ -133,6 +146,7 @@ def _engine(model_dir: str, threads: int, dtype: str, grid: Grid) -> LLMEngine:
         prefill_chunk_tokens=max(grid.chunk_tokens),
         enable_prefix_caching=False,
         num_threads=threads,
+        device=device,
     )
     return LLMEngine(config)
 

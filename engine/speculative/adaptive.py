@@ -94,15 +94,31 @@ class _Bucket:
     probe_interval: int = FIRST_PROBE_INTERVAL
     probe_left: int = 0  # steps of the current probe still to run
     decided_before_probe: bool | None = None
+    # Steps since the last probe before the next may start: the probe budget, worked out when the
+    # interval is reached and again only when this count is (O(1) per step in between).
+    probe_at: int = 0
+    _spec_cost_s: float | None = None  # spec_cost() until a speculative sample or catch-up arrives
+
+    def add_spec(self, sample: Sample) -> None:
+        self.spec_s.append(sample)
+        self._spec_cost_s = None
 
     def level_s(self) -> float:
         """A level speculative step's seconds: the mean of the window's non-catch-up samples (0: none)."""
         level = [sample.seconds for sample in self.spec_s if not sample.catch_up]
         return sum(level) / len(level) if level else 0.0
 
+    def charge_catch_up(self, duration_s: float, tokens: int, tokens_ahead: int) -> float:
+        self._spec_cost_s = None
+        return self.catch_ups.charge(duration_s, tokens, tokens_ahead, self.level_s())
+
     def spec_cost(self) -> float:
-        """Speculation's seconds per token: the window's, plus the amortised catch-ups' surcharge."""
-        return seconds_per_token(self.spec_s) + (self.catch_ups.surcharge_s(self.level_s()) or 0.0)
+        """Speculation's seconds per token: the window's, plus the amortised catch-ups' surcharge
+        (cached: a step that does not speculate leaves both unchanged)."""
+        if self._spec_cost_s is None:
+            surcharge_s = self.catch_ups.surcharge_s(self.level_s()) or 0.0
+            self._spec_cost_s = seconds_per_token(self.spec_s) + surcharge_s
+        return self._spec_cost_s
 
     def better(self) -> bool | None:
         """Whether speculation is measured cheaper; None until both modes have samples."""
@@ -198,9 +214,14 @@ class AdaptiveSwitch:
         better = bucket.better()
         assert better is not None, "both modes have samples here"
         bucket.steps_since_probe += 1
-        due = bucket.steps_since_probe >= bucket.probe_interval  # the budget is worked out only then
-        if due and bucket.steps_since_probe >= _budget_interval(bucket, self._hopeless(bucket, 2)):
+        if bucket.steps_since_probe < max(bucket.probe_interval, bucket.probe_at):
+            return better
+        # The interval is reached: the budget is worked out now, and again when its count is reached
+        # (costs drift between), not on every step in between.
+        bucket.probe_at = _budget_interval(bucket, self._hopeless(bucket, 2))
+        if bucket.steps_since_probe >= bucket.probe_at:
             bucket.steps_since_probe, bucket.probe_left, bucket.decided_before_probe = 0, PROBE_STEPS - 1, better
+            bucket.probe_at = 0
             return not better
         return better
 
@@ -224,7 +245,7 @@ class AdaptiveSwitch:
             return
         bucket = self._bucket(num_decoding)
         if catch_up:
-            duration_s = bucket.catch_ups.charge(duration_s, catch_up_tokens, tokens_ahead, bucket.level_s())
+            duration_s = bucket.charge_catch_up(duration_s, catch_up_tokens, tokens_ahead)
             bucket.catch_up_s = duration_s
         elif not speculated:
             bucket.plain_s.append(Sample(duration_s, num_output_tokens))
@@ -235,7 +256,7 @@ class AdaptiveSwitch:
             self._judged.append((min(max(num_output_tokens - num_decoding, 0), drafts), drafts))
         if catch_up and tokens_ahead > 0 and catch_up_tokens > 0:
             return  # amortised: its cost reaches the window as the surcharge
-        bucket.spec_s.append(sample)
+        bucket.add_spec(sample)
         if drafts is None:
             return
         probing_speculation = bucket.probe_left and bucket.decided_before_probe is False
@@ -253,7 +274,11 @@ class AdaptiveSwitch:
         )
 
     def _bucket(self, num_decoding: int) -> _Bucket:
-        return self._buckets.setdefault(self.bucket_of(num_decoding), _Bucket())
+        key = self.bucket_of(num_decoding)
+        bucket = self._buckets.get(key)  # not setdefault: a new _Bucket per call costs microseconds
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket()
+        return bucket
 
     @staticmethod
     def _end_probe(bucket: _Bucket) -> None:

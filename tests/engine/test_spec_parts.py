@@ -79,6 +79,21 @@ def test_a_costly_loser_is_probed_rarely():
     assert math.ceil(PROBE_STEPS * 7 / PROBE_TIME_SHARE) == 1050 <= MAX_PROBE_INTERVAL
 
 
+def test_the_probe_budget_is_not_recomputed_on_every_step(monkeypatch):
+    """Between probes a step's decision is O(1): the budget (which walks both windows) is worked out
+    when the probe interval is reached and again only when its own count is reached, not on every step
+    in between (it was, at ~10 us a step, 2-5% of a batch-1 GPU step). The probes still come when the
+    budget says: test_a_costly_loser_is_probed_rarely."""
+    import engine.speculative.adaptive as adaptive
+
+    calls = []
+    budget = adaptive._budget_interval
+    monkeypatch.setattr(adaptive, "_budget_interval", lambda *a: calls.append(1) or budget(*a))
+    decisions = _switch_after(spec_cost_s=0.08, plain_cost_s=0.01, batch=64, steps=3000)
+    probes = sum(1 for i in range(1, 3000) if decisions[i] and not decisions[i - 1])
+    assert probes >= 2 and len(calls) <= 3 * probes
+
+
 def _switch_with_drafts(step_s, batch: int, k: int, accepted: int, steps: int, catch_up_s: float = 0.0):
     """Decisions of a switch fed steps of `step_s(on)` seconds; a speculative step emits (1 + accepted)
     tokens per sequence of at most 1 + k; `catch_up_s` > 0: the draft model must catch up on the first

@@ -32,6 +32,21 @@ def test_profile_measures_the_engine_and_fits_it(measured):
     assert 0 <= profile.source["fit_rms_relative_error"] < 1.0
 
 
+def test_profile_takes_the_device_and_the_workers_kv_memory(checkpoint, tmp_path, capsys):
+    """A GPU box's profile is written with `--device cuda` and the KV memory its workers get (measured
+    on an H200: docs/perf/profile_h200_llama1b_measured.json); here the same flags on CPU."""
+    path = tmp_path / "cpu-kv.json"
+    splitserve(["profile", "--quick", "--model", str(checkpoint()), "--device", "cpu", "--kv-cache-gib", "0.01",
+                "--out", str(path)])
+    profile = Profile.load(path)
+    block = profile.model.block_size  # whole blocks of the given memory (below the pool's cap here)
+    assert profile.kv_capacity_tokens[1] == int(0.01 * 2**30) // (profile.model.kv_bytes_per_token * block) * block
+    for flags, named in ((["--kv-cache-gib", "0"], "--kv-cache-gib"), (["--device", "tpu"], "device")):
+        with pytest.raises(SystemExit):
+            splitserve(["profile", "--quick", "--model", str(checkpoint()), "--out", str(path), *flags])
+        assert named in capsys.readouterr().err
+
+
 def test_roofline_profile_is_labelled(tmp_path, capsys):
     path = tmp_path / "h100.json"
     splitserve(["profile", "--roofline", "--model", "llama-3.2-1b", "--gpu", "h100", "--tp", "1,2", "--out", str(path)])
