@@ -102,7 +102,7 @@ def measure_profile(
         {1: capacity},
         transfer,
         Overheads(),
-        _source(len(samples), rms, grid),
+        _source(samples, rms, grid),
         threads,
     )
 
@@ -114,11 +114,14 @@ def _hardware(engine: LLMEngine, threads: int) -> str:
     return f"{platform.processor() or platform.machine()}, {threads} torch thread(s) per worker"
 
 
-def _source(samples: int, rms: float, grid: Grid) -> dict:
+def _source(samples: list[StepSample], rms: float, grid: Grid) -> dict:
     return {
         "made_by": "splitserve profile",
         "created_unix_s": int(time.time()),
-        "samples": samples,
+        "samples": len(samples),
+        # The measured steps as fitted (tokens, seqs, prefill pairs, decode context, ms): a later model
+        # of the step cost can be refitted without the hardware.
+        "steps": [[s.tokens, s.seqs, s.prefill_pairs, s.decode_context, round(s.duration_s * 1e3, 4)] for s in samples],
         "fit_rms_relative_error": round(rms, 4),
         "grid": dataclasses.asdict(grid),
     }

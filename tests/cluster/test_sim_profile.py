@@ -59,6 +59,24 @@ def test_fit_recovers_exact_coefficients():
     )
 
 
+def test_fit_separates_graph_decode_steps_from_eager_prefill_steps():
+    """A GPU's shape (H200, 1B model, docs/perf/profile_h200_llama1b_measured.json): decode steps replay
+    CUDA graphs (~1.7 ms), any step with a prompt chunk runs eagerly (~10 ms flat, host-bound). At the
+    token counts both reach (16-64) dense(T) alone cannot be both; the prefill-step term holds it, as
+    the profiler's grid samples it (decode: pairs 0; prefill: one sequence's chunk)."""
+    truth = StepCost((1, 64, 2048), (0.0016, 0.0025, 0.0060), 0.0, 3e-10, 2e-9, 0.008)
+    shapes = [(c, 1, prefill_pairs(start, c), 0) for c in (16, 32, 64, 128, 512, 2048) for start in (0, 1024)]
+    shapes += [(b, b, 0.0, b * ctx) for b in (1, 2, 4, 8, 16, 32, 64) for ctx in (64, 1024)]
+    samples = [StepSample(t, n, pairs, ctx, truth.seconds(t, n, pairs, ctx)) for t, n, pairs, ctx in shapes]
+    cost, rms = fit_step_cost(samples, truth.knots_tokens)
+    assert rms < 1e-6 and cost.prefill_step_s == pytest.approx(0.008, rel=1e-4)
+    assert cost.seconds(32, 32, 0.0, 32 * 64) == pytest.approx(truth.seconds(32, 32, 0.0, 32 * 64), rel=1e-4)
+    # Profiles written before the term load with it at 0.
+    old = {k: v for k, v in cost.to_dict().items() if k != "prefill_step_ms"}
+    assert StepCost.from_dict(old, "steps").prefill_step_s == 0.0
+    assert StepCost.from_dict(cost.to_dict(), "steps").prefill_step_s == pytest.approx(cost.prefill_step_s)
+
+
 def test_fitted_dense_never_falls_as_tokens_grow():
     # Timer noise on a busy box: the 128-token steps came out faster than the 16-token ones. A free fit of
     # the knot values follows the noise down; the fitted step cost must not (more tokens never cost less).
