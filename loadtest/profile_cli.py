@@ -1,7 +1,8 @@
 """`splitserve profile`: write the hardware profile the simulator runs on.
 
     splitserve profile --out cpu.json [--model DIR] [--threads 1]          # time this machine's engine
-    splitserve profile --out h200-1b.json --model DIR --device cuda --dtype bfloat16 --kv-cache-gib 100
+    splitserve profile --out h200-1b.json --model DIR --device cuda --dtype bfloat16 --kv-cache-gib 100 \
+        --decode-contexts 64,1024,4096,16384 --transfer-latency-ms 1 --transfer-gbytes-per-s 40
     splitserve profile --roofline --model llama-3.2-1b --gpu h100 --out h100-1b.json
     splitserve profile --calibrate --profile cpu.json --target 127.0.0.1:50051 --out cpu.json
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 
 from cluster.sim.profile import Profile, Transfer
@@ -48,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-gib", type=float, help="a worker's KV cache memory, for capacity (default: the pool config's)"
     )
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds; for smoke tests)")
+    parser.add_argument(
+        "--decode-contexts",
+        help="decode points' context lengths, comma-separated (default 64,256,1024; a GPU serving long "
+        "prompts needs longer ones, or the fit cannot see what reading their KV costs)",
+    )
+    parser.add_argument("--decode-batches", help="decode points' batch sizes, comma-separated (default 1,2,...,64)")
     parser.add_argument("--label", help="the profile's label (default: says what and where)")
     parser.add_argument(
         "--transfer-latency-ms", type=float, help=f"KV hand-off latency (default {CPU_TRANSFER.latency_s * 1e3:g})"
@@ -102,13 +110,32 @@ def make_profile(args) -> Profile:
         model_dir,
         threads=args.threads,
         dtype=args.dtype,
-        grid=Grid.quick() if args.quick else Grid(),
+        grid=_grid(args),
         label=args.label,
         transfer=_transfer(args),
         say=lambda line: print(line, flush=True),
         device=args.device,
         kv_cache_memory_bytes=_kv_bytes(args.kv_cache_gib),
     )
+
+
+def _grid(args) -> Grid:
+    grid = Grid.quick() if args.quick else Grid()
+    for flag, field in ((args.decode_contexts, "contexts"), (args.decode_batches, "batches")):
+        if flag is not None:
+            try:
+                values = tuple(int(v) for v in flag.split(","))
+            except ValueError:
+                raise ValueError(f"--decode-{field}: integers separated by commas, got {flag!r}") from None
+            if not values or min(values) < 1:
+                raise ValueError(f"--decode-{field}: every value must be >= 1, got {flag!r}")
+            values = tuple(sorted(set(values)))
+            grid = (
+                dataclasses.replace(grid, contexts=values)
+                if field == "contexts"
+                else dataclasses.replace(grid, batches=values)
+            )
+    return grid
 
 
 def _kv_bytes(gib: float | None) -> int | None:

@@ -37,11 +37,16 @@ def test_profile_takes_the_device_and_the_workers_kv_memory(checkpoint, tmp_path
     on an H200: docs/perf/profile_h200_llama1b_measured.json); here the same flags on CPU."""
     path = tmp_path / "cpu-kv.json"
     splitserve(["profile", "--quick", "--model", str(checkpoint()), "--device", "cpu", "--kv-cache-gib", "0.01",
-                "--out", str(path)])
+                "--decode-contexts", "96,32", "--decode-batches", "2", "--out", str(path)])
     profile = Profile.load(path)
+    assert profile.source["grid"]["contexts"] == [32, 96] and profile.source["grid"]["batches"] == [2]
+    decode_steps = [step for step in profile.source["steps"] if step[2] == 0.0]  # no prefill pairs
+    short, long = sorted(step[3] / 2 for step in decode_steps)  # KV each of the two sequences read
+    assert 32 <= short < 48 and 96 <= long < 112
     block = profile.model.block_size  # whole blocks of the given memory (below the pool's cap here)
     assert profile.kv_capacity_tokens[1] == int(0.01 * 2**30) // (profile.model.kv_bytes_per_token * block) * block
-    for flags, named in ((["--kv-cache-gib", "0"], "--kv-cache-gib"), (["--device", "tpu"], "device")):
+    bad = (["--kv-cache-gib", "0"], "--kv-cache-gib"), (["--device", "tpu"], "device")
+    for flags, named in (*bad, (["--decode-contexts", "64,x"], "--decode-contexts")):
         with pytest.raises(SystemExit):
             splitserve(["profile", "--quick", "--model", str(checkpoint()), "--out", str(path), *flags])
         assert named in capsys.readouterr().err
