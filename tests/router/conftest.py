@@ -82,14 +82,16 @@ def start_router(model_dir, config: ClusterConfig | None = None) -> RouterStack:
     return RouterStack(cluster, server, loop, config)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def router_stack(ray_session, checkpoint):
+    """One default 1P1D stack per test package (router, loadtest): starting one costs ~12 s on 2 cores,
+    and the modules that use it leave it as they found it (a step delay a test sets, it resets)."""
     stack = start_router(checkpoint(TinySpec()))
     yield stack
     stack.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def router_target(router_stack) -> str:
     """"127.0.0.1:PORT" of a running router (1 prefill + 1 decode over the tiny Llama checkpoint)."""
     return router_stack.target
