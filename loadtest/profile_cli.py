@@ -121,21 +121,22 @@ def make_profile(args) -> Profile:
 
 def _grid(args) -> Grid:
     grid = Grid.quick() if args.quick else Grid()
-    for flag, field in ((args.decode_contexts, "contexts"), (args.decode_batches, "batches")):
-        if flag is not None:
-            try:
-                values = tuple(int(v) for v in flag.split(","))
-            except ValueError:
-                raise ValueError(f"--decode-{field}: integers separated by commas, got {flag!r}") from None
-            if not values or min(values) < 1:
-                raise ValueError(f"--decode-{field}: every value must be >= 1, got {flag!r}")
-            values = tuple(sorted(set(values)))
-            grid = (
-                dataclasses.replace(grid, contexts=values)
-                if field == "contexts"
-                else dataclasses.replace(grid, batches=values)
-            )
-    return grid
+    contexts = _positive_ints(args.decode_contexts, "--decode-contexts") or grid.contexts
+    batches = _positive_ints(args.decode_batches, "--decode-batches") or grid.batches
+    return dataclasses.replace(grid, contexts=contexts, batches=batches)
+
+
+def _positive_ints(flag: str | None, name: str) -> tuple[int, ...]:
+    """The sorted distinct values of a comma-separated flag; () when it was not given."""
+    if flag is None:
+        return ()
+    try:
+        values = {int(v) for v in flag.split(",")}
+    except ValueError:
+        raise ValueError(f"{name}: integers separated by commas, got {flag!r}") from None
+    if min(values) < 1:
+        raise ValueError(f"{name}: every value must be >= 1, got {flag!r}")
+    return tuple(sorted(values))
 
 
 def _kv_bytes(gib: float | None) -> int | None:
