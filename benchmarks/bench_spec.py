@@ -18,11 +18,13 @@ continuation after the second X tends to repeat G, which prompt lookup can find.
 
 TPOT: each request's mean time per output token after the first (RequestMetrics.tpot_s), averaged over
 the batch; tokens/s: output tokens of the batch / wall time of its `generate`. Each arm runs
-`--repeats` times per batch, round-robin with the others, after `--warmup-rounds` untimed rounds (the
-switch learning the batch size, first calls at its shapes; the first round's TPOT is reported apart),
-and every figure is the median. Acceptance: drafts
-accepted / proposed during that arm. `--handoff-prompt N` also times the draft's catch-up over an
-N-token prompt (what a decode instance computes after a hand-off) against the target's prefill of it.
+`--repeats` times per batch, round-robin with the others (each round starting one arm later), after
+`--warmup-rounds` untimed rounds (the switch learning the batch size, first calls at its shapes; the
+first round's TPOT is reported apart), and every figure is the median; `paired` is the median of the
+per-round ratios to plain. `--control` adds a second plain engine: its ratio is the run's noise floor.
+Acceptance: drafts accepted / proposed during that arm. `--handoff-prompt N` also times the draft's
+catch-up over an N-token prompt (what a decode instance computes after a hand-off) against the
+target's prefill of it.
 """
 
 from __future__ import annotations
@@ -137,9 +139,10 @@ def measure_batch(
     samples: dict[str, list[dict]] = {name: [] for name in arms}
     first_round: dict[str, float] = {}
     reference, exact = None, dict.fromkeys(arms, True)
+    names = list(arms)
     for round_index in range(warmup_rounds + repeats):
-        for name, llm in arms.items():
-            row, tokens = measure(llm, prompts, max_tokens)
+        for name in _rotated(names, round_index):
+            row, tokens = measure(arms[name], prompts, max_tokens)
             reference = tokens if reference is None else reference
             exact[name] = exact[name] and tokens == reference
             if round_index == 0:
@@ -161,10 +164,21 @@ def measure_batch(
     }
 
 
+def _rotated(names: list[str], round_index: int) -> list[str]:
+    """Round r starts at arm r (mod arms): no arm always runs right after the same one, or first."""
+    at = round_index % len(names)
+    return names[at:] + names[:at]
+
+
 def add_ratios(rows: dict) -> dict:
-    """Each arm's figures against the `plain` arm's, all > 1 where the arm does better than plain."""
+    """Each arm's figures against the `plain` arm's, all > 1 where the arm does better than plain.
+    `tpot_ratio` is plain's median over the arm's median; `tpot_ratio_paired` the median of the
+    per-round ratios (each round's arms run back to back, so slow drift of the machine cancels)."""
+    plain_runs = rows["plain"]["tpot_ms_runs"]
     for row in rows.values():
         row["tpot_ratio"] = rows["plain"]["tpot_ms"] / row["tpot_ms"]
+        paired = [p / a for p, a in zip(plain_runs, row["tpot_ms_runs"], strict=True)]
+        row["tpot_ratio_paired"] = statistics.median(paired)
         row["throughput_ratio"] = row["tokens_per_s"] / rows["plain"]["tokens_per_s"]
         row["first_round_tpot_ratio"] = rows["plain"]["first_round_tpot_ms"] / row["first_round_tpot_ms"]
     return rows
@@ -218,6 +232,8 @@ def run(args) -> dict:
         "draft": LLM(model_dir, **common, speculative_config=draft),
         "draft-forced": LLM(model_dir, **common, speculative_config={**draft, "adaptive": False}),
     }
+    if args.control:  # a second plain engine: its ratio to plain is this run's noise floor
+        arms["plain-control"] = LLM(model_dir, **common)
     if args.int8_self_draft:  # the target itself, int8 weights (a draft that agrees often)
         self_draft = {"model": str(model_dir), "quantization": "int8", "num_speculative_tokens": k}
         arms["int8-self"] = LLM(model_dir, **common, speculative_config=self_draft)
@@ -243,12 +259,13 @@ def run(args) -> dict:
 def _print(batch: int, rows: dict) -> None:
     print(f"batch {batch}")
     print(
-        f"  {'arm':16s} {'TPOT ms':>9s} {'x plain':>8s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} "
+        f"  {'arm':16s} {'TPOT ms':>9s} {'x plain':>8s} {'paired':>7s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} "
         f"{'spec steps':>10s} exact  {'first round x':>13s} {'gc ms':>6s} {'stall ms':>8s}"
     )
     for name, r in rows.items():
         print(
-            f"  {name:16s} {r['tpot_ms']:9.2f} {r['tpot_ratio']:8.2f} {r['tokens_per_s']:8.1f} "
+            f"  {name:16s} {r['tpot_ms']:9.2f} {r['tpot_ratio']:8.2f} {r['tpot_ratio_paired']:7.2f} "
+            f"{r['tokens_per_s']:8.1f} "
             f"{r['throughput_ratio']:8.2f} {r.get('acceptance', float('nan')):7.2f} "
             f"{r.get('spec_step_share', float('nan')):10.2f} {r['exact']!s:5s}  {r['first_round_tpot_ratio']:13.2f} "
             f"{max(r['gc_full_pause_ms_runs']):6.0f} {max(r['stall_ms_runs']):8.1f}",
@@ -285,6 +302,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser, output_tokens=48)
     parser.add_argument("--handoff-prompt", type=int, default=512)
+    parser.add_argument(
+        "--control", action="store_true", help="also a second plain engine (its ratio: the noise floor)"
+    )
     parser.add_argument(
         "--int8-self-draft", action="store_true", help="also arms drafting with the target's own int8 weights"
     )

@@ -85,7 +85,8 @@ def run_scale(model_dir: Path, scale: float, args, work_dir: Path) -> dict:
 def _print(scale: float, batch: int, rows: dict) -> None:
     for name, r in rows.items():
         print(
-            f"scale {scale:<5g} batch {batch:<3d} {name:13s} TPOT {r['tpot_ms']:8.2f} ms  x {r['tpot_ratio']:5.2f}  "
+            f"scale {scale:<5g} batch {batch:<3d} {name:13s} TPOT {r['tpot_ms']:8.2f} ms  x {r['tpot_ratio']:5.2f} "
+            f"(paired {r['tpot_ratio_paired']:5.2f})  "
             f"tok/s x {r['throughput_ratio']:5.2f}  accept {r.get('acceptance', float('nan')):5.2f}  "
             f"spec steps {r.get('spec_step_share', float('nan')):5.2f}  exact {r['exact']}  "
             f"stall ms {max(r['stall_ms_runs']):6.1f} {r['stalls_runs']}",
