@@ -15,7 +15,7 @@ worker can share one dashboard without relabelling; other labels are small fixed
 | splitserve_worker_step_duration_seconds | histogram | phase |
 | splitserve_worker_kv_transfer_bytes_total | counter | direction (send, recv) |
 | splitserve_worker_kv_transfer_duration_seconds | histogram | direction |
-| splitserve_worker_handoffs_total | counter | result (ok, failed) |
+| splitserve_worker_handoffs_total | counter | result (ok, failed, aborted) |
 | splitserve_worker_spec_draft_tokens_total | counter | |
 | splitserve_worker_spec_accepted_tokens_total | counter | |
 | splitserve_worker_spec_verify_steps_total | counter | |
@@ -43,7 +43,7 @@ ROLES = ("prefill", "decode")
 PHASES = ("prefill", "decode")
 DIRECTIONS = ("send", "recv", "pull_out", "pull_in")  # pull_*: prefix blocks between prefill workers
 PULL_RESULTS = ("pulled", "skipped", "failed")
-HANDOFF_RESULTS = ("ok", "failed")
+HANDOFF_RESULTS = ("ok", "failed", "aborted")
 SPEC_SWITCH = ("on", "off")
 # An engine step: ~1 ms (a small decode batch on a GPU) to seconds (a long chunked prefill on a CPU).
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -90,7 +90,7 @@ class WorkerMetrics:
             TRANSFER_BUCKETS_S,
         )
         self._handoffs = self._counter("handoffs_total", "KV hand-offs ended, by result.", ("result",))
-        for result in HANDOFF_RESULTS:  # both series exist from the start, so rate(failed) is 0, not absent
+        for result in HANDOFF_RESULTS:  # every series exists from the start, so rate(failed) is 0, not absent
             self._handoffs.labels(worker_id, role, result)
         self._pulls = self._counter(
             "prefix_pulls_total",
@@ -157,9 +157,10 @@ class WorkerMetrics:
         self._spec_steps.labels(*ident, "off").inc(max(counters.steps_off - seen.steps_off, 0))
         self._spec_seen = counters
 
-    def handoff_finished(self, ok: bool) -> None:
-        """A hand-off ended: every rank acked (ok), or it failed / its lease ran out."""
-        self._handoffs.labels(self.worker_id, self.role, "ok" if ok else "failed").inc()
+    def handoff_finished(self, result: str) -> None:
+        """A hand-off ended: every rank acked (ok), it failed or its lease ran out (failed), or its request
+        was aborted by the caller (aborted: not a fault of either worker)."""
+        self._handoffs.labels(self.worker_id, self.role, _check(result, HANDOFF_RESULTS, "hand-off result")).inc()
 
     def snapshot(self) -> dict:
         """The current figures as plain data (for a worker's `stats()` and GetClusterStatus)."""

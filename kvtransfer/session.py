@@ -135,6 +135,11 @@ class HandoffSession:
         """Stop at the next step (the request was aborted); the reservation, if any, is dropped."""
         self._cancelled.set()
 
+    @property
+    def cancelled(self) -> bool:
+        """`cancel()` was called: a HandoffFailed from `run()` is the abort's, not a fault."""
+        return self._cancelled.is_set()
+
     async def run(self) -> HandoffStats:
         try:
             target = await self._reserve()

@@ -119,7 +119,8 @@ class PrefillWorker:
         """Streaming: yields the request's queue changes (PrefillQueue, see first_token.py), the first
         token (PrefillResult), then — when the sequence continues on `decode` — the hand-off's
         HandoffStats. Raises InvalidRequestError for bad input, HandoffFailed when the KV could not
-        reach `decode`. `owner` is the caller's id on the decode instance."""
+        reach `decode`. `owner` is the caller's id on the decode instance. A hand-off stopped by
+        `abort()` ends the stream without an item: the caller aborted it and reads no more."""
         rid = request.request_id
         self._sessions[rid] = None
         try:
@@ -133,7 +134,9 @@ class PrefillWorker:
             if decode is None:  # prefill-only use (benchmarks): nothing to send
                 self.loop.call(lambda engine: engine.release(rid))
                 return
-            yield await self._hand_off(request, result, handoff, decode, owner)
+            stats = await self._hand_off(request, result, handoff, decode, owner)
+            if stats is not None:
+                yield stats
         finally:
             self._sessions.pop(rid, None)
 
@@ -168,7 +171,8 @@ class PrefillWorker:
 
     async def _hand_off(
         self, request: GenerateRequest, result: PrefillResult, handoff: Handoff, decode: Member, owner: str
-    ) -> HandoffStats:
+    ) -> HandoffStats | None:
+        """The hand-off's stats; None when `abort()` stopped it."""
         rid = request.request_id
         deadline_s = request.deadline_s or time.time() + self.request_timeout_s
         session = HandoffSession(
@@ -187,9 +191,11 @@ class PrefillWorker:
         try:
             stats = await session.run()
         except HandoffFailed:
-            self.telemetry.metrics.handoff_finished(False)
+            self.telemetry.metrics.handoff_finished("aborted" if session.cancelled else "failed")
+            if session.cancelled:  # nobody reads the stream any more: an exception would only be logged
+                return None
             raise
-        self.telemetry.metrics.handoff_finished(True)
+        self.telemetry.metrics.handoff_finished("ok")
         self.telemetry.metrics.observe_transfer("send", stats.num_bytes, stats.elapsed_s)
         return stats
 

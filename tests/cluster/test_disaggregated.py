@@ -10,7 +10,7 @@ import pytest
 from cluster.client import ClusterClient, RequestFailed
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.launcher import ClusterStartError, launch
-from cluster.messages import GenerateRequest
+from cluster.messages import GenerateRequest, PrefillResult
 from engine import SamplingParams
 from tests.cluster.conftest import run
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts
@@ -240,6 +240,30 @@ def test_leaving_after_the_first_token_frees_both_sides_and_forgets_the_handoff(
     while ray.get(cluster.prefill[0].actor.stats.remote(), timeout=10).in_flight:
         assert time.monotonic() < deadline_s, "the prefill worker kept the abandoned hand-off"
         time.sleep(0.1)
+    _wait_clean(cluster, timeout_s=20)
+
+
+def test_an_aborted_hand_off_ends_the_prefill_stream_without_an_error(one_by_one):
+    """The caller aborts while the KV is on its way (a slow receiver keeps it there): the worker's
+    stream ends after the first token, not with an exception that nobody would read (Ray logs those
+    as unhandled errors), and both sides let go of the request."""
+    import ray
+
+    cluster = one_by_one
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    request = GenerateRequest("quiet-abort", tuple(range(10, 60)), params)
+    ray.get(decode.actor.debug_set_receive_delay.remote(1.0), timeout=10)
+    try:
+        items = []
+        for ref in prefill.actor.prefill.options(num_returns="streaming").remote(request, decode, "tester"):
+            items.append(ray.get(ref, timeout=30))  # the old stream raised HandoffFailed("... was aborted") here
+            if isinstance(items[-1], PrefillResult):
+                ray.get(prefill.actor.abort.remote(request.request_id), timeout=30)
+        assert isinstance(items[-1], PrefillResult) and items[-1].handoff
+    finally:
+        ray.get(decode.actor.debug_set_receive_delay.remote(0.0), timeout=10)
+        ray.get(decode.actor.cancel.remote(request.request_id), timeout=30)
     _wait_clean(cluster, timeout_s=20)
 
 

@@ -93,9 +93,12 @@ def test_kv_transfers_and_handoffs(serve):
     assert value(read(), P + "handoffs_total", result="failed", **PREFILL) == 0  # present before any failure
     metrics.observe_transfer("send", 1_048_576, 0.002)
     metrics.observe_transfer("send", 4096, 0.0004)
-    metrics.handoff_finished(ok=True)
-    metrics.handoff_finished(ok=True)
-    metrics.handoff_finished(ok=False)
+    metrics.handoff_finished("ok")
+    metrics.handoff_finished("ok")
+    metrics.handoff_finished("failed")
+    metrics.handoff_finished("aborted")
+    with pytest.raises(ValueError, match="unknown hand-off result"):
+        metrics.handoff_finished("maybe")
     with pytest.raises(ValueError, match="unknown direction"):
         metrics.observe_transfer("sideways", 1, 0.1)
     s = read()
@@ -105,6 +108,7 @@ def test_kv_transfers_and_handoffs(serve):
     assert value(s, P + "kv_transfer_duration_seconds_bucket", direction="send", le="0.0025", **PREFILL) == 2
     assert value(s, P + "handoffs_total", result="ok", **PREFILL) == 2
     assert value(s, P + "handoffs_total", result="failed", **PREFILL) == 1
+    assert value(s, P + "handoffs_total", result="aborted", **PREFILL) == 1
     assert not any(dict(labels).get("direction") == "recv" for _, labels in s)
     metrics.prefix_pull_finished("pulled", 5)
     metrics.prefix_pull_finished("failed", 0)
@@ -124,7 +128,7 @@ def test_snapshot_shows_the_scraped_figures(serve):
     metrics.set_load(1, 4, 10, 100)
     metrics.observe_step("decode", 0.5, 4)
     metrics.observe_transfer("recv", 2048, 0.25)
-    metrics.handoff_finished(ok=True)
+    metrics.handoff_finished("ok")
     snap, s = metrics.snapshot(), read()
     assert snap == {
         "worker": "decode-1", "role": "decode", "kv_capacity_blocks": 100, "kv_used_blocks": 10,
@@ -133,7 +137,7 @@ def test_snapshot_shows_the_scraped_figures(serve):
         "step_duration_seconds": {"decode": {"count": 1, "sum": 0.5}},
         "kv_transfer_bytes_total": {"recv": 2048},
         "kv_transfer_duration_seconds": {"recv": {"count": 1, "sum": 0.25}},
-        "handoffs_total": {"ok": 1, "failed": 0},
+        "handoffs_total": {"ok": 1, "failed": 0, "aborted": 0},
         "prefix_pulls_total": {"pulled": 0, "skipped": 0, "failed": 0}, "prefix_pull_blocks_total": 0,
         "spec_draft_tokens_total": 0, "spec_accepted_tokens_total": 0, "spec_verify_steps_total": 0,
         "spec_engine_steps_total": {"on": 0, "off": 0}}
