@@ -48,6 +48,39 @@ def split_plan(batch: int, num_kv_heads: int, table_width: int, block_size: int)
 
 
 @triton.jit
+def _tile(
+    q, tokens, context_len, row_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_base, scale_base, dims, dim_ok, scale,
+    running_max, running_sum, acc,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One tile of `tokens` folded into the online softmax (running max, sum, weighted values)."""
+    valid = tokens < context_len
+    page = tl.load(row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0)
+    slot = page * BLOCK_SIZE + tokens % BLOCK_SIZE
+    kv_offsets = kv_base + slot[:, None] * HEAD_DIM + dims[None, :]
+    kv_mask = valid[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if QUANTIZED:
+        k = k.to(tl.float32) * tl.load(ks_ptr + scale_base + slot, mask=valid, other=0.0)[:, None]
+        v = v.to(tl.float32) * tl.load(vs_ptr + scale_base + slot, mask=valid, other=0.0)[:, None]
+    if IEEE:  # noqa: SIM108 - Triton JIT code: a constexpr if compiles only its branch
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    weights = tl.exp(scores - new_max[:, None])
+    correction = tl.exp(running_max - new_max)
+    running_sum = running_sum * correction + tl.sum(weights, axis=1)
+    if IEEE:
+        acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
+    return new_max, running_sum, acc
+
+
+@triton.jit
 def _partial(
     q_ptr,
     k_ptr,
@@ -74,6 +107,7 @@ def _partial(
     TILE: tl.constexpr,
     QUANTIZED: tl.constexpr,
     IEEE: tl.constexpr,
+    BOUNDED: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(lens_ptr + seq).to(tl.int32)
@@ -91,36 +125,28 @@ def _partial(
         running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         running_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        # Every tile of the split, the ones past the context fully masked (no memory traffic, weights
-        # exp(-inf) = 0; the first tile always holds a token, so the running max is finite). No
-        # run-time bound or guard: the loop stays software-pipelined, and Triton's CPU interpreter
-        # (the CPU tests) cannot bound a loop by a loaded value.
-        for t in range(TILES_PER_SPLIT):
-            tokens = first + t * TILE + tl.arange(0, TILE)
-            valid = tokens < context_len
-            page = tl.load(tables_ptr + seq * table_width + tokens // BLOCK_SIZE, mask=valid, other=0)
-            slot = page * BLOCK_SIZE + tokens % BLOCK_SIZE
-            kv_offsets = kv_head * stride_kh + slot[:, None] * HEAD_DIM + dims[None, :]
-            kv_mask = valid[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            if QUANTIZED:
-                k = k.to(tl.float32) * tl.load(ks_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
-                v = v.to(tl.float32) * tl.load(vs_ptr + kv_head * stride_sh + slot, mask=valid, other=0.0)[:, None]
-            if IEEE:  # noqa: SIM108 - Triton JIT code: a constexpr if compiles only its branch
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            weights = tl.exp(scores - new_max[:, None])
-            correction = tl.exp(running_max - new_max)
-            running_sum = running_sum * correction + tl.sum(weights, axis=1)
-            if IEEE:
-                acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
-            running_max = new_max
+        # The split's tiles up to the context's end; within the last one, tokens past it are masked (no
+        # memory traffic, weights exp(-inf) = 0; the first tile always holds a token, so the running
+        # max is finite). The split count follows the table's width (graph-safe), so with a long
+        # max_model_len a split spans thousands of tiles that a short context never reaches: a loop
+        # over all of them cost 40 ms per step at batch 64 with 131,072-token tables on an H200.
+        # Triton's CPU interpreter (the CPU tests) cannot bound a loop by a loaded value: there every
+        # tile of the split runs, masked (BOUNDED false), with the same result.
+        row = tables_ptr + seq * table_width
+        if BOUNDED:
+            for t in range(tl.minimum(tl.cdiv(context_len - first, TILE), TILES_PER_SPLIT)):
+                running_max, running_sum, acc = _tile(
+                    q, first + t * TILE + tl.arange(0, TILE), context_len, row, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                    kv_head * stride_kh, kv_head * stride_sh, dims, dim_ok, scale, running_max, running_sum, acc,
+                    BLOCK_SIZE, HEAD_DIM, QUANTIZED, IEEE,
+                )  # fmt: skip
+        else:
+            for t in range(TILES_PER_SPLIT):
+                running_max, running_sum, acc = _tile(
+                    q, first + t * TILE + tl.arange(0, TILE), context_len, row, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                    kv_head * stride_kh, kv_head * stride_sh, dims, dim_ok, scale, running_max, running_sum, acc,
+                    BLOCK_SIZE, HEAD_DIM, QUANTIZED, IEEE,
+                )  # fmt: skip
         part = (seq * num_heads + head) * num_splits + split  # [GROUP_PAD]
         tl.store(max_ptr + part, running_max, mask=row_ok)
         tl.store(sum_ptr + part, running_sum, mask=row_ok)
@@ -209,6 +235,7 @@ def paged_decode_attention(
         TILE=TILE_TOKENS,
         QUANTIZED=quantized,
         IEEE=quantized or q.dtype == torch.float32,
+        BOUNDED=q.is_cuda,  # compiled: loop bounded by the context; interpreted (CPU): every tile, masked
         num_warps=4,
     )
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
