@@ -66,12 +66,15 @@ def ceilings() -> dict:
     return {"hbm_bytes_per_s": bandwidth, "bf16_flops_per_s": 2 * 8192**3 / (mm_ms / 1e3)}
 
 
-def build_checkpoint(directory: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """A random-weight 1B Llama in HF format, built on the GPU (std 0.02, HF's init), saved once."""
+def build_checkpoint(directory: Path, dtype: torch.dtype = torch.bfloat16, max_position: int | None = None) -> Path:
+    """A random-weight 1B Llama in HF format, built on the GPU (std 0.02, HF's init), saved once.
+    `max_position`: the context it takes (default 8192; Llama-3.2-1B's own is 131072, which a profile
+    for planning long traces needs: rows longer than the model are dropped from a plan)."""
     torch.manual_seed(0)
+    shape = {**LLAMA_1B, **({"max_position_embeddings": max_position} if max_position else {})}
     with torch.device("cuda"):
         # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads.
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B, dtype="bfloat16")).to(dtype)  # type: ignore[arg-type]
+        model = LlamaForCausalLM(LlamaConfig(**shape, dtype="bfloat16")).to(dtype)  # type: ignore[arg-type]
     model.save_pretrained(directory)
     del model
     torch.cuda.empty_cache()

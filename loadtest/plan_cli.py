@@ -88,6 +88,20 @@ def format_table(rows: list[PlanRow], label: str, attainment: float) -> str:
     return "\n".join(lines)
 
 
+def workload_line(notes: dict, max_model_len: int) -> str | None:
+    """A warning when the table covers less than the workload: rows that did not fit the profile's
+    model (max_model_len) were dropped or clipped, so the traffic planned for is lighter than asked."""
+    dropped, clipped = notes.get("rows_dropped") or {}, notes.get("rows_clipped") or notes.get("requests_clipped")
+    if not dropped and not clipped:
+        return None
+    of = f" of {notes['rows_read']:,} rows" if "rows_read" in notes else ""
+    parts = [f"dropped {n:,}{of} ({why})" for why, n in dropped.items()] + ([f"clipped {clipped:,}"] if clipped else [])
+    return (
+        f"workload: {'; '.join(parts)}; the profile's model takes {max_model_len:,} tokens, so the plan is for "
+        "the traffic that fits, not all of it"
+    )
+
+
 def fleet(best: PlanRow, profile, requests, rate: float, duration_s: float):
     """(config, result, simulated requests/s): copies of `best` for `rate`, run over `duration_s`."""
     copies = max(1, math.ceil(rate / best.max_rate_per_s)) if best.max_rate_per_s > 0 else 1
@@ -114,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = search(profile, sample, base, args.max_workers, args.attainment, tp_sizes)
     runs = sum(r.simulations for r in rows)
     print(format_table(rows, profile.label, args.attainment))
+    warning = workload_line(notes, profile.model.max_model_len)
+    if warning:
+        print(warning)
     print(f"\n{runs} simulations of {len(sample)} requests in {time.perf_counter() - started:.1f} s")
     report = {
         "profile": profile.label,

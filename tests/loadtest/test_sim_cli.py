@@ -86,3 +86,19 @@ def test_plan_refuses_a_run_without_an_slo(measured, capsys):
     with pytest.raises(SystemExit):
         splitserve(["plan", "--profile", str(measured), "--workload", "poisson"])
     assert "--ttft-ms" in capsys.readouterr().err
+
+
+def test_plan_says_when_trace_rows_did_not_fit_the_model(measured, tmp_path, capsys):
+    """Rows longer than the profile's model are dropped before planning; the table must say so, or a
+    plan for the short half of a trace reads like a plan for all of it."""
+    rows = [{"timestamp": 100 * i, "input_length": 600 if i % 3 == 0 else 40, "output_length": 8,
+             "hash_ids": [i, 100 + i] if i % 3 == 0 else [i]} for i in range(12)]
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    max_model_len = Profile.load(measured).model.max_model_len
+    assert max_model_len < 600 + 8
+    splitserve(["plan", "--profile", str(measured), "--workload", "trace", "--trace", str(trace),
+                "--trace-prompt-scale", "1", "--ttft-ms", "5000", "--max-workers", "2"])
+    text = capsys.readouterr().out
+    assert (f"workload: dropped 4 of 12 rows (exceeds max_model_len after scaling); the profile's model takes "
+            f"{max_model_len:,} tokens") in text
