@@ -60,7 +60,7 @@ def test_fit_recovers_exact_coefficients():
 
 
 def test_fit_separates_graph_decode_steps_from_eager_prefill_steps():
-    """A GPU's shape (H200, 1B model, docs/perf/profile_h200_llama1b_measured.json): decode steps replay
+    """A GPU's shape (H200, 1B model, as stop 31 measured it; docs/perf/profile_h200_*.json): decode steps replay
     CUDA graphs (~1.7 ms), any step with a prompt chunk runs eagerly (~10 ms flat, host-bound). At the
     token counts both reach (16-64) dense(T) alone cannot be both; the prefill-step term holds it, as
     the profiler's grid samples it (decode: pairs 0; prefill: one sequence's chunk)."""
