@@ -67,11 +67,11 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class PrefillQueue:
-    """Before its first token: the request waits in the prefill worker's queue (`waiting`; sent after a
-    step that did not schedule it), or it left the queue and is being computed (not `waiting`; sent
-    before that step runs). A request scheduled by the first step after it arrived gets neither. The
-    router counts the worker's death toward `migration_limit` unless the request was waiting: a queued
-    request cannot have caused it."""
+    """Before its first token: the request waits in the prefill worker's queue or for its prefix pull
+    (`waiting`; sent after a step that did not schedule it, and before a pull starts), or it left the
+    queue and is being computed (not `waiting`; sent before that step runs). A request without a pull
+    that the first step after its arrival scheduled gets neither. The router counts the worker's death
+    toward `migration_limit` unless the request was waiting: a queued request cannot have caused it."""
 
     request_id: str
     waiting: bool

@@ -2,11 +2,11 @@
 
 It owns an engine in the prefill role (batched chunked prefill under a token budget, local prefix
 reuse). A router makes one call per request, `prefill(request, decode, owner)`, a streaming call
-that yields whether the request waits in the queue (`PrefillQueue`, only when it does), the first
-token (`PrefillResult`) as soon as it is sampled and then, for a sequence that continues on decode,
-the hand-off's `HandoffStats` once the decode instance adopted it. The hand-off itself is a
-`kvtransfer.session.HandoffSession` (reserve → announce → send → ack → release → adopt); this actor
-only adapts it: the engine's pins, the sender thread, the decode instance's actors.
+that yields whether the request waits in the queue or for its prefix pull (`PrefillQueue`, only
+when it does), the first token (`PrefillResult`) as soon as it is sampled and then, for a sequence
+that continues on decode, the hand-off's `HandoffStats` once the decode instance adopted it. The
+hand-off itself is a `kvtransfer.session.HandoffSession` (reserve → announce → send → ack → release →
+adopt); this actor only adapts it: the engine's pins, the sender thread, the decode instance's actors.
 A request may first pull its prefix from a peer prefill worker that holds it (`export_prefix` /
 `receive_prefix`; see prefill_worker/prefix_pull.py). Callers awaiting a first token are answered
 from the engine thread by prefill_worker/first_token.py.
@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from cluster.config import ClusterConfig
 from cluster.kv_events import KVEventBatch, KVEventBuffer
 from cluster.membership import Member, Membership
-from cluster.messages import GenerateRequest, Liveness, PrefillResult, WorkerInfo, WorkerStats
+from cluster.messages import GenerateRequest, Liveness, PrefillQueue, PrefillResult, WorkerInfo, WorkerStats
 from cluster.worker_telemetry import WorkerTelemetry
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
@@ -124,6 +124,8 @@ class PrefillWorker:
         rid = request.request_id
         self._sessions[rid] = None
         try:
+            if request.prefix_pull is not None:  # pulling is waiting, not computing: a death now is not its doing
+                yield PrefillQueue(rid, waiting=True)
             waiter = await self._enqueue(request)
             async for change in self.first_tokens.queue_changes(rid, waiter):
                 yield change  # PrefillQueue: waiting in this worker's queue, or being computed now

@@ -13,7 +13,7 @@ import ray
 from cluster.client import ClusterClient
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.launcher import launch
-from cluster.messages import GenerateRequest, PrefixPull
+from cluster.messages import GenerateRequest, PrefillQueue, PrefillResult, PrefixPull
 from engine import SamplingParams
 from tests.cluster.conftest import run
 from tests.factories import NUM_SPECIAL_TOKENS, TinySpec, hf_greedy_generate
@@ -126,6 +126,26 @@ def test_failed_pulls_fall_back_to_computing(pull_cluster):
         assert chunk.num_cached_tokens == 0
         outputs.append(tokens)
     assert outputs == hf_greedy_generate(model_dir, prompts, GREEDY.max_tokens)
+    _assert_clean(cluster)
+
+
+def test_a_request_pulling_its_prefix_is_marked_waiting_first(pull_cluster):
+    """Before the pull starts the worker's stream says the request waits: should the worker die during
+    the pull, the request was not being computed, and the router does not count the death toward its
+    migration limit (tests/cluster/test_migration_counting.py)."""
+    cluster, _ = pull_cluster
+    shared = _tokens(4 * BLOCK, seed=60)
+    run(_generate(cluster, _request("mark-a", shared + _tokens(3, 61)), 0))
+    request = _request("mark-b", shared + _tokens(5, 62), PrefixPull(cluster.prefill[0].worker_id, 4))
+    decode = cluster.decode[0]
+    stream = cluster.prefill[1].actor.prefill.options(num_returns="streaming").remote(request, decode, "tester")
+    items = [ray.get(ref, timeout=30) for ref in stream]
+    try:
+        assert items[0] == PrefillQueue("mark-b", waiting=True)
+        first = next(item for item in items if isinstance(item, PrefillResult))
+        assert first.pull.num_blocks == 4, first.pull
+    finally:
+        ray.get(decode.actor.cancel.remote("mark-b"), timeout=30)
     _assert_clean(cluster)
 
 
