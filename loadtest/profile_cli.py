@@ -2,13 +2,15 @@
 
     splitserve profile --out cpu.json [--model DIR] [--threads 1]          # time this machine's engine
     splitserve profile --out h200-1b.json --model DIR --device cuda --dtype bfloat16 --kv-cache-gib 100 \
-        --decode-contexts 64,1024,4096,16384 --transfer-latency-ms 1 --transfer-gbytes-per-s 40
+        --transfer-latency-ms 1 --transfer-gbytes-per-s 40
     splitserve profile --roofline --model llama-3.2-1b --gpu h100 --out h100-1b.json
     splitserve profile --calibrate --profile cpu.json --target 127.0.0.1:50051 --out cpu.json
 
 The first runs the engine in this process over a grid of step shapes (cluster/sim/profiler.py) with
 the torch threads a pool worker gets; `--device cuda` times it on the GPU (then give the KV memory a
-GPU worker gets and the hand-off's figures: the defaults describe CPU workers on loopback). The second
+GPU worker gets and the hand-off's figures: the defaults describe CPU workers on loopback), with decode
+points up to 16,384-token contexts by default (GPU_DECODE_CONTEXTS, as far as the model reaches): a GPU
+reads KV so fast that shorter ones leave the per-token cost of context unmeasured (fitted as 0). The second
 writes a roofline estimate for a named model on a named GPU, labelled as such
 (cluster/sim/roofline.py). The third measures the cluster's own overheads (router, Ray calls, hand-off
 fixed costs) against an idle running cluster and stores them in the profile
@@ -25,6 +27,8 @@ import sys
 from cluster.sim.profile import Profile, Transfer
 from cluster.sim.profiler import CPU_TRANSFER, Grid, measure_profile
 from cluster.sim.roofline import GPUS, MODELS, roofline_profile
+
+GPU_DECODE_CONTEXTS = (64, 1024, 4096, 16384)  # the decode points' contexts with --device cuda
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds; for smoke tests)")
     parser.add_argument(
         "--decode-contexts",
-        help="decode points' context lengths, comma-separated (default 64,256,1024; a GPU serving long "
-        "prompts needs longer ones, or the fit cannot see what reading their KV costs)",
+        help="decode points' context lengths, comma-separated (default 64,256,1024; with --device cuda "
+        "64,1024,4096,16384: a GPU reads KV so fast that short contexts leave its cost unmeasured)",
     )
     parser.add_argument("--decode-batches", help="decode points' batch sizes, comma-separated (default 1,2,...,64)")
     parser.add_argument("--label", help="the profile's label (default: says what and where)")
@@ -121,6 +125,8 @@ def make_profile(args) -> Profile:
 
 def _grid(args) -> Grid:
     grid = Grid.quick() if args.quick else Grid()
+    if args.device.startswith("cuda") and not args.quick:
+        grid = dataclasses.replace(grid, contexts=GPU_DECODE_CONTEXTS)
     contexts = _positive_ints(args.decode_contexts, "--decode-contexts") or grid.contexts
     batches = _positive_ints(args.decode_batches, "--decode-batches") or grid.batches
     return dataclasses.replace(grid, contexts=contexts, batches=batches)

@@ -102,3 +102,16 @@ def test_plan_says_when_trace_rows_did_not_fit_the_model(measured, tmp_path, cap
     text = capsys.readouterr().out
     assert (f"workload: dropped 4 of 12 rows (exceeds max_model_len after scaling); the profile's model takes "
             f"{max_model_len:,} tokens") in text
+
+
+def test_a_gpu_profile_reaches_long_contexts_by_default():
+    """On a GPU the decode points go to 16,384 tokens unless told otherwise (stop 31's first H200 profile
+    stopped at 1,024 and fitted the KV-reading term at 0); a CPU keeps its short grid."""
+    from loadtest.profile_cli import GPU_DECODE_CONTEXTS, _grid, build_parser
+
+    def grid(*flags):
+        return _grid(build_parser().parse_args(["--out", "p.json", *flags]))
+
+    assert grid("--device", "cuda").contexts == GPU_DECODE_CONTEXTS == (64, 1024, 4096, 16384)
+    assert grid("--device", "cuda:1", "--decode-contexts", "128").contexts == (128,)
+    assert grid().contexts == (64, 256, 1024) and grid("--device", "cuda", "--quick").contexts == (32, 128)
