@@ -41,7 +41,7 @@ from cluster.sim.profiler import Grid, measure_profile
 from cluster.sim.simulator import simulate
 from cluster.sim.worker import EngineLimits
 from engine.heap import CollectionPauses, freeze_startup_heap
-from loadtest.cluster_calibration import calibrate_cluster, describe, host_report
+from loadtest.cluster_calibration import CALIBRATION_LENGTHS, calibrate_cluster, describe, host_report
 from loadtest.config import BenchConfig, DriverConfig
 from loadtest.host_cpu import burst
 from loadtest.lengths import LengthDist
@@ -154,8 +154,16 @@ async def _calibrate(
     and `--calibrate` is `each` (loadtest/cluster_calibration.py)."""
     background, host_cores = getattr(args, "host_background_cores", None), getattr(args, "host_cores", None)
     streaming = model.host if getattr(args, "calibrate", "each") == "each" else None
+    probes = getattr(args, "calibration_probes", None) or CALIBRATION_LENGTHS  # fewer: the CI test's
     calibration = await calibrate_cluster(
-        target, model.profile, vocab, host_cores or None, background, shape, streaming
+        target,
+        model.profile,
+        vocab,
+        host_cores or None,
+        background,
+        shape,
+        streaming,
+        probes,
     )
     print(f"calibration on {shape[0]}P{shape[1]}D:\n{describe(calibration)}", flush=True)
     return ShapeModel(calibration.profile, calibration.host, f"{shape[0]}P{shape[1]}D")

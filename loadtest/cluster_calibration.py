@@ -61,16 +61,18 @@ async def calibrate_cluster(
     background_cores: float | None = None,
     shape: tuple[int, int] = (1, 1),
     streaming: SimConfig | None = None,
+    probe_lengths: list[int] = CALIBRATION_LENGTHS,
 ) -> ClusterCalibration:
     """The overheads of the cluster at `target`, whose pools have `shape` (prefill workers, decode
     instances): the probes and bursts are simulated on it; with `host_cores`, the host's figures too
     (`background_cores`: given instead of measured). `streaming`: a calibration's host whose streaming
-    figures (STREAMING_FIGURES) are taken as they are: no bursts, the overheads fitted once on them."""
+    figures (STREAMING_FIGURES) are taken as they are: no bursts, the overheads fitted once on them.
+    `probe_lengths`: the sequential probes' prompt lengths (fewer: a coarser fit, sooner)."""
     pools = SimConfig(prefill=shape[0], decode=shape[1])
     idle = await idle_cores() if host_cores else 0.0
     probes = measure(
         target,
-        CALIBRATION_LENGTHS,
+        probe_lengths,
         vocab,
         output_tokens=PROBE_OUTPUT_TOKENS,
         warmup=CALIBRATION_WARMUP,
@@ -87,7 +89,7 @@ async def calibrate_cluster(
         overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=host)
         return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
     bursts = await measure_bursts(target, vocab)
-    lengths = CALIBRATION_LENGTHS[:CALIBRATION_WARMUP] + CALIBRATION_LENGTHS
+    lengths = probe_lengths[:CALIBRATION_WARMUP] + probe_lengths
     sequential = CpuSample([[SimRequest(0.0, n, PROBE_OUTPUT_TOKENS)] for n in lengths], busy_s, window_s)
     overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host)
     return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
