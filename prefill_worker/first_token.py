@@ -8,9 +8,10 @@ decode, its pinned blocks, or fails it when the prompt can never fit the pool; `
 token.
 
 Before the first token, a caller learns when its request waits in the queue and when it then starts
-(`queue_changes`, `PrefillQueue` markers): after a step that did not schedule it (`on_updates`), and
-from the engine's `on_scheduled` hook before the step that does runs, so a request that kills the
-worker while being computed has said so first. A request the first step schedules gets no marker.
+(`queue_changes`, `PrefillQueue` markers): before its prefix pull (`waiting_for_pull`), after a step
+that did not schedule it (`on_updates`), and from the engine's `on_scheduled` hook before the step
+that does runs, so a request that kills the worker while being computed has said so first. A request
+without a pull that the first step schedules gets no marker.
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ class FirstTokenWaiters:
                 get.cancel()
             if get.done() and not get.cancelled():
                 yield get.result()
+        # Markers queued before the waiter was answered (both arrive in order on this loop), e.g. when
+        # the first token came before the caller started reading: the "being computed" one still precedes it.
+        while markers is not None and not markers.empty():
+            yield markers.get_nowait()
+
+    def waiting_for_pull(self, request_id: str) -> PrefillQueue:
+        """The marker for a request about to pull its prefix (it waits, it is not computed); the step
+        that later starts it says so, as for a request told it waits in the queue."""
+        self._told_waiting.add(request_id)
+        return PrefillQueue(request_id, waiting=True)
 
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._waiters

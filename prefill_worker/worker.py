@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from cluster.config import ClusterConfig
 from cluster.kv_events import KVEventBatch, KVEventBuffer
 from cluster.membership import Member, Membership
-from cluster.messages import GenerateRequest, Liveness, PrefillQueue, PrefillResult, WorkerInfo, WorkerStats
+from cluster.messages import GenerateRequest, Liveness, PrefillResult, WorkerInfo, WorkerStats
 from cluster.worker_telemetry import WorkerTelemetry
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
@@ -123,9 +123,10 @@ class PrefillWorker:
         `abort()` ends the stream without an item: the caller aborted it and reads no more."""
         rid = request.request_id
         self._sessions[rid] = None
+        waiter = None
         try:
             if request.prefix_pull is not None:  # pulling is waiting, not computing: a death now is not its doing
-                yield PrefillQueue(rid, waiting=True)
+                yield self.first_tokens.waiting_for_pull(rid)
             waiter = await self._enqueue(request)
             async for change in self.first_tokens.queue_changes(rid, waiter):
                 yield change  # PrefillQueue: waiting in this worker's queue, or being computed now
@@ -141,6 +142,8 @@ class PrefillWorker:
                 yield stats
         finally:
             self._sessions.pop(rid, None)
+            if waiter is None:  # left before its request reached the engine: nothing else forgets it
+                self.first_tokens.forget(rid)
 
     async def _enqueue(self, request: GenerateRequest) -> asyncio.Future:
         """Adds the request to the engine (after its prefix pull, if any); the future of its first

@@ -132,7 +132,8 @@ def test_failed_pulls_fall_back_to_computing(pull_cluster):
 def test_a_request_pulling_its_prefix_is_marked_waiting_first(pull_cluster):
     """Before the pull starts the worker's stream says the request waits: should the worker die during
     the pull, the request was not being computed, and the router does not count the death toward its
-    migration limit (tests/cluster/test_migration_counting.py)."""
+    migration limit (tests/cluster/test_migration_counting.py). Once a step starts it, the stream says
+    so, so that a death while it is computed does count."""
     cluster, _ = pull_cluster
     shared = _tokens(4 * BLOCK, seed=60)
     run(_generate(cluster, _request("mark-a", shared + _tokens(3, 61)), 0))
@@ -141,7 +142,8 @@ def test_a_request_pulling_its_prefix_is_marked_waiting_first(pull_cluster):
     stream = cluster.prefill[1].actor.prefill.options(num_returns="streaming").remote(request, decode, "tester")
     items = [ray.get(ref, timeout=30) for ref in stream]
     try:
-        assert items[0] == PrefillQueue("mark-b", waiting=True)
+        # waiting while it pulls, then told it is being computed (a death from then on counts)
+        assert items[:2] == [PrefillQueue("mark-b", waiting=True), PrefillQueue("mark-b", waiting=False)]
         first = next(item for item in items if isinstance(item, PrefillResult))
         assert first.pull is not None  # the pull ran (its success is other tests' business)
     finally:
