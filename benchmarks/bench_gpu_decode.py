@@ -100,22 +100,23 @@ def decode_step(batch: int, context: int, block_size: int, first_block: int = 0)
     )
 
 
-def prefill_step(num_seqs: int, length: int, block_size: int) -> StepInput:
-    per_seq = -(-length // block_size)
+def prefill_step(num_seqs: int, length: int, block_size: int, cached: int = 0) -> StepInput:
+    """A step of `num_seqs` prompt chunks of `length` new tokens each, after `cached` tokens already in
+    the cache (disjoint blocks; what the cached slots hold does not change the time)."""
+    total = cached + length
+    per_seq = -(-total // block_size)
     tables = [torch.arange(i * per_seq, (i + 1) * per_seq) for i in range(num_seqs)]
-    positions = torch.arange(length).repeat(num_seqs)
-    slots = torch.cat(
-        [t[torch.arange(length) // block_size] * block_size + torch.arange(length) % block_size for t in tables]
-    )
+    positions = torch.arange(cached, total)
+    slots = torch.cat([t[positions // block_size] * block_size + positions % block_size for t in tables])
     return StepInput(
         input_ids=torch.randint(1000, 100000, (num_seqs * length,)),
-        positions=positions,
+        positions=positions.repeat(num_seqs),
         slot_mapping=slots,
         num_decode_tokens=0,
         decode_context_lens=torch.zeros(0, dtype=torch.int64),
         decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
         prefill_query_lens=(length,) * num_seqs,
-        prefill_context_lens=(length,) * num_seqs,
+        prefill_context_lens=(total,) * num_seqs,
         prefill_block_tables=tuple(tables),
         logits_indices=torch.arange(length - 1, num_seqs * length, length),
     )

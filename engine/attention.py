@@ -5,7 +5,9 @@ engine/kv_storage.py, with scales for quantized formats). A token at position p 
 slot `block_table[p // block_size] * block_size + p % block_size`.
 
 On CUDA, decode reads the cache in place through the Triton kernel (engine/kernels/triton_decode.py,
-every format) and prefill goes through `scaled_dot_product_attention` (flash / memory-efficient).
+every format), and so does prefill with an unquantized cache: every chunk of the step in one launch
+(engine/kernels/triton_prefill.py, tiled by `PrefillTiles`). Elsewhere prefill runs one
+`scaled_dot_product_attention` call per chunk (flash / memory-efficient on CUDA).
 Unquantized caches take the exact paths below (HF-equal in fp32). A quantized cache (int8 / fp8) is
 read by the native decode kernel, which dequantizes in registers, or by
 `engine/quantized_attention.py`, which dequantizes a bounded chunk of blocks at a time; a prefill
@@ -47,6 +49,48 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class PrefillTiles:
+    """A step's prefill chunks cut into tiles of consecutive query rows of one chunk, for the Triton
+    prefill kernel: built once per step (one small copy to the GPU), read by every layer."""
+
+    tiles: torch.Tensor  # [num_tiles, 4] int64: (chunk, first row of the step, rows, position of row 0)
+    block_tables: torch.Tensor  # [num_chunks, width] int64, each chunk's blocks from position 0, padded
+    rows_per_tile: int
+    max_context_len: int
+
+
+def prefill_rows_per_tile(dtype: torch.dtype) -> int:
+    """Query rows per kernel program: 64 with 16-bit tensor-core dots; 32 in fp32, whose IEEE dots
+    hold more registers per row."""
+    return 32 if dtype == torch.float32 else 64
+
+
+def build_prefill_tiles(
+    first_row: int,
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    block_tables: tuple[torch.Tensor, ...],
+    rows_per_tile: int,
+    device: torch.device,
+) -> PrefillTiles:
+    """Chunk i has query_lens[i] rows, laid out from `first_row` in order, and ends at position
+    context_lens[i]; block_tables[i] covers its positions [0, context_lens[i])."""
+    tiles: list[tuple[int, int, int, int]] = []
+    row = first_row
+    for chunk, (query_len, context_len) in enumerate(zip(query_lens, context_lens, strict=True)):
+        first_position = context_len - query_len
+        tiles.extend(
+            (chunk, row + offset, min(rows_per_tile, query_len - offset), first_position + offset)
+            for offset in range(0, query_len, rows_per_tile)
+        )
+        row += query_len
+    padded = torch.nn.utils.rnn.pad_sequence(list(block_tables), batch_first=True)
+    return PrefillTiles(
+        torch.tensor(tiles, dtype=torch.int64).to(device), padded.to(device), rows_per_tile, max(context_lens)
+    )
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of every new token
     num_decode_tokens: int
@@ -56,6 +100,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [num_decode, max_context] int64 cache slots (padded)
     decode_padding_mask: torch.Tensor | None  # [num_decode, max_context] bool, True = padding
     prefills: tuple[PrefillSegment, ...]
+    prefill_tiles: PrefillTiles | None = None  # set: the Triton kernel runs every prefill chunk
 
     @property
     def uses_kernel(self) -> bool:
@@ -82,6 +127,9 @@ def paged_attention(
             )
         else:
             out[:n_dec] = _decode_attention(q[:n_dec], cache.k, cache.v, meta, scale)
+    if meta.prefill_tiles is not None:
+        _prefill_attention_triton(q, cache, meta.prefill_tiles, scale, out)
+        return out
     for seg in meta.prefills:
         rows = slice(seg.query_start, seg.query_start + seg.query_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], cache, seg, scale)
@@ -136,6 +184,15 @@ def _decode_attention_triton(q, cache: LayerKV, meta: AttentionMetadata, scale: 
 
     return paged_decode_attention(
         q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_block_tables, meta.decode_context_lens, scale
+    )
+
+
+def _prefill_attention_triton(q, cache: LayerKV, tiles: PrefillTiles, scale: float, out: torch.Tensor) -> None:
+    """The Triton prefill kernel (engine/kernels/triton_prefill.py), imported on first CUDA use only."""
+    from engine.kernels.triton_prefill import paged_prefill_attention
+
+    paged_prefill_attention(
+        q, cache.k, cache.v, tiles.tiles, tiles.block_tables, tiles.rows_per_tile, tiles.max_context_len, scale, out
     )
 
 

@@ -13,7 +13,7 @@ from typing import Protocol, TypeVar, cast
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSegment
+from engine.attention import AttentionMetadata, PrefillSegment, PrefillTiles, build_prefill_tiles, prefill_rows_per_tile
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kernels import decode_attention_kernel
@@ -147,9 +147,12 @@ def _pad_tables(tables: list[Sequence[int]], rows: list[int]) -> torch.Tensor:
     return padded.view(len(tables), width).repeat_interleave(torch.tensor(rows), dim=0)
 
 
-def attention_metadata(step: StepInput, block_size: int, native_decode: bool = False) -> AttentionMetadata:
+def attention_metadata(
+    step: StepInput, block_size: int, native_decode: bool = False, prefill_tiles: PrefillTiles | None = None
+) -> AttentionMetadata:
     """`native_decode`: a kernel reads the paged cache in place (the C kernel on CPU, Triton on CUDA),
-    so the padded slot tensors are not built. Tensors are made on the step's device."""
+    so the padded slot tensors are not built; `prefill_tiles`: the Triton prefill kernel reads it in
+    place too, so no chunk's context slots are built. Tensors are made on the step's device."""
     offsets = torch.arange(block_size, dtype=torch.int64, device=step.slot_mapping.device)
     decode_slots = padding = None
     if step.num_decode_tokens and not native_decode:
@@ -162,7 +165,8 @@ def attention_metadata(step: StepInput, block_size: int, native_decode: bool = F
         step.prefill_query_lens, step.prefill_context_lens, step.prefill_block_tables, strict=True
     ):
         slots = None
-        if ctx_len > q_len:  # attends to earlier KV in the cache (prefix hit or an earlier chunk)
+        # Attends to earlier KV in the cache (a prefix hit or an earlier chunk), read here by slot.
+        if ctx_len > q_len and prefill_tiles is None:
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
         segments.append(PrefillSegment(start, q_len, ctx_len, slots))
         start += q_len
@@ -174,6 +178,7 @@ def attention_metadata(step: StepInput, block_size: int, native_decode: bool = F
         decode_slots,
         padding,
         tuple(segments),
+        prefill_tiles,
     )
 
 
@@ -210,8 +215,12 @@ class ModelRunner:
         )
         # A kernel reads the paged cache in place: on CPU the C kernel (fp32 models; other dtypes take
         # the PyTorch path), on CUDA the Triton kernel (every dtype and KV format).
+        # On CUDA the Triton prefill kernel takes unquantized caches (quantized ones keep the PyTorch path).
+        self.prefill_rows_per_tile = 0
         if self.device.type == "cuda":
             self.native_decode = True
+            if not self.kv_cache.fmt.quantized:
+                self.prefill_rows_per_tile = prefill_rows_per_tile(model_cfg.torch_dtype)
         else:
             self.native_decode = model_cfg.torch_dtype == torch.float32 and decode_attention_kernel() is not None
         self.graphs = (
@@ -235,8 +244,18 @@ class ModelRunner:
     def forward(self, step: StepInput) -> torch.Tensor:
         """Runs one step on this rank (all-reduces included); returns the final hidden states. TP
         followers stop here: only rank 0 samples, so only it needs logits."""
+        tiles = None
+        if self.prefill_rows_per_tile and step.prefill_query_lens:  # tiled from the host's tables: no sync
+            tiles = build_prefill_tiles(
+                step.num_decode_tokens,
+                step.prefill_query_lens,
+                step.prefill_context_lens,
+                step.prefill_block_tables,
+                self.prefill_rows_per_tile,
+                self.device,
+            )
         step = step.to(self.device)
-        meta = attention_metadata(step, self.block_size, self.native_decode)
+        meta = attention_metadata(step, self.block_size, self.native_decode, tiles)
         return self.model(step.input_ids, step.positions, self.kv_cache, meta)
 
     @torch.inference_mode()

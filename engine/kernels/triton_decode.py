@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton_paged import fold_tile, load_paged_kv
+
 TILE_TOKENS = 64  # tokens per inner step: 4 pages of 16
 TARGET_PROGRAMS = 1024  # enough (sequence, KV head, split) programs to fill an H100's 132 SMs
 
@@ -55,29 +57,11 @@ def _tile(
 ):  # fmt: skip
     """One tile of `tokens` folded into the online softmax (running max, sum, weighted values)."""
     valid = tokens < context_len
-    page = tl.load(row_ptr + tokens // BLOCK_SIZE, mask=valid, other=0)
-    slot = page * BLOCK_SIZE + tokens % BLOCK_SIZE
-    kv_offsets = kv_base + slot[:, None] * HEAD_DIM + dims[None, :]
-    kv_mask = valid[:, None] & dim_ok[None, :]
-    k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    k, v, slot = load_paged_kv(tokens, valid, row_ptr, k_ptr, v_ptr, kv_base, dims, dim_ok, BLOCK_SIZE, HEAD_DIM)
     if QUANTIZED:
         k = k.to(tl.float32) * tl.load(ks_ptr + scale_base + slot, mask=valid, other=0.0)[:, None]
         v = v.to(tl.float32) * tl.load(vs_ptr + scale_base + slot, mask=valid, other=0.0)[:, None]
-    if IEEE:  # noqa: SIM108 - Triton JIT code: a constexpr if compiles only its branch
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        scores = tl.dot(q, tl.trans(k))
-    scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    weights = tl.exp(scores - new_max[:, None])
-    correction = tl.exp(running_max - new_max)
-    running_sum = running_sum * correction + tl.sum(weights, axis=1)
-    if IEEE:
-        acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
-    return new_max, running_sum, acc
+    return fold_tile(q, k, v, valid[None, :], scale, running_max, running_sum, acc, IEEE)
 
 
 @triton.jit

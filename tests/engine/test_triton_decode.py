@@ -8,18 +8,12 @@ several splits per sequence and several tiles per split.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine.kernels.triton_decode import TARGET_PROGRAMS, TILE_TOKENS, SplitPlan, split_plan
+from tests.engine.interpreted import run_interpreted
 from tests.engine.triton_decode_checks import check_exact, check_fused, check_quantized
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_split_plan_fills_the_gpu_and_covers_the_table():
@@ -31,11 +25,7 @@ def test_split_plan_fills_the_gpu_and_covers_the_table():
 
 
 def test_interpreted_kernel_equals_references_on_cpu():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "tests.engine.triton_decode_checks"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "interpreted kernel checks passed" in result.stdout
+    run_interpreted("tests.engine.triton_decode_checks", "interpreted kernel checks passed")
 
 
 @pytest.mark.cuda
