@@ -9,8 +9,9 @@
 The first runs the engine in this process over a grid of step shapes (cluster/sim/profiler.py) with
 the torch threads a pool worker gets; `--device cuda` times it on the GPU (then give the KV memory a
 GPU worker gets and the hand-off's figures: the defaults describe CPU workers on loopback), with decode
-points up to 16,384-token contexts by default (GPU_DECODE_CONTEXTS, as far as the model reaches): a GPU
-reads KV so fast that shorter ones leave the per-token cost of context unmeasured (fitted as 0). The second
+and prefill points up to 16,384-token contexts by default (GPU_DECODE_CONTEXTS, GPU_PREFILL_STARTS, as far
+as the model reaches): a GPU reads KV and computes attention so fast that shorter ones leave the cost of
+context unmeasured (fitted as 0, which a long trace's late chunks then do not pay). The second
 writes a roofline estimate for a named model on a named GPU, labelled as such
 (cluster/sim/roofline.py). The third measures the cluster's own overheads (router, Ray calls, hand-off
 fixed costs) against an idle running cluster and stores them in the profile
@@ -29,6 +30,7 @@ from cluster.sim.profiler import CPU_TRANSFER, Grid, measure_profile
 from cluster.sim.roofline import GPUS, MODELS, roofline_profile
 
 GPU_DECODE_CONTEXTS = (64, 1024, 4096, 16384)  # the decode points' contexts with --device cuda
+GPU_PREFILL_STARTS = (0, 256, 1024, 4096, 16384)  # tokens before the prefill points' chunks, --device cuda
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-contexts",
         help="decode points' context lengths, comma-separated (default 64,256,1024; with --device cuda "
         "64,1024,4096,16384: a GPU reads KV so fast that short contexts leave its cost unmeasured)",
+    )
+    parser.add_argument(
+        "--prefill-starts",
+        help="tokens already computed before the prefill points' chunks, comma-separated (default 0,256,1024; "
+        "with --device cuda 0,256,1024,4096,16384)",
     )
     parser.add_argument("--decode-batches", help="decode points' batch sizes, comma-separated (default 1,2,...,64)")
     parser.add_argument("--label", help="the profile's label (default: says what and where)")
@@ -126,22 +133,25 @@ def make_profile(args) -> Profile:
 def _grid(args) -> Grid:
     grid = Grid.quick() if args.quick else Grid()
     if args.device.startswith("cuda") and not args.quick:
-        grid = dataclasses.replace(grid, contexts=GPU_DECODE_CONTEXTS)
+        grid = dataclasses.replace(grid, contexts=GPU_DECODE_CONTEXTS, starts=GPU_PREFILL_STARTS)
     contexts = _positive_ints(args.decode_contexts, "--decode-contexts") or grid.contexts
     batches = _positive_ints(args.decode_batches, "--decode-batches") or grid.batches
-    return dataclasses.replace(grid, contexts=contexts, batches=batches)
+    starts = _positive_ints(args.prefill_starts, "--prefill-starts", allow_zero=True) or grid.starts
+    return dataclasses.replace(grid, contexts=contexts, batches=batches, starts=starts)
 
 
-def _positive_ints(flag: str | None, name: str) -> tuple[int, ...]:
-    """The sorted distinct values of a comma-separated flag; () when it was not given."""
+def _positive_ints(flag: str | None, name: str, allow_zero: bool = False) -> tuple[int, ...]:
+    """The sorted distinct values of a comma-separated flag (each >= 1, or >= 0 with `allow_zero`);
+    () when it was not given."""
     if flag is None:
         return ()
     try:
         values = {int(v) for v in flag.split(",")}
     except ValueError:
         raise ValueError(f"{name}: integers separated by commas, got {flag!r}") from None
-    if min(values) < 1:
-        raise ValueError(f"{name}: every value must be >= 1, got {flag!r}")
+    lowest = 0 if allow_zero else 1
+    if min(values) < lowest:
+        raise ValueError(f"{name}: every value must be >= {lowest}, got {flag!r}")
     return tuple(sorted(values))
 
 

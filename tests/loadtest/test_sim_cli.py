@@ -105,9 +105,11 @@ def test_plan_says_when_trace_rows_did_not_fit_the_model(measured, tmp_path, cap
 
 
 def test_a_gpu_profile_reaches_long_contexts_by_default():
-    """On a GPU the decode points go to 16,384 tokens unless told otherwise (stop 31's first H200 profile
-    stopped at 1,024 and fitted the KV-reading term at 0); a CPU keeps its short grid."""
-    from loadtest.profile_cli import GPU_DECODE_CONTEXTS, _grid, build_parser
+    """On a GPU the decode points and the prefill chunks' earlier context go to 16,384 tokens unless told
+    otherwise (stop 31's first H200 profile stopped decode at 1,024 and fitted the KV-reading term at 0;
+    stop 33's, with prefill after at most 1,024 tokens, fitted the attention-pair term at 0); a CPU keeps
+    its short grid."""
+    from loadtest.profile_cli import GPU_DECODE_CONTEXTS, GPU_PREFILL_STARTS, _grid, build_parser
 
     def grid(*flags):
         return _grid(build_parser().parse_args(["--out", "p.json", *flags]))
@@ -115,3 +117,8 @@ def test_a_gpu_profile_reaches_long_contexts_by_default():
     assert grid("--device", "cuda").contexts == GPU_DECODE_CONTEXTS == (64, 1024, 4096, 16384)
     assert grid("--device", "cuda:1", "--decode-contexts", "128").contexts == (128,)
     assert grid().contexts == (64, 256, 1024) and grid("--device", "cuda", "--quick").contexts == (32, 128)
+    assert grid("--device", "cuda").starts == GPU_PREFILL_STARTS == (0, 256, 1024, 4096, 16384)
+    assert grid("--device", "cuda", "--prefill-starts", "512,0").starts == (0, 512)
+    assert grid().starts == (0, 256, 1024)
+    with pytest.raises(ValueError, match="--prefill-starts"):
+        grid("--prefill-starts", "-1")
