@@ -25,14 +25,13 @@ import asyncio, importlib, importlib.util, json, pkgutil, sys, tempfile
 from importlib import metadata
 
 model_dir, redis_url, packages = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-CUDA_ONLY = {"engine.kernels.triton_decode", "engine.kernels.triton_fused"}
 modules = 0
 for package in packages:
     root = importlib.import_module(package)
     for info in pkgutil.walk_packages(root.__path__, package + "."):
         # The Triton kernels need triton, which comes with torch's CUDA build (a CPU runtime never imports
         # them: attention loads them on first CUDA use); every other module must import.
-        if info.name in CUDA_ONLY and importlib.util.find_spec("triton") is None:
+        if info.name.startswith("engine.kernels.triton_") and importlib.util.find_spec("triton") is None:
             continue
         importlib.import_module(info.name)
         modules += 1
