@@ -147,3 +147,21 @@ def test_roofline_profiles_are_labelled_and_ordered():
 def test_sim_config_errors_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=f"^{key}:"):
         SimConfig(**kwargs)
+
+
+def test_a_prefill_point_waits_for_the_device_before_its_timed_chunk(checkpoint, monkeypatch):
+    """A step that samples nothing (a prompt's chunk short of its end) returns with its GPU work still
+    queued: the profiler waits for the device after each point's untimed earlier chunk, before timing
+    the chunk after it (stop 33's first long H200 profile timed the earlier 16,384-token chunk instead)."""
+    from cluster.sim import profiler
+    from tests.factories import TinySpec
+
+    events = []
+    timed = profiler._timed_step
+    monkeypatch.setattr(profiler, "_wait_for_device", lambda engine: events.append("wait"))
+    monkeypatch.setattr(profiler, "_timed_step", lambda engine: (events.append("timed"), timed(engine))[1])
+    grid = profiler.Grid(chunk_tokens=(8,), starts=(0, 16), batches=(1,), contexts=(32,), repeats=1, knots=(1, 8))
+    engine = profiler._engine(str(checkpoint(TinySpec())), 1, "auto", grid)
+    samples = profiler._prefill_samples(engine, grid, say=lambda line: None)
+    assert events == ["timed"] * 2 + ["wait", "timed"] * 2  # repeats + 1 per point: the first warms up
+    assert [(s.tokens, s.prefill_pairs) for s in samples] == [(8, prefill_pairs(0, 8)), (8, prefill_pairs(16, 8))]
