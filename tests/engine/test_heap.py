@@ -26,7 +26,9 @@ def test_live_objects_leave_the_generations_a_full_collection_walks(unfreeze_aft
     startup = [[i] for i in range(20_000)]  # long-lived state, as a model's modules are
     walked_before = len(gc.get_objects())
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() >= len(startup)
+    # A frozen object freed since (by a thread an earlier test left running) leaves the permanent
+    # generation, so its size can only have fallen; a fresh-clone CI run once saw 2 fewer.
+    assert frozen >= gc.get_freeze_count() >= len(startup)
     assert len(gc.get_objects()) < walked_before - len(startup)
     assert startup[-1] == [19_999]  # frozen objects stay alive and usable
 
