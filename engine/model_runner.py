@@ -161,12 +161,11 @@ def attention_metadata(
         columns = torch.arange(decode_slots.shape[1], device=offsets.device)
         padding = columns[None, :] >= step.decode_context_lens[:, None]
     segments, start = [], step.num_decode_tokens
-    for q_len, ctx_len, table in zip(
-        step.prefill_query_lens, step.prefill_context_lens, step.prefill_block_tables, strict=True
-    ):
+    for index, (q_len, ctx_len) in enumerate(zip(step.prefill_query_lens, step.prefill_context_lens, strict=True)):
         slots = None
         # Attends to earlier KV in the cache (a prefix hit or an earlier chunk), read here by slot.
         if ctx_len > q_len and prefill_tiles is None:
+            table = step.prefill_block_tables[index]
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
         segments.append(PrefillSegment(start, q_len, ctx_len, slots))
         start += q_len
@@ -254,6 +253,8 @@ class ModelRunner:
                 self.prefill_rows_per_tile,
                 self.device,
             )
+            # The tiles carry the tables (one padded copy): the per-chunk ones need not reach the device.
+            step = replace(step, prefill_block_tables=())
         step = step.to(self.device)
         meta = attention_metadata(step, self.block_size, self.native_decode, tiles)
         return self.model(step.input_ids, step.positions, self.kv_cache, meta)

@@ -34,6 +34,7 @@ from cluster.sim.config import SimConfig
 from cluster.sim.profile import Overheads, Profile, Transfer
 from cluster.sim.profiler import Grid, measure_profile
 from cluster.sim.simulator import simulate
+from loadtest.cluster_calibration import CALIBRATION_LENGTHS
 from loadtest.sim_workload import limits_of, sim_requests
 from tests.factories import TinySpec
 
@@ -45,7 +46,7 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
     profile = measure_profile(model_dir, threads=1, grid=Grid.quick())
     args = Namespace(rates=[4.0], num_requests=32, prompt_len="uniform:16,200", output_len="uniform:8,24",
                      ttft_ms=200.0, tpot_ms=60.0, max_concurrency=64, seed=0,
-                     calibration_probes=[(64, 128, 256, 384)[i % 4] for i in range(16)])  # half the full fit's
+                     calibration_probes=CALIBRATION_LENGTHS[:16])  # half the full fit's
     model, (row,) = asyncio.run(
         asyncio.wait_for(run_shape(model_dir, (1, 1), ShapeModel(profile, None), args, calibrate=True), 120)
     )
