@@ -6,7 +6,8 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-env,tests,decode,prefill,generate,handoff,specbf16,spec,agree,specprof,spec1b}
+STAGES=${STAGES:-env,tests,decode,prefill,int8,generate,handoff,specbf16,spec,agree,specprof,spec1b}
+# Not by default: int8tune (tunes the int8 kernel's plans into engine/kernels/int8_linear_plans.json).
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error GLOO_SOCKET_IFNAME=lo
 export SPLITSERVE_KERNEL_DIR=${SPLITSERVE_KERNEL_DIR:-/tmp/splitserve-kernels}
@@ -27,10 +28,13 @@ stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.
     transformers.__version__, torch.cuda.get_device_name())'"
 stage tests 240 $PYTHON -m pytest -q -rfEs -p no:randomly --timeout 150 \
     tests/engine/test_triton_decode.py tests/engine/test_triton_prefill.py tests/engine/test_cuda_engine.py \
+    tests/engine/test_triton_int8_linear.py \
     tests/engine/test_cuda_speculative.py \
     tests/kvtransfer/test_transport_contract.py -k "not gloo" --junit-xml="$OUT/tests.xml"
 stage decode 170 $PYTHON -m benchmarks.bench_gpu_decode --out "$OUT/decode.json"
 stage prefill 120 $PYTHON -m benchmarks.bench_gpu_prefill --out "$OUT/prefill.json"
+stage int8tune 300 $PYTHON -m benchmarks.tune_int8_linear --report "$OUT/int8_tune.json"
+stage int8 150 $PYTHON -m benchmarks.bench_gpu_int8_linear --skip fp32 --out "$OUT/int8_linear.json"
 stage generate 120 $PYTHON -m benchmarks.bench_gpu_generate --out "$OUT/generate.json"
 stage handoff 100 $PYTHON -m benchmarks.bench_gpu_handoff --out "$OUT/handoff.json"
 SPEC_ARGS="--device cuda --batches 1,8,64 --max-tokens 128 --text-tokens 48 --repeats 3"

@@ -29,11 +29,16 @@ modules = 0
 for package in packages:
     root = importlib.import_module(package)
     for info in pkgutil.walk_packages(root.__path__, package + "."):
-        # The Triton kernels need triton, which comes with torch's CUDA build (a CPU runtime never imports
-        # them: attention loads them on first CUDA use); every other module must import.
-        if info.name.startswith("engine.kernels.triton_") and importlib.util.find_spec("triton") is None:
+        # The Triton kernels (and the GPU benchmarks and tuners built on them) need triton, which comes
+        # with torch's CUDA build (a CPU runtime never imports them: attention and the int8 matmul load
+        # them on first CUDA use); every other module must import.
+        try:
+            importlib.import_module(info.name)
+        except ModuleNotFoundError as error:
+            if error.name != "triton" and not (error.name or "").startswith("triton."):
+                raise
+            assert importlib.util.find_spec("triton") is None, error
             continue
-        importlib.import_module(info.name)
         modules += 1
 
 import ray

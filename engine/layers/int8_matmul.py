@@ -7,8 +7,11 @@ Backends, first match wins (measured in benchmarks/int8_matmul.py, README):
   `F.linear` with fp32 activations (it is vectorized for bf16 only), and `torch._int_mm` needs int8
   activations (W8A8, not weight-only).
 - `int8pack`: bf16 / fp16 activations on CPU: `aten._weight_int8pack_mm`, vectorized there.
+- `triton`: bf16 / fp16 activations on CUDA with at most TRITON_MAX_ROWS rows:
+  engine/kernels/triton_int8_linear.py widens the int8 weights in registers (a decode step reads
+  half of bf16's weight bytes). Imported on first CUDA use: CPU processes never need triton.
 - `dequantize`: everything else (large prefill batches, where the matmul's compute hides the
-  widening of one layer's weights, and devices without a kernel here: a GPU kernel slots in above it).
+  widening of one layer's weights).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch.nn.functional as F
 from engine.kernels import kernel
 
 NATIVE_MAX_ROWS = 64  # above this, widening the weights once and using the BLAS matmul is faster
+_HALF = (torch.bfloat16, torch.float16)
+TRITON_MAX_ROWS = 256  # above this, cuBLAS on the widened weights is faster (H200, bf16: README)
 
 
 class Backend(NamedTuple):
@@ -61,13 +66,20 @@ def _int8pack(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tor
     return torch.ops.aten._weight_int8pack_mm(x, weight, scale.to(x.dtype))
 
 
+def _triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from engine.kernels.triton_int8_linear import int8_linear
+
+    return int8_linear(x, weight, scale)
+
+
 def _dequantize(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
 
 
 BACKENDS = (
     Backend("native", _native_applies, _native),
-    Backend("int8pack", lambda x: x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16), _int8pack),
+    Backend("int8pack", lambda x: x.device.type == "cpu" and x.dtype in _HALF, _int8pack),
+    Backend("triton", lambda x: x.is_cuda and x.dtype in _HALF and x.shape[0] <= TRITON_MAX_ROWS, _triton),
     Backend("dequantize", lambda x: True, _dequantize),
 )
 
