@@ -109,3 +109,23 @@ def test_int8_weights_and_kv_generate_cleanly_with_prefix_hits_and_preemption(ch
     again = llm.generate(prompts, _greedy(20), use_tqdm=False)
     assert all(len(o.token_ids) == 20 for o in first + again)
     assert sum(o.num_cached_tokens for o in again) > 0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_int8_weight_engine_equals_hf_on_the_dequantized_checkpoint(family, checkpoint, make_llm, tmp_path):
+    """int8 weights are exactly a model whose weights are their int8 value x scale: greedy tokens equal
+    HF `generate` on that checkpoint (fp32), through the C kernel (decode rows) and the widened BLAS
+    matmul (prefill chunks of more than NATIVE_MAX_ROWS rows), the LM head quantized too. (The fp32
+    engine's tokens differ from that reference on every family: the check sees the quantization.)"""
+    from engine.layers.int8_matmul import NATIVE_MAX_ROWS
+    from tests.engine.triton_int8_linear_checks import dequantized_checkpoint
+    from tests.factories import hf_greedy_generate
+
+    spec = {**FAMILIES[family], "tie_word_embeddings": False}
+    model_dir = checkpoint(TinySpec(**spec, seed=21))
+    reference = dequantized_checkpoint(model_dir, tmp_path / "dequantized", quantize_lm_head=True)
+    prompts = (random_prompts(4, NATIVE_MAX_ROWS + 10, NATIVE_MAX_ROWS + 40, 512, seed=22)
+               + random_prompts(3, 2, 20, 512, seed=23))
+    expected = hf_greedy_generate(reference, prompts, 12)
+    llm = make_llm(model_dir, quantization="int8", quantize_lm_head=True, max_num_batched_tokens=256)
+    assert [list(o.token_ids) for o in llm.generate(prompts, _greedy(12), use_tqdm=False)] == expected
