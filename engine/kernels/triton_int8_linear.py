@@ -61,13 +61,13 @@ def heuristic_plan(rows: int, out_features: int, in_features: int) -> LaunchPlan
     column tiles (64+ programs) and no split over the input features; long input rows (down
     projections) want splits of >= MIN_SPLIT_FEATURES to fill the GPU."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_k = 128 if rows <= 16 else 256 if rows <= 64 and out_features <= 4096 else 128 if rows <= 64 else 64
-    block_n = 32 if rows <= 64 and out_features <= 4096 else 64 if rows <= 64 else 128
+    long_rows = in_features > 4 * MIN_SPLIT_FEATURES
+    narrow = rows <= 64 and out_features <= 4096 and not long_rows
+    block_n = 32 if narrow else 64 if rows <= 64 else 128
+    block_k = 256 if narrow and rows > 16 else 128 if rows <= 64 else 64
     tiles_k = triton.cdiv(in_features, block_k)
-    programs = triton.cdiv(rows, block_m) * triton.cdiv(out_features, block_n)
     splits = 1
-    if in_features > 4 * MIN_SPLIT_FEATURES:
-        block_n = max(block_n, 64)
+    if long_rows:
         programs = triton.cdiv(rows, block_m) * triton.cdiv(out_features, block_n)
         splits = max(1, min(in_features // MIN_SPLIT_FEATURES, triton.cdiv(TARGET_PROGRAMS, programs)))
     tiles_per_split = triton.cdiv(tiles_k, splits)
