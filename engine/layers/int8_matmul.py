@@ -1,6 +1,6 @@
 """`x @ (int8 weight * per-channel scale)ᵀ`: the fastest kernel each case has, behind one function.
 
-Backends, first match wins (measured in benchmarks/int8_matmul.py, README):
+Backends, first match wins (measured in benchmarks/bench_int8_matmul.py and bench_gpu_int8_linear.py, README):
 - `native`: fp32 activations on CPU with at most NATIVE_MAX_ROWS rows (decode steps): the C kernel
   engine/kernels/int8_linear.c widens int8 weights to fp32 in registers, reading a quarter of the fp32
   bytes. torch's own CPU op for this, `aten._weight_int8pack_mm`, is many times slower than fp32
@@ -26,7 +26,9 @@ from engine.kernels import kernel
 
 NATIVE_MAX_ROWS = 64  # above this, widening the weights once and using the BLAS matmul is faster
 _HALF = (torch.bfloat16, torch.float16)
-TRITON_MAX_ROWS = 256  # above this, cuBLAS on the widened weights is faster (H200, bf16: README)
+# H200, bf16 (README): at 256 rows the kernel is 1.0-2.7x the widened path per layer shape, at 512
+# 0.84-1.76x (the narrow layers lose), at 2,048 0.87-1.0x.
+TRITON_MAX_ROWS = 256
 
 
 class Backend(NamedTuple):
