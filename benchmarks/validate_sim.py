@@ -187,17 +187,16 @@ async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, se
         seed=seed,
         driver=DriverConfig(max_concurrency=args.max_concurrency),
         defaults=RequestDefaults(slo),
+        out_dir=_dump_dir(args, shape, rate),
     )
     with CollectionPauses() as pauses:
         (measured,) = await run_bench(bench, echo=lambda _: None)
     profile = model.profile
     requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, seed)
-    predicted, unshared = (
-        sim_summary(
-            simulate(_sim_config(shape, args, host), profile, requests), profile, workload="poisson", notes=notes
-        ).to_dict()
-        for host in (model.host, None)
-    )
+    results = [simulate(_sim_config(shape, args, host), profile, requests) for host in (model.host, None)]
+    predicted, unshared = (sim_summary(r, profile, workload="poisson", notes=notes).to_dict() for r in results)
+    if args.dump:
+        _dump_sim(_dump_dir(args, shape, rate), results[0])
     row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured.to_dict(), predicted)}
     row["unshared"] = compare(measured.to_dict(), unshared)
     row["router_gc"] = {"full_collections": pauses.count, "longest_ms": round(pauses.longest_s * 1e3, 1)}
@@ -205,6 +204,18 @@ async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, se
     if model.host is not None:
         print(f"{'':>14}unshared: " + format_row({"shape": "", "rate_per_s": rate, **row["unshared"]}), flush=True)
     return row
+
+
+def _dump_dir(args, shape, rate: float) -> str | None:
+    return os.path.join(args.dump, f"{shape[0]}P{shape[1]}D_{rate:g}") if args.dump else None
+
+
+def _dump_sim(folder: str | None, result) -> None:
+    """The simulated requests beside the bench's records.jsonl, one JSON line each (`--dump`)."""
+    assert folder is not None
+    with open(os.path.join(folder, "sim_records.jsonl"), "w") as out:
+        for record in result.records:
+            out.write(json.dumps({**record._asdict(), "ttft_s": record.ttft_s, "tpot_s": record.tpot_s}) + "\n")
 
 
 def _sim_config(shape: tuple[int, int], args, host: SimConfig | None) -> SimConfig:
@@ -294,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="rounds of discarded requests before timing")
     parser.add_argument("--quick-profile", action="store_true", help="the small profile grid (for smoke runs)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--dump", help="folder for each run's measured and simulated per-request records")
     args = parser.parse_args(argv)
     args.shapes = [parse_shape(s) for s in args.shapes.split(",")]
     args.rates = [float(r) for r in args.rates.split(",")]

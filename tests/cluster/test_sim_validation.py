@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from argparse import Namespace
 
 from benchmarks.validate_sim import ShapeModel, format_row, run_shape, spec_for
@@ -41,11 +42,11 @@ from tests.factories import TinySpec
 GOODPUT_BOUND = 0.30
 
 
-def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, checkpoint):
+def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, checkpoint, tmp_path):
     model_dir = str(checkpoint(TinySpec()))
     profile = measure_profile(model_dir, threads=1, grid=Grid.quick())
     args = Namespace(rates=[4.0], num_requests=32, prompt_len="uniform:16,200", output_len="uniform:8,24",
-                     ttft_ms=200.0, tpot_ms=60.0, max_concurrency=64, seed=0,
+                     ttft_ms=200.0, tpot_ms=60.0, max_concurrency=64, seed=0, dump=str(tmp_path),
                      calibration_probes=CALIBRATION_LENGTHS[:16])  # half the full fit's
     model, (row,) = asyncio.run(
         asyncio.wait_for(run_shape(model_dir, (1, 1), ShapeModel(profile, None), args, calibrate=True), 120)
@@ -55,8 +56,15 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
     goodput = row["goodput"]
     assert goodput["measured"] > 0 and goodput["predicted"] > 0
     assert abs(goodput["error"]) <= GOODPUT_BOUND, format_row(row)
+    # --dump: the measured and the simulated requests side by side, one line each, same indices.
+    measured, simulated = (_indices(tmp_path / "1P1D_4" / name) for name in ("records.jsonl", "sim_records.jsonl"))
+    assert measured == simulated == set(range(args.num_requests))
     dearer = _goodput(_dearer(profile, 20.0), args)  # a 20x modelling error would fail the bound above
     assert dearer < (1 - GOODPUT_BOUND) * goodput["measured"], f"the SLO is too loose to test anything ({dearer:.2f}/s)"
+
+
+def _indices(path) -> set[int]:
+    return {json.loads(line)["index"] for line in path.read_text().splitlines()}
 
 
 def _dearer(profile: Profile, factor: float) -> Profile:
