@@ -1,7 +1,7 @@
 """The simulator against real `splitserve bench` runs: predicted vs measured, per cluster shape and rate.
 
     scripts/in_sandbox.sh .venv/bin/python -m benchmarks.validate_sim [--shapes 1P1D,2P1D,1P2D] \\
-        [--rates 1,2,4] [--num-requests 60] [--json out.json]
+        [--rates 1,2,4] [--num-requests 60] [--json out.json] [--dump DIR]
 
 One process does it all, on this machine: it writes a small validation model (the demo model's
 tokenizer and architecture, shrunk so that a step is milliseconds, `--model` overrides), measures its
@@ -10,7 +10,8 @@ one router, calibrates the profile's cluster overheads and the host's idle cores
 before its runs (the host's streaming figures on the first shape; `--calibrate`), then per rate
 runs the bench's Poisson workload for real and simulates the very same requests. The table prints
 measured / predicted and the error of p50 and p99 TTFT and TPOT and of goodput; the issue's targets
-are 15% for goodput and p50s, 30% for p99s.
+are 15% for goodput and p50s, 30% for p99s. `--dump DIR` keeps each run's requests, measured
+(`records.jsonl`, the bench's) and simulated (`sim_records.jsonl`), under DIR/<shape>_<rate>/.
 
 Every worker here is a process with one torch thread on this machine's cores (2 on the dev box), so
 a 2P1D cluster's three workers ask for more cores than there are: the simulation says so
