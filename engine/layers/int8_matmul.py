@@ -24,7 +24,12 @@ import torch.nn.functional as F
 
 from engine.kernels import kernel
 
-NATIVE_MAX_ROWS = 64  # above this, widening the weights once and using the BLAS matmul is faster
+# Above this, widening the weights once and using the BLAS matmul: the crossover is the machine's.
+# Measured (README): one AVX-512 Xeon had the C kernel ahead up to 64 rows (1.14x of fp32 at 64,
+# widening 0.94x); another has it behind from 16 (0.53x at 32, 0.46x at 64; widening 0.77x, 0.85x),
+# where this threshold took the engine's int8 decode at batch 32 from 0.69x to 0.87x of fp32. 16 risks
+# ~20% on the first kind of machine at 17-64 rows against 45-85% on the second.
+NATIVE_MAX_ROWS = 16
 _HALF = (torch.bfloat16, torch.float16)
 # H200, bf16 (README): at 256 rows the kernel is 1.0-2.7x the widened path per layer shape, at 512
 # 0.84-1.76x (the narrow layers lose), at 2,048 0.87-1.0x.
