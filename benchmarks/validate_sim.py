@@ -181,6 +181,7 @@ async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: 
 async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, seed: int) -> dict:
     spec = spec_for(args, rate)
     slo = Slo(args.ttft_ms, args.tpot_ms)
+    dump = os.path.join(args.dump, f"{shape[0]}P{shape[1]}D_{rate:g}") if args.dump else None
     bench = BenchConfig(
         target=target,
         workload="poisson",
@@ -188,7 +189,7 @@ async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, se
         seed=seed,
         driver=DriverConfig(max_concurrency=args.max_concurrency),
         defaults=RequestDefaults(slo),
-        out_dir=_dump_dir(args, shape, rate),
+        out_dir=dump,
     )
     with CollectionPauses() as pauses:
         (measured,) = await run_bench(bench, echo=lambda _: None)
@@ -196,8 +197,8 @@ async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, se
     requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, seed)
     results = [simulate(_sim_config(shape, args, host), profile, requests) for host in (model.host, None)]
     predicted, unshared = (sim_summary(r, profile, workload="poisson", notes=notes).to_dict() for r in results)
-    if args.dump:
-        _dump_sim(_dump_dir(args, shape, rate), results[0])
+    if dump is not None:
+        _dump_sim(dump, results[0])
     row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured.to_dict(), predicted)}
     row["unshared"] = compare(measured.to_dict(), unshared)
     row["router_gc"] = {"full_collections": pauses.count, "longest_ms": round(pauses.longest_s * 1e3, 1)}
@@ -207,13 +208,8 @@ async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, se
     return row
 
 
-def _dump_dir(args, shape, rate: float) -> str | None:
-    return os.path.join(args.dump, f"{shape[0]}P{shape[1]}D_{rate:g}") if args.dump else None
-
-
-def _dump_sim(folder: str | None, result) -> None:
+def _dump_sim(folder: str, result) -> None:
     """The simulated requests beside the bench's records.jsonl, one JSON line each (`--dump`)."""
-    assert folder is not None
     with open(os.path.join(folder, "sim_records.jsonl"), "w") as out:
         for record in result.records:
             out.write(json.dumps({**record._asdict(), "ttft_s": record.ttft_s, "tpot_s": record.tpot_s}) + "\n")

@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from engine.demo_model import NUM_SPECIAL_TOKENS, SPECIAL_TOKEN_IDS, train_tokenizer
+from engine.layers.quantization import quantize_per_channel
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
 
@@ -83,14 +84,10 @@ class TinySpec:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(_DTYPES)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.with_tokenizer and self.vocab_size < _TOKENIZER_MIN_VOCAB:
             # A byte-level tokenizer needs all 256 bytes plus the special tokens.
-            raise ValueError(
-                f"vocab_size={self.vocab_size} < {_TOKENIZER_MIN_VOCAB} (byte-level minimum)"
-            )
+            raise ValueError(f"vocab_size={self.vocab_size} < {_TOKENIZER_MIN_VOCAB} (byte-level minimum)")
 
 
 def _hf_config(spec: TinySpec) -> PretrainedConfig:
@@ -157,9 +154,29 @@ def make_tiny_checkpoint(out_dir: Path, spec: TinySpec = TinySpec()) -> Path:
     return out_dir
 
 
+def dequantized_checkpoint(model_dir: Path, out_dir: Path, quantize_lm_head: bool) -> Path:
+    """The checkpoint with every linear weight the int8 engine quantizes (the decoder layers', and the LM
+    head's with `quantize_lm_head`) replaced by its int8 value x scale: HF on it computes, in fp32,
+    what that engine should."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert not model.config.tie_word_embeddings, "a tied head would dequantize the embedding too"
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and (name.startswith("model.layers.") or quantize_lm_head):
+                values, scale = quantize_per_channel(module.weight)
+                module.weight.copy_(values.float() * scale[:, None])
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 def hf_greedy_generate(
-    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int | None = None,
-    device: str = "cpu", dtype: str = "float32", **generate_options,
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    **generate_options,
 ) -> list[list[int]]:
     """Reference continuations: HF greedy (fp32 on the CPU unless told), EOS ignored, left-padded
     batches; new tokens only.
@@ -215,6 +232,5 @@ def random_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed: in
     """
     rng = random.Random(seed)
     return [
-        [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(rng.randint(min_len, max_len))]
-        for _ in range(n)
+        [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)
     ]

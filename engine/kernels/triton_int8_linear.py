@@ -52,8 +52,9 @@ def launch_plan(rows: int, out_features: int, in_features: int, device_name: str
     it has one (benchmarks/tune_int8_linear.py writes it), else `heuristic_plan`. Shapes only: a CUDA
     graph captured for a batch size replays the same launch."""
     bucket = next((b for b in TUNED_ROWS if rows <= b), None)
-    tuned = _tuned_table().get(device_name, {}).get(f"{out_features}x{in_features}", {}).get(str(bucket))
-    return LaunchPlan(*tuned) if tuned else heuristic_plan(rows, out_features, in_features)
+    shapes = _tuned_table().get(device_name, {})
+    tuned = None if bucket is None else shapes.get(f"{out_features}x{in_features}", {}).get(bucket)
+    return tuned or heuristic_plan(rows, out_features, in_features)
 
 
 def heuristic_plan(rows: int, out_features: int, in_features: int) -> LaunchPlan:
@@ -75,9 +76,29 @@ def heuristic_plan(rows: int, out_features: int, in_features: int) -> LaunchPlan
 
 
 @functools.cache
-def _tuned_table() -> dict:
-    """{device name: {"OUTxIN": {row bucket: plan fields}}}; empty where the file is missing."""
-    return json.loads(PLANS_PATH.read_text()) if PLANS_PATH.exists() else {}
+def _tuned_table() -> dict[str, dict[str, dict[int, LaunchPlan]]]:
+    """{device name: {"OUTxIN": {row bucket: plan}}}; empty where the file is missing."""
+    return load_plans(json.loads(PLANS_PATH.read_text())) if PLANS_PATH.exists() else {}
+
+
+def load_plans(raw: dict) -> dict[str, dict[str, dict[int, LaunchPlan]]]:
+    """The JSON table as plans, each checked by `plan_fits`; ValueError names the entry that fails."""
+    table: dict[str, dict[str, dict[int, LaunchPlan]]] = {}
+    for device, shapes in raw.items():
+        for shape, buckets in shapes.items():
+            plans = {int(bucket): LaunchPlan(*fields) for bucket, fields in buckets.items()}
+            for bucket, plan in plans.items():
+                if not plan_fits(plan, bucket, int(shape.split("x")[1])):
+                    raise ValueError(f"int8 linear plan {device!r} {shape} rows<={bucket}: {plan} does not fit")
+            table.setdefault(device, {})[shape] = plans
+    return table
+
+
+def plan_fits(plan: LaunchPlan, bucket: int, in_features: int) -> bool:
+    """A bucket the lookup asks for, tiles of >= 16 rows (tl.dot's smallest), and splits that cover the
+    input features with none empty."""
+    share = plan.tiles_per_split * plan.block_k
+    return bucket in TUNED_ROWS and plan.block_m >= 16 and in_features <= plan.num_splits * share < in_features + share
 
 
 @functools.cache

@@ -118,8 +118,7 @@ def test_int8_weight_engine_equals_hf_on_the_dequantized_checkpoint(family, chec
     matmul (prefill chunks of more than NATIVE_MAX_ROWS rows), the LM head quantized too. (The fp32
     engine's tokens differ from that reference on every family: the check sees the quantization.)"""
     from engine.layers.int8_matmul import NATIVE_MAX_ROWS
-    from tests.engine.triton_int8_linear_checks import dequantized_checkpoint
-    from tests.factories import hf_greedy_generate
+    from tests.factories import dequantized_checkpoint, hf_greedy_generate
 
     spec = {**FAMILIES[family], "tie_word_embeddings": False}
     model_dir = checkpoint(TinySpec(**spec, seed=21))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.kernels import triton_int8_linear
-from engine.kernels.triton_int8_linear import MIN_SPLIT_FEATURES, TUNED_ROWS, LaunchPlan, heuristic_plan, launch_plan
+from engine.kernels.triton_int8_linear import MIN_SPLIT_FEATURES, LaunchPlan, heuristic_plan, launch_plan, load_plans
 from tests.engine.interpreted import run_interpreted
 
 
@@ -31,27 +31,26 @@ def test_heuristic_plan_covers_every_input_feature_once(rows, out_features, in_f
 
 def test_tuned_table_serves_its_device_shape_and_row_bucket(monkeypatch):
     tuned = LaunchPlan(16, 32, 256, 1, 8, 4)
-    table = {"GPU X": {"3072x2048": {"16": list(tuned), "256": [64, 128, 64, 1, 32, 8]}}}
+    table = load_plans({"GPU X": {"3072x2048": {"16": list(tuned), "256": [64, 128, 64, 1, 32, 8]}}})
     monkeypatch.setattr(triton_int8_linear, "_tuned_table", lambda: table)
     assert launch_plan(9, 3072, 2048, "GPU X") == tuned  # rows 2-16 take the 16-row plan
     assert launch_plan(16, 3072, 2048, "GPU X") == tuned
+    assert launch_plan(200, 3072, 2048, "GPU X") == LaunchPlan(64, 128, 64, 1, 32, 8)
     assert launch_plan(17, 3072, 2048, "GPU X") == heuristic_plan(17, 3072, 2048)  # no 32-row entry
     assert launch_plan(9, 3072, 2048, "GPU Y") == heuristic_plan(9, 3072, 2048)  # another device
     assert launch_plan(9, 2048, 2048, "GPU X") == heuristic_plan(9, 2048, 2048)  # another shape
     assert launch_plan(300, 3072, 2048, "GPU X") == heuristic_plan(300, 3072, 2048)  # past the buckets
 
 
-def test_shipped_tuned_plans_cover_their_shapes():
-    """Every plan in engine/kernels/int8_linear_plans.json covers its input features with no empty
-    split and serves every row count of its bucket."""
-    for device, shapes in triton_int8_linear._tuned_table().items():
-        for shape, buckets in shapes.items():
-            in_features = int(shape.split("x")[1])
-            for bucket, fields in buckets.items():
-                plan = LaunchPlan(*fields)
-                covered = plan.num_splits * plan.tiles_per_split * plan.block_k
-                assert in_features <= covered < in_features + plan.tiles_per_split * plan.block_k, (device, shape)
-                assert int(bucket) in TUNED_ROWS and plan.block_m >= 16, (device, shape, bucket)
+@pytest.mark.parametrize("fields, bucket", [
+    ([16, 32, 256, 1, 7, 4], "16"),  # 7 x 256 features: 1,792 of 2,048 uncovered
+    ([16, 32, 256, 3, 4, 4], "16"),  # the third split starts past the last feature
+    ([8, 32, 256, 1, 8, 4], "16"),  # 8-row tiles: below tl.dot's 16
+    ([16, 32, 256, 1, 8, 4], "24"),  # not a bucket the lookup asks for
+])  # fmt: skip
+def test_a_tuned_plan_that_does_not_fit_its_shape_is_refused_by_name(fields, bucket):
+    with pytest.raises(ValueError, match=rf"'GPU X' 3072x2048 rows<={bucket}"):
+        load_plans({"GPU X": {"3072x2048": {bucket: fields}}})
 
 
 def test_interpreted_kernel_equals_references_on_cpu():
@@ -82,8 +81,8 @@ def test_cuda_dispatch_takes_the_kernel_for_16_bit_decode_rows():
 def test_cuda_int8_engine_equals_hf_on_the_dequantized_checkpoint(cuda_graphs, checkpoint, make_llm, tmp_path):
     """fp32 with every matmul forced onto the kernel (graphs captured under it): HF-exact tokens."""
     from engine import SamplingParams
-    from tests.engine.triton_int8_linear_checks import dequantized_checkpoint, triton_backend_forced
-    from tests.factories import TinySpec, hf_greedy_generate, random_prompts
+    from tests.engine.triton_int8_linear_checks import triton_backend_forced
+    from tests.factories import TinySpec, dequantized_checkpoint, hf_greedy_generate, random_prompts
 
     model_dir = checkpoint(TinySpec(seed=12))
     reference = dequantized_checkpoint(model_dir, tmp_path / "dequantized", quantize_lm_head=True)

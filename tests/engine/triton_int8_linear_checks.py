@@ -63,27 +63,11 @@ def triton_backend_forced():
         int8_matmul.BACKENDS = saved
 
 
-def dequantized_checkpoint(model_dir, out_dir, quantize_lm_head: bool):
-    """The checkpoint with every weight the engine quantizes replaced by its int8 value x scale: HF on
-    it computes what the int8 engine should, in fp32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    assert not model.config.tie_word_embeddings, "a tied head would dequantize the embedding too"
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and (name.startswith("model.layers.") or quantize_lm_head):
-                values, scale = quantize_per_channel(module.weight)
-                module.weight.copy_(values.float() * scale[:, None])
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
 def check_engine_equals_dequantized_hf(model_dir, out_dir, device: str) -> None:
     """The int8-weight engine with every matmul on the kernel gives HF's greedy tokens on the
     dequantized checkpoint (fp32; chunked prompts and prefix hits: prefill and decode shapes)."""
     from engine import LLM, SamplingParams
-    from tests.factories import hf_greedy_generate, random_prompts
+    from tests.factories import dequantized_checkpoint, hf_greedy_generate, random_prompts
 
     reference = dequantized_checkpoint(model_dir, out_dir, quantize_lm_head=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
