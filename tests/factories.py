@@ -84,10 +84,14 @@ class TinySpec:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(_DTYPES)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.with_tokenizer and self.vocab_size < _TOKENIZER_MIN_VOCAB:
             # A byte-level tokenizer needs all 256 bytes plus the special tokens.
-            raise ValueError(f"vocab_size={self.vocab_size} < {_TOKENIZER_MIN_VOCAB} (byte-level minimum)")
+            raise ValueError(
+                f"vocab_size={self.vocab_size} < {_TOKENIZER_MIN_VOCAB} (byte-level minimum)"
+            )
 
 
 def _hf_config(spec: TinySpec) -> PretrainedConfig:
@@ -170,13 +174,8 @@ def dequantized_checkpoint(model_dir: Path, out_dir: Path, quantize_lm_head: boo
 
 
 def hf_greedy_generate(
-    model_dir: Path,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    batch_size: int | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    **generate_options,
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int | None = None,
+    device: str = "cpu", dtype: str = "float32", **generate_options,
 ) -> list[list[int]]:
     """Reference continuations: HF greedy (fp32 on the CPU unless told), EOS ignored, left-padded
     batches; new tokens only.
@@ -232,5 +231,6 @@ def random_prompts(n: int, min_len: int, max_len: int, vocab_size: int, seed: in
     """
     rng = random.Random(seed)
     return [
-        [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)
+        [rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(n)
     ]
