@@ -58,20 +58,29 @@ class FirstTokenWaiters:
         return waiter
 
     async def queue_changes(self, request_id: str, waiter: asyncio.Future) -> AsyncIterator[PrefillQueue]:
-        """The request's queue markers, in order, until `waiter` (its `expect` future) is done."""
+        """The request's queue markers, in order, until `waiter` (its `expect` future) is done; then
+        the markers are forgotten. Its queue outlives the first token (the engine thread's `_answer`
+        leaves it): a step may answer the request before the caller starts reading."""
         markers = self._markers.get(request_id)
-        while markers is not None and not waiter.done():
-            get = asyncio.ensure_future(markers.get())
-            try:
-                await asyncio.wait({get, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                get.cancel()
-            if get.done() and not get.cancelled():
-                yield get.result()
-        # Markers queued before the waiter was answered (both arrive in order on this loop), e.g. when
-        # the first token came before the caller started reading: the "being computed" one still precedes it.
-        while markers is not None and not markers.empty():
-            yield markers.get_nowait()
+        try:
+            while markers is not None and not waiter.done():
+                get = asyncio.ensure_future(markers.get())
+                try:
+                    await asyncio.wait({get, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    get.cancel()
+                if get.done() and not get.cancelled():
+                    yield get.result()
+            # Markers queued before the waiter was answered (both arrive in order on this loop), e.g. when
+            # the first token came first: the "being computed" one still precedes it.
+            while markers is not None and not markers.empty():
+                yield markers.get_nowait()
+        finally:
+            self.drop_markers(request_id)
+
+    def drop_markers(self, request_id: str) -> None:
+        """Forgets the request's marker queue (the caller is done reading; idempotent)."""
+        self._markers.pop(request_id, None)
 
     def waiting_for_pull(self, request_id: str) -> PrefillQueue:
         """The marker for a request about to pull its prefix (it waits, it is not computed); the step
@@ -87,9 +96,9 @@ class FirstTokenWaiters:
         self._started_s.pop(request_id, None)
         self.pulls.pop(request_id, None)
         self._forget_queue(request_id)
+        self.drop_markers(request_id)
 
     def _forget_queue(self, request_id: str) -> None:
-        self._markers.pop(request_id, None)
         self._scheduled.discard(request_id)
         self._told_waiting.discard(request_id)
 

@@ -142,6 +142,7 @@ class PrefillWorker:
                 yield stats
         finally:
             self._sessions.pop(rid, None)
+            self.first_tokens.drop_markers(rid)  # a stream closed before it read them leaves them
             if waiter is None:  # left before its request reached the engine: nothing else forgets it
                 self.first_tokens.forget(rid)
 

@@ -99,3 +99,28 @@ def test_a_request_left_waiting_is_told_so_and_told_again_before_it_is_computed(
     assert next(step for step, what, ids in seen if what == "scheduled" and "r1" in ids) == 3
     tokens = {rid: token for _, rid, token in seen if rid in ("r0", "r1") and isinstance(token, int)}
     assert [tokens["r0"], tokens["r1"]] == [t[0] for t in hf_greedy_generate(model_dir, prompts, 1)]
+
+
+def test_a_pulled_request_answered_before_its_caller_reads_still_says_it_was_computed(checkpoint, make_llm):
+    """The engine may finish a short prompt before the actor's loop starts reading its markers (seen
+    in CI): the "being computed" marker must still come, before the first token."""
+    model_dir = checkpoint(TinySpec())
+    engine = make_llm(model_dir, role="prefill", block_size=16).engine
+    waiters = FirstTokenWaiters(engine, WorkerMetrics(PREFILL["worker"], PREFILL["role"]))
+    prompt = random_prompts(1, 20, 20, 512, seed=74)[0]
+
+    async def run():
+        said = [waiters.waiting_for_pull("p")]
+        waiter = waiters.expect("p")
+        engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=8))
+        while engine.has_unfinished():  # answered on this thread before anyone reads
+            waiters.on_updates(engine.step())
+        said += [change async for change in waiters.queue_changes("p", waiter)]
+        result, _ = await asyncio.wait_for(waiter, 10)
+        engine.release("p")
+        return said, result
+
+    said, result = asyncio.run(run())
+    assert said == [PrefillQueue("p", True), PrefillQueue("p", False)]
+    assert result.token_id == hf_greedy_generate(model_dir, [prompt], 1)[0][0]
+    assert "p" not in waiters._markers  # read once, then forgotten
