@@ -9,9 +9,11 @@ profile with the engine in this process (`splitserve profile`'s code), starts ea
 one router, calibrates the profile's cluster overheads and the host's idle cores on that shape just
 before its runs (the host's streaming figures on the first shape; `--calibrate`), then per rate
 runs the bench's Poisson workload for real and simulates the very same requests. The table prints
-measured / predicted and the error of p50 and p99 TTFT and TPOT and of goodput; the issue's targets
-are 15% for goodput and p50s, 30% for p99s. `--dump DIR` keeps each run's requests, measured
-(`records.jsonl`, the bench's) and simulated (`sim_records.jsonl`), under DIR/<shape>_<rate>/.
+measured / predicted and the error of p50 and p99 TTFT and TPOT and of goodput against the issue's
+targets (benchmarks/validate_sim_report.py, which also says what `--repeats N` adds: N runs per rate,
+pooled, and the box's noise floor, run 2 against run 1). `--dump DIR` keeps each run's requests,
+measured (`records.jsonl`, the bench's; `run-K/` per repeat) and simulated (`sim_records.jsonl`),
+under DIR/<shape>_<rate>/.
 
 Every worker here is a process with one torch thread on this machine's cores (2 on the dev box), so
 a 2P1D cluster's three workers ask for more cores than there are: the simulation says so
@@ -34,6 +36,13 @@ import os
 import tempfile
 from typing import NamedTuple
 
+from benchmarks.validate_sim_report import (
+    compare,
+    dump_simulated,
+    pooled_summary,
+    print_row,
+    within_counts,
+)
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
 from cluster.sim.config import SimConfig
@@ -48,17 +57,11 @@ from loadtest.host_cpu import burst
 from loadtest.lengths import LengthDist
 from loadtest.plan import RequestDefaults, Slo
 from loadtest.poisson import PoissonSpec
+from loadtest.records import read_jsonl
 from loadtest.runner import run_bench
 from loadtest.sim_report import sim_summary
 from loadtest.sim_workload import limits_of, sim_requests
 
-METRICS = (
-    ("ttft_p50", "ttft_ms", "p50", 0.15),
-    ("ttft_p99", "ttft_ms", "p99", 0.30),
-    ("tpot_p50", "tpot_ms", "p50", 0.15),
-    ("tpot_p99", "tpot_ms", "p99", 0.30),
-    ("goodput", "goodput_per_s", None, 0.15),
-)
 VALIDATION_MODEL = {
     "hidden_size": 256,
     "intermediate_size": 768,
@@ -79,21 +82,6 @@ def validation_model() -> str:
 def parse_shape(text: str) -> tuple[int, int]:
     prefill, _, decode = text.upper().rstrip("D").partition("P")
     return int(prefill), int(decode)
-
-
-def figure(summary: dict, key: str, stat: str | None):
-    value = summary[key]
-    return value if stat is None else (value or {}).get(stat)
-
-
-def compare(measured: dict, predicted: dict) -> dict:
-    """Per metric: measured, predicted, relative error, and whether it is within its target."""
-    row = {}
-    for name, key, stat, bound in METRICS:
-        m, p = figure(measured, key, stat), figure(predicted, key, stat)
-        error = None if not m or p is None else (p - m) / m
-        row[name] = {"measured": m, "predicted": p, "error": error, "within": error is not None and abs(error) <= bound}
-    return row
 
 
 def spec_for(args, rate: float) -> PoissonSpec:
@@ -180,39 +168,44 @@ async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: 
 
 async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, seed: int) -> dict:
     spec = spec_for(args, rate)
-    slo = Slo(args.ttft_ms, args.tpot_ms)
     dump = os.path.join(args.dump, f"{shape[0]}P{shape[1]}D_{rate:g}") if args.dump else None
-    bench = BenchConfig(
-        target=target,
-        workload="poisson",
-        spec=spec,
-        seed=seed,
-        driver=DriverConfig(max_concurrency=args.max_concurrency),
-        defaults=RequestDefaults(slo),
-        out_dir=dump,
-    )
     with CollectionPauses() as pauses:
-        (measured,) = await run_bench(bench, echo=lambda _: None)
+        runs = [await _measure(target, spec, seed, args, dump, k) for k in range(getattr(args, "repeats", 1))]
     profile = model.profile
     requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, seed)
     results = [simulate(_sim_config(shape, args, host), profile, requests) for host in (model.host, None)]
     predicted, unshared = (sim_summary(r, profile, workload="poisson", notes=notes).to_dict() for r in results)
     if dump is not None:
-        _dump_sim(dump, results[0])
-    row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured.to_dict(), predicted)}
-    row["unshared"] = compare(measured.to_dict(), unshared)
+        dump_simulated(dump, results[0].records)
+    measured = runs[0][1] if len(runs) == 1 else pooled_summary(runs)
+    row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured, predicted)}
+    row["unshared"] = compare(measured, unshared)
+    if len(runs) > 1:
+        row["repeats"] = [compare(summary, predicted) for _, summary in runs]
+        row["noise_floor"] = compare(runs[0][1], runs[1][1])  # run 2 held against run 1
     row["router_gc"] = {"full_collections": pauses.count, "longest_ms": round(pauses.longest_s * 1e3, 1)}
-    print(format_row(row) + f"  [router process: {pauses.describe()}]", flush=True)
-    if model.host is not None:
-        print(f"{'':>14}unshared: " + format_row({"shape": "", "rate_per_s": rate, **row["unshared"]}), flush=True)
+    print_row(row, f"router process: {pauses.describe()}", shared_host=model.host is not None)
     return row
 
 
-def _dump_sim(folder: str, result) -> None:
-    """The simulated requests beside the bench's records.jsonl, one JSON line each (`--dump`)."""
-    with open(os.path.join(folder, "sim_records.jsonl"), "w") as out:
-        for record in result.records:
-            out.write(json.dumps({**record._asdict(), "ttft_s": record.ttft_s, "tpot_s": record.tpot_s}) + "\n")
+async def _measure(target: str, spec, seed: int, args, dump: str | None, repeat: int) -> tuple[list, dict]:
+    """One bench run of the rate's requests: (its records, its summary dict). Repeat k > 0 sends the
+    same requests under tenant `repeat-k`: the prefix cache keeps tenants apart, so it hits nothing
+    the earlier runs left (the simulation starts empty every time)."""
+    folder = dump if dump is None or getattr(args, "repeats", 1) == 1 else os.path.join(dump, f"run-{repeat + 1}")
+    with tempfile.TemporaryDirectory(prefix="splitserve-validate-run-") as scratch:
+        bench = BenchConfig(
+            target=target,
+            workload="poisson",
+            spec=spec,
+            seed=seed,
+            driver=DriverConfig(max_concurrency=args.max_concurrency),
+            defaults=RequestDefaults(Slo(args.ttft_ms, args.tpot_ms), tenant=f"repeat-{repeat}" if repeat else ""),
+            out_dir=folder or scratch,
+        )
+        (summary,) = await run_bench(bench, echo=lambda _: None)
+        records = read_jsonl(os.path.join(folder or scratch, "records.jsonl"))
+    return records, summary.to_dict()
 
 
 def _sim_config(shape: tuple[int, int], args, host: SimConfig | None) -> SimConfig:
@@ -226,18 +219,6 @@ def _sim_config(shape: tuple[int, int], args, host: SimConfig | None) -> SimConf
         tpot_slo_s=args.tpot_ms / 1e3,
         max_concurrency=args.max_concurrency,
     )
-
-
-def format_row(row: dict) -> str:
-    cells = []
-    for name, *_ in METRICS:
-        m = row[name]
-        if m["measured"] is None or m["predicted"] is None:
-            cells.append(f"{name} -")
-            continue
-        error = "-" if m["error"] is None else f"{m['error']:+.0%}"
-        cells.append(f"{name} {m['measured']:.1f}/{m['predicted']:.1f} ({error})")
-    return f"{row['shape']:>5} @ {row['rate_per_s']:g}/s  " + "  ".join(cells)
 
 
 async def main_async(args) -> dict:
@@ -262,15 +243,20 @@ async def main_async(args) -> dict:
         loads.append(_load())
         print(f"load average (1, 5, 15 min) after {shape[0]}P{shape[1]}D: {loads[-1]}", flush=True)
         rows += [{**row, "calibrated_on": model.shape} for row in shape_rows]
-    within = {name: sum(r[name]["within"] for r in rows) for name, *_ in METRICS}
-    return {
+    report = {
         "profile": profile.to_dict(),
         "calibrations": calibrations,
         "rows": rows,
-        "within_target": within,
+        "within_target": within_counts(rows),
         "runs": len(rows),
         "loads": loads,
     }
+    if args.repeats > 1:  # the pooled runs above; each run alone, and two real runs against each other
+        report["within_target_each_run"] = [
+            within_counts([row["repeats"][k] for row in rows]) for k in range(args.repeats)
+        ]
+        report["within_target_noise_floor"] = within_counts(rows, "noise_floor")
+    return report
 
 
 def _load() -> list[float]:
@@ -290,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-concurrency", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--repeats", type=int, default=1, help="bench runs per rate (>1: pooled, each, and run 2 vs run 1)"
+    )
+    parser.add_argument(
         "--host-cores", type=int, default=os.cpu_count() or 1, help="cores the workers share (0: not shared)"
     )
     parser.add_argument("--host-background-cores", type=float, help="busy cores while idle (default: measured)")
@@ -306,8 +295,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.shapes = [parse_shape(s) for s in args.shapes.split(",")]
     args.rates = [float(r) for r in args.rates.split(",")]
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     report = asyncio.run(main_async(args))
     print(f"within target ({report['runs']} runs): {report['within_target']}")
+    if args.repeats > 1:
+        for k, counts in enumerate(report["within_target_each_run"]):
+            print(f"  prediction vs run {k + 1} alone: {counts}")
+        print(f"  run 2 vs run 1 (the box's noise floor): {report['within_target_noise_floor']}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=1)

@@ -22,6 +22,10 @@ hand-off charged per token instead of per byte, batches never formed: those push
 latencies past the SLO and the predicted goodput far below the measured one. 30% leaves room for
 the requests a noisy run loses to the SLO (32 requests: one is 3%) without hiding such an
 error. The latencies are printed (pytest -s) for the record, not asserted.
+
+The run is repeated once (`--repeats 2`): the second sends the same requests under another tenant,
+which must hit none of the prefix cache the first filled; the row pools both and says how the two
+real runs compare with each other.
 """
 from __future__ import annotations
 
@@ -30,12 +34,14 @@ import dataclasses
 import json
 from argparse import Namespace
 
-from benchmarks.validate_sim import ShapeModel, format_row, run_shape, spec_for
+from benchmarks.validate_sim import ShapeModel, run_shape, spec_for
+from benchmarks.validate_sim_report import format_row
 from cluster.sim.config import SimConfig
 from cluster.sim.profile import Overheads, Profile, Transfer
 from cluster.sim.profiler import Grid, measure_profile
 from cluster.sim.simulator import simulate
 from loadtest.cluster_calibration import CALIBRATION_LENGTHS
+from loadtest.records import read_jsonl
 from loadtest.sim_workload import limits_of, sim_requests
 from tests.factories import TinySpec
 
@@ -47,7 +53,7 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
     profile = measure_profile(model_dir, threads=1, grid=Grid.quick())
     args = Namespace(rates=[4.0], num_requests=32, prompt_len="uniform:16,200", output_len="uniform:8,24",
                      ttft_ms=200.0, tpot_ms=60.0, max_concurrency=64, seed=0, dump=str(tmp_path),
-                     calibration_probes=CALIBRATION_LENGTHS[:16])  # half the full fit's
+                     calibration_probes=CALIBRATION_LENGTHS[:16], repeats=2)  # half the full fit's probes
     model, (row,) = asyncio.run(
         asyncio.wait_for(run_shape(model_dir, (1, 1), ShapeModel(profile, None), args, calibrate=True), 120)
     )
@@ -57,8 +63,14 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
     assert goodput["measured"] > 0 and goodput["predicted"] > 0
     assert abs(goodput["error"]) <= GOODPUT_BOUND, format_row(row)
     # --dump: the measured and the simulated requests side by side, one line each, same indices.
-    measured, simulated = (_indices(tmp_path / "1P1D_4" / name) for name in ("records.jsonl", "sim_records.jsonl"))
-    assert measured == simulated == set(range(args.num_requests))
+    folder = tmp_path / "1P1D_4"
+    measured = [_indices(folder / f"run-{k}" / "records.jsonl") for k in (1, 2)]
+    assert measured[0] == measured[1] == _indices(folder / "sim_records.jsonl") == set(range(args.num_requests))
+    # the repeat: the same prompts, none of them served from the first run's cache
+    runs = [read_jsonl(folder / f"run-{k}" / "records.jsonl") for k in (1, 2)]
+    assert [r.prompt_tokens for r in runs[0]] == [r.prompt_tokens for r in runs[1]]
+    assert {r.tenant for r in runs[1]} == {"repeat-1"} and sum(r.cached_prompt_tokens or 0 for r in runs[1]) == 0
+    assert len(row["repeats"]) == 2 and set(row["noise_floor"]) == set(row["repeats"][0])
     dearer = _goodput(_dearer(profile, 20.0), args)  # a 20x modelling error would fail the bound above
     assert dearer < (1 - GOODPUT_BOUND) * goodput["measured"], f"the SLO is too loose to test anything ({dearer:.2f}/s)"
 
