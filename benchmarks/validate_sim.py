@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import json
 import os
 import tempfile
 from typing import NamedTuple
 
+from benchmarks.validate_sim_predict import SETTINGS, predict, spec_for
 from benchmarks.validate_sim_report import (
     compare,
     dump_simulated,
@@ -48,19 +48,14 @@ from cluster.launcher import launch
 from cluster.sim.config import SimConfig
 from cluster.sim.profile import Profile
 from cluster.sim.profiler import Grid, measure_profile
-from cluster.sim.simulator import simulate
-from cluster.sim.worker import EngineLimits
 from engine.heap import CollectionPauses, freeze_startup_heap
 from loadtest.cluster_calibration import CALIBRATION_LENGTHS, calibrate_cluster, describe, host_report
 from loadtest.config import BenchConfig, DriverConfig
 from loadtest.host_cpu import burst
-from loadtest.lengths import LengthDist
 from loadtest.plan import RequestDefaults, Slo
-from loadtest.poisson import PoissonSpec
 from loadtest.records import read_jsonl
 from loadtest.runner import run_bench
-from loadtest.sim_report import sim_summary
-from loadtest.sim_workload import limits_of, sim_requests
+from loadtest.sim_workload import limits_of
 
 VALIDATION_MODEL = {
     "hidden_size": 256,
@@ -82,10 +77,6 @@ def validation_model() -> str:
 def parse_shape(text: str) -> tuple[int, int]:
     prefill, _, decode = text.upper().rstrip("D").partition("P")
     return int(prefill), int(decode)
-
-
-def spec_for(args, rate: float) -> PoissonSpec:
-    return PoissonSpec(args.num_requests, rate, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len))
 
 
 async def run_shape(model_dir: str, shape: tuple[int, int], model: ShapeModel, args, calibrate: bool):
@@ -158,6 +149,11 @@ async def _calibrate(
     return ShapeModel(calibration.profile, calibration.host, f"{shape[0]}P{shape[1]}D")
 
 
+def calibration_entry(model: ShapeModel) -> dict:
+    """A report's record of one shape's calibration (benchmarks/validate_sim_predict.py reads it back)."""
+    return {"shape": model.shape, "overheads": model.profile.overheads.to_dict(), "host": host_report(model.host)}
+
+
 async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: int) -> None:
     """`rounds` of `concurrent` requests at once (results discarded): every worker and every
     prefill->decode pair serves some before anything is timed."""
@@ -171,12 +167,11 @@ async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, se
     dump = os.path.join(args.dump, f"{shape[0]}P{shape[1]}D_{rate:g}") if args.dump else None
     with CollectionPauses() as pauses:
         runs = [await _measure(target, spec, seed, args, dump, k) for k in range(getattr(args, "repeats", 1))]
-    profile = model.profile
-    requests, notes = sim_requests(spec, limits_of(profile), profile.model.block_size, seed)
-    results = [simulate(_sim_config(shape, args, host), profile, requests) for host in (model.host, None)]
-    predicted, unshared = (sim_summary(r, profile, workload="poisson", notes=notes).to_dict() for r in results)
+    (predicted, result), (unshared, _) = (
+        predict(shape, rate, seed, model.profile, h, args) for h in (model.host, None)
+    )
     if dump is not None:
-        dump_simulated(dump, results[0].records)
+        dump_simulated(dump, result.records)
     measured = runs[0][1] if len(runs) == 1 else pooled_summary(runs)
     row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured, predicted)}
     row["unshared"] = compare(measured, unshared)
@@ -208,19 +203,6 @@ async def _measure(target: str, spec, seed: int, args, dump: str | None, repeat:
     return records, summary.to_dict()
 
 
-def _sim_config(shape: tuple[int, int], args, host: SimConfig | None) -> SimConfig:
-    """The shape with the bench's SLO and client; `host`: the host's figures (None: not shared)."""
-    return dataclasses.replace(
-        host or SimConfig(),
-        prefill=shape[0],
-        decode=shape[1],
-        limits=EngineLimits(),
-        ttft_slo_s=args.ttft_ms / 1e3,
-        tpot_slo_s=args.tpot_ms / 1e3,
-        max_concurrency=args.max_concurrency,
-    )
-
-
 async def main_async(args) -> dict:
     model_dir = args.model or validation_model()
     profile = measure_profile(
@@ -237,13 +219,12 @@ async def main_async(args) -> dict:
         calibrate = i == 0 or args.calibrate != "first"
         model, shape_rows = await run_shape(model_dir, shape, model, args, calibrate=calibrate)
         if calibrate:
-            calibrations.append(
-                {"shape": model.shape, "overheads": model.profile.overheads.to_dict(), "host": host_report(model.host)}
-            )
+            calibrations.append(calibration_entry(model))
         loads.append(_load())
         print(f"load average (1, 5, 15 min) after {shape[0]}P{shape[1]}D: {loads[-1]}", flush=True)
         rows += [{**row, "calibrated_on": model.shape} for row in shape_rows]
     report = {
+        "settings": {key: getattr(args, key) for key in SETTINGS},
         "profile": profile.to_dict(),
         "calibrations": calibrations,
         "rows": rows,

@@ -45,3 +45,17 @@ def test_within_counts_reads_rows_or_one_comparison_of_each():
     assert within_counts(rows) == {"ttft_p50": 2, "ttft_p99": 2, "tpot_p50": 2, "tpot_p99": 2, "goodput": 2}
     assert within_counts(rows, "noise_floor") == dict.fromkeys(("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
                                                                  "goodput"), 0)
+
+
+def test_resimulation_takes_only_numeric_simconfig_fields_and_needs_the_runs(tmp_path):
+    from benchmarks.resimulate_validation import measured_runs, parse_overrides, resimulate
+
+    assert parse_overrides(["host_stream_interference=2.5", "host_background_cores=0.4"]) == {
+        "host_stream_interference": 2.5, "host_background_cores": 0.4}
+    for bad in ("no_such_field=1", "host_stream_interference", "host_cores=two"):
+        with pytest.raises(ValueError):
+            parse_overrides([bad])
+    with pytest.raises(ValueError, match="records.jsonl"):
+        measured_runs(tmp_path)
+    with pytest.raises(ValueError, match="settings"):  # a report from before the settings were recorded
+        resimulate({"rows": [], "calibrations": [], "profile": {}}, str(tmp_path))

@@ -34,7 +34,11 @@ import dataclasses
 import json
 from argparse import Namespace
 
-from benchmarks.validate_sim import ShapeModel, run_shape, spec_for
+import pytest
+
+from benchmarks.resimulate_validation import resimulate
+from benchmarks.validate_sim import ShapeModel, calibration_entry, run_shape, spec_for
+from benchmarks.validate_sim_predict import SETTINGS
 from benchmarks.validate_sim_report import format_row
 from cluster.sim.config import SimConfig
 from cluster.sim.profile import Overheads, Profile, Transfer
@@ -71,6 +75,15 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
     assert [r.prompt_tokens for r in runs[0]] == [r.prompt_tokens for r in runs[1]]
     assert {r.tenant for r in runs[1]} == {"repeat-1"} and sum(r.cached_prompt_tokens or 0 for r in runs[1]) == 0
     assert len(row["repeats"]) == 2 and set(row["noise_floor"]) == set(row["repeats"][0])
+    # the run predicted again from its report and dump alone (benchmarks/resimulate_validation.py)
+    report = {"settings": {key: getattr(args, key) for key in SETTINGS}, "profile": profile.to_dict(),
+              "calibrations": [calibration_entry(model)], "rows": [{**row, "calibrated_on": model.shape}]}
+    (again,) = resimulate(report, str(tmp_path))
+    for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput"):
+        assert again[name]["measured"] == pytest.approx(row[name]["measured"]), name
+        assert again[name]["predicted"] == pytest.approx(row[name]["predicted"], rel=1e-6), name
+    with pytest.raises(ValueError, match="host_cores"):  # no host model here: streaming figures need one
+        resimulate(report, str(tmp_path), {"host_stream_interference": 2.0})
     dearer = _goodput(_dearer(profile, 20.0), args)  # a 20x modelling error would fail the bound above
     assert dearer < (1 - GOODPUT_BOUND) * goodput["measured"], f"the SLO is too loose to test anything ({dearer:.2f}/s)"
 
