@@ -24,7 +24,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.validate_sim_predict import SETTINGS, model_from_report, predict
+from benchmarks.validate_sim_predict import SETTINGS, model_from_report, parse_shape, predict
 from benchmarks.validate_sim_report import compare, format_row, pooled_summary, within_counts
 from cluster.sim.config import SimConfig
 from loadtest.records import read_jsonl
@@ -52,9 +52,8 @@ def resimulate(report: dict, dump: str, overrides: dict[str, Any] | None = None)
         profile, host = model_from_report(report, row.get("calibrated_on") or shape_name)
         if overrides:
             host = dataclasses.replace(host or SimConfig(), **overrides)
-        prefill, _, decode = shape_name.rstrip("D").partition("P")
         seed = args.seed + args.rates.index(rate)  # validate_sim: each rate its own seed, in order
-        predicted, _ = predict((int(prefill), int(decode)), rate, seed, profile, host, args)
+        predicted, _ = predict(parse_shape(shape_name), rate, seed, profile, host, args)
         runs = measured_runs(Path(dump) / f"{shape_name}_{rate:g}")
         measured = runs[0][1] if len(runs) == 1 else pooled_summary(runs)
         rows.append({"shape": shape_name, "rate_per_s": rate, **compare(measured, predicted)})

@@ -35,10 +35,12 @@ import os
 import tempfile
 from typing import NamedTuple
 
-from benchmarks.validate_sim_predict import SETTINGS, predict, spec_for
+from benchmarks.engine_busy import pool_steps
+from benchmarks.validate_sim_predict import SETTINGS, parse_shape, predict, spec_for
 from benchmarks.validate_sim_report import (
     compare,
     dump_simulated,
+    engine_busy,
     pooled_summary,
     print_row,
     within_counts,
@@ -74,18 +76,13 @@ def validation_model() -> str:
     return out
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    prefill, _, decode = text.upper().rstrip("D").partition("P")
-    return int(prefill), int(decode)
-
-
 async def run_shape(model_dir: str, shape: tuple[int, int], model: ShapeModel, args, calibrate: bool):
     """(model, rows): the bench and the simulation at every rate on one cluster shape; with
     `calibrate`, `model` calibrated on this shape first."""
     prefill, decode = shape
     config = ClusterConfig(
-        prefill=PoolConfig(replicas=prefill, num_cpus=1.0, threads=1),
-        decode=PoolConfig(replicas=decode, num_cpus=1.0, threads=1),
+        prefill=PoolConfig(replicas=prefill, num_cpus=1.0, threads=1, metrics_port=0),  # engine_busy reads them
+        decode=PoolConfig(replicas=decode, num_cpus=1.0, threads=1, metrics_port=0),
         router=RouterConfig(port=0, http_port=None),
         ray_num_cpus=8,
     )
@@ -108,7 +105,7 @@ async def run_shape(model_dir: str, shape: tuple[int, int], model: ShapeModel, a
             # the previous rate's run (measured TTFTs below one prefill step), which the simulation,
             # starting empty, cannot know.
             for i, rate in enumerate(args.rates):
-                rows.append(await _one_rate(server.address, shape, model, rate, args, args.seed + i))
+                rows.append(await _one_rate(cluster, server.address, shape, model, rate, args, args.seed + i))
         finally:
             await server.stop(1.0)
             gc.unfreeze()  # this shape's cluster and router objects become collectable again
@@ -162,11 +159,16 @@ async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: 
         await burst(target, vocab, [64 + 64 * (i % 4) for i in range(n)], 8, first=r * n)
 
 
-async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, seed: int) -> dict:
+async def _one_rate(cluster, target: str, shape, model: ShapeModel, rate: float, args, seed: int) -> dict:
     spec = spec_for(args, rate)
     dump = os.path.join(args.dump, f"{shape[0]}P{shape[1]}D_{rate:g}") if args.dump else None
+    loop, runs, engines = asyncio.get_running_loop(), [], []
     with CollectionPauses() as pauses:
-        runs = [await _measure(target, spec, seed, args, dump, k) for k in range(getattr(args, "repeats", 1))]
+        for k in range(getattr(args, "repeats", 1)):
+            before = await loop.run_in_executor(None, pool_steps, cluster)
+            runs.append(await _measure(target, spec, seed, args, dump, k))
+            after = await loop.run_in_executor(None, pool_steps, cluster)
+            engines.append({pool: after[pool].minus(before[pool]) for pool in after})
     (predicted, result), (unshared, _) = (
         predict(shape, rate, seed, model.profile, h, args) for h in (model.host, None)
     )
@@ -178,6 +180,7 @@ async def _one_rate(target: str, shape, model: ShapeModel, rate: float, args, se
     if len(runs) > 1:
         row["repeats"] = [compare(summary, predicted) for _, summary in runs]
         row["noise_floor"] = compare(runs[0][1], runs[1][1])  # run 2 held against run 1
+    row["engine_busy"] = engine_busy(engines, result)
     row["router_gc"] = {"full_collections": pauses.count, "longest_ms": round(pauses.longest_s * 1e3, 1)}
     print_row(row, f"router process: {pauses.describe()}", shared_host=model.host is not None)
     return row

@@ -24,6 +24,12 @@ from loadtest.sim_workload import limits_of, sim_requests
 SETTINGS = ("rates", "num_requests", "prompt_len", "output_len", "ttft_ms", "tpot_ms", "max_concurrency", "seed")
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """ "2P1D" -> (2, 1): prefill workers, decode instances."""
+    prefill, _, decode = text.upper().rstrip("D").partition("P")
+    return int(prefill), int(decode)
+
+
 def spec_for(args, rate: float) -> PoissonSpec:
     return PoissonSpec(args.num_requests, rate, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len))
 

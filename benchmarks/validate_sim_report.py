@@ -79,6 +79,20 @@ def format_row(row: dict) -> str:
     return f"{row['shape']:>5} @ {row['rate_per_s']:g}/s  " + "  ".join(cells)
 
 
+def engine_busy(runs: Sequence[dict], result) -> dict:
+    """Per pool: the engines' summed step seconds and steps, measured (the runs' mean, from
+    benchmarks/engine_busy.py) beside the simulation's (`result`, a SimResult)."""
+    out = {}
+    for pool in ("prefill", "decode"):
+        out[pool] = {
+            "measured_s": sum(run[pool].seconds for run in runs) / len(runs),
+            "simulated_s": result.busy_s.get(pool, 0.0),
+            "measured_steps": sum(run[pool].steps for run in runs) / len(runs),
+            "simulated_steps": result.steps.get(pool, 0),
+        }
+    return out
+
+
 def print_row(row: dict, note: str, shared_host: bool) -> None:
     """The row (pooled when repeated), then each run, run 2 against run 1, and the unshared model."""
     print(format_row(row) + f"  [{note}]", flush=True)
@@ -89,6 +103,17 @@ def print_row(row: dict, note: str, shared_host: bool) -> None:
         print(f"{'':>14}run 2 vs run 1: " + format_row({**label, **row["noise_floor"]}), flush=True)
     if shared_host:
         print(f"{'':>14}unshared: " + format_row({**label, **row["unshared"]}), flush=True)
+    if "engine_busy" in row:
+        busy = row["engine_busy"]
+        print(
+            f"{'':>14}engines stepped (measured / simulated): "
+            + ", ".join(
+                f"{pool} {b['measured_s']:.2f} / {b['simulated_s']:.2f} s in {b['measured_steps']:.0f} / "
+                f"{b['simulated_steps']} steps"
+                for pool, b in busy.items()
+            ),
+            flush=True,
+        )
 
 
 def dump_simulated(folder: str, records) -> None:

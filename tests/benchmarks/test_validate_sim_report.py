@@ -59,3 +59,20 @@ def test_resimulation_takes_only_numeric_simconfig_fields_and_needs_the_runs(tmp
         measured_runs(tmp_path)
     with pytest.raises(ValueError, match="settings"):  # a report from before the settings were recorded
         resimulate({"rows": [], "calibrations": [], "profile": {}}, str(tmp_path))
+
+
+def test_engine_busy_sets_the_runs_mean_beside_the_simulation():
+    from types import SimpleNamespace
+
+    from benchmarks.engine_busy import PoolSteps
+    from benchmarks.validate_sim_report import engine_busy
+
+    later, earlier = PoolSteps(5.0, 120), PoolSteps(1.5, 20)
+    assert later.minus(earlier) == PoolSteps(3.5, 100)
+    runs = [{"prefill": PoolSteps(2.0, 10), "decode": PoolSteps(4.0, 300)},
+            {"prefill": PoolSteps(3.0, 14), "decode": PoolSteps(5.0, 320)}]
+    result = SimpleNamespace(busy_s={"prefill": 2.2, "decode": 4.1}, steps={"prefill": 11, "decode": 305})
+    assert engine_busy(runs, result) == {
+        "prefill": {"measured_s": 2.5, "simulated_s": 2.2, "measured_steps": 12.0, "simulated_steps": 11},
+        "decode": {"measured_s": 4.5, "simulated_s": 4.1, "measured_steps": 310.0, "simulated_steps": 305},
+    }

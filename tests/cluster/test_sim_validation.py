@@ -75,6 +75,9 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
     assert [r.prompt_tokens for r in runs[0]] == [r.prompt_tokens for r in runs[1]]
     assert {r.tenant for r in runs[1]} == {"repeat-1"} and sum(r.cached_prompt_tokens or 0 for r in runs[1]) == 0
     assert len(row["repeats"]) == 2 and set(row["noise_floor"]) == set(row["repeats"][0])
+    # the engines' own step time, read from the workers' metrics, beside the simulated busy time
+    for pool, busy in row["engine_busy"].items():
+        assert busy["measured_s"] > 0 and busy["measured_steps"] > 0 and busy["simulated_steps"] > 0, (pool, busy)
     # the run predicted again from its report and dump alone (benchmarks/resimulate_validation.py)
     report = {"settings": {key: getattr(args, key) for key in SETTINGS}, "profile": profile.to_dict(),
               "calibrations": [calibration_entry(model)], "rows": [{**row, "calibrated_on": model.shape}]}
