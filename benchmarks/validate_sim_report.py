@@ -11,6 +11,10 @@ its own, so that no repeat hits the prefix cache an earlier one filled) and a ro
 - `noise_floor`: the second run held against the first as if it were a prediction, the same
   bounds: how often two real runs of the same requests on this box agree within the targets, the
   ceiling no model of the cluster can beat here.
+
+Every row also has `engine_busy`: per pool, the engines' summed step seconds and steps during the
+bench (read from the workers' metrics, benchmarks/engine_busy.py; the runs' mean) beside the
+simulation's busy time and steps.
 """
 
 from __future__ import annotations
