@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import time
 
@@ -28,10 +29,10 @@ IDLE_S = 0.5
 async def measure(target: str, vocab: tuple[int, ...], rounds: int, prompt_tokens: int) -> dict[str, list[float]]:
     from router.client import AsyncClient
 
-    counter = iter(range(10**9))
+    counter = itertools.count(500_000)  # past the warm-up's prompt indices
 
     def prompt() -> list[int]:  # distinct prompts: nothing is served from the prefix cache
-        i = next(counter) + 500_000
+        i = next(counter)
         return [vocab[(i * 7919 + j * 104729) % len(vocab)] for j in range(prompt_tokens)]
 
     async with AsyncClient(target, max_retries=0) as client:

@@ -55,7 +55,7 @@ def resimulate(report: dict, dump: str, overrides: dict[str, Any] | None = None)
         seed = args.seed + args.rates.index(rate)  # validate_sim: each rate its own seed, in order
         predicted, _ = predict(parse_shape(shape_name), rate, seed, profile, host, args)
         runs = measured_runs(Path(dump) / f"{shape_name}_{rate:g}")
-        measured = runs[0][1] if len(runs) == 1 else pooled_summary(runs)
+        measured = pooled_summary(runs)
         rows.append({"shape": shape_name, "rate_per_s": rate, **compare(measured, predicted)})
     return rows
 

@@ -164,7 +164,7 @@ async def _one_rate(cluster, target: str, shape, model: ShapeModel, rate: float,
     dump = os.path.join(args.dump, f"{shape[0]}P{shape[1]}D_{rate:g}") if args.dump else None
     loop, runs, engines = asyncio.get_running_loop(), [], []
     with CollectionPauses() as pauses:
-        for k in range(getattr(args, "repeats", 1)):
+        for k in range(args.repeats):
             before = await loop.run_in_executor(None, pool_steps, cluster)
             runs.append(await _measure(target, spec, seed, args, dump, k))
             after = await loop.run_in_executor(None, pool_steps, cluster)
@@ -174,7 +174,7 @@ async def _one_rate(cluster, target: str, shape, model: ShapeModel, rate: float,
     )
     if dump is not None:
         dump_simulated(dump, result.records)
-    measured = runs[0][1] if len(runs) == 1 else pooled_summary(runs)
+    measured = pooled_summary(runs)
     row = {"shape": f"{shape[0]}P{shape[1]}D", "rate_per_s": rate, **compare(measured, predicted)}
     row["unshared"] = compare(measured, unshared)
     if len(runs) > 1:
@@ -190,7 +190,7 @@ async def _measure(target: str, spec, seed: int, args, dump: str | None, repeat:
     """One bench run of the rate's requests: (its records, its summary dict). Repeat k > 0 sends the
     same requests under tenant `repeat-k`: the prefix cache keeps tenants apart, so it hits nothing
     the earlier runs left (the simulation starts empty every time)."""
-    folder = dump if dump is None or getattr(args, "repeats", 1) == 1 else os.path.join(dump, f"run-{repeat + 1}")
+    folder = dump if dump is None or args.repeats == 1 else os.path.join(dump, f"run-{repeat + 1}")
     with tempfile.TemporaryDirectory(prefix="splitserve-validate-run-") as scratch:
         bench = BenchConfig(
             target=target,

@@ -52,9 +52,11 @@ def compare(measured: dict, predicted: dict) -> dict:
 
 
 def pooled_summary(runs: Sequence[tuple[Sequence[RequestRecord], dict]]) -> dict:
-    """The figures `compare` reads, over several runs of one workload: (records, summary dict) each.
-    Latency percentiles over every completed request of every run; goodput the runs' mean (each run's
-    goodput is per second of its own span)."""
+    """The figures `compare` reads, over the runs of one workload: (records, summary dict) each. One
+    run: its summary. More: latency percentiles over every completed request of every run; goodput the
+    runs' mean (each run's goodput is per second of its own span)."""
+    if len(runs) == 1:
+        return runs[0][1]
     done = [r for records, _ in runs for r in records if r.ok]
     goodputs = [summary["goodput_per_s"] for _, summary in runs]
     return {

@@ -36,6 +36,8 @@ def test_runs_pool_into_one_latency_sample_and_a_mean_goodput():
     assert pooled["tpot_ms"]["p50"] == pytest.approx(5.0)  # of 2, 4, 6, 8 ms
     assert pooled["ttft_ms"]["count"] == 4 and pooled["goodput_per_s"] == pytest.approx(1.5)
     assert pooled["requests_measured"] == 5
+    alone = {"goodput_per_s": 2.0, "ttft_ms": {"p50": 20.0}}
+    assert pooled_summary([(first, alone)]) is alone  # one run: its own summary, as the bench wrote it
 
 
 def test_within_counts_reads_rows_or_one_comparison_of_each():
