@@ -38,6 +38,7 @@ from cluster.sim.config import SimConfig
 from cluster.sim.profile import Overheads, Profile
 from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
+from loadtest.host_clock import busy_cpu_s
 from router.client import AsyncClient
 
 
@@ -46,6 +47,8 @@ class Probe(NamedTuple):
     ttft_s: float
     gap_s: float  # first to second token
     per_token_s: float  # mean interval after the second token
+    busy_cpu_s: float = 0.0  # the host's busy CPU seconds (every process) from the send to the stream's end
+    wall_s: float = 0.0  # that window's length
 
 
 async def measure(
@@ -56,23 +59,31 @@ async def measure(
     output_tokens: int = 16,
     warmup: int = 4,
     idle_s: float = 0.0,
+    first: int = 0,
 ) -> list[Probe]:
     """One sequential request per length after `warmup` discarded ones (the lengths in turn), prompts
     sharing no prefix, each sent `idle_s` after the previous one ended (a served request usually
     arrives at an idle worker, not straight after another: measured on the dev box, a 128-token
-    prompt's TTFT was ~5 ms longer after 0.8 s idle than back-to-back)."""
+    prompt's TTFT was ~5 ms longer after 0.8 s idle than back-to-back). Each probe also records the
+    host's busy CPU while it was in flight (`busy_cpu_s` over `wall_s`): the idle gaps between probes
+    carry only the background, whose error over them would swamp what the probes themselves cost.
+    Prompt i is made from index `first + i`: a second calibration of the same cluster passes indices
+    past the first's, or its probes hit the prefix cache the first one filled."""
     out = []
     lengths = [prompt_lens[i % len(prompt_lens)] for i in range(warmup)] + list(prompt_lens)
     async with AsyncClient(target, token=token, max_retries=0) as client:
         for i, length in enumerate(lengths):
             await asyncio.sleep(idle_s)
-            prompt = [vocab[(i * 7919 + j * 104729) % len(vocab)] for j in range(length)]
+            prompt = [vocab[((first + i) * 7919 + j * 104729) % len(vocab)] for j in range(length)]
+            busy_before_s = busy_cpu_s()
             started_s, times = time.perf_counter(), []
             async for chunk in client.generate_stream(
                 prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True
             ):
                 times += [time.perf_counter() - started_s] * len(chunk.token_ids)
-            out.append(Probe(length, times[0], times[1] - times[0], (times[-1] - times[1]) / (len(times) - 2)))
+            wall_s, busy_s = time.perf_counter() - started_s, busy_cpu_s() - busy_before_s
+            per_token_s = (times[-1] - times[1]) / (len(times) - 2)
+            out.append(Probe(length, times[0], times[1] - times[0], per_token_s, busy_s, wall_s))
     return out[warmup:]
 
 

@@ -33,7 +33,6 @@ from loadtest.host_cpu import (
     fit_stream_costs,
     idle_cores,
     measure_bursts,
-    with_host_cpu,
 )
 
 CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(32)]  # 8 probes per length
@@ -78,7 +77,7 @@ async def calibrate_cluster(
         warmup=CALIBRATION_WARMUP,
         idle_s=CALIBRATION_IDLE_S,
     )
-    measured, busy_s, window_s = await with_host_cpu(probes)
+    measured = await probes
     if not host_cores:
         overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=pools)
         return ClusterCalibration(profile.with_overheads(overheads), None, rows, 0.0)
@@ -89,10 +88,18 @@ async def calibrate_cluster(
         overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=host)
         return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
     bursts = await measure_bursts(target, vocab)
-    lengths = probe_lengths[:CALIBRATION_WARMUP] + probe_lengths
-    sequential = CpuSample([[SimRequest(0.0, n, PROBE_OUTPUT_TOKENS)] for n in lengths], busy_s, window_s)
+    sequential = in_flight_sample(measured)
     overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host)
     return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
+
+
+def in_flight_sample(probes: list[Probe]) -> CpuSample:
+    """The sequential probes as a CPU sample: the host's busy CPU while each was in flight, summed
+    (warm-ups excluded: they pay one-time costs). Counting the whole window instead took in ~17 s of
+    idle gaps between ~3.5 s of probes, and the background's error over them (a few hundredths of a
+    core, ~1 CPU-second) rivalled the ~1.5 CPU-seconds the probes' streaming cost."""
+    rounds = [[SimRequest(0.0, p.prompt_tokens, PROBE_OUTPUT_TOKENS)] for p in probes]
+    return CpuSample(rounds, sum(p.busy_cpu_s for p in probes), sum(p.wall_s for p in probes))
 
 
 def fit_in_turn(

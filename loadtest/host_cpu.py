@@ -4,11 +4,12 @@ The simulator's host sharing (cluster/sim/contention.py) needs, beside the profi
 - background cores: what the host keeps busy while the cluster idles (Ray's daemons, the controller
   and rendezvous loops, anything else running): `idle_cores` over a quiet window;
 - streaming CPU per decode step and per output token: what the workers' outbox and poll threads, the
-  router relaying tokens and the client reading them cost the host. Around runs of calibration
-  requests (`with_host_cpu`), the host's busy CPU less the background over that window and less the
-  engines' own busy time (the calibrated profile simulating the same requests) is what streaming
-  cost; `fit_stream_cpu` splits it between steps and tokens over runs of different batch sizes
-  (sequential requests: one token per step; a burst sent at once: several). Prompt-side costs
+  router relaying tokens and the client reading them cost the host. While calibration requests are
+  in flight (each sequential probe, loadtest/calibrate.py; the bursts, `with_host_cpu`), the host's
+  busy CPU less the background over those windows and less the engines' own busy time (the calibrated
+  profile simulating the same requests) is what streaming cost; `fit_stream_cpu` splits it between
+  steps and tokens over runs of different batch sizes (sequential requests: one token per step; a
+  burst sent at once: several). Prompt-side costs
   (routing, the hand-off) are folded in: every calibration request has a prompt, so they are not
   separated;
 - streaming's interference: its wake-ups preempt the engine threads, which then slow down by more
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from collections.abc import Awaitable, Sequence
 from typing import NamedTuple, TypeVar
@@ -36,18 +36,11 @@ from cluster.sim.profile import Profile
 from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
 from loadtest.calibrate import solve_increasing
+from loadtest.host_clock import busy_cpu_s
 from router.client import AsyncClient
 
 T = TypeVar("T")
-_BUSY_FIELDS = 8  # user nice system idle iowait irq softirq steal (guest time is already in user)
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds this host's cores have spent busy since boot (all processes), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1 : 1 + _BUSY_FIELDS]]
-    idle = fields[3] + fields[4]
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+__all__ = ["busy_cpu_s"]  # re-exported: the calibration's CPU clock lives in loadtest/host_clock.py
 
 
 async def idle_cores(window_s: float = 2.0) -> float:
@@ -173,14 +166,15 @@ class BurstSample(NamedTuple):
     ends_s: list[float]
 
 
-async def measure_bursts(target: str, vocab: tuple[int, ...]) -> BurstSample:
-    """`BURST_ROUNDS` bursts of requests sent at once (decode batches of up to 8), one after another."""
+async def measure_bursts(target: str, vocab: tuple[int, ...], first: int = BURST_FIRST_INDEX) -> BurstSample:
+    """`BURST_ROUNDS` bursts of requests sent at once (decode batches of up to 8), one after another,
+    their prompts from indices `first` on (`burst`)."""
     ends_s: list[float] = []
 
     async def bursts() -> None:
         for r in range(BURST_ROUNDS):  # each round its own prompts: the simulation charges every prefill
-            first = BURST_FIRST_INDEX + r * len(BURST_PROMPT_TOKENS)
-            ends_s.extend(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, first))
+            start = first + r * len(BURST_PROMPT_TOKENS)
+            ends_s.extend(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, start))
 
     _, busy_s, window_s = await with_host_cpu(bursts())
     one = [SimRequest(0.0, n, BURST_OUTPUT_TOKENS) for n in BURST_PROMPT_TOKENS]

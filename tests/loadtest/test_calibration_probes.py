@@ -1,0 +1,50 @@
+"""The calibration's sequential probes against a real router: each records the host's busy CPU while
+it was in flight, and `first` picks prompts an earlier calibration has not put in the prefix cache."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+from cluster.sim.seq import SimRequest
+from loadtest.calibrate import Probe, measure
+from loadtest.cluster_calibration import PROBE_OUTPUT_TOKENS, in_flight_sample
+from router.client import AsyncClient
+
+VOCAB = tuple(range(10, 250))  # ids of the tiny checkpoint (the probes ignore EOS)
+TICK_S = 0.01  # /proc/stat's resolution, per core
+
+
+def _cached_total(target: str) -> int:
+    async def status():
+        async with AsyncClient(target, max_retries=0) as client:
+            return (await client.status()).cached_prompt_tokens_total
+
+    return asyncio.run(status())
+
+
+def _probes(target: str, first: int, lengths=(64, 96)) -> list[Probe]:
+    return asyncio.run(measure(target, list(lengths), VOCAB, output_tokens=4, warmup=0, first=first))
+
+
+def test_probes_record_the_host_cpu_while_in_flight_and_new_indices_miss_the_cache(router_target):
+    before = _cached_total(router_target)
+    first = _probes(router_target, first=7000)
+    after_first = _cached_total(router_target)
+    later = _probes(router_target, first=7002)
+    after_later = _cached_total(router_target)
+    again = _probes(router_target, first=7000, lengths=(64,))
+    after_again = _cached_total(router_target)
+
+    for probe in first + later + again:
+        assert probe.wall_s >= probe.ttft_s > 0, probe
+        assert 0 <= probe.busy_cpu_s <= probe.wall_s * os.cpu_count() + 2 * TICK_S * os.cpu_count(), probe
+    assert sum(p.busy_cpu_s for p in first + later) > 0  # the engines computed during them
+    assert after_first == before and after_later == after_first  # fresh indices: nothing cached to hit
+    assert after_again - after_later >= 48  # index 7000 again: its 64-token prompt's full blocks hit
+
+
+def test_the_in_flight_sample_sums_the_probes_windows_and_simulates_their_prompts():
+    probes = [Probe(64, 0.02, 0.01, 0.005, 0.031, 0.09), Probe(256, 0.05, 0.01, 0.005, 0.052, 0.13)]
+    sample = in_flight_sample(probes)
+    assert sample.busy_s == 0.031 + 0.052 and sample.window_s == 0.09 + 0.13
+    assert sample.rounds == [[SimRequest(0.0, 64, PROBE_OUTPUT_TOKENS)], [SimRequest(0.0, 256, PROBE_OUTPUT_TOKENS)]]
