@@ -15,6 +15,7 @@ from typing import NamedTuple
 import ray
 
 from cluster.metrics_http import scrape
+from engine.step_log import StepRecord
 
 STEP_SUM, STEP_COUNT = "splitserve_worker_step_duration_seconds_sum", "splitserve_worker_step_duration_seconds_count"
 STATS_TIMEOUT_S = 10.0
@@ -23,17 +24,19 @@ STATS_TIMEOUT_S = 10.0
 class PoolSteps(NamedTuple):
     seconds: float
     steps: int
+    recent: tuple[StepRecord, ...] = ()  # the pool's workers' newest steps (up to 64 each, as stats gives)
 
     def minus(self, earlier: PoolSteps) -> PoolSteps:
-        return PoolSteps(self.seconds - earlier.seconds, self.steps - earlier.steps)
+        return PoolSteps(self.seconds - earlier.seconds, self.steps - earlier.steps, self.recent)
 
 
 def pool_steps(cluster, host: str = "127.0.0.1") -> dict[str, PoolSteps]:
-    """{"prefill": ..., "decode": ...}: each pool's summed engine step seconds and steps so far. The
-    pools need a metrics port (PoolConfig.metrics_port, 0 for any free one)."""
+    """{"prefill": ..., "decode": ...}: each pool's summed engine step seconds and steps so far, and its
+    workers' newest step records. The pools need a metrics port (PoolConfig.metrics_port, 0 for any
+    free one)."""
     out = {}
     for pool, handles in (("prefill", cluster.prefill), ("decode", cluster.decode)):
-        seconds, steps = 0.0, 0
+        seconds, steps, recent = 0.0, 0, []
         for handle in handles:
             stats = ray.get(handle.actor.stats.remote(), timeout=STATS_TIMEOUT_S)
             if stats.metrics_port is None:
@@ -41,5 +44,6 @@ def pool_steps(cluster, host: str = "127.0.0.1") -> dict[str, PoolSteps]:
             samples = scrape(f"http://{host}:{stats.metrics_port}/metrics")
             seconds += sum(v for (name, _), v in samples.items() if name == STEP_SUM)
             steps += int(sum(v for (name, _), v in samples.items() if name == STEP_COUNT))
-        out[pool] = PoolSteps(seconds, steps)
+            recent += stats.steps
+        out[pool] = PoolSteps(seconds, steps, tuple(recent))
     return out

@@ -100,7 +100,11 @@ async def run_shape(model_dir: str, shape: tuple[int, int], model: ShapeModel, a
             vocab = tuple(limits_of(model.profile).ordinary_token_ids)
             await warm_up(server.address, vocab, prefill * decode * 2, getattr(args, "warmup", 2))
             if calibrate:
-                model = await _calibrate(server.address, shape, model, vocab, args)
+
+                async def engine_steps():
+                    return await loop.run_in_executor(None, pool_steps, cluster)
+
+                model = await _calibrate(server.address, shape, model, vocab, args, engine_steps)
             # Each rate its own seed: the same prompts again would hit the cluster's prefix cache from
             # the previous rate's run (measured TTFTs below one prefill step), which the simulation,
             # starting empty, cannot know.
@@ -124,11 +128,12 @@ class ShapeModel(NamedTuple):
 
 
 async def _calibrate(
-    target: str, shape: tuple[int, int], model: ShapeModel, vocab: tuple[int, ...], args
+    target: str, shape: tuple[int, int], model: ShapeModel, vocab: tuple[int, ...], args, engine_steps=None
 ) -> ShapeModel:
     """The profile with this shape's cluster overheads and, when the simulation shares the host's
     cores, the host's figures measured on it; the streaming figures are `model`'s when it has them
-    and `--calibrate` is `each` (loadtest/cluster_calibration.py)."""
+    and `--calibrate` is `each` (loadtest/cluster_calibration.py). `engine_steps`: reads the workers'
+    step timings, which the decode step scale and the step overhead are measured from."""
     background, host_cores = getattr(args, "host_background_cores", None), getattr(args, "host_cores", None)
     streaming = model.host if getattr(args, "calibrate", "each") == "each" else None
     probes = getattr(args, "calibration_probes", None) or CALIBRATION_LENGTHS  # fewer: the CI test's
@@ -141,6 +146,7 @@ async def _calibrate(
         shape,
         streaming,
         probes,
+        engine_steps,
     )
     print(f"calibration on {shape[0]}P{shape[1]}D:\n{describe(calibration)}", flush=True)
     return ShapeModel(calibration.profile, calibration.host, f"{shape[0]}P{shape[1]}D")

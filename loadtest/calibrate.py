@@ -7,7 +7,10 @@ hand-off's process groups and warm kernels: tens of ms that later requests never
 sequential requests (nothing else should load the cluster) of `output_tokens` tokens through the
 SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in this order:
 - step: the median of (measured - simulated) time per token after the second: what a worker's loop
-  adds to each engine step (the actor loop, streaming each step's tokens back);
+  adds to each engine step (the actor loop, streaming each step's tokens back). When the decode
+  engines' own step timings over the probes are at hand (`decode_step_s`, read from the workers'
+  metrics), decode_step_scale is their mean step over the profile's and step what the median probe's
+  time per token adds to that mean: measured, not fitted;
 - prefill_step_scale: with two or more prompt lengths, how much faster measured TTFT grows with the
   prompt than simulated TTFT does (the slope of a least-squares line through per-length medians): the
   engine in a prefill worker shares its process (and GIL) with the worker's own threads and runs
@@ -99,18 +102,27 @@ def _alone(profile: Profile, probe: Probe, output_tokens: int, host: SimConfig) 
 
 
 def fit_overheads(
-    profile: Profile, measured: list[Probe], output_tokens: int = 16, host: SimConfig | None = None
+    profile: Profile,
+    measured: list[Probe],
+    output_tokens: int = 16,
+    host: SimConfig | None = None,
+    decode_step_s: float | None = None,
 ) -> tuple[Overheads, list[dict]]:
     """`host`: a SimConfig whose host figures (cores, background, streaming) the probes are simulated
-    with, so that the overheads are what the host model leaves unexplained (None: no host model)."""
+    with, so that the overheads are what the host model leaves unexplained (None: no host model).
+    `decode_step_s`: the decode engines' own mean step time over the probes (their step timings), which
+    pins the decode step scale and the step overhead (`_measured_decode`) instead of fitting them."""
     if output_tokens < 3:
         raise ValueError("calibration needs at least 3 output tokens per request")
     bare = profile.with_overheads(Overheads())
     host = host or SimConfig()
-    step_s = _fit_step(bare, measured, output_tokens, host)
-    stepped = bare.with_overheads(Overheads(step_s=step_s))
+    if decode_step_s is None:
+        step_s, decode_scale = _fit_step(bare, measured, output_tokens, host), 1.0
+    else:
+        step_s, decode_scale = _measured_decode(bare, measured, output_tokens, decode_step_s, host)
+    stepped = bare.with_overheads(Overheads(step_s=step_s, decode_step_scale=decode_scale))
     scale = _prefill_scale(stepped, measured, output_tokens, host)
-    stepped = bare.with_overheads(Overheads(step_s=step_s, prefill_step_scale=scale))
+    stepped = bare.with_overheads(Overheads(step_s=step_s, prefill_step_scale=scale, decode_step_scale=decode_scale))
     rows, ttft_extra, gap_extra = [], [], []
     for m in measured:
         sim = _alone(stepped, m, output_tokens, host)
@@ -133,6 +145,7 @@ def fit_overheads(
         adopt_s=_fixed_part(lengths, gap_extra),
         step_s=step_s,
         prefill_step_scale=scale,
+        decode_step_scale=decode_scale,
     )
     return overheads, rows
 
@@ -156,6 +169,46 @@ def _fit_step(bare: Profile, measured: list[Probe], output_tokens: int, host: Si
     if host.host_cores is None:
         return max(short_by_s(0.0), 0.0)
     return solve_increasing(lambda step_s: -short_by_s(step_s), 0.0, 0.0, max(m.per_token_s for m in measured), 1e-6)
+
+
+def _measured_decode(
+    bare: Profile, measured: list[Probe], output_tokens: int, decode_step_s: float, host: SimConfig
+) -> tuple[float, float]:
+    """(step overhead, decode step scale) from the decode engines' measured mean step over the probes.
+    A probe's time per token is the engine's step plus the worker's loop around it, both as the host
+    stretched them: the scale makes the simulated engine step the measured one and the overhead the
+    median time per token the measured one, given the stretch `host` puts on a batch-1 step, which
+    itself moves a little with them (a slower step streams less): a fixed point, a few rounds. Fitting
+    the overhead to the time per token under the host model instead had two answers: a host stretch
+    at batch 1 explained the same time as an overhead did, and calibrations of one cluster landed on
+    either (step 0 and 2-3 ms streaming CPU per step, or 1.3-1.6 ms and ~1 ms)."""
+    if decode_step_s <= 0:
+        raise ValueError(f"the measured decode step must be > 0 s, got {decode_step_s}")
+    per_token_s = statistics.median(m.per_token_s for m in measured)
+    lengths = sorted({m.prompt_tokens for m in measured})
+
+    def mean_step_s(config: SimConfig, overheads: Overheads) -> float:
+        profile = bare.with_overheads(overheads)
+        results = [simulate(config, profile, [SimRequest(0.0, n, output_tokens)]) for n in lengths]
+        return sum(r.busy_s["decode"] for r in results) / sum(r.steps["decode"] for r in results)
+
+    profiled_s = mean_step_s(SimConfig(), Overheads())
+    low, high = DECODE_SCALE_RANGE
+    stretch, gap_s, scale = 1.0, 0.0, 1.0
+    for _ in range(MEASURED_DECODE_ROUNDS):
+        scale = min(max(decode_step_s / (stretch * profiled_s), low), high)
+        gap_s = max(per_token_s - decode_step_s, 0.0) / stretch
+        if host.host_cores is None:
+            break
+        overheads = Overheads(step_s=gap_s, decode_step_scale=scale)
+        before, stretch = stretch, mean_step_s(host, overheads) / mean_step_s(SimConfig(), overheads)
+        if abs(stretch - before) <= 1e-6 * before:
+            break
+    return gap_s, scale
+
+
+MEASURED_DECODE_ROUNDS = 50
+DECODE_SCALE_RANGE = (0.25, 8.0)
 
 
 def solve_increasing(fn: Callable[[float], float], target: float, low: float, high: float, tolerance: float) -> float:
@@ -210,6 +263,7 @@ def format_rows(rows: list[dict], overheads: Overheads) -> str:
     ]
     lines.append(
         f"overheads: route {overheads.route_s * 1e3:.1f} ms, adopt {overheads.adopt_s * 1e3:.1f} ms, "
-        f"step {overheads.step_s * 1e3:.2f} ms, prefill steps x{overheads.prefill_step_scale:.2f}"
+        f"step {overheads.step_s * 1e3:.2f} ms, prefill steps x{overheads.prefill_step_scale:.2f}, "
+        f"decode steps x{overheads.decode_step_scale:.2f}"
     )
     return "\n".join(lines)

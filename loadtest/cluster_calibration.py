@@ -20,13 +20,17 @@ from an earlier one (`streaming`) and fit only its overheads and its idle cores.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+import statistics
+from collections.abc import Awaitable, Callable, Mapping
+from typing import NamedTuple, Protocol
 
 from cluster.sim.config import SimConfig
 from cluster.sim.profile import Overheads, Profile
 from cluster.sim.seq import SimRequest
+from engine.step_log import StepRecord
 from loadtest.calibrate import Probe, fit_overheads, format_rows, measure
 from loadtest.host_cpu import (
+    BURST_FIRST_INDEX,
     BurstSample,
     CpuSample,
     engines_of,
@@ -43,6 +47,22 @@ HOST_FIT_MAX_ROUNDS = 30
 HOST_FIT_TOLERANCE = 0.002  # relative change of the step overhead and of the streaming CPU per token
 STREAMING_FIGURES = ("host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s", "host_stream_interference")
 HOST_FIGURES = ("host_background_cores", *STREAMING_FIGURES)
+CALIBRATION_PROMPTS = 10_000  # prompt indices one calibration may use (probes; bursts from BURST_FIRST_INDEX)
+
+
+class PoolReading(Protocol):
+    """One pool's engines so far: summed step seconds and steps, and the workers' newest step records."""
+
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def recent(self) -> tuple[StepRecord, ...]: ...
+
+
+# Reads each pool's engines: {"prefill": PoolReading, "decode": PoolReading} (benchmarks/engine_busy.py).
+EngineSteps = Callable[[], Awaitable[Mapping[str, PoolReading]]]
 
 
 class ClusterCalibration(NamedTuple):
@@ -61,53 +81,101 @@ async def calibrate_cluster(
     shape: tuple[int, int] = (1, 1),
     streaming: SimConfig | None = None,
     probe_lengths: list[int] = CALIBRATION_LENGTHS,
+    engine_steps: EngineSteps | None = None,
+    prompt_index: int = 0,
 ) -> ClusterCalibration:
     """The overheads of the cluster at `target`, whose pools have `shape` (prefill workers, decode
     instances): the probes and bursts are simulated on it; with `host_cores`, the host's figures too
     (`background_cores`: given instead of measured). `streaming`: a calibration's host whose streaming
     figures (STREAMING_FIGURES) are taken as they are: no bursts, the overheads fitted once on them.
-    `probe_lengths`: the sequential probes' prompt lengths (fewer: a coarser fit, sooner)."""
+    `probe_lengths`: the sequential probes' prompt lengths (fewer: a coarser fit, sooner).
+    `engine_steps`: reads the pools' summed engine step seconds and steps (benchmarks/engine_busy.py's
+    `pool_steps` on a cluster launched with metrics ports); with it the decode step scale and the step
+    overhead are measured over the probes (loadtest/calibrate.py), else fitted. `prompt_index`: where
+    the probes' and bursts' prompt indices start; a later calibration of the same cluster passes one
+    past an earlier's (CALIBRATION_PROMPTS further), or its prompts hit the prefix cache."""
     pools = SimConfig(prefill=shape[0], decode=shape[1])
     idle = await idle_cores() if host_cores else 0.0
-    probes = measure(
-        target,
-        probe_lengths,
-        vocab,
-        output_tokens=PROBE_OUTPUT_TOKENS,
-        warmup=CALIBRATION_WARMUP,
-        idle_s=CALIBRATION_IDLE_S,
-    )
-    measured = await probes
+    measured, engines = await _probe(target, vocab, probe_lengths, engine_steps, prompt_index)
+    decode_step_s = engines.decode_step_s if engines else None
     if not host_cores:
-        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=pools)
+        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, pools, decode_step_s)
         return ClusterCalibration(profile.with_overheads(overheads), None, rows, 0.0)
     background = idle if background_cores is None else background_cores
     host = dataclasses.replace(pools, host_cores=host_cores, host_background_cores=background)
     if streaming is not None:
         host = dataclasses.replace(host, **{key: getattr(streaming, key) for key in STREAMING_FIGURES})
-        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=host)
+        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host, decode_step_s)
         return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
-    bursts = await measure_bursts(target, vocab)
-    sequential = in_flight_sample(measured)
-    overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host)
+    bursts = await measure_bursts(target, vocab, BURST_FIRST_INDEX + prompt_index)
+    sequential = in_flight_sample(measured, engines)
+    overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host, decode_step_s)
     return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
 
 
-def in_flight_sample(probes: list[Probe]) -> CpuSample:
+def in_flight_sample(probes: list[Probe], engines: EngineTime | None = None) -> CpuSample:
     """The sequential probes as a CPU sample: the host's busy CPU while each was in flight, summed
-    (warm-ups excluded: they pay one-time costs). Counting the whole window instead took in ~17 s of
-    idle gaps between ~3.5 s of probes, and the background's error over them (a few hundredths of a
-    core, ~1 CPU-second) rivalled the ~1.5 CPU-seconds the probes' streaming cost."""
+    (warm-ups excluded: they pay one-time costs), and the engines' measured step time over them when
+    read. Counting the whole window instead took in ~17 s of idle gaps between ~3.5 s of probes, and
+    the background's error over them (a few hundredths of a core, ~1 CPU-second) rivalled the ~1.5
+    CPU-seconds the probes' streaming cost."""
     rounds = [[SimRequest(0.0, p.prompt_tokens, PROBE_OUTPUT_TOKENS)] for p in probes]
-    return CpuSample(rounds, sum(p.busy_cpu_s for p in probes), sum(p.wall_s for p in probes))
+    busy_s, window_s = sum(p.busy_cpu_s for p in probes), sum(p.wall_s for p in probes)
+    if engines is None:
+        return CpuSample(rounds, busy_s, window_s)
+    return CpuSample(rounds, busy_s, window_s, engines.seconds, engines.steps, engines.decode_steps)
+
+
+class EngineTime(NamedTuple):
+    """The engines between two `EngineSteps` readings: all pools' step seconds and steps, the decode
+    pool's steps, and its median batch-1 step among the newest it recorded (a mean would count the
+    step that adopts a sequence, whose import of the KV the simulator charges to adopt instead)."""
+
+    seconds: float
+    steps: int
+    decode_steps: int
+    decode_step_s: float
+
+    @staticmethod
+    def between(before: Mapping[str, PoolReading], after: Mapping[str, PoolReading]) -> EngineTime:
+        seconds = sum(after[pool].seconds - before[pool].seconds for pool in after)
+        steps = sum(after[pool].steps - before[pool].steps for pool in after)
+        decode_steps = after["decode"].steps - before["decode"].steps
+        batch_1 = [r.duration_s for r in after["decode"].recent if r.num_seqs == 1]
+        if decode_steps <= 0 or not batch_1:
+            raise ValueError("engine_steps: the decode pool recorded no batch-1 step during the probes")
+        return EngineTime(seconds, int(steps), int(decode_steps), statistics.median(batch_1))
+
+
+async def _probe(
+    target: str, vocab: tuple[int, ...], lengths: list[int], engine_steps: EngineSteps | None, first: int
+) -> tuple[list[Probe], EngineTime | None]:
+    """The sequential probes after their warm-ups (prompts from index `first` on), and the engines'
+    step time over the probes alone (read between the two) when `engine_steps` is given."""
+
+    def probes(chosen: list[int], start: int):
+        return measure(target, chosen, vocab, None, PROBE_OUTPUT_TOKENS, 0, CALIBRATION_IDLE_S, start)
+
+    await probes(lengths[:CALIBRATION_WARMUP], first)  # discarded: a fresh cluster's one-time costs
+    before = await engine_steps() if engine_steps else None
+    measured = await probes(lengths, first + CALIBRATION_WARMUP)
+    if engine_steps is None or before is None:
+        return measured, None
+    return measured, EngineTime.between(before, await engine_steps())
 
 
 def fit_in_turn(
-    profile: Profile, measured: list[Probe], sequential: CpuSample, bursts: BurstSample, host: SimConfig
+    profile: Profile,
+    measured: list[Probe],
+    sequential: CpuSample,
+    bursts: BurstSample,
+    host: SimConfig,
+    decode_step_s: float | None = None,
 ) -> tuple[Overheads, list[dict], SimConfig]:
     """(overheads, probe rows, `host` with its streaming figures): fitted in turn until they settle,
-    starting from overheads fitted without a host model (on `host`'s pools)."""
-    overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=engines_of(host))
+    starting from overheads fitted without a host model (on `host`'s pools); `decode_step_s` as
+    `fit_overheads` takes it."""
+    overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, engines_of(host), decode_step_s)
     for _ in range(HOST_FIT_MAX_ROUNDS):
         before = (overheads.step_s, host.host_stream_cpu_per_token_s)
         costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host)
@@ -117,7 +185,7 @@ def fit_in_turn(
             host_stream_cpu_per_token_s=costs.per_token_s,
             host_stream_interference=costs.interference,
         )
-        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host=host)
+        overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host, decode_step_s)
         after = (overheads.step_s, host.host_stream_cpu_per_token_s)
         if all(abs(a - b) <= HOST_FIT_TOLERANCE * max(abs(a), 1e-9) for a, b in zip(after, before, strict=True)):
             break

@@ -79,11 +79,16 @@ async def with_host_cpu(work: Awaitable[T]) -> tuple[T, float, float]:
 
 class CpuSample(NamedTuple):
     """Requests the cluster served while the host was busy `busy_s` over `window_s`: each of `rounds`
-    sent at once, the rounds one after another."""
+    sent at once, the rounds one after another. `engine_s`, when the workers' step timings were read
+    around it: the engines' measured step seconds in it (all pools; `engine_steps` steps, of which
+    `decode_steps` the decode pool's), used instead of simulating them."""
 
     rounds: list[list[SimRequest]]
     busy_s: float
     window_s: float
+    engine_s: float | None = None
+    engine_steps: int = 0
+    decode_steps: int = 0
 
 
 def fit_stream_cpu(
@@ -94,16 +99,20 @@ def fit_stream_cpu(
     (each round simulated alone on `cluster`'s pools, default 1P1D, the shape the samples ran on: two decode
     instances split a burst's batch and so run more steps for it) against its simulated decode steps
     and output tokens. Samples of different batch sizes separate the two; one sample gives its cost
-    per token."""
+    per token. A sample with measured engine time (`engine_s`) uses it and its measured decode steps,
+    plus the profile's step overhead per step (which the simulator counts as the workers' own, busy
+    time): sequential probes, one engine stepping at a time, so its step seconds are its CPU seconds."""
     engines_only = engines_of(cluster or SimConfig())
     rows, left = [], []
     for sample in samples:
-        engines_s, steps, tokens = 0.0, 0, 0
-        for requests in sample.rounds:
+        engines_s, steps, tokens = 0.0, 0, sum(r.output_tokens for requests in sample.rounds for r in requests)
+        if sample.engine_s is not None:
+            engines_s = sample.engine_s + profile.overheads.step_s * sample.engine_steps
+            steps = sample.decode_steps
+        for requests in sample.rounds if sample.engine_s is None else ():
             result = simulate(engines_only, profile, requests)
             engines_s += sum(result.busy_s.values()) * profile.threads_per_worker
             steps += result.steps["decode"]
-            tokens += sum(r.output_tokens for r in requests)
         rows.append((steps, tokens))
         left.append(max(sample.busy_s - background_cores * sample.window_s - engines_s, 0.0))
     if not rows or not all(tokens for _, tokens in rows):

@@ -18,7 +18,9 @@ JSON layout (`format: splitserve-profile/v1`, times in ms, rates in bytes/s):
   adopt_ms (KV moved -> decode instance steps it), token_ms (decode step -> client), step_ms (what a
   cluster worker's loop adds to every engine step: the actor's loop, streaming the step's tokens),
   prefill_step_scale (how many times its profiled time a prefill worker's engine step takes in the
-  cluster, where the worker's own threads share its process and its GIL; 1 when absent).
+  cluster, where the worker's own threads share its process and its GIL; 1 when absent) and
+  decode_step_scale (the same for a decode instance's steps, measured from its own step timings by the
+  calibration; 1 when absent).
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ class Overheads:
     token_s: float = 0.0
     step_s: float = 0.0
     prefill_step_scale: float = 1.0
+    decode_step_scale: float = 1.0
 
     def __post_init__(self):
-        if not (self.prefill_step_scale > 0 and math.isfinite(self.prefill_step_scale)):
-            raise ValueError(f"prefill_step_scale: must be a number > 0, got {self.prefill_step_scale}")
+        for key in ("prefill_step_scale", "decode_step_scale"):
+            value = getattr(self, key)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{key}: must be a number > 0, got {value}")
 
     def to_dict(self) -> dict:
         return {
@@ -67,6 +72,7 @@ class Overheads:
             "token_ms": self.token_s * 1e3,
             "step_ms": self.step_s * 1e3,
             "prefill_step_scale": self.prefill_step_scale,
+            "decode_step_scale": self.decode_step_scale,
         }
 
 
@@ -161,6 +167,7 @@ class Profile:
                     token_s=over.get("token_ms", 0.0) / 1e3,
                     step_s=over.get("step_ms", 0.0) / 1e3,
                     prefill_step_scale=over.get("prefill_step_scale", 1.0),
+                    decode_step_scale=over.get("decode_step_scale", 1.0),
                 ),
                 dict(raw.get("source", {})),
                 raw.get("threads_per_worker", 1),

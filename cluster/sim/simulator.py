@@ -72,7 +72,8 @@ class Simulation:
     def new_worker(self, role: str, index: int) -> SimWorker:
         profile, config = self.profile, self.config
         cost = profile.step_cost(config.tp if role != "prefill" else 1)
-        cost = (cost.scaled(self.over.prefill_step_scale) if role == "prefill" else cost).plus_step_s(self.over.step_s)
+        scale = {"prefill": self.over.prefill_step_scale, "decode": self.over.decode_step_scale}.get(role, 1.0)
+        cost = cost.scaled(scale).plus_step_s(self.over.step_s)
         kv: BlockCounter | PrefixPool
         if role == "decode":
             kv = BlockCounter((config.decode_kv_tokens or profile.kv_capacity_tokens[config.tp]) // self.block_tokens)

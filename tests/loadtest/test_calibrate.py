@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 
 from cluster.sim.config import SimConfig
+from cluster.sim.seq import SimRequest
+from cluster.sim.simulator import simulate
 from cluster.sim.profile import Overheads, Profile
 from loadtest.calibrate import Probe, _alone, fit_overheads
 from tests.cluster.sim_factories import linear_profile
@@ -63,3 +65,39 @@ def test_the_scale_stays_within_its_range_and_round_trips_through_a_profile(tmp_
     assert dataclasses.astuple(loaded) == pytest.approx(dataclasses.astuple(fitted))
     with pytest.raises(ValueError, match="prefill_step_scale"):
         Overheads(prefill_step_scale=0.0)
+
+
+def _mean_decode_step_s(overheads: Overheads, lengths: list[int], host: SimConfig | None = None) -> float:
+    """What the decode workers' step timings read over the probes: their engine steps, without the
+    loop's step overhead around them."""
+    engine_only = linear_profile().with_overheads(dataclasses.replace(overheads, step_s=0.0))
+    results = [simulate(host or SimConfig(), engine_only, [SimRequest(0.0, n, 16)]) for n in lengths]
+    return sum(r.busy_s["decode"] for r in results) / sum(r.steps["decode"] for r in results)
+
+
+def test_a_measured_decode_step_gives_the_decode_scale_and_the_step_overhead_directly():
+    truth = dataclasses.replace(TRUTH, decode_step_scale=1.3)
+    lengths = [64, 256, 64, 256]
+    fitted, rows = fit_overheads(linear_profile(), _probes(truth, lengths), 16, None, _mean_decode_step_s(truth, lengths))
+    assert fitted.decode_step_scale == pytest.approx(1.3)
+    assert fitted.step_s == pytest.approx(TRUTH.step_s)
+    assert (fitted.route_s, fitted.adopt_s) == pytest.approx((TRUTH.route_s, TRUTH.adopt_s))
+    assert fitted.prefill_step_scale == pytest.approx(TRUTH.prefill_step_scale)
+    assert [r["per_token_ms"] for r in rows] == pytest.approx([r["sim_per_token_ms"] for r in rows])
+    # Fitted without the measurement, the decode engine's 30% in-process slowdown lands in the overhead.
+    unmeasured, _ = fit_overheads(linear_profile(), _probes(truth, lengths))
+    assert unmeasured.decode_step_scale == 1.0 and unmeasured.step_s > TRUTH.step_s + 0.0002
+
+
+def test_with_a_host_model_the_decode_scale_is_what_the_host_stretch_leaves():
+    # On the 1-core host of the test above the batch-1 decode steps are stretched; the workers' timings
+    # include that stretch, so the scale that reproduces them is the in-process part alone (1.3).
+    host = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.001)
+    truth = Overheads(decode_step_scale=1.3)
+    lengths = [64, 256, 64, 256]
+    measured_step_s = _mean_decode_step_s(truth, lengths, host)
+    fitted, rows = fit_overheads(linear_profile(), _probes(truth, lengths, host), 16, host, measured_step_s)
+    assert fitted.decode_step_scale == pytest.approx(1.3, rel=0.01)
+    assert [r["per_token_ms"] for r in rows] == pytest.approx([r["sim_per_token_ms"] for r in rows], rel=0.01)
+    with pytest.raises(ValueError, match="decode step"):
+        fit_overheads(linear_profile(), _probes(truth, lengths), 16, None, 0.0)

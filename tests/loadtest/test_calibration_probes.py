@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
+
 from cluster.sim.seq import SimRequest
 from loadtest.calibrate import Probe, measure
 from loadtest.cluster_calibration import PROBE_OUTPUT_TOKENS, in_flight_sample
@@ -48,3 +50,28 @@ def test_the_in_flight_sample_sums_the_probes_windows_and_simulates_their_prompt
     sample = in_flight_sample(probes)
     assert sample.busy_s == 0.031 + 0.052 and sample.window_s == 0.09 + 0.13
     assert sample.rounds == [[SimRequest(0.0, 64, PROBE_OUTPUT_TOKENS)], [SimRequest(0.0, 256, PROBE_OUTPUT_TOKENS)]]
+
+
+def test_engine_time_between_two_readings_takes_the_median_batch_1_decode_step():
+    from typing import NamedTuple
+
+    from engine.step_log import StepRecord
+    from loadtest.cluster_calibration import EngineTime
+
+    class Reading(NamedTuple):
+        seconds: float
+        steps: int
+        recent: tuple = ()
+
+    # Decode steps of 5 ms at batch 1, one 20 ms step adopting a sequence, one batch-2 step of 9 ms.
+    recent = tuple(StepRecord(i, 0.005, 1, 1, 100) for i in range(5)) + (
+        StepRecord(5, 0.020, 1, 1, 100),
+        StepRecord(6, 0.009, 2, 2, 200),
+    )
+    before = {"prefill": Reading(1.0, 10), "decode": Reading(2.0, 100)}
+    after = {"prefill": Reading(1.2, 12), "decode": Reading(2.054, 107, recent)}
+    engines = EngineTime.between(before, after)
+    assert engines.seconds == pytest.approx(0.254) and (engines.steps, engines.decode_steps) == (9, 7)
+    assert engines.decode_step_s == 0.005  # the median: neither the adopting step nor the batch of two
+    with pytest.raises(ValueError, match="batch-1"):
+        EngineTime.between(before, {**after, "decode": Reading(2.0, 100)})

@@ -4,6 +4,8 @@ measurements, recover the figures that produced them. The measurements here are 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cluster.sim import SimConfig, SimRequest, simulate
@@ -24,6 +26,10 @@ def _busy_s(profile: Profile, rounds: list[list[SimRequest]]) -> float:
     return engines + PER_TOKEN_S * sum(q.output_tokens for r in rounds for q in r)
 
 
+def _mean_decode_step_s(results) -> float:
+    return sum(r.busy_s["decode"] for r in results) / sum(r.steps["decode"] for r in results)
+
+
 def test_fitting_in_turn_recovers_the_overheads_the_streaming_cost_and_the_interference():
     truth = linear_profile().with_overheads(TRUTH)
     lengths = [64, 256] * 3
@@ -40,3 +46,34 @@ def test_fitting_in_turn_recovers_the_overheads_the_streaming_cost_and_the_inter
     assert overheads.step_s == pytest.approx(TRUTH.step_s, rel=0.02)
     assert overheads.prefill_step_scale == pytest.approx(TRUTH.prefill_step_scale, rel=0.01)
     assert (overheads.route_s, overheads.adopt_s) == pytest.approx((TRUTH.route_s, TRUTH.adopt_s), rel=0.02)
+
+
+def test_with_the_engines_timed_the_decode_scale_and_step_are_measured_and_the_streaming_fit_uses_them():
+    # The same cluster whose decode engine runs 1.3x its profile in the worker. The workers' step timings
+    # over the sequential probes give the engines' CPU (unstretched: what they computed) and the decode
+    # engine's mean step as the host stretched it (without the loop's step overhead around it).
+    truth_overheads = dataclasses.replace(TRUTH, decode_step_scale=1.3)
+    truth = linear_profile().with_overheads(truth_overheads)
+    lengths = [64, 256] * 3
+    probes = [_alone(truth, Probe(n, 0.0, 0.0, 0.0), 16, HOST) for n in lengths]
+    sequential_rounds = [[SimRequest(0.0, n, 16)] for n in lengths]
+    engine_part = linear_profile().with_overheads(dataclasses.replace(truth_overheads, step_s=0.0))
+    alone = [simulate(SimConfig(), engine_part, r) for r in sequential_rounds]
+    engines_s = sum(sum(r.busy_s.values()) for r in alone)
+    steps, decode_steps = sum(sum(r.steps.values()) for r in alone), sum(r.steps["decode"] for r in alone)
+    stretch = _mean_decode_step_s([simulate(HOST, truth, r) for r in sequential_rounds]) / _mean_decode_step_s(
+        [simulate(SimConfig(), truth, r) for r in sequential_rounds]
+    )
+    assert stretch > 1.5  # one engine and its streaming on one core
+    decode_step_s = stretch * _mean_decode_step_s(alone)
+    busy_s = engines_s + TRUTH.step_s * steps + PER_TOKEN_S * 16 * len(lengths)
+    sequential = CpuSample(sequential_rounds, busy_s, 10.0, engines_s, steps, decode_steps)
+    burst = [SimRequest(0.0, n, 32) for n in (64, 128, 64, 128)]
+    ends = [r.end_s - r.send_s for _ in range(2) for r in simulate(HOST, truth, burst).records]
+    bursts = BurstSample(CpuSample([burst] * 2, _busy_s(truth, [burst] * 2), 10.0), ends)
+    overheads, _, host = fit_in_turn(linear_profile(), probes, sequential, bursts, SimConfig(host_cores=1), decode_step_s)
+    assert overheads.decode_step_scale == pytest.approx(1.3, rel=0.02)
+    assert overheads.step_s == pytest.approx(TRUTH.step_s, rel=0.05)
+    assert host.host_stream_cpu_per_token_s == pytest.approx(PER_TOKEN_S, rel=0.02)
+    assert host.host_stream_cpu_per_step_s == pytest.approx(0.0, abs=2e-5)
+    assert host.host_stream_interference == pytest.approx(1.5, abs=0.05)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from cluster.sim import SimConfig, SimRequest, simulate
+from cluster.sim.profile import Overheads
 from loadtest.host_cpu import (
     MAX_INTERFERENCE,
     CpuSample,
@@ -125,3 +126,23 @@ def test_streaming_cpu_is_fitted_on_the_pools_the_samples_ran_on():
     hosted = SimConfig(decode=2, host_cores=1, host_stream_cpu_per_token_s=0.01, host_stream_interference=3.0)
     assert fit_stream_cpu(profile, samples, background, hosted) == (pytest.approx(per_step_s), pytest.approx(per_token_s))
     assert engines_of(hosted) == two_decode
+
+
+def test_a_sample_with_measured_engine_time_uses_it_and_its_measured_decode_steps():
+    # The sequential probes' engines were timed by the workers: 9 ms over 7 steps of which 5 decode
+    # (numbers a simulation of the profile would not give). With a 0.5 ms step overhead the workers
+    # count as their own, the rest after 0.1 cores of background is streaming: 1 ms per decode step
+    # and 2 ms per token, recovered beside a burst that is simulated as before.
+    profile = linear_profile().with_overheads(Overheads(step_s=0.0005))
+    per_step_s, per_token_s, background = 0.001, 0.002, 0.1
+    engines_s, engine_steps, decode_steps, tokens = 0.009, 7, 5, 6
+    measured_busy = engines_s + 0.0005 * engine_steps + per_step_s * decode_steps + per_token_s * tokens + background
+    sequential = CpuSample([[SimRequest(0.0, 100, 3)]] * 2, measured_busy, 1.0, engines_s, engine_steps, decode_steps)
+    together = [[SimRequest(0.0, 100, 30)] * 4]
+    burst = simulate(SimConfig(), profile, together[0])
+    burst_busy = sum(burst.busy_s.values()) + per_step_s * burst.steps["decode"] + per_token_s * 120 + background * 0.5
+    samples = [sequential, CpuSample(together, burst_busy, 0.5)]
+    assert fit_stream_cpu(profile, samples, background) == (pytest.approx(per_step_s), pytest.approx(per_token_s))
+    # Simulating the sequential probes instead (4.02 ms of engines each, 2 decode steps) misreads them.
+    simulated = samples[0]._replace(engine_s=None)
+    assert fit_stream_cpu(profile, [simulated, samples[1]], background) != pytest.approx((per_step_s, per_token_s))
