@@ -32,13 +32,14 @@ into route and adopt above. The figures are printed beside what was measured.
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from cluster.sim.config import SimConfig
-from cluster.sim.profile import Overheads, Profile
+from cluster.sim.profile import IDLE_WAKE_TAU_S, Overheads, Profile
 from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
 from loadtest.host_clock import busy_cpu_s
@@ -52,6 +53,7 @@ class Probe(NamedTuple):
     per_token_s: float  # mean interval after the second token
     busy_cpu_s: float = 0.0  # the host's busy CPU seconds (every process) from the send to the stream's end
     wall_s: float = 0.0  # that window's length
+    idle_s: float = 0.0  # how long the cluster had nothing in flight before it was sent
 
 
 async def measure(
@@ -61,22 +63,25 @@ async def measure(
     token: str | None = None,
     output_tokens: int = 16,
     warmup: int = 4,
-    idle_s: float = 0.0,
+    idle_s: float | Sequence[float] = 0.0,
     first: int = 0,
 ) -> list[Probe]:
     """One sequential request per length after `warmup` discarded ones (the lengths in turn), prompts
-    sharing no prefix, each sent `idle_s` after the previous one ended (a served request usually
-    arrives at an idle worker, not straight after another: measured on the dev box, a 128-token
-    prompt's TTFT was ~5 ms longer after 0.8 s idle than back-to-back). Each probe also records the
+    sharing no prefix, each sent `idle_s` after the previous one ended (several: request i waits the
+    i-th of them, in turn; a served request usually arrives at an idle cluster, not straight after
+    another, and waits longer the longer the cluster idled: `fit_overheads`' idle wake-up). Each probe also records the
     host's busy CPU while it was in flight (`busy_cpu_s` over `wall_s`): the idle gaps between probes
     carry only the background, whose error over them would swamp what the probes themselves cost.
     Prompt i is made from index `first + i`: a second calibration of the same cluster passes indices
     past the first's, or its probes hit the prefix cache the first one filled."""
     out = []
     lengths = [prompt_lens[i % len(prompt_lens)] for i in range(warmup)] + list(prompt_lens)
+    idles = [idle_s] if isinstance(idle_s, int | float) else list(idle_s)
     async with AsyncClient(target, token=token, max_retries=0) as client:
         for i, length in enumerate(lengths):
-            await asyncio.sleep(idle_s)
+            idle_started_s = time.perf_counter()
+            await asyncio.sleep(idles[i % len(idles)])
+            idled_s = time.perf_counter() - idle_started_s
             prompt = [vocab[((first + i) * 7919 + j * 104729) % len(vocab)] for j in range(length)]
             busy_before_s = busy_cpu_s()
             started_s, times = time.perf_counter(), []
@@ -86,7 +91,7 @@ async def measure(
                 times += [time.perf_counter() - started_s] * len(chunk.token_ids)
             wall_s, busy_s = time.perf_counter() - started_s, busy_cpu_s() - busy_before_s
             per_token_s = (times[-1] - times[1]) / (len(times) - 2)
-            out.append(Probe(length, times[0], times[1] - times[0], per_token_s, busy_s, wall_s))
+            out.append(Probe(length, times[0], times[1] - times[0], per_token_s, busy_s, wall_s, idled_s))
     return out[warmup:]
 
 
@@ -140,8 +145,10 @@ def fit_overheads(
             }
         )
     lengths = [m.prompt_tokens for m in measured]
+    route_s, wake_s = _route_and_wake(lengths, [m.idle_s for m in measured], ttft_extra)
     overheads = Overheads(
-        route_s=_fixed_part(lengths, ttft_extra),
+        route_s=route_s,
+        idle_wake_s=wake_s,
         adopt_s=_fixed_part(lengths, gap_extra),
         step_s=step_s,
         prefill_step_scale=scale,
@@ -247,6 +254,30 @@ def _per_length_medians(lengths: list[int], values: list[float]) -> dict[int, fl
     return {length: statistics.median(v) for length, v in sorted(by_length.items())}
 
 
+def _route_and_wake(lengths: list[int], idles_s: list[float], extra_s: list[float]) -> tuple[float, float]:
+    """(route, idle wake-up) from the probes' unexplained TTFT: with probes sent after two or more
+    idle times, the least-squares line of the per-idle-level medians against ln(1 + idle / tau)
+    (Overheads.wake_s's shape; levels weighted by their probes): route its intercept (no idle), the
+    wake-up its slope. One idle time, or a slope below 0: route `_fixed_part`, no wake-up."""
+    levels: list[list[int]] = []  # probe indices, grouped by idle time (within 20% of each other)
+    for i in sorted(range(len(idles_s)), key=lambda i: idles_s[i]):
+        if levels and idles_s[i] <= 1.2 * idles_s[levels[-1][0]]:
+            levels[-1].append(i)
+        else:
+            levels.append([i])
+    if len(levels) < 2:
+        return _fixed_part(lengths, extra_s), 0.0
+    x = [statistics.median(math.log1p(idles_s[i] / IDLE_WAKE_TAU_S) for i in level) for level in levels]
+    y = [statistics.median(extra_s[i] for i in level) for level in levels]
+    w = [len(level) for level in levels]
+    x_mean, y_mean = (sum(a * b for a, b in zip(w, v, strict=True)) / sum(w) for v in (x, y))
+    spread = sum(wi * (xi - x_mean) ** 2 for wi, xi in zip(w, x, strict=True))
+    slope = sum(wi * (xi - x_mean) * (yi - y_mean) for wi, xi, yi in zip(w, x, y, strict=True)) / spread
+    if slope <= 0:
+        return _fixed_part(lengths, extra_s), 0.0
+    return max(y_mean - slope * x_mean, 0.0), slope
+
+
 def _fixed_part(lengths: list[int], extra_s: list[float]) -> float:
     """The mean of the per-length medians of `extra_s` (>= 0), each length weighing the same. For route
     that is the intercept of the prefill scale's fit; the smallest median, which this once was, reads
@@ -264,6 +295,6 @@ def format_rows(rows: list[dict], overheads: Overheads) -> str:
     lines.append(
         f"overheads: route {overheads.route_s * 1e3:.1f} ms, adopt {overheads.adopt_s * 1e3:.1f} ms, "
         f"step {overheads.step_s * 1e3:.2f} ms, prefill steps x{overheads.prefill_step_scale:.2f}, "
-        f"decode steps x{overheads.decode_step_scale:.2f}"
+        f"decode steps x{overheads.decode_step_scale:.2f}, idle wake-up {overheads.idle_wake_s * 1e3:.2f} ms x ln(1 + idle / 0.1 s)"
     )
     return "\n".join(lines)

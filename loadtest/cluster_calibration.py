@@ -1,10 +1,12 @@
 """Calibrating a profile against a running cluster on this host, every figure the simulator needs.
 
 `calibrate_cluster` sends `CALIBRATION_LENGTHS` sequential probes (`loadtest/calibrate.py`: each after
-`CALIBRATION_IDLE_S` idle, as between Poisson arrivals at 1-4/s) and fits the cluster overheads. When
+one of `CALIBRATION_IDLES_S` idle in turn, the gaps Poisson arrivals at 1-4/s leave, so that the wake-up
+after idle is fitted beside route) and fits the cluster overheads. When
 the simulation shares the host's cores it also measures the host (`loadtest/host_cpu.py`): the cores
 busy while the cluster idles, the CPU streaming costs per decode step and per token, and streaming's
-interference with the engines, from the probes' CPU time and bursts of requests sent at once. The
+interference with the engines, from the probes' CPU time and bursts of requests sent at once (and the
+prefill engines' extra interference from prompts sent while another request streams). The
 overheads and the host's figures depend on each other (the engines' busy time under the overheads is
 what the streaming fit subtracts; the host's stretch is what the overheads must not count again), so
 they are fitted in turn from the one set of measurements until neither moves by more than
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from cluster.sim.config import SimConfig
@@ -31,21 +33,29 @@ from engine.step_log import StepRecord
 from loadtest.calibrate import Probe, fit_overheads, format_rows, measure
 from loadtest.host_cpu import (
     BURST_FIRST_INDEX,
+    OVERLAP_FIRST_INDEX,
+    Overlap,
     BurstSample,
     CpuSample,
     engines_of,
     fit_stream_costs,
     idle_cores,
     measure_bursts,
+    measure_overlaps,
 )
 
 CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(32)]  # 8 probes per length
 CALIBRATION_WARMUP = 2
-CALIBRATION_IDLE_S = 0.5
+CALIBRATION_IDLES_S = (0.1, 0.5, 2.0)
 PROBE_OUTPUT_TOKENS = 16
 HOST_FIT_MAX_ROUNDS = 30
 HOST_FIT_TOLERANCE = 0.002  # relative change of the step overhead and of the streaming CPU per token
-STREAMING_FIGURES = ("host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s", "host_stream_interference")
+STREAMING_FIGURES = (
+    "host_stream_cpu_per_step_s",
+    "host_stream_cpu_per_token_s",
+    "host_stream_interference",
+    "host_prefill_interference",
+)
 HOST_FIGURES = ("host_background_cores", *STREAMING_FIGURES)
 CALIBRATION_PROMPTS = 10_000  # prompt indices one calibration may use (probes; bursts from BURST_FIRST_INDEX)
 
@@ -108,8 +118,9 @@ async def calibrate_cluster(
         overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host, decode_step_s)
         return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
     bursts = await measure_bursts(target, vocab, BURST_FIRST_INDEX + prompt_index)
+    overlaps = await measure_overlaps(target, vocab, OVERLAP_FIRST_INDEX + prompt_index)
     sequential = in_flight_sample(measured, engines)
-    overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host, decode_step_s)
+    overheads, rows, host = fit_in_turn(profile, measured, sequential, bursts, host, decode_step_s, overlaps)
     return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
 
 
@@ -154,7 +165,7 @@ async def _probe(
     step time over the probes alone (read between the two) when `engine_steps` is given."""
 
     def probes(chosen: list[int], start: int):
-        return measure(target, chosen, vocab, None, PROBE_OUTPUT_TOKENS, 0, CALIBRATION_IDLE_S, start)
+        return measure(target, chosen, vocab, None, PROBE_OUTPUT_TOKENS, 0, CALIBRATION_IDLES_S, start)
 
     await probes(lengths[:CALIBRATION_WARMUP], first)  # discarded: a fresh cluster's one-time costs
     before = await engine_steps() if engine_steps else None
@@ -171,19 +182,21 @@ def fit_in_turn(
     bursts: BurstSample,
     host: SimConfig,
     decode_step_s: float | None = None,
+    overlaps: Sequence[Overlap] = (),
 ) -> tuple[Overheads, list[dict], SimConfig]:
     """(overheads, probe rows, `host` with its streaming figures): fitted in turn until they settle,
     starting from overheads fitted without a host model (on `host`'s pools); `decode_step_s` as
-    `fit_overheads` takes it."""
+    `fit_overheads` takes it, `overlaps` as `fit_stream_costs` does."""
     overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, engines_of(host), decode_step_s)
     for _ in range(HOST_FIT_MAX_ROUNDS):
         before = (overheads.step_s, host.host_stream_cpu_per_token_s)
-        costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host)
+        costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host, overlaps)
         host = dataclasses.replace(
             host,
             host_stream_cpu_per_step_s=costs.per_step_s,
             host_stream_cpu_per_token_s=costs.per_token_s,
             host_stream_interference=costs.interference,
+            host_prefill_interference=costs.prefill_interference,
         )
         overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host, decode_step_s)
         after = (overheads.step_s, host.host_stream_cpu_per_token_s)
@@ -202,6 +215,7 @@ def host_report(host: SimConfig | None) -> dict:
         "stream_cpu_per_step_ms": host.host_stream_cpu_per_step_s * 1e3,
         "stream_cpu_per_token_ms": host.host_stream_cpu_per_token_s * 1e3,
         "stream_interference": host.host_stream_interference,
+        "prefill_interference": host.host_prefill_interference,
     }
 
 
@@ -213,6 +227,6 @@ def describe(calibration: ClusterCalibration) -> str:
             f"host: {calibration.idle_cores:.2f} cores busy while idle (simulated: {host.host_background_cores:.2f}); "
             f"streaming CPU {host.host_stream_cpu_per_step_s * 1e3:.2f} ms per decode step + "
             f"{host.host_stream_cpu_per_token_s * 1e3:.2f} ms per token, felt by the engines "
-            f"x{host.host_stream_interference:.2f}"
+            f"x{host.host_stream_interference:.2f}, by prefill engines x{host.host_prefill_interference:.2f} more"
         )
     return "\n".join(lines)

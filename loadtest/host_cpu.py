@@ -50,22 +50,29 @@ async def idle_cores(window_s: float = 2.0) -> float:
     return (busy_cpu_s() - before_s) / (time.perf_counter() - started_s)
 
 
+class BurstTimes(NamedTuple):
+    ttft_s: float  # from the send to the first token
+    end_s: float  # to the stream's end
+
+
 async def burst(
     target: str, vocab: tuple[int, ...], prompt_lens: Sequence[int], output_tokens: int, first: int = 0
-) -> list[float]:
+) -> list[BurstTimes]:
     """One request per entry of `prompt_lens`, all sent at once and each streamed to its end; returns
-    each one's seconds from the send to its stream's end. Prompt i is made from index `first + i`:
-    distinct indices give prompts sharing no prefix, so a later burst with other indices finds nothing
-    of an earlier one in the prefix cache."""
+    each one's seconds from the send to its first token and to its stream's end. Prompt i is made from
+    index `first + i`: distinct indices give prompts sharing no prefix, so a later burst with other
+    indices finds nothing of an earlier one in the prefix cache."""
     async with AsyncClient(target, max_retries=0) as client:
         sent_s = time.perf_counter()
 
-        async def one(i: int, prompt_tokens: int) -> float:
+        async def one(i: int, prompt_tokens: int) -> BurstTimes:
             prompt = [vocab[(i * 7919 + j * 104729 + 31) % len(vocab)] for j in range(prompt_tokens)]
             stream = client.generate_stream(prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+            first_s = None
             async for _ in stream:
-                pass
-            return time.perf_counter() - sent_s
+                first_s = time.perf_counter() - sent_s if first_s is None else first_s
+            end_s = time.perf_counter() - sent_s
+            return BurstTimes(end_s if first_s is None else first_s, end_s)
 
         return list(await asyncio.gather(*(one(first + i, n) for i, n in enumerate(prompt_lens))))
 
@@ -136,6 +143,7 @@ def engines_of(cluster: SimConfig) -> SimConfig:
         host_stream_cpu_per_step_s=0.0,
         host_stream_cpu_per_token_s=0.0,
         host_stream_interference=1.0,
+        host_prefill_interference=1.0,
     )
 
 
@@ -155,10 +163,24 @@ def fit_stream_interference(
     return round(solve_increasing(mean_e2e_s, target_s, 1.0, MAX_INTERFERENCE, 0.01), 3)
 
 
+def fit_prefill_interference(profile: Profile, host: SimConfig, overlaps: Sequence[Overlap]) -> float:
+    """The `host_prefill_interference` (1 to MAX_INTERFERENCE) at which the overlapping pairs, each
+    simulated alone on `host`, give B its first token on average when the measured ones did."""
+
+    def mean_ttft_s(interference: float) -> float:
+        config = dataclasses.replace(host, host_prefill_interference=interference)
+        ttfts = [simulate(config, profile, o.requests()).records[1].ttft_s for o in overlaps]
+        return sum(t for t in ttfts if t is not None) / len(ttfts)
+
+    target_s = sum(o.ttft_s for o in overlaps) / len(overlaps)
+    return round(solve_increasing(mean_ttft_s, target_s, 1.0, MAX_INTERFERENCE, 0.01), 3)
+
+
 class StreamCosts(NamedTuple):
     per_step_s: float
     per_token_s: float
     interference: float
+    prefill_interference: float = 1.0
 
 
 MAX_INTERFERENCE = 8.0
@@ -178,24 +200,83 @@ class BurstSample(NamedTuple):
 async def measure_bursts(target: str, vocab: tuple[int, ...], first: int = BURST_FIRST_INDEX) -> BurstSample:
     """`BURST_ROUNDS` bursts of requests sent at once (decode batches of up to 8), one after another,
     their prompts from indices `first` on (`burst`)."""
-    ends_s: list[float] = []
+    times: list[BurstTimes] = []
 
     async def bursts() -> None:
         for r in range(BURST_ROUNDS):  # each round its own prompts: the simulation charges every prefill
             start = first + r * len(BURST_PROMPT_TOKENS)
-            ends_s.extend(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, start))
+            times.extend(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, start))
 
     _, busy_s, window_s = await with_host_cpu(bursts())
     one = [SimRequest(0.0, n, BURST_OUTPUT_TOKENS) for n in BURST_PROMPT_TOKENS]
-    return BurstSample(CpuSample([one] * BURST_ROUNDS, busy_s, window_s), ends_s)
+    return BurstSample(CpuSample([one] * BURST_ROUNDS, busy_s, window_s), [t.end_s for t in times])
 
 
-def fit_stream_costs(profile: Profile, sequential: CpuSample, bursts: BurstSample, host: SimConfig) -> StreamCosts:
+class Overlap(NamedTuple):
+    """A prompt sent while another request streams: B's prompt, its send after A's (A's first token
+    came then), and B's TTFT."""
+
+    prompt_tokens: int
+    sent_after_s: float
+    ttft_s: float
+
+    def requests(self) -> list[SimRequest]:
+        return [SimRequest(0.0, *OVERLAP_STREAM), SimRequest(self.sent_after_s, self.prompt_tokens, OVERLAP_OUTPUT_TOKENS)]
+
+
+# A streams OVERLAP_STREAM (prompt, output tokens); at its first token B of each length is sent.
+OVERLAP_STREAM, OVERLAP_PROMPT_TOKENS, OVERLAP_OUTPUT_TOKENS = (64, 48), (128, 256, 384, 512) * 2, 2
+OVERLAP_FIRST_INDEX, OVERLAP_IDLE_S = 200_000, 0.3
+
+
+async def measure_overlaps(
+    target: str,
+    vocab: tuple[int, ...],
+    first: int = OVERLAP_FIRST_INDEX,
+    prompt_lens: Sequence[int] = OVERLAP_PROMPT_TOKENS,
+) -> list[Overlap]:
+    """Per entry of `prompt_lens`: A sent, B sent the moment A's first token arrives (so B's
+    prefill overlaps A's decode and streaming), B's TTFT; each pair after OVERLAP_IDLE_S idle, its
+    prompts from indices `first` on (none shared)."""
+    out = []
+    async with AsyncClient(target, max_retries=0) as client:
+
+        def prompt(index: int, tokens: int) -> list[int]:
+            return [vocab[(index * 7919 + j * 104729 + 57) % len(vocab)] for j in range(tokens)]
+
+        for i, tokens in enumerate(prompt_lens):
+            await asyncio.sleep(OVERLAP_IDLE_S)
+            a_prompt, a_output = prompt(first + 2 * i, OVERLAP_STREAM[0]), OVERLAP_STREAM[1]
+            a = client.generate_stream(a_prompt, max_tokens=a_output, temperature=0.0, ignore_eos=True).__aiter__()
+            sent_s = time.perf_counter()
+            await a.__anext__()
+            b_sent_s = time.perf_counter()
+            drain = asyncio.ensure_future(_drain(a))
+            ttft_s = None
+            b = client.generate_stream(prompt(first + 2 * i + 1, tokens), max_tokens=OVERLAP_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+            async for _ in b:
+                ttft_s = time.perf_counter() - b_sent_s if ttft_s is None else ttft_s
+            await drain
+            if ttft_s is not None:
+                out.append(Overlap(tokens, b_sent_s - sent_s, ttft_s))
+    return out
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def fit_stream_costs(
+    profile: Profile, sequential: CpuSample, bursts: BurstSample, host: SimConfig, overlaps: Sequence[Overlap] = ()
+) -> StreamCosts:
     """`fit_stream_cpu` over the sequential calibration's sample and the bursts, then
     `fit_stream_interference` on the bursts, `host` (the pools they ran on, its cores and background
-    set) with the streaming costs just fitted."""
+    set) with the streaming costs just fitted, and `fit_prefill_interference` on `overlaps` (none: 1)."""
     per_step_s, per_token_s = fit_stream_cpu(profile, [sequential, bursts.cpu], host.host_background_cores, host)
     host = dataclasses.replace(host, host_stream_cpu_per_step_s=per_step_s, host_stream_cpu_per_token_s=per_token_s)
-    return StreamCosts(
-        per_step_s, per_token_s, fit_stream_interference(profile, host, bursts.cpu.rounds, bursts.ends_s)
-    )
+    interference = fit_stream_interference(profile, host, bursts.cpu.rounds, bursts.ends_s)
+    if not overlaps:
+        return StreamCosts(per_step_s, per_token_s, interference)
+    host = dataclasses.replace(host, host_stream_interference=interference)
+    return StreamCosts(per_step_s, per_token_s, interference, fit_prefill_interference(profile, host, overlaps))

@@ -56,6 +56,7 @@ class SimConfig:
     host_stream_cpu_per_step_s: float = 0.0  # host CPU outside the engines per decode step (outbox, poll)
     host_stream_cpu_per_token_s: float = 0.0  # and per output token (router relaying it, client reading it)
     host_stream_interference: float = 1.0  # >= 1: streaming's wake-ups slow the engines beyond their CPU
+    host_prefill_interference: float = 1.0  # >= 1: and the prefill engines' long steps by this much more
 
     def __post_init__(self):
         _check(self.colocated >= 0, "colocated", "must be >= 0")
@@ -89,9 +90,10 @@ class SimConfig:
             _check(getattr(self, key) >= 0 and math.isfinite(getattr(self, key)), key, "must be a number >= 0")
         for key in ("host_background_cores", "host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s"):
             _check(self.host_cores is not None or not getattr(self, key), key, "needs host_cores")
-        interference = self.host_stream_interference
-        _check(interference >= 1 and math.isfinite(interference), "host_stream_interference", "must be a number >= 1")
-        _check(self.host_cores is not None or interference == 1, "host_stream_interference", "needs host_cores")
+        for key in ("host_stream_interference", "host_prefill_interference"):
+            interference = getattr(self, key)
+            _check(interference >= 1 and math.isfinite(interference), key, "must be a number >= 1")
+            _check(self.host_cores is not None or interference == 1, key, "needs host_cores")
         for fault in self.faults:
             pool = self.colocated if fault.role == "colocated" else getattr(self, fault.role, 0)
             _check(

@@ -17,7 +17,11 @@ runnable. The demand, in cores, has three parts:
   refills its caches and waits its turn back: engines slow down by more than the CPU the streaming
   threads burn (measured on the dev box: a prefill overlapping one batch-1 decode stream took a
   median 1.5x its time alone, where the CPU figures alone give 1.3x). `stream_interference` (>= 1,
-  fitted by the calibration's bursts, loadtest/host_cpu.py) multiplies K for that.
+  fitted by the calibration's bursts, loadtest/host_cpu.py) multiplies K for that, and a prefill
+  worker, whose steps are long enough to be preempted again and again, feels K `prefill_interference`
+  times more (fitted on the bursts' TTFTs once the decode steps are measured: the decode engines'
+  own step timings hold their stretch, and what a prefill overlapping decode streams loses beyond
+  it is this factor's).
 Every step takes `stretch` times its profiled time, where s * cores = E + K / s once the demand
 exceeds the cores:
 
@@ -55,21 +59,24 @@ class HostShare:
     stream_cpu_per_step_s: float = 0.0  # host CPU outside the engines per decode step
     stream_cpu_per_token_s: float = 0.0  # and per output token streamed
     stream_interference: float = 1.0  # streaming's demand as the engines feel it, over its CPU time
+    prefill_interference: float = 1.0  # and as a prefill engine feels it, over that
 
     def __post_init__(self):
         costs = (self.background, self.stream_cpu_per_step_s, self.stream_cpu_per_token_s)
-        if self.cores < 1 or self.threads_per_worker < 1 or min(costs) < 0 or not self.stream_interference >= 1:
+        interference = min(self.stream_interference, self.prefill_interference)
+        if self.cores < 1 or self.threads_per_worker < 1 or min(costs) < 0 or not interference >= 1:
             raise ValueError(
                 "host sharing needs cores >= 1, threads >= 1, background and streaming >= 0, "
                 f"interference >= 1, got {self}"
             )
 
-    def stretch(self, busy: int, steps_per_s: float = 0.0, tokens_per_s: float = 0.0) -> float:
-        """How many times its profiled time a step takes while `busy` workers step and decode runs
-        would make `steps_per_s` steps and `tokens_per_s` output tokens per second unstretched."""
+    def stretch(self, busy: int, steps_per_s: float = 0.0, tokens_per_s: float = 0.0, prefill: bool = False) -> float:
+        """How many times its profiled time a step (of a prefill worker: `prefill`) takes while `busy`
+        workers step and decode runs would make `steps_per_s` steps and `tokens_per_s` output tokens
+        per second unstretched."""
         engines = busy * self.threads_per_worker + self.background
         streaming = self.stream_cpu_per_step_s * steps_per_s + self.stream_cpu_per_token_s * tokens_per_s
-        streaming *= self.stream_interference
+        streaming *= self.stream_interference * (self.prefill_interference if prefill else 1.0)
         if engines + streaming <= self.cores:
             return 1.0
         return (engines + math.sqrt(engines * engines + 4.0 * self.cores * streaming)) / (2.0 * self.cores)
@@ -85,6 +92,7 @@ def host_share(config: SimConfig, threads_per_worker: int) -> HostShare:
         config.host_stream_cpu_per_step_s,
         config.host_stream_cpu_per_token_s,
         config.host_stream_interference,
+        config.host_prefill_interference,
     )
 
 
@@ -94,14 +102,18 @@ class SharedHost:
     def __init__(self, share: HostShare):
         self.share = share
         self.busy = 0
-        self.current = share.stretch(0)
+        self.current = {False: share.stretch(0), True: share.stretch(0, prefill=True)}  # by "is a prefill worker"
+
+    def stretch_of(self, role: str) -> float:
+        return self.current[role == "prefill"]
 
     def update(self, workers: Sequence[SimWorker], now_s: float) -> list[SimWorker]:
         """Re-counts the busy workers; returns the workers whose run's end moved (to reschedule)."""
         self.busy = sum(w.run is not None and not w.dead for w in workers)
         rates = [w.decode_rates_per_s() for w in workers]
-        stretch = self.share.stretch(self.busy, sum(r[0] for r in rates), sum(r[1] for r in rates))
-        if stretch == self.current:
+        steps_per_s, tokens_per_s = sum(r[0] for r in rates), sum(r[1] for r in rates)
+        current = {prefill: self.share.stretch(self.busy, steps_per_s, tokens_per_s, prefill) for prefill in self.current}
+        if current == self.current:
             return []
-        self.current = stretch
-        return [w for w in workers if w.restretch(now_s, stretch)]
+        self.current = current
+        return [w for w in workers if w.restretch(now_s, self.stretch_of(w.role))]

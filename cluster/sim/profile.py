@@ -20,7 +20,10 @@ JSON layout (`format: splitserve-profile/v1`, times in ms, rates in bytes/s):
   prefill_step_scale (how many times its profiled time a prefill worker's engine step takes in the
   cluster, where the worker's own threads share its process and its GIL; 1 when absent) and
   decode_step_scale (the same for a decode instance's steps, measured from its own step timings by the
-  calibration; 1 when absent).
+  calibration; 1 when absent) and idle_wake_ms (a request that finds the whole cluster idle for t
+  seconds waits idle_wake_ms * ln(1 + t / IDLE_WAKE_TAU_S) longer to be routed: the host's and the
+  processes' wake-up after idle, measured by the calibration's probes at several idle times; 0 when
+  absent).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Overheads:
     step_s: float = 0.0
     prefill_step_scale: float = 1.0
     decode_step_scale: float = 1.0
+    idle_wake_s: float = 0.0
 
     def __post_init__(self):
         for key in ("prefill_step_scale", "decode_step_scale"):
@@ -73,7 +77,15 @@ class Overheads:
             "step_ms": self.step_s * 1e3,
             "prefill_step_scale": self.prefill_step_scale,
             "decode_step_scale": self.decode_step_scale,
+            "idle_wake_ms": self.idle_wake_s * 1e3,
         }
+
+    def wake_s(self, idle_s: float) -> float:
+        """The extra wait of a request sent after the cluster idled `idle_s` seconds."""
+        return self.idle_wake_s * math.log1p(max(idle_s, 0.0) / IDLE_WAKE_TAU_S) if self.idle_wake_s else 0.0
+
+
+IDLE_WAKE_TAU_S = 0.1  # the idle time over which the wake-up cost grows logarithmically
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,7 @@ class Profile:
                     step_s=over.get("step_ms", 0.0) / 1e3,
                     prefill_step_scale=over.get("prefill_step_scale", 1.0),
                     decode_step_scale=over.get("decode_step_scale", 1.0),
+                    idle_wake_s=over.get("idle_wake_ms", 0.0) / 1e3,
                 ),
                 dict(raw.get("source", {})),
                 raw.get("threads_per_worker", 1),

@@ -50,6 +50,7 @@ class SimSeq:
     estimate_tokens: int = 0  # what the router booked on the prefill worker's queue
     migrations: int = 0
     status: str = "pending"  # pending, ok, rejected, failed
+    wake_s: float = 0.0  # sent to an idle cluster: the wake-up its first routing waits (Overheads.wake_s)
 
     @property
     def decode_left(self) -> int:

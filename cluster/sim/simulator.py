@@ -9,7 +9,8 @@ generators of `splitserve bench` live above it, in loadtest/, and feed it from t
 A request's life, as in the cluster (README "A request through the disaggregated cluster"):
 1. the client sends it at its arrival (or later, under the client's concurrency cap);
 2. the router refuses it (its concurrency limit, admission) or routes it: a prefill worker by the
-   policy, the decode instance with the fewest requests in flight; after `route` it is queued there;
+   policy, the decode instance with the fewest requests in flight; after `route` it is queued there
+   (a request that finds nothing in flight waits the idle wake-up too, `Overheads.wake_s`);
 3. the prefill worker's batched chunked prefill (cluster/sim/worker.py) reaches its prompt's end:
    the first token reaches the client `first_token` later;
 4. hand-off: blocks for its context are reserved on the decode instance (a full instance is waited
@@ -64,6 +65,7 @@ class Simulation:
         self.active: set[SimSeq] = set()  # sent, not ended (faults find the requests a death touches)
         self.open_streams = 0
         self.router_streams = 0
+        self.idle_since_s = 0.0  # when the router last had no request in flight
         self._events: list = []
         self._order = 0
         self.now_s = 0.0
@@ -86,7 +88,7 @@ class Simulation:
                 self.router.index.on_event(index),
             )
         worker = SimWorker(index, role, cost, config.limits, kv)
-        worker.stretch = self.host.current if self.host is not None else 1.0
+        worker.stretch = self.host.stretch_of(role) if self.host is not None else 1.0
         return worker
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -146,6 +148,8 @@ class Simulation:
         if self.router_streams >= self.config.router_max_requests or not self._admit(seq):
             self.end(seq, "rejected")
             return
+        if self.router_streams == 0:
+            seq.wake_s = self.over.wake_s(self.now_s - self.idle_since_s)
         self.router_streams += 1
         self.active.add(seq)
         self.route(seq)
@@ -178,7 +182,8 @@ class Simulation:
             seq.decode_worker = decode
             self.router.inflight.add(decode, 1)
         seq.stage = "routing"
-        self.push(self.now_s + self.over.route_s, ENQUEUE, seq, seq.migrations)
+        wake_s = seq.wake_s if seq.migrations == 0 else 0.0
+        self.push(self.now_s + self.over.route_s + wake_s, ENQUEUE, seq, seq.migrations)
 
     def _on_enqueue(self, seq: SimSeq, attempt: int) -> None:
         if attempt != seq.migrations:
@@ -196,6 +201,8 @@ class Simulation:
     def end(self, seq: SimSeq, status: str) -> None:
         if status != "rejected":
             self.router_streams -= 1
+            if self.router_streams == 0:
+                self.idle_since_s = self.now_s
             self.active.discard(seq)
             if seq.decode_worker >= 0 and self.decode:
                 self.router.inflight.add(seq.decode_worker, -1)

@@ -116,3 +116,28 @@ def test_host_settings_are_validated_and_threads_round_trip(tmp_path):
     assert Profile.load(profile.save(tmp_path / "p.json")).threads_per_worker == 3
     with pytest.raises(ValueError, match=r"^threads_per_worker:"):
         dataclasses.replace(profile, threads_per_worker=0)
+
+
+def test_prefill_workers_feel_streaming_prefill_interference_times_more():
+    # The 1 core of streaming of the test above felt x2 by prefill workers only: theirs stretch as
+    # there, 1.6180; the decode workers' as with no interference, 1.3660.
+    share = HostShare(cores=2, stream_cpu_per_token_s=0.004, prefill_interference=2.0)
+    assert share.stretch(2, tokens_per_s=250.0, prefill=True) == approx((2 + 20**0.5) / 4)
+    assert share.stretch(2, tokens_per_s=250.0) == approx((2 + 12**0.5) / 4)
+    # Through the simulator, one core: a decode run streaming alone is stretched by its own streaming
+    # (the golden ratio of the test below), whatever the prefill interference; a prefill worker feels it.
+    config = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.00101, host_prefill_interference=3.0)
+    (record,) = simulate(config, linear_profile(), [SimRequest(0.0, 100, 3)]).records
+    assert record.last_token_s == approx(0.008 + 0.00202 * (1 + 5**0.5) / 2)
+    # B's 100-token prefill (2 ms alone) from 8 ms, as A starts decoding at batch 1: E = 2 busy, K = 1
+    # core, felt x3 by B: s = (2 + sqrt(4 + 12)) / 2 = 3, so 6 ms; without the factor (2 + sqrt(8)) / 2.
+    # A's decode steps stretch (2 + sqrt(8)) / 2 either way while B runs, for longer with the factor.
+    overlapping = [SimRequest(0.0, 100, 40), SimRequest(0.008, 100, 1)]
+    a, b = simulate(dataclasses.replace(config, prefill=2), linear_profile(), overlapping).records
+    plain_a, plain_b = simulate(
+        dataclasses.replace(config, prefill=2, host_prefill_interference=1.0), linear_profile(), overlapping
+    ).records
+    assert (b.ttft_s, plain_b.ttft_s) == (approx(0.006), approx(0.002 * (2 + 8**0.5) / 2))
+    assert a.last_token_s > plain_a.last_token_s
+    with pytest.raises(ValueError, match=r"^host_prefill_interference: must be a number >= 1"):
+        SimConfig(host_cores=2, host_prefill_interference=0.5)

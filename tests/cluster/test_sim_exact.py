@@ -3,6 +3,8 @@
 no overheads. Each expected figure is worked out in the comment above it."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from cluster.sim import Fault, SimConfig, SimRequest, simulate
@@ -173,3 +175,27 @@ def test_runs_are_deterministic_and_leak_no_block():
         worker.kv.check_integrity()
         assert worker.kv.num_free_blocks == worker.kv.num_blocks
     assert all(w.kv.used == 0 for w in sim.decode)
+
+
+def test_a_request_finding_the_cluster_idle_waits_its_wake_up():
+    # idle_wake 2 ms x ln(1 + idle / 0.1 s). A at 0 (nothing ran before: idle 0, no wake-up): first
+    # token at 2 ms, last at 10.02 ms. B at 0.5 s: idle since 10.02 ms, 0.48998 s, so it waits
+    # 2 ms x ln(1 + 4.8998) more before its 2 ms prefill. C at 0.501 s while B is in flight: no wake-up.
+    from cluster.sim.profile import Overheads
+
+    profile = linear_profile(overheads=Overheads(idle_wake_s=0.002))
+    requests = [SimRequest(0.0, 100, 3), SimRequest(0.5, 100, 3), SimRequest(0.501, 100, 1)]
+    a, b, c = simulate(SimConfig(prefill=2), profile, requests).records
+    wake_s = 0.002 * math.log1p((0.5 - 0.01002) / 0.1)
+    assert (a.first_token_s, a.last_token_s) == (approx(0.002), approx(0.01002))
+    assert b.first_token_s == approx(0.5 + wake_s + 0.002)
+    assert c.first_token_s == approx(0.501 + 0.002)  # on the other prefill worker, no wake-up
+
+
+def test_the_decode_step_scale_slows_only_the_decode_instances():
+    # x1.5 on decode steps: prefill 2 ms as before, hand-off 6 ms, 2 decode steps of 1.515 ms.
+    from cluster.sim.profile import Overheads
+
+    profile = linear_profile(overheads=Overheads(decode_step_scale=1.5))
+    (record,) = simulate(SimConfig(), profile, [SimRequest(0.0, 100, 3)]).records
+    assert (record.first_token_s, record.last_token_s) == (approx(0.002), approx(0.008 + 2 * 0.001515))

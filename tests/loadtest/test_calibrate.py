@@ -101,3 +101,22 @@ def test_with_a_host_model_the_decode_scale_is_what_the_host_stretch_leaves():
     assert [r["per_token_ms"] for r in rows] == pytest.approx([r["sim_per_token_ms"] for r in rows], rel=0.01)
     with pytest.raises(ValueError, match="decode step"):
         fit_overheads(linear_profile(), _probes(truth, lengths), 16, None, 0.0)
+
+
+def test_probes_after_several_idle_times_separate_route_from_the_idle_wake_up():
+    # The probes of the first test, each sent after 0.1, 0.5 or 2 s idle in turn and waiting the truth's
+    # wake-up of 3 ms x ln(1 + idle / 0.1 s) on top: the fit gives route (no idle) and the wake-up apart.
+    truth = dataclasses.replace(TRUTH, idle_wake_s=0.003)
+    lengths = [64, 256, 128, 512] * 3  # every length after every idle time (as the calibration's cycles)
+    idles = [(0.1, 0.5, 2.0)[i % 3] for i in range(len(lengths))]
+    probes = [
+        p._replace(ttft_s=p.ttft_s + truth.wake_s(idle), idle_s=idle)
+        for p, idle in zip(_probes(TRUTH, lengths), idles, strict=True)
+    ]
+    fitted, _ = fit_overheads(linear_profile(), probes)
+    assert (fitted.route_s, fitted.idle_wake_s) == (pytest.approx(TRUTH.route_s), pytest.approx(0.003))
+    assert fitted.prefill_step_scale == pytest.approx(TRUTH.prefill_step_scale, rel=0.05)
+    # Every probe after the same idle time: no wake-up to tell apart, route takes it all.
+    same = [p._replace(ttft_s=p.ttft_s + truth.wake_s(0.5), idle_s=0.5) for p in _probes(TRUTH, lengths)]
+    fitted, _ = fit_overheads(linear_profile(), same)
+    assert fitted.idle_wake_s == 0.0 and fitted.route_s == pytest.approx(TRUTH.route_s + truth.wake_s(0.5))

@@ -75,3 +75,21 @@ def test_engine_time_between_two_readings_takes_the_median_batch_1_decode_step()
     assert engines.decode_step_s == 0.005  # the median: neither the adopting step nor the batch of two
     with pytest.raises(ValueError, match="batch-1"):
         EngineTime.between(before, {**after, "decode": Reading(2.0, 100)})
+
+
+def test_a_burst_reports_each_requests_first_token_and_end(router_target):
+    from loadtest.host_cpu import burst
+
+    times = asyncio.run(burst(router_target, VOCAB, [96, 32, 64], 4, first=9000))
+    assert len(times) == 3 and all(0 < t.ttft_s < t.end_s for t in times), times
+
+
+def test_an_overlap_sends_b_once_a_streams_and_times_b_from_its_own_send(router_target):
+    from loadtest.host_cpu import OVERLAP_STREAM, measure_overlaps
+
+    overlaps = asyncio.run(measure_overlaps(router_target, VOCAB, first=9100, prompt_lens=(96, 160)))
+    assert [o.prompt_tokens for o in overlaps] == [96, 160]
+    for o in overlaps:
+        assert o.sent_after_s > 0 and o.ttft_s > 0, o  # B went out at A's first token, not with A
+        a, b = o.requests()
+        assert (a.prompt_tokens, a.output_tokens, b.arrival_s) == (*OVERLAP_STREAM, o.sent_after_s)

@@ -12,7 +12,7 @@ from cluster.sim import SimConfig, SimRequest, simulate
 from cluster.sim.profile import Overheads, Profile
 from loadtest.calibrate import Probe, _alone
 from loadtest.cluster_calibration import fit_in_turn
-from loadtest.host_cpu import BurstSample, CpuSample
+from loadtest.host_cpu import OVERLAP_STREAM, BurstSample, CpuSample, Overlap
 from tests.cluster.sim_factories import linear_profile
 
 TRUTH = Overheads(route_s=0.005, adopt_s=0.007, step_s=0.0005, prefill_step_scale=1.5)
@@ -71,7 +71,15 @@ def test_with_the_engines_timed_the_decode_scale_and_step_are_measured_and_the_s
     burst = [SimRequest(0.0, n, 32) for n in (64, 128, 64, 128)]
     ends = [r.end_s - r.send_s for _ in range(2) for r in simulate(HOST, truth, burst).records]
     bursts = BurstSample(CpuSample([burst] * 2, _busy_s(truth, [burst] * 2), 10.0), ends)
-    overheads, _, host = fit_in_turn(linear_profile(), probes, sequential, bursts, SimConfig(host_cores=1), decode_step_s)
+    # Prompts sent while another request streams, on a host whose prefill worker feels streaming x2
+    # more than the decode instance: their TTFTs give that factor back.
+    overlap_host = dataclasses.replace(HOST, host_prefill_interference=2.0)
+    sent_after_s = simulate(HOST, truth, [SimRequest(0.0, *OVERLAP_STREAM)]).records[0].ttft_s
+    overlaps = [Overlap(n, sent_after_s, 0.0) for n in (1024, 1536, 2048)]  # long: A decodes meanwhile
+    overlaps = [o._replace(ttft_s=simulate(overlap_host, truth, o.requests()).records[1].ttft_s) for o in overlaps]
+    start = SimConfig(host_cores=1)
+    overheads, _, host = fit_in_turn(linear_profile(), probes, sequential, bursts, start, decode_step_s, overlaps)
+    assert host.host_prefill_interference == pytest.approx(2.0, abs=0.05)
     assert overheads.decode_step_scale == pytest.approx(1.3, rel=0.02)
     assert overheads.step_s == pytest.approx(TRUTH.step_s, rel=0.05)
     assert host.host_stream_cpu_per_token_s == pytest.approx(PER_TOKEN_S, rel=0.02)
