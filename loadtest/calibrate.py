@@ -295,6 +295,7 @@ def format_rows(rows: list[dict], overheads: Overheads) -> str:
     lines.append(
         f"overheads: route {overheads.route_s * 1e3:.1f} ms, adopt {overheads.adopt_s * 1e3:.1f} ms, "
         f"step {overheads.step_s * 1e3:.2f} ms, prefill steps x{overheads.prefill_step_scale:.2f}, "
-        f"decode steps x{overheads.decode_step_scale:.2f}, idle wake-up {overheads.idle_wake_s * 1e3:.2f} ms x ln(1 + idle / 0.1 s)"
+        f"decode steps x{overheads.decode_step_scale:.2f}, "
+        f"idle wake-up {overheads.idle_wake_s * 1e3:.2f} ms x ln(1 + idle / {IDLE_WAKE_TAU_S:g} s)"
     )
     return "\n".join(lines)

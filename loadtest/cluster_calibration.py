@@ -34,9 +34,9 @@ from loadtest.calibrate import Probe, fit_overheads, format_rows, measure
 from loadtest.host_cpu import (
     BURST_FIRST_INDEX,
     OVERLAP_FIRST_INDEX,
-    Overlap,
     BurstSample,
     CpuSample,
+    Overlap,
     engines_of,
     fit_stream_costs,
     idle_cores,

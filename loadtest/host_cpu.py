@@ -221,7 +221,8 @@ class Overlap(NamedTuple):
     ttft_s: float
 
     def requests(self) -> list[SimRequest]:
-        return [SimRequest(0.0, *OVERLAP_STREAM), SimRequest(self.sent_after_s, self.prompt_tokens, OVERLAP_OUTPUT_TOKENS)]
+        b = SimRequest(self.sent_after_s, self.prompt_tokens, OVERLAP_OUTPUT_TOKENS)
+        return [SimRequest(0.0, *OVERLAP_STREAM), b]
 
 
 # A streams OVERLAP_STREAM (prompt, output tokens); at its first token B of each length is sent.
@@ -253,7 +254,8 @@ async def measure_overlaps(
             b_sent_s = time.perf_counter()
             drain = asyncio.ensure_future(_drain(a))
             ttft_s = None
-            b = client.generate_stream(prompt(first + 2 * i + 1, tokens), max_tokens=OVERLAP_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+            b_prompt = prompt(first + 2 * i + 1, tokens)
+            b = client.generate_stream(b_prompt, max_tokens=OVERLAP_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
             async for _ in b:
                 ttft_s = time.perf_counter() - b_sent_s if ttft_s is None else ttft_s
             await drain

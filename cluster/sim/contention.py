@@ -112,7 +112,7 @@ class SharedHost:
         self.busy = sum(w.run is not None and not w.dead for w in workers)
         rates = [w.decode_rates_per_s() for w in workers]
         steps_per_s, tokens_per_s = sum(r[0] for r in rates), sum(r[1] for r in rates)
-        current = {prefill: self.share.stretch(self.busy, steps_per_s, tokens_per_s, prefill) for prefill in self.current}
+        current = {p: self.share.stretch(self.busy, steps_per_s, tokens_per_s, p) for p in self.current}
         if current == self.current:
             return []
         self.current = current
