@@ -90,6 +90,6 @@ def test_an_overlap_sends_b_once_a_streams_and_times_b_from_its_own_send(router_
     overlaps = asyncio.run(measure_overlaps(router_target, VOCAB, first=9100, prompt_lens=(96, 160)))
     assert [o.prompt_tokens for o in overlaps] == [96, 160]
     for o in overlaps:
-        assert o.sent_after_s > 0 and o.ttft_s > 0, o  # B went out at A's first token, not with A
+        assert o.sent_after_s > 0 and o.ttft_s > 0, o  # B went out at A's second token, not with A
         a, b = o.requests()
         assert (a.prompt_tokens, a.output_tokens, b.arrival_s) == (*OVERLAP_STREAM, o.sent_after_s)

@@ -159,7 +159,7 @@ def test_a_sample_with_measured_engine_time_uses_it_and_its_measured_decode_step
 
 
 def test_the_prefill_interference_is_the_factor_at_which_simulated_overlaps_reach_their_first_tokens():
-    # Prompts sent as another request starts streaming (its first token), simulated on a 1-core host
+    # Prompts sent while another request streams (here from its first token), simulated on a 1-core host
     # whose prefill worker feels streaming x2.5 more: the fit on their TTFTs finds 2.5 back; on the
     # TTFTs of a host with no extra slowdown, 1.
     profile = linear_profile()
