@@ -35,7 +35,7 @@ import asyncio
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 from cluster.sim.config import SimConfig
@@ -65,6 +65,7 @@ async def measure(
     warmup: int = 4,
     idle_s: float | Sequence[float] = 0.0,
     first: int = 0,
+    after_each: Callable[[], Awaitable[None]] | None = None,
 ) -> list[Probe]:
     """One sequential request per length after `warmup` discarded ones (the lengths in turn), prompts
     sharing no prefix, each sent `idle_s` after the previous one ended (several: request i waits the
@@ -73,14 +74,15 @@ async def measure(
     host's busy CPU while it was in flight (`busy_cpu_s` over `wall_s`): the idle gaps between probes
     carry only the background, whose error over them would swamp what the probes themselves cost.
     Prompt i is made from index `first + i`: a second calibration of the same cluster passes indices
-    past the first's, or its probes hit the prefix cache the first one filled."""
+    past the first's, or its probes hit the prefix cache the first one filled. `after_each` is awaited
+    after every request's stream ends (within the idle time that follows: reading the workers)."""
     out = []
     lengths = [prompt_lens[i % len(prompt_lens)] for i in range(warmup)] + list(prompt_lens)
     idles = [idle_s] if isinstance(idle_s, int | float) else list(idle_s)
     async with AsyncClient(target, token=token, max_retries=0) as client:
+        idle_started_s = time.perf_counter()
         for i, length in enumerate(lengths):
-            idle_started_s = time.perf_counter()
-            await asyncio.sleep(idles[i % len(idles)])
+            await asyncio.sleep(max(idles[i % len(idles)] - (time.perf_counter() - idle_started_s), 0.0))
             idled_s = time.perf_counter() - idle_started_s
             prompt = [vocab[((first + i) * 7919 + j * 104729) % len(vocab)] for j in range(length)]
             busy_before_s = busy_cpu_s()
@@ -90,8 +92,11 @@ async def measure(
             ):
                 times += [time.perf_counter() - started_s] * len(chunk.token_ids)
             wall_s, busy_s = time.perf_counter() - started_s, busy_cpu_s() - busy_before_s
+            idle_started_s = time.perf_counter()
             per_token_s = (times[-1] - times[1]) / (len(times) - 2)
             out.append(Probe(length, times[0], times[1] - times[0], per_token_s, busy_s, wall_s, idled_s))
+            if after_each is not None:
+                await after_each()
     return out[warmup:]
 
 
@@ -192,6 +197,9 @@ def _measured_decode(
     if decode_step_s <= 0:
         raise ValueError(f"the measured decode step must be > 0 s, got {decode_step_s}")
     per_token_s = statistics.median(m.per_token_s for m in measured)
+    # A batch-1 engine step cannot outlast the time between the tokens it makes: a step median above
+    # the probes' is the step records' noise (fewer, and read from a window), the probes' is what counts.
+    decode_step_s = min(decode_step_s, per_token_s)
     lengths = sorted({m.prompt_tokens for m in measured})
 
     def mean_step_s(config: SimConfig, overheads: Overheads) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from cluster.sim.config import SimConfig
@@ -139,8 +139,9 @@ def in_flight_sample(probes: list[Probe], engines: EngineTime | None = None) -> 
 
 class EngineTime(NamedTuple):
     """The engines between two `EngineSteps` readings: all pools' step seconds and steps, the decode
-    pool's steps, and its median batch-1 step among the newest it recorded (a mean would count the
-    step that adopts a sequence, whose import of the KV the simulator charges to adopt instead)."""
+    pool's steps, and the median of its batch-1 steps among `decode_records` (the records read while
+    the probes ran; a mean would count the step that adopts a sequence, whose import of the KV the
+    simulator charges to adopt instead)."""
 
     seconds: float
     steps: int
@@ -148,11 +149,13 @@ class EngineTime(NamedTuple):
     decode_step_s: float
 
     @staticmethod
-    def between(before: Mapping[str, PoolReading], after: Mapping[str, PoolReading]) -> EngineTime:
+    def between(
+        before: Mapping[str, PoolReading], after: Mapping[str, PoolReading], decode_records: Iterable[StepRecord]
+    ) -> EngineTime:
         seconds = sum(after[pool].seconds - before[pool].seconds for pool in after)
         steps = sum(after[pool].steps - before[pool].steps for pool in after)
         decode_steps = after["decode"].steps - before["decode"].steps
-        batch_1 = [r.duration_s for r in after["decode"].recent if r.num_seqs == 1]
+        batch_1 = [r.duration_s for r in decode_records if r.num_seqs == 1]
         if decode_steps <= 0 or not batch_1:
             raise ValueError("engine_steps: the decode pool recorded no batch-1 step during the probes")
         return EngineTime(seconds, int(steps), int(decode_steps), statistics.median(batch_1))
@@ -162,17 +165,20 @@ async def _probe(
     target: str, vocab: tuple[int, ...], lengths: list[int], engine_steps: EngineSteps | None, first: int
 ) -> tuple[list[Probe], EngineTime | None]:
     """The sequential probes after their warm-ups (prompts from index `first` on), and the engines'
-    step time over the probes alone (read between the two) when `engine_steps` is given."""
+    step time over the probes alone (read between the two, and the decode pool's step records after
+    every probe: a reading holds only the newest 64 per worker) when `engine_steps` is given."""
+    options = (PROBE_OUTPUT_TOKENS, 0, CALIBRATION_IDLES_S)
+    await measure(target, lengths[:CALIBRATION_WARMUP], vocab, None, *options, first)  # one-time costs
+    if engine_steps is None:
+        return await measure(target, lengths, vocab, None, *options, first + CALIBRATION_WARMUP), None
+    records: dict[StepRecord, None] = {}  # ordered, each record once however many readings hold it
 
-    def probes(chosen: list[int], start: int):
-        return measure(target, chosen, vocab, None, PROBE_OUTPUT_TOKENS, 0, CALIBRATION_IDLES_S, start)
+    async def collect() -> None:
+        records.update(dict.fromkeys((await engine_steps())["decode"].recent))
 
-    await probes(lengths[:CALIBRATION_WARMUP], first)  # discarded: a fresh cluster's one-time costs
-    before = await engine_steps() if engine_steps else None
-    measured = await probes(lengths, first + CALIBRATION_WARMUP)
-    if engine_steps is None or before is None:
-        return measured, None
-    return measured, EngineTime.between(before, await engine_steps())
+    before = await engine_steps()
+    measured = await measure(target, lengths, vocab, None, *options, first + CALIBRATION_WARMUP, collect)
+    return measured, EngineTime.between(before, await engine_steps(), records)
 
 
 def fit_in_turn(

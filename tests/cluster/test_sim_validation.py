@@ -41,7 +41,7 @@ from benchmarks.validate_sim import ShapeModel, calibration_entry, run_shape, sp
 from benchmarks.validate_sim_predict import SETTINGS
 from benchmarks.validate_sim_report import format_row
 from cluster.sim.config import SimConfig
-from cluster.sim.profile import Overheads, Profile, Transfer
+from cluster.sim.profile import Profile, Transfer
 from cluster.sim.profiler import Grid, measure_profile
 from cluster.sim.simulator import simulate
 from loadtest.cluster_calibration import CALIBRATION_LENGTHS
@@ -102,7 +102,8 @@ def _dearer(profile: Profile, factor: float) -> Profile:
     """Every cost `factor` times: engine steps, the calibrated cluster overheads, the hand-off."""
     steps = {tp: cost.scaled(factor) for tp, cost in profile.steps.items()}
     over = profile.overheads
-    overheads = Overheads(*(v * factor for v in dataclasses.astuple(over)[:5]), prefill_step_scale=over.prefill_step_scale)
+    times = {f.name: getattr(over, f.name) * factor for f in dataclasses.fields(over) if f.name.endswith("_s")}
+    overheads = dataclasses.replace(over, **times)  # the step scales kept: the steps are dearer already
     transfer = Transfer(profile.transfer.latency_s * factor, profile.transfer.bytes_per_s / factor)
     return dataclasses.replace(profile, steps=steps, overheads=overheads, transfer=transfer)
 

@@ -120,3 +120,16 @@ def test_probes_after_several_idle_times_separate_route_from_the_idle_wake_up():
     same = [p._replace(ttft_s=p.ttft_s + truth.wake_s(0.5), idle_s=0.5) for p in _probes(TRUTH, lengths)]
     fitted, _ = fit_overheads(linear_profile(), same)
     assert fitted.idle_wake_s == 0.0 and fitted.route_s == pytest.approx(TRUTH.route_s + truth.wake_s(0.5))
+
+
+def test_a_measured_decode_step_above_the_time_per_token_is_capped_at_it():
+    # Step records reading 20% above the probes' time per token (their noise): the scale reproduces the
+    # probes' time per token, with no overhead, instead of a step the probes never saw.
+    lengths = [64, 256, 64, 256]
+    probes = _probes(TRUTH, lengths)
+    per_token_s = sorted(p.per_token_s for p in probes)
+    median_s = (per_token_s[1] + per_token_s[2]) / 2
+    fitted, rows = fit_overheads(linear_profile(), probes, 16, None, 1.2 * median_s)
+    assert fitted.step_s == 0.0
+    simulated = sorted(r["sim_per_token_ms"] for r in rows)
+    assert (simulated[1] + simulated[2]) / 2 == pytest.approx(median_s * 1e3)

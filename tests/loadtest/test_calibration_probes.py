@@ -69,12 +69,14 @@ def test_engine_time_between_two_readings_takes_the_median_batch_1_decode_step()
         StepRecord(6, 0.009, 2, 2, 200),
     )
     before = {"prefill": Reading(1.0, 10), "decode": Reading(2.0, 100)}
-    after = {"prefill": Reading(1.2, 12), "decode": Reading(2.054, 107, recent)}
-    engines = EngineTime.between(before, after)
+    after = {"prefill": Reading(1.2, 12), "decode": Reading(2.054, 107)}
+    engines = EngineTime.between(before, after, recent)
     assert engines.seconds == pytest.approx(0.254) and (engines.steps, engines.decode_steps) == (9, 7)
     assert engines.decode_step_s == 0.005  # the median: neither the adopting step nor the batch of two
     with pytest.raises(ValueError, match="batch-1"):
-        EngineTime.between(before, {**after, "decode": Reading(2.0, 100)})
+        EngineTime.between(before, {**after, "decode": Reading(2.0, 100)}, recent)
+    with pytest.raises(ValueError, match="batch-1"):
+        EngineTime.between(before, after, recent[-1:])
 
 
 def test_a_burst_reports_each_requests_first_token_and_end(router_target):
