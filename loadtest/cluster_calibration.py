@@ -57,7 +57,9 @@ STREAMING_FIGURES = (
     "host_prefill_interference",
 )
 HOST_FIGURES = ("host_background_cores", *STREAMING_FIGURES)
-CALIBRATION_PROMPTS = 10_000  # prompt indices one calibration may use (probes; bursts from BURST_FIRST_INDEX)
+# Prompt indices one calibration uses from its prompt_index on (probes there, bursts and overlaps from
+# BURST_FIRST_INDEX and OVERLAP_FIRST_INDEX past it): the spacing of calibrations of one cluster.
+CALIBRATION_PROMPTS = 10_000
 
 
 class PoolReading(Protocol):

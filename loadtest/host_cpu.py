@@ -40,7 +40,6 @@ from loadtest.host_clock import busy_cpu_s
 from router.client import AsyncClient
 
 T = TypeVar("T")
-__all__ = ["busy_cpu_s"]  # re-exported: the calibration's CPU clock lives in loadtest/host_clock.py
 
 
 async def idle_cores(window_s: float = 2.0) -> float:
@@ -50,29 +49,22 @@ async def idle_cores(window_s: float = 2.0) -> float:
     return (busy_cpu_s() - before_s) / (time.perf_counter() - started_s)
 
 
-class BurstTimes(NamedTuple):
-    ttft_s: float  # from the send to the first token
-    end_s: float  # to the stream's end
-
-
 async def burst(
     target: str, vocab: tuple[int, ...], prompt_lens: Sequence[int], output_tokens: int, first: int = 0
-) -> list[BurstTimes]:
+) -> list[float]:
     """One request per entry of `prompt_lens`, all sent at once and each streamed to its end; returns
-    each one's seconds from the send to its first token and to its stream's end. Prompt i is made from
-    index `first + i`: distinct indices give prompts sharing no prefix, so a later burst with other
-    indices finds nothing of an earlier one in the prefix cache."""
+    each one's seconds from the send to its stream's end. Prompt i is made from index `first + i`:
+    distinct indices give prompts sharing no prefix, so a later burst with other indices finds nothing
+    of an earlier one in the prefix cache."""
     async with AsyncClient(target, max_retries=0) as client:
         sent_s = time.perf_counter()
 
-        async def one(i: int, prompt_tokens: int) -> BurstTimes:
+        async def one(i: int, prompt_tokens: int) -> float:
             prompt = [vocab[(i * 7919 + j * 104729 + 31) % len(vocab)] for j in range(prompt_tokens)]
             stream = client.generate_stream(prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-            first_s = None
             async for _ in stream:
-                first_s = time.perf_counter() - sent_s if first_s is None else first_s
-            end_s = time.perf_counter() - sent_s
-            return BurstTimes(end_s if first_s is None else first_s, end_s)
+                pass
+            return time.perf_counter() - sent_s
 
         return list(await asyncio.gather(*(one(first + i, n) for i, n in enumerate(prompt_lens))))
 
@@ -112,14 +104,13 @@ def fit_stream_cpu(
     engines_only = engines_of(cluster or SimConfig())
     rows, left = [], []
     for sample in samples:
-        engines_s, steps, tokens = 0.0, 0, sum(r.output_tokens for requests in sample.rounds for r in requests)
+        tokens = sum(r.output_tokens for requests in sample.rounds for r in requests)
         if sample.engine_s is not None:
-            engines_s = sample.engine_s + profile.overheads.step_s * sample.engine_steps
-            steps = sample.decode_steps
-        for requests in sample.rounds if sample.engine_s is None else ():
-            result = simulate(engines_only, profile, requests)
-            engines_s += sum(result.busy_s.values()) * profile.threads_per_worker
-            steps += result.steps["decode"]
+            engines_s, steps = sample.engine_s + profile.overheads.step_s * sample.engine_steps, sample.decode_steps
+        else:
+            results = [simulate(engines_only, profile, requests) for requests in sample.rounds]
+            engines_s = sum(sum(r.busy_s.values()) for r in results) * profile.threads_per_worker
+            steps = sum(r.steps["decode"] for r in results)
         rows.append((steps, tokens))
         left.append(max(sample.busy_s - background_cores * sample.window_s - engines_s, 0.0))
     if not rows or not all(tokens for _, tokens in rows):
@@ -200,16 +191,16 @@ class BurstSample(NamedTuple):
 async def measure_bursts(target: str, vocab: tuple[int, ...], first: int = BURST_FIRST_INDEX) -> BurstSample:
     """`BURST_ROUNDS` bursts of requests sent at once (decode batches of up to 8), one after another,
     their prompts from indices `first` on (`burst`)."""
-    times: list[BurstTimes] = []
+    ends_s: list[float] = []
 
     async def bursts() -> None:
         for r in range(BURST_ROUNDS):  # each round its own prompts: the simulation charges every prefill
             start = first + r * len(BURST_PROMPT_TOKENS)
-            times.extend(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, start))
+            ends_s.extend(await burst(target, vocab, BURST_PROMPT_TOKENS, BURST_OUTPUT_TOKENS, start))
 
     _, busy_s, window_s = await with_host_cpu(bursts())
     one = [SimRequest(0.0, n, BURST_OUTPUT_TOKENS) for n in BURST_PROMPT_TOKENS]
-    return BurstSample(CpuSample([one] * BURST_ROUNDS, busy_s, window_s), [t.end_s for t in times])
+    return BurstSample(CpuSample([one] * BURST_ROUNDS, busy_s, window_s), ends_s)
 
 
 class Overlap(NamedTuple):

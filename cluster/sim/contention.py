@@ -19,9 +19,9 @@ runnable. The demand, in cores, has three parts:
   median 1.5x its time alone, where the CPU figures alone give 1.3x). `stream_interference` (>= 1,
   fitted by the calibration's bursts, loadtest/host_cpu.py) multiplies K for that, and a prefill
   worker, whose steps are long enough to be preempted again and again, feels K `prefill_interference`
-  times more (fitted on the bursts' TTFTs once the decode steps are measured: the decode engines'
-  own step timings hold their stretch, and what a prefill overlapping decode streams loses beyond
-  it is this factor's).
+  times more (fitted on prompts sent while another request streams, loadtest/host_cpu.py
+  `measure_overlaps`, once the decode steps are measured: the decode engines' own step timings hold
+  their stretch, and what a prefill overlapping decode streams loses beyond it is this factor's).
 Every step takes `stretch` times its profiled time, where s * cores = E + K / s once the demand
 exceeds the cores:
 

@@ -79,13 +79,6 @@ def test_engine_time_between_two_readings_takes_the_median_batch_1_decode_step()
         EngineTime.between(before, after, recent[-1:])
 
 
-def test_a_burst_reports_each_requests_first_token_and_end(router_target):
-    from loadtest.host_cpu import burst
-
-    times = asyncio.run(burst(router_target, VOCAB, [96, 32, 64], 4, first=9000))
-    assert len(times) == 3 and all(0 < t.ttft_s < t.end_s for t in times), times
-
-
 def test_an_overlap_sends_b_once_a_streams_and_times_b_from_its_own_send(router_target):
     from loadtest.host_cpu import OVERLAP_STREAM, measure_overlaps
 

@@ -11,10 +11,10 @@ import pytest
 
 from cluster.sim import SimConfig, SimRequest, simulate
 from cluster.sim.profile import Overheads
+from loadtest.host_clock import busy_cpu_s
 from loadtest.host_cpu import (
     MAX_INTERFERENCE,
     CpuSample,
-    busy_cpu_s,
     engines_of,
     OVERLAP_STREAM,
     Overlap,
