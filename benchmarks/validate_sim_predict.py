@@ -70,4 +70,5 @@ def model_from_report(report: dict, shape_name: str) -> tuple[Profile, SimConfig
         host_stream_cpu_per_token_s=host["stream_cpu_per_token_ms"] / 1e3,
         host_stream_interference=host["stream_interference"],
         host_prefill_interference=host.get("prefill_interference", 1.0),
+        host_handoff_cores=host.get("handoff_cores", 0.0),
     )

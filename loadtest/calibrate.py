@@ -1,7 +1,7 @@
 """Calibrating a profile's cluster overheads against a running cluster.
 
 The engine profile times steps inside one process; a request through the cluster also pays the
-router, Ray calls and streaming, and its hand-off's fixed costs. `measure` first sends `warmup`
+router, Ray calls and streaming, and its hand-off's fixed costs. `measure` (loadtest/probes.py) first sends `warmup`
 requests whose figures are discarded (a fresh cluster's first requests open channels, build the
 hand-off's process groups and warm kernels: tens of ms that later requests never pay again), then
 sequential requests (nothing else should load the cluster) of `output_tokens` tokens through the
@@ -11,10 +11,11 @@ SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in 
   engines' own step timings over the probes are at hand (`decode_step_s`, read from the workers'
   metrics), decode_step_scale is their mean step over the profile's and step what the median probe's
   time per token adds to that mean: measured, not fitted;
-- prefill_step_scale: with two or more prompt lengths, how much faster measured TTFT grows with the
-  prompt than simulated TTFT does (the slope of a least-squares line through per-length medians): the
-  engine in a prefill worker shares its process (and GIL) with the worker's own threads and runs
-  slower than the profiler's engine alone (1.2-1.3x measured on the dev box);
+- prefill_step_scale: the engine in a prefill worker shares its process (and GIL) with the worker's
+  own threads and runs slower than the profiler's engine alone (1.1-1.4x on the dev box). With the
+  prefill engines' own step timings (`prefill_steps`) it is their median step over the profile's;
+  else, with two or more prompt lengths, how much faster measured TTFT grows with the prompt than
+  simulated TTFT does (the slope of a least-squares line through per-length medians);
 - route: (measured TTFT - simulated TTFT): router, Ray calls and the first token's trip;
 - adopt: (measured - simulated) gap between the first and second token (with `step` applied):
   reserve, announce, the transfer's fixed part, adopt, the second token's trip.
@@ -31,73 +32,16 @@ into route and adopt above. The figures are printed beside what was measured.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import statistics
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
 
 from cluster.sim.config import SimConfig
 from cluster.sim.profile import IDLE_WAKE_TAU_S, Overheads, Profile
 from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
-from loadtest.host_clock import busy_cpu_s
-from router.client import AsyncClient
-
-
-class Probe(NamedTuple):
-    prompt_tokens: int
-    ttft_s: float
-    gap_s: float  # first to second token
-    per_token_s: float  # mean interval after the second token
-    busy_cpu_s: float = 0.0  # the host's busy CPU seconds (every process) from the send to the stream's end
-    wall_s: float = 0.0  # that window's length
-    idle_s: float = 0.0  # how long the cluster had nothing in flight before it was sent
-
-
-async def measure(
-    target: str,
-    prompt_lens: list[int],
-    vocab: tuple[int, ...],
-    token: str | None = None,
-    output_tokens: int = 16,
-    warmup: int = 4,
-    idle_s: float | Sequence[float] = 0.0,
-    first: int = 0,
-    after_each: Callable[[], Awaitable[None]] | None = None,
-) -> list[Probe]:
-    """One sequential request per length after `warmup` discarded ones (the lengths in turn), prompts
-    sharing no prefix, each sent `idle_s` after the previous one ended (several: request i waits the
-    i-th of them, in turn; a served request usually arrives at an idle cluster, not straight after
-    another, and waits longer the longer the cluster idled: `fit_overheads`' idle wake-up). Each probe also records the
-    host's busy CPU while it was in flight (`busy_cpu_s` over `wall_s`): the idle gaps between probes
-    carry only the background, whose error over them would swamp what the probes themselves cost.
-    Prompt i is made from index `first + i`: a second calibration of the same cluster passes indices
-    past the first's, or its probes hit the prefix cache the first one filled. `after_each` is awaited
-    after every request's stream ends (within the idle time that follows: reading the workers)."""
-    out = []
-    lengths = [prompt_lens[i % len(prompt_lens)] for i in range(warmup)] + list(prompt_lens)
-    idles = [idle_s] if isinstance(idle_s, int | float) else list(idle_s)
-    async with AsyncClient(target, token=token, max_retries=0) as client:
-        idle_started_s = time.perf_counter()
-        for i, length in enumerate(lengths):
-            await asyncio.sleep(max(idles[i % len(idles)] - (time.perf_counter() - idle_started_s), 0.0))
-            idled_s = time.perf_counter() - idle_started_s
-            prompt = [vocab[((first + i) * 7919 + j * 104729) % len(vocab)] for j in range(length)]
-            busy_before_s = busy_cpu_s()
-            started_s, times = time.perf_counter(), []
-            async for chunk in client.generate_stream(
-                prompt, max_tokens=output_tokens, temperature=0.0, ignore_eos=True
-            ):
-                times += [time.perf_counter() - started_s] * len(chunk.token_ids)
-            wall_s, busy_s = time.perf_counter() - started_s, busy_cpu_s() - busy_before_s
-            idle_started_s = time.perf_counter()
-            per_token_s = (times[-1] - times[1]) / (len(times) - 2)
-            out.append(Probe(length, times[0], times[1] - times[0], per_token_s, busy_s, wall_s, idled_s))
-            if after_each is not None:
-                await after_each()
-    return out[warmup:]
+from cluster.sim.step_cost import prefill_pairs
+from loadtest.probes import Probe
 
 
 def _alone(profile: Profile, probe: Probe, output_tokens: int, host: SimConfig) -> Probe:
@@ -117,11 +61,14 @@ def fit_overheads(
     output_tokens: int = 16,
     host: SimConfig | None = None,
     decode_step_s: float | None = None,
+    prefill_steps: Sequence[tuple[int, float]] = (),
 ) -> tuple[Overheads, list[dict]]:
     """`host`: a SimConfig whose host figures (cores, background, streaming) the probes are simulated
     with, so that the overheads are what the host model leaves unexplained (None: no host model).
     `decode_step_s`: the decode engines' own mean step time over the probes (their step timings), which
-    pins the decode step scale and the step overhead (`_measured_decode`) instead of fitting them."""
+    pins the decode step scale and the step overhead (`_measured_decode`) instead of fitting them.
+    `prefill_steps`: (prompt tokens, seconds) of the prefill engines' own steps that each prefilled
+    one whole fresh prompt during the probes; they pin the prefill step scale (`_measured_prefill`)."""
     if output_tokens < 3:
         raise ValueError("calibration needs at least 3 output tokens per request")
     bare = profile.with_overheads(Overheads())
@@ -131,7 +78,10 @@ def fit_overheads(
     else:
         step_s, decode_scale = _measured_decode(bare, measured, output_tokens, decode_step_s, host)
     stepped = bare.with_overheads(Overheads(step_s=step_s, decode_step_scale=decode_scale))
-    scale = _prefill_scale(stepped, measured, output_tokens, host)
+    if prefill_steps:
+        scale = _measured_prefill(bare, prefill_steps, step_s)
+    else:
+        scale = _prefill_scale(stepped, measured, output_tokens, host)
     stepped = bare.with_overheads(Overheads(step_s=step_s, prefill_step_scale=scale, decode_step_scale=decode_scale))
     rows, ttft_extra, gap_extra = [], [], []
     for m in measured:
@@ -253,6 +203,17 @@ def _prefill_scale(profile: Profile, measured: list[Probe], output_tokens: int, 
     slope = sum((x - sim_mean) * (y - measured_mean) for x, y in zip(sim, medians.values(), strict=True)) / spread
     low, high = PREFILL_SCALE_RANGE
     return min(max(slope, low), high)
+
+
+def _measured_prefill(bare: Profile, prefill_steps: Sequence[tuple[int, float]], step_s: float) -> float:
+    """The median of the prefill steps' times (less the step overhead) over their profiled times. The
+    probes run alone, so the host stretches none of them (its model adds no core to one busy engine);
+    fitted instead from the probes' TTFTs (a slope through four per-length medians, with route's and
+    wake-up's noise in it) it read 1.05-1.42 on one shape over six validation runs."""
+    cost = bare.step_cost(1)
+    ratios = [(seconds - step_s) / cost.seconds(n, 1, prefill_pairs(0, n)) for n, seconds in prefill_steps]
+    low, high = PREFILL_SCALE_RANGE
+    return min(max(statistics.median(ratios), low), high)
 
 
 def _per_length_medians(lengths: list[int], values: list[float]) -> dict[int, float]:

@@ -135,6 +135,7 @@ def engines_of(cluster: SimConfig) -> SimConfig:
         host_stream_cpu_per_token_s=0.0,
         host_stream_interference=1.0,
         host_prefill_interference=1.0,
+        host_handoff_cores=0.0,
     )
 
 
@@ -154,24 +155,10 @@ def fit_stream_interference(
     return round(solve_increasing(mean_e2e_s, target_s, 1.0, MAX_INTERFERENCE, 0.01), 3)
 
 
-def fit_prefill_interference(profile: Profile, host: SimConfig, overlaps: Sequence[Overlap]) -> float:
-    """The `host_prefill_interference` (1 to MAX_INTERFERENCE) at which the overlapping pairs, each
-    simulated alone on `host`, give B its first token on average when the measured ones did."""
-
-    def mean_ttft_s(interference: float) -> float:
-        config = dataclasses.replace(host, host_prefill_interference=interference)
-        ttfts = [simulate(config, profile, o.requests()).records[1].ttft_s for o in overlaps]
-        return sum(t for t in ttfts if t is not None) / len(ttfts)
-
-    target_s = sum(o.ttft_s for o in overlaps) / len(overlaps)
-    return round(solve_increasing(mean_ttft_s, target_s, 1.0, MAX_INTERFERENCE, 0.01), 3)
-
-
 class StreamCosts(NamedTuple):
     per_step_s: float
     per_token_s: float
     interference: float
-    prefill_interference: float = 1.0
 
 
 MAX_INTERFERENCE = 8.0
@@ -203,76 +190,12 @@ async def measure_bursts(target: str, vocab: tuple[int, ...], first: int = BURST
     return BurstSample(CpuSample([one] * BURST_ROUNDS, busy_s, window_s), ends_s)
 
 
-class Overlap(NamedTuple):
-    """A prompt sent while another request streams: B's prompt, its send after A's (A's second token
-    came then), and B's TTFT."""
-
-    prompt_tokens: int
-    sent_after_s: float
-    ttft_s: float
-
-    def requests(self) -> list[SimRequest]:
-        b = SimRequest(self.sent_after_s, self.prompt_tokens, OVERLAP_OUTPUT_TOKENS)
-        return [SimRequest(0.0, *OVERLAP_STREAM), b]
-
-
-# A streams OVERLAP_STREAM (prompt, output tokens); at its first token B of each length is sent.
-OVERLAP_STREAM, OVERLAP_PROMPT_TOKENS, OVERLAP_OUTPUT_TOKENS = (64, 48), (128, 256, 384, 512) * 2, 2
-OVERLAP_FIRST_INDEX, OVERLAP_IDLE_S = 200_000, 0.3
-
-
-async def measure_overlaps(
-    target: str,
-    vocab: tuple[int, ...],
-    first: int = OVERLAP_FIRST_INDEX,
-    prompt_lens: Sequence[int] = OVERLAP_PROMPT_TOKENS,
-) -> list[Overlap]:
-    """Per entry of `prompt_lens`: A sent, B sent the moment A's second token arrives, B's TTFT; each
-    pair after OVERLAP_IDLE_S idle, its prompts from indices `first` on (none shared). At A's second
-    token its hand-off is over and it decodes and streams: B's prefill overlaps that alone (sent at
-    A's first token, B also met A's hand-off, whose cost to the prefill worker the host model has no
-    part for: the fit then ran to its bound)."""
-    out = []
-    async with AsyncClient(target, max_retries=0) as client:
-
-        def prompt(index: int, tokens: int) -> list[int]:
-            return [vocab[(index * 7919 + j * 104729 + 57) % len(vocab)] for j in range(tokens)]
-
-        for i, tokens in enumerate(prompt_lens):
-            await asyncio.sleep(OVERLAP_IDLE_S)
-            a_prompt, a_output = prompt(first + 2 * i, OVERLAP_STREAM[0]), OVERLAP_STREAM[1]
-            a = client.generate_stream(a_prompt, max_tokens=a_output, temperature=0.0, ignore_eos=True).__aiter__()
-            sent_s = time.perf_counter()
-            await a.__anext__()
-            await a.__anext__()
-            b_sent_s = time.perf_counter()
-            drain = asyncio.ensure_future(_drain(a))
-            ttft_s = None
-            b_prompt = prompt(first + 2 * i + 1, tokens)
-            b = client.generate_stream(b_prompt, max_tokens=OVERLAP_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
-            async for _ in b:
-                ttft_s = time.perf_counter() - b_sent_s if ttft_s is None else ttft_s
-            await drain
-            if ttft_s is not None:
-                out.append(Overlap(tokens, b_sent_s - sent_s, ttft_s))
-    return out
-
-
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass
-
-
-def fit_stream_costs(
-    profile: Profile, sequential: CpuSample, bursts: BurstSample, host: SimConfig, overlaps: Sequence[Overlap] = ()
-) -> StreamCosts:
+def fit_stream_costs(profile: Profile, sequential: CpuSample, bursts: BurstSample, host: SimConfig) -> StreamCosts:
     """`fit_stream_cpu` over the sequential calibration's sample and the bursts, then
     `fit_stream_interference` on the bursts, `host` (the pools they ran on, its cores and background
-    set) with the streaming costs just fitted, and `fit_prefill_interference` on `overlaps` (none: 1)."""
+    set) with the streaming costs just fitted."""
     per_step_s, per_token_s = fit_stream_cpu(profile, [sequential, bursts.cpu], host.host_background_cores, host)
     host = dataclasses.replace(host, host_stream_cpu_per_step_s=per_step_s, host_stream_cpu_per_token_s=per_token_s)
-    interference = fit_stream_interference(profile, host, bursts.cpu.rounds, bursts.ends_s)
-    if not overlaps:
-        return StreamCosts(per_step_s, per_token_s, interference)
-    host = dataclasses.replace(host, host_stream_interference=interference)
-    return StreamCosts(per_step_s, per_token_s, interference, fit_prefill_interference(profile, host, overlaps))
+    return StreamCosts(
+        per_step_s, per_token_s, fit_stream_interference(profile, host, bursts.cpu.rounds, bursts.ends_s)
+    )

@@ -93,7 +93,8 @@ def _transfer(args) -> Transfer:
 
 
 def _calibrate(args) -> Profile:
-    from loadtest.calibrate import fit_overheads, format_rows, measure
+    from loadtest.calibrate import fit_overheads, format_rows
+    from loadtest.probes import measure
 
     if args.profile is None:
         raise ValueError("--calibrate needs --profile FILE")

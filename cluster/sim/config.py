@@ -57,6 +57,7 @@ class SimConfig:
     host_stream_cpu_per_token_s: float = 0.0  # and per output token (router relaying it, client reading it)
     host_stream_interference: float = 1.0  # >= 1: streaming's wake-ups slow the engines beyond their CPU
     host_prefill_interference: float = 1.0  # >= 1: and the prefill engines' long steps by this much more
+    host_handoff_cores: float = 0.0  # cores a hand-off keeps busy from its transfer's start to its adoption
 
     def __post_init__(self):
         _check(self.colocated >= 0, "colocated", "must be >= 0")
@@ -88,7 +89,17 @@ class SimConfig:
         )
         for key in ("host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s"):
             _check(getattr(self, key) >= 0 and math.isfinite(getattr(self, key)), key, "must be a number >= 0")
-        for key in ("host_background_cores", "host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s"):
+        _check(
+            self.host_handoff_cores >= 0 and math.isfinite(self.host_handoff_cores),
+            "host_handoff_cores",
+            "must be a number >= 0",
+        )
+        for key in (
+            "host_background_cores",
+            "host_stream_cpu_per_step_s",
+            "host_stream_cpu_per_token_s",
+            "host_handoff_cores",
+        ):
             _check(self.host_cores is not None or not getattr(self, key), key, "needs host_cores")
         for key in ("host_stream_interference", "host_prefill_interference"):
             interference = getattr(self, key)

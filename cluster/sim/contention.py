@@ -5,9 +5,12 @@ one accelerator). In a real fleet every worker has its own accelerator and nothi
 (`SimConfig.host_cores` None, the default). When workers share a host of `cores` CPU cores, as every
 process of a test cluster shares this machine, the kernel shares the cores among whatever is
 runnable. The demand, in cores, has three parts:
-- E = busy * threads + background: `busy` workers with a run of steps in progress (a worker waiting
-  for work, for KV room or for a hand-off uses no core), each of `threads` threads, and `background`
-  cores of processes busy whatever the load (Ray's daemons, the controller's loops);
+- E = busy * threads + background + handoffs * handoff_cores: `busy` workers with a run of steps in
+  progress (a worker waiting for work, for KV room or for a hand-off uses no core), each of `threads`
+  threads, `background` cores of processes busy whatever the load (Ray's daemons, the controller's
+  loops), and the hand-offs in progress, from their transfer's start to their adoption, each keeping
+  `handoff_cores` busy (the sender's and receiver's threads; fitted on prompts sent as another
+  request's hand-off starts, loadtest/overlaps.py);
 - streaming: outside the engines, every decode step costs the host `stream_cpu_per_step_s` (the
   worker's outbox and the router's poll of it) and every output token `stream_cpu_per_token_s` (the
   router relaying it, the client reading it): ~3.7 ms per token at batch 1 on the dev box, as much
@@ -19,8 +22,8 @@ runnable. The demand, in cores, has three parts:
   median 1.5x its time alone, where the CPU figures alone give 1.3x). `stream_interference` (>= 1,
   fitted by the calibration's bursts, loadtest/host_cpu.py) multiplies K for that, and a prefill
   worker, whose steps are long enough to be preempted again and again, feels K `prefill_interference`
-  times more (fitted on prompts sent while another request streams, loadtest/host_cpu.py
-  `measure_overlaps`, once the decode steps are measured: the decode engines' own step timings hold
+  times more (fitted on prompts sent while other requests stream, loadtest/overlaps.py, on each
+  cluster shape, once the decode steps are measured: the decode engines' own step timings hold
   their stretch, and what a prefill overlapping decode streams loses beyond it is this factor's).
 Every step takes `stretch` times its profiled time, where s * cores = E + K / s once the demand
 exceeds the cores:
@@ -29,7 +32,8 @@ exceeds the cores:
     stretch = (E + sqrt(E^2 + 4 * cores * K)) / (2 * cores)  otherwise
 
 (K = 0: max(1, E / cores)). The stretch is re-evaluated whenever a worker starts or ends a run (a
-decode batch changes size, a worker starts or stops being busy): the runs in progress are cut at
+decode batch changes size, a worker starts or stops being busy) and, with `handoff_cores`, whenever a
+hand-off starts or ends: the runs in progress are cut at
 their next step boundary and continue at the new stretch (a step already under way keeps the
 stretch it started with).
 
@@ -60,9 +64,10 @@ class HostShare:
     stream_cpu_per_token_s: float = 0.0  # and per output token streamed
     stream_interference: float = 1.0  # streaming's demand as the engines feel it, over its CPU time
     prefill_interference: float = 1.0  # and as a prefill engine feels it, over that
+    handoff_cores: float = 0.0  # cores each hand-off in progress keeps busy (sender, receiver, adoption)
 
     def __post_init__(self):
-        costs = (self.background, self.stream_cpu_per_step_s, self.stream_cpu_per_token_s)
+        costs = (self.background, self.stream_cpu_per_step_s, self.stream_cpu_per_token_s, self.handoff_cores)
         interference = min(self.stream_interference, self.prefill_interference)
         if self.cores < 1 or self.threads_per_worker < 1 or min(costs) < 0 or not interference >= 1:
             raise ValueError(
@@ -70,11 +75,13 @@ class HostShare:
                 f"interference >= 1, got {self}"
             )
 
-    def stretch(self, busy: int, steps_per_s: float = 0.0, tokens_per_s: float = 0.0, prefill: bool = False) -> float:
+    def stretch(
+        self, busy: int, steps_per_s: float = 0.0, tokens_per_s: float = 0.0, prefill: bool = False, handoffs: int = 0
+    ) -> float:
         """How many times its profiled time a step (of a prefill worker: `prefill`) takes while `busy`
-        workers step and decode runs would make `steps_per_s` steps and `tokens_per_s` output tokens
-        per second unstretched."""
-        engines = busy * self.threads_per_worker + self.background
+        workers step, `handoffs` hand-offs are in progress and decode runs would make `steps_per_s`
+        steps and `tokens_per_s` output tokens per second unstretched."""
+        engines = busy * self.threads_per_worker + self.background + handoffs * self.handoff_cores
         streaming = self.stream_cpu_per_step_s * steps_per_s + self.stream_cpu_per_token_s * tokens_per_s
         streaming *= self.stream_interference * (self.prefill_interference if prefill else 1.0)
         if engines + streaming <= self.cores:
@@ -93,6 +100,7 @@ def host_share(config: SimConfig, threads_per_worker: int) -> HostShare:
         config.host_stream_cpu_per_token_s,
         config.host_stream_interference,
         config.host_prefill_interference,
+        config.host_handoff_cores,
     )
 
 
@@ -107,12 +115,13 @@ class SharedHost:
     def stretch_of(self, role: str) -> float:
         return self.current[role == "prefill"]
 
-    def update(self, workers: Sequence[SimWorker], now_s: float) -> list[SimWorker]:
-        """Re-counts the busy workers; returns the workers whose run's end moved (to reschedule)."""
+    def update(self, workers: Sequence[SimWorker], now_s: float, handoffs: int = 0) -> list[SimWorker]:
+        """Re-counts the busy workers (and takes the `handoffs` in progress); returns the workers whose
+        run's end moved (to reschedule)."""
         self.busy = sum(w.run is not None and not w.dead for w in workers)
         rates = [w.decode_rates_per_s() for w in workers]
         steps_per_s, tokens_per_s = sum(r[0] for r in rates), sum(r[1] for r in rates)
-        current = {p: self.share.stretch(self.busy, steps_per_s, tokens_per_s, p) for p in self.current}
+        current = {p: self.share.stretch(self.busy, steps_per_s, tokens_per_s, p, handoffs) for p in self.current}
         if current == self.current:
             return []
         self.current = current

@@ -69,12 +69,10 @@ class FaultHandler:
     def _detach(self, seq: SimSeq, dead_pool: str) -> None:
         """Frees what the request holds on the workers that survive the fault."""
         sim = self.sim
-        for waiting in sim.reserve_waiting:
-            if seq in waiting:
-                waiting.remove(seq)
+        sim.handoffs.forget(seq)
         if seq.decode_blocks and dead_pool != "decode":
             sim.decode[seq.decode_worker].release_decode(seq)
-            sim.reserve_next(seq.decode_worker)
+            sim.handoffs.reserve_next(seq.decode_worker)
         if seq.table and dead_pool != "front":
             prefill = sim.front[seq.prefill_worker]
             prefill.release_prefill(seq)
@@ -114,7 +112,7 @@ class FaultHandler:
             sim.router.set_alive("decode", index, True)
         else:
             sim.front[index] = sim.new_worker("colocated" if sim.config.colocated else "prefill", index)
-            sim.sender_free_s[index] = sim.now_s
+            sim.handoffs.worker_restarted(index)
             sim.router.set_alive("prefill", index, True)
         parked, self.parked = self.parked, deque()
         for seq in parked:

@@ -13,9 +13,10 @@ A request's life, as in the cluster (README "A request through the disaggregated
    (a request that finds nothing in flight waits the idle wake-up too, `Overheads.wake_s`);
 3. the prefill worker's batched chunked prefill (cluster/sim/worker.py) reaches its prompt's end:
    the first token reaches the client `first_token` later;
-4. hand-off: blocks for its context are reserved on the decode instance (a full instance is waited
-   for), the KV goes over the prefill worker's one sender (latency + bytes / bandwidth, in turn),
-   its prefill blocks are released (they stay cached), the decode instance adopts it `adopt` later;
+4. hand-off (cluster/sim/handoff.py): blocks for its context are reserved on the decode instance (a
+   full instance is waited for), the KV goes over the prefill worker's one sender (latency + bytes /
+   bandwidth, in turn), its prefill blocks are released (they stay cached), the decode instance
+   adopts it `adopt` later;
 5. it decodes in the instance's continuous batch; its last token reaches the client `token` later.
 Colocated workers do 3 and 5 in one batch. Worker faults migrate requests (cluster/sim/faults.py).
 Workers sharing one host's cores (`host_cores`) step slower while more of them are busy
@@ -32,16 +33,15 @@ from collections.abc import Sequence
 
 from cluster.sim.config import SimConfig
 from cluster.sim.contention import SharedHost, host_share
+from cluster.sim.events import ARRIVE, ENQUEUE, FAULT, RESTART, WORKER
 from cluster.sim.faults import FaultHandler
+from cluster.sim.handoff import HandOffs
 from cluster.sim.kv import BlockCounter, PrefixPool
 from cluster.sim.profile import Profile
 from cluster.sim.result import SimResult
 from cluster.sim.router import SimRouter
 from cluster.sim.seq import SimRequest, SimSeq, shared_keys, useful_keys
 from cluster.sim.worker import SimWorker
-
-# Event kinds, in the order they run at one instant: work finishing frees room before new work lands.
-WORKER, HANDOFF_DONE, ADOPT, ENQUEUE, RESTART, FAULT, ARRIVE = range(7)
 
 
 def simulate(config: SimConfig, profile: Profile, requests: Sequence[SimRequest]) -> SimResult:
@@ -58,8 +58,7 @@ class Simulation:
         self.router = SimRouter(config.policy, prefill_pool, max(config.decode, 1), self.block_tokens)
         self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
         self.decode = [self.new_worker("decode", i) for i in range(config.decode)]
-        self.sender_free_s = [0.0] * prefill_pool  # each prefill worker sends one hand-off at a time
-        self.reserve_waiting: list[deque] = [deque() for _ in self.decode]  # hand-offs waiting for decode room
+        self.handoffs = HandOffs(self, prefill_pool, config.decode)
         self.faults = FaultHandler(self)
         self.client_queue: deque[SimSeq] = deque()
         self.active: set[SimSeq] = set()  # sent, not ended (faults find the requests a death touches)
@@ -69,7 +68,6 @@ class Simulation:
         self._events: list = []
         self._order = 0
         self.now_s = 0.0
-        self.handoff_s = 0.0
 
     def new_worker(self, role: str, index: int) -> SimWorker:
         profile, config = self.profile, self.config
@@ -105,12 +103,13 @@ class Simulation:
             self.push(fault.time_s, FAULT, fault)
         handlers = (
             self._on_worker,
-            self._on_handoff_done,
+            self.handoffs.on_done,
             self._on_adopt,
             self._on_enqueue,
             self.faults.on_restart,
             self.faults.on_fault,
             self._on_arrive,
+            self.handoffs.on_start,
         )
         events = 0
         while self._events:
@@ -128,8 +127,21 @@ class Simulation:
 
     def schedule(self, worker: SimWorker) -> None:
         """Queues the end of the worker's run (and of the runs a shared host's new stretch moved)."""
-        moved = [] if self.host is None else self.host.update([*self.front, *self.decode], self.now_s)
+        moved = [] if self.host is None else self._restretch()
         for each in (worker, *(w for w in moved if w is not worker)):
+            end_s = each.next_time()
+            if end_s is not None:
+                self.push(end_s, WORKER, each, each.version)
+
+    def _restretch(self) -> list[SimWorker]:
+        assert self.host is not None
+        return self.host.update([*self.front, *self.decode], self.now_s, len(self.handoffs.in_progress))
+
+    def handoffs_changed(self) -> None:
+        """A hand-off started or ended: with host_handoff_cores, the runs its cores moved are rescheduled."""
+        if self.host is None or not self.config.host_handoff_cores:
+            return
+        for each in self._restretch():
             end_s = each.next_time()
             if end_s is not None:
                 self.push(end_s, WORKER, each, each.version)
@@ -239,32 +251,10 @@ class Simulation:
             worker.release_prefill(seq)
             self.faults.migrate(seq, seq.emitted)
         else:
-            seq.stage = "pinned"
-            self.reserve_waiting[seq.decode_worker].append(seq)
-            self.reserve_next(seq.decode_worker)
-
-    def reserve_next(self, decode: int) -> None:
-        """Hand-offs waiting for this instance start in turn while its blocks allow."""
-        waiting, instance = self.reserve_waiting[decode], self.decode[decode]
-        while waiting and instance.reserve(waiting[0], self.block_tokens):
-            seq = waiting.popleft()
-            start_s = max(self.now_s, self.sender_free_s[seq.prefill_worker])
-            end_s = start_s + self.profile.transfer.seconds(seq.prompt * self.profile.model.kv_bytes_per_token)
-            self.sender_free_s[seq.prefill_worker] = end_s
-            self.handoff_s += end_s - start_s
-            self.push(end_s, HANDOFF_DONE, seq, seq.migrations)
-
-    def _on_handoff_done(self, seq: SimSeq, attempt: int) -> None:
-        if attempt != seq.migrations:
-            return
-        prefill = self.front[seq.prefill_worker]
-        prefill.release_prefill(seq)
-        if prefill.kick(self.now_s):
-            self.schedule(prefill)
-        seq.stage = "adopting"
-        self.push(self.now_s + self.over.adopt_s, ADOPT, seq, seq.migrations)
+            self.handoffs.pin(seq)
 
     def _on_adopt(self, seq: SimSeq, attempt: int) -> None:
+        self.handoffs.over(seq, attempt)
         if attempt != seq.migrations:
             return
         seq.stage = "decode"
@@ -275,7 +265,7 @@ class Simulation:
     def _finished(self, worker: SimWorker, seq: SimSeq) -> None:
         if worker.role == "decode":
             worker.release_decode(seq)
-            self.reserve_next(worker.index)
+            self.handoffs.reserve_next(worker.index)
         else:
             worker.release_prefill(seq)
         self.finish(seq)
@@ -293,6 +283,6 @@ class Simulation:
             events,
             wall_s,
             busy,
-            self.handoff_s,
+            self.handoffs.seconds,
             steps,
         )

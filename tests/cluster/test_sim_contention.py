@@ -141,3 +141,18 @@ def test_prefill_workers_feel_streaming_prefill_interference_times_more():
     assert a.last_token_s > plain_a.last_token_s
     with pytest.raises(ValueError, match=r"^host_prefill_interference: must be a number >= 1"):
         SimConfig(host_cores=2, host_prefill_interference=0.5)
+
+
+def test_a_handoff_in_progress_keeps_its_cores_busy_until_its_adoption():
+    # A (100 tokens) is prefilled by 2 ms and handed off from 2 to 8 ms (the linear profile's
+    # transfer), decoding from 8 ms. B's 100-token prefill (2 ms alone) starts at 3 ms on the other
+    # prefill worker: on one core beside a hand-off of 1 core, E = 1 + 1 = 2, so 4 ms, all before 8 ms.
+    config = SimConfig(prefill=2, host_cores=1, host_handoff_cores=1.0)
+    overlapping = [SimRequest(0.0, 100, 2), SimRequest(0.003, 100, 1)]
+    a, b = simulate(config, linear_profile(), overlapping).records
+    assert a.last_token_s == approx(0.008 + 0.00101)  # A's one decode step, after its adoption: not stretched
+    assert b.ttft_s == approx(0.004)
+    plain = simulate(dataclasses.replace(config, host_handoff_cores=0.0), linear_profile(), overlapping).records
+    assert plain[1].ttft_s == approx(0.002)
+    with pytest.raises(ValueError, match=r"^host_handoff_cores: needs host_cores"):
+        SimConfig(host_handoff_cores=0.5)

@@ -9,10 +9,12 @@ import dataclasses
 import pytest
 
 from cluster.sim.config import SimConfig
+from cluster.sim.profile import Overheads, Profile
 from cluster.sim.seq import SimRequest
 from cluster.sim.simulator import simulate
-from cluster.sim.profile import Overheads, Profile
-from loadtest.calibrate import Probe, _alone, fit_overheads
+from cluster.sim.step_cost import prefill_pairs
+from loadtest.calibrate import _alone, fit_overheads
+from loadtest.probes import Probe
 from tests.cluster.sim_factories import linear_profile
 
 TRUTH = Overheads(route_s=0.005, adopt_s=0.007, step_s=0.0005, prefill_step_scale=1.5)
@@ -78,7 +80,9 @@ def _mean_decode_step_s(overheads: Overheads, lengths: list[int], host: SimConfi
 def test_a_measured_decode_step_gives_the_decode_scale_and_the_step_overhead_directly():
     truth = dataclasses.replace(TRUTH, decode_step_scale=1.3)
     lengths = [64, 256, 64, 256]
-    fitted, rows = fit_overheads(linear_profile(), _probes(truth, lengths), 16, None, _mean_decode_step_s(truth, lengths))
+    fitted, rows = fit_overheads(
+        linear_profile(), _probes(truth, lengths), 16, None, _mean_decode_step_s(truth, lengths)
+    )
     assert fitted.decode_step_scale == pytest.approx(1.3)
     assert fitted.step_s == pytest.approx(TRUTH.step_s)
     assert (fitted.route_s, fitted.adopt_s) == pytest.approx((TRUTH.route_s, TRUTH.adopt_s))
@@ -133,3 +137,19 @@ def test_a_measured_decode_step_above_the_time_per_token_is_capped_at_it():
     assert fitted.step_s == 0.0
     simulated = sorted(r["sim_per_token_ms"] for r in rows)
     assert (simulated[1] + simulated[2]) / 2 == pytest.approx(median_s * 1e3)
+
+
+def test_measured_prefill_steps_give_the_prefill_scale_directly():
+    # The prefill engines timed each probe's prompt at 1.3x the profile's step (plus the step
+    # overhead): the scale is 1.3 whatever the TTFTs say (here probes of a 1.5x truth); without the
+    # timings the TTFTs' slope gives 1.5.
+    profile = linear_profile()
+    cost = profile.step_cost(1)
+    steps = [(n, 1.3 * cost.seconds(n, 1, prefill_pairs(0, n)) + TRUTH.step_s) for n in (64, 256, 512)]
+    probes = _probes(TRUTH, [64, 256, 64, 256])
+    measured, _ = fit_overheads(profile, probes, 16, None, None, steps)
+    assert measured.prefill_step_scale == pytest.approx(1.3)
+    assert fit_overheads(profile, probes)[0].prefill_step_scale == pytest.approx(1.5)
+    # An outlier step (a collection pause) does not move a median of five.
+    noisy = steps + [(128, 1.0), (128, 1.3 * cost.seconds(128, 1, prefill_pairs(0, 128)) + TRUTH.step_s)]
+    assert fit_overheads(profile, probes, 16, None, None, noisy)[0].prefill_step_scale == pytest.approx(1.3)

@@ -1,5 +1,6 @@
 """The calibration's sequential probes against a real router: each records the host's busy CPU while
 it was in flight, and `first` picks prompts an earlier calibration has not put in the prefix cache."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,8 @@ import os
 import pytest
 
 from cluster.sim.seq import SimRequest
-from loadtest.calibrate import Probe, measure
 from loadtest.cluster_calibration import PROBE_OUTPUT_TOKENS, in_flight_sample
+from loadtest.probes import Probe, measure
 from router.client import AsyncClient
 
 VOCAB = tuple(range(10, 250))  # ids of the tiny checkpoint (the probes ignore EOS)
@@ -77,14 +78,26 @@ def test_engine_time_between_two_readings_takes_the_median_batch_1_decode_step()
         EngineTime.between(before, {**after, "decode": Reading(2.0, 100)}, recent)
     with pytest.raises(ValueError, match="batch-1"):
         EngineTime.between(before, after, recent[-1:])
+    # Prefill steps: one fresh prompt each, (tokens, seconds); a chunk after cached tokens (context
+    # beyond its own tokens) or a batch of two prompts is left out.
+    prefill = (
+        StepRecord(1, 0.030, 256, 1, 256),
+        StepRecord(2, 0.012, 64, 1, 192),
+        StepRecord(3, 0.040, 384, 2, 384),
+        StepRecord(4, 0.045, 384, 1, 384),
+    )
+    assert EngineTime.between(before, after, recent, prefill).prefill_steps == ((256, 0.030), (384, 0.045))
 
 
-def test_an_overlap_sends_b_once_a_streams_and_times_b_from_its_own_send(router_target):
-    from loadtest.host_cpu import OVERLAP_STREAM, measure_overlaps
+def test_an_overlap_sends_b_once_every_a_streams_and_times_b_from_its_own_send(router_target):
+    from loadtest.overlaps import OVERLAP_STREAM, measure_overlaps
 
-    overlaps = asyncio.run(measure_overlaps(router_target, VOCAB, first=9100, prompt_lens=(96, 160)))
-    assert [o.prompt_tokens for o in overlaps] == [96, 160]
+    overlaps = asyncio.run(measure_overlaps(router_target, VOCAB, first=9100, plan=((96, 1, 2), (160, 2, 1))))
+    assert [(o.prompt_tokens, o.streams, o.at_token) for o in overlaps] == [(96, 1, 2), (160, 2, 1)]
     for o in overlaps:
-        assert o.sent_after_s > 0 and o.ttft_s > 0, o  # B went out at A's second token, not with A
-        a, b = o.requests()
-        assert (a.prompt_tokens, a.output_tokens, b.arrival_s) == (*OVERLAP_STREAM, o.sent_after_s)
+        assert o.sent_after_s > 0 and o.ttft_s > 0, o  # B went out at the A's tokens, not with them
+        *streams, b = o.requests()
+        assert [(a.arrival_s, a.prompt_tokens, a.output_tokens) for a in streams] == [
+            (0.0, *OVERLAP_STREAM)
+        ] * o.streams
+        assert (b.arrival_s, b.prompt_tokens) == (o.sent_after_s, o.prompt_tokens)

@@ -10,9 +10,11 @@ import pytest
 
 from cluster.sim import SimConfig, SimRequest, simulate
 from cluster.sim.profile import Overheads, Profile
-from loadtest.calibrate import Probe, _alone
+from loadtest.calibrate import _alone
 from loadtest.cluster_calibration import fit_in_turn
-from loadtest.host_cpu import OVERLAP_STREAM, BurstSample, CpuSample, Overlap
+from loadtest.host_cpu import BurstSample, CpuSample
+from loadtest.overlaps import OVERLAP_STREAM, Overlap
+from loadtest.probes import Probe
 from tests.cluster.sim_factories import linear_profile
 
 TRUTH = Overheads(route_s=0.005, adopt_s=0.007, step_s=0.0005, prefill_step_scale=1.5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 
@@ -16,9 +15,6 @@ from loadtest.host_cpu import (
     MAX_INTERFERENCE,
     CpuSample,
     engines_of,
-    OVERLAP_STREAM,
-    Overlap,
-    fit_prefill_interference,
     fit_stream_cpu,
     fit_stream_interference,
     idle_cores,
@@ -134,7 +130,10 @@ def test_streaming_cpu_is_fitted_on_the_pools_the_samples_ran_on():
         host_stream_interference=3.0,
         host_prefill_interference=2.0,
     )
-    assert fit_stream_cpu(profile, samples, background, hosted) == (pytest.approx(per_step_s), pytest.approx(per_token_s))
+    assert fit_stream_cpu(profile, samples, background, hosted) == (
+        pytest.approx(per_step_s),
+        pytest.approx(per_token_s),
+    )
     assert engines_of(hosted) == two_decode
 
 
@@ -156,20 +155,3 @@ def test_a_sample_with_measured_engine_time_uses_it_and_its_measured_decode_step
     # Simulating the sequential probes instead (4.02 ms of engines each, 2 decode steps) misreads them.
     simulated = samples[0]._replace(engine_s=None)
     assert fit_stream_cpu(profile, [simulated, samples[1]], background) != pytest.approx((per_step_s, per_token_s))
-
-
-def test_the_prefill_interference_is_the_factor_at_which_simulated_overlaps_reach_their_first_tokens():
-    # Prompts sent while another request streams (here from its first token), simulated on a 1-core host
-    # whose prefill worker feels streaming x2.5 more: the fit on their TTFTs finds 2.5 back; on the
-    # TTFTs of a host with no extra slowdown, 1.
-    profile = linear_profile()
-    host = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.002)
-    truth = dataclasses.replace(host, host_prefill_interference=2.5)
-    sent_after_s = simulate(host, profile, [SimRequest(0.0, *OVERLAP_STREAM)]).records[0].ttft_s
-
-    def overlaps(config: SimConfig) -> list[Overlap]:
-        shape = [Overlap(n, sent_after_s, 0.0) for n in (1024, 1536, 2048)]  # long: A decodes meanwhile
-        return [o._replace(ttft_s=simulate(config, profile, o.requests()).records[1].ttft_s) for o in shape]
-
-    assert fit_prefill_interference(profile, host, overlaps(truth)) == pytest.approx(2.5, abs=0.01)
-    assert fit_prefill_interference(profile, host, overlaps(host)) == 1.0

@@ -1,0 +1,4 @@
+"""The simulation's event kinds, in the order they run at one instant: work finishing frees room
+before new work lands (a hand-off's start, known in advance, comes last)."""
+
+WORKER, HANDOFF_DONE, ADOPT, ENQUEUE, RESTART, FAULT, ARRIVE, HANDOFF_START = range(8)
