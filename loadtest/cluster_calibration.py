@@ -16,9 +16,10 @@ remaining gap per round, within 1% in 10 rounds; `HOST_FIT_MAX_ROUNDS` bounds it
 The streaming figures are the software's (the workers' outbox and poll threads, the router relaying
 tokens, the client reading them), not the cluster shape's, and the bursts that separate them are
 the noisiest part of a calibration: a calibration of another shape on the same host can take them
-from an earlier one (`streaming`) and fit only its overheads, its idle cores and its prefill
-interference: a prefill engine's loss to the decode streams beside it grows with the workers sharing
-the cores (one prefill worker and one decode instance lose least), and its overlaps are few and short.
+from an earlier one (`streaming`) and fit only its overheads, its idle cores and the overlaps' figures
+(`loadtest/overlaps.py`: the prefill interference and the hand-off cores): a prefill engine's loss to
+the decode streams beside it grows with the workers sharing the cores (one prefill worker and one
+decode instance lose least), and its overlaps take a few seconds.
 """
 
 from __future__ import annotations
@@ -100,11 +101,11 @@ async def calibrate_cluster(
     instances): the probes and bursts are simulated on it; with `host_cores`, the host's figures too
     (`background_cores`: given instead of measured). `streaming`: a calibration's host whose streaming
     figures (STREAMING_FIGURES) are taken as they are: no bursts, the overheads fitted once on them,
-    then the prefill interference on this shape's overlaps.
+    then the overlaps' figures (OVERLAP_FIGURES) on this shape's overlaps.
     `probe_lengths`: the sequential probes' prompt lengths (fewer: a coarser fit, sooner).
     `engine_steps`: reads the pools' summed engine step seconds and steps (benchmarks/engine_busy.py's
-    `pool_steps` on a cluster launched with metrics ports); with it the decode step scale and the step
-    overhead are measured over the probes (loadtest/calibrate.py), else fitted. `prompt_index`: where
+    `pool_steps` on a cluster launched with metrics ports); with it the decode and prefill step scales
+    and the step overhead are measured over the probes (loadtest/calibrate.py), else fitted. `prompt_index`: where
     the probes' and bursts' prompt indices start; a later calibration of the same cluster passes one
     past an earlier's (CALIBRATION_PROMPTS further), or its prompts hit the prefix cache."""
     pools = SimConfig(prefill=shape[0], decode=shape[1])
@@ -182,8 +183,9 @@ async def _probe(
     target: str, vocab: tuple[int, ...], lengths: list[int], engine_steps: EngineSteps | None, first: int
 ) -> tuple[list[Probe], EngineTime | None]:
     """The sequential probes after their warm-ups (prompts from index `first` on), and the engines'
-    step time over the probes alone (read between the two, and the decode pool's step records after
-    every probe: a reading holds only the newest 64 per worker) when `engine_steps` is given."""
+    step time over the probes alone (read between the two, and both pools' step records after every
+    probe, those held before the first left out: a reading holds only the newest 64 per worker) when
+    `engine_steps` is given."""
     options = (PROBE_OUTPUT_TOKENS, 0, CALIBRATION_IDLES_S)
     await measure(target, lengths[:CALIBRATION_WARMUP], vocab, None, *options, first)  # one-time costs
     if engine_steps is None:
@@ -202,7 +204,10 @@ async def _probe(
     earlier = {pool: set(seen) for pool, seen in records.items()}
     measured = await measure(target, lengths, vocab, None, *options, first + CALIBRATION_WARMUP, collect)
     new = {pool: [r for r in seen if r not in earlier[pool]] for pool, seen in records.items()}
-    return measured, EngineTime.between(before, await engine_steps(), new["decode"], new["prefill"])
+    engines = EngineTime.between(before, await engine_steps(), new["decode"], new["prefill"])
+    if not engines.prefill_steps:  # as for the decode steps: asked to measure, it does not fall back
+        raise ValueError("engine_steps: the prefill pool recorded no step of one fresh prompt during the probes")
+    return measured, engines
 
 
 def fit_in_turn(
