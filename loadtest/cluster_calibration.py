@@ -200,8 +200,7 @@ async def _probe(
             seen.update(dict.fromkeys(reading[pool].recent))
 
     before = await engine_steps()
-    await collect()  # what the pools held before: left out below
-    earlier = {pool: set(seen) for pool, seen in records.items()}
+    earlier = {pool: set(before[pool].recent) for pool in records}  # held before the probes: left out
     measured = await measure(target, lengths, vocab, None, *options, first + CALIBRATION_WARMUP, collect)
     new = {pool: [r for r in seen if r not in earlier[pool]] for pool, seen in records.items()}
     engines = EngineTime.between(before, await engine_steps(), new["decode"], new["prefill"])

@@ -24,7 +24,7 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from cluster.sim.config import SimConfig
@@ -117,33 +117,39 @@ async def measure_overlaps(
     return out
 
 
-def _median_error_s(profile: Profile, host: SimConfig, overlaps: Sequence[Overlap]) -> float:
-    errors = []
-    for o in overlaps:
-        ttft_s = simulate(host, profile, o.requests()).records[o.streams].ttft_s
-        errors.append(math.inf if ttft_s is None else ttft_s - o.ttft_s)
-    return statistics.median(errors)
+def _fit(
+    profile: Profile, overlaps: Sequence[Overlap], host_with: Callable[[float], SimConfig], low: float, high: float
+) -> float:
+    """The value in [low, high] at which the overlaps, each simulated alone on `host_with(value)`, give
+    B its first token as late as measured: the median of simulated less measured TTFT is zero. Each
+    simulated TTFT grows with either figure, and so does their median: bisection."""
+
+    def median_error_s(value: float) -> float:
+        config, errors = host_with(value), []
+        for o in overlaps:
+            ttft_s = simulate(config, profile, o.requests()).records[o.streams].ttft_s
+            errors.append(math.inf if ttft_s is None else ttft_s - o.ttft_s)
+        return statistics.median(errors)
+
+    return round(solve_increasing(median_error_s, 0.0, low, high, 0.01), 3)
 
 
 def fit_prefill_interference(profile: Profile, host: SimConfig, overlaps: Sequence[Overlap]) -> float:
-    """The `host_prefill_interference` (1 to MAX_INTERFERENCE) at which the overlaps, each simulated
-    alone on `host`, give B its first token as late as measured (median error zero). Each simulated
-    TTFT grows with the factor, and so does their median: bisection."""
+    """The `host_prefill_interference` (1 to MAX_INTERFERENCE) the overlaps measured (`_fit`)."""
 
-    def error_s(interference: float) -> float:
-        return _median_error_s(profile, dataclasses.replace(host, host_prefill_interference=interference), overlaps)
+    def host_with(value: float) -> SimConfig:
+        return dataclasses.replace(host, host_prefill_interference=value)
 
-    return round(solve_increasing(error_s, 0.0, 1.0, MAX_INTERFERENCE, 0.01), 3)
+    return _fit(profile, overlaps, host_with, 1.0, MAX_INTERFERENCE)
 
 
 def fit_handoff_cores(profile: Profile, host: SimConfig, overlaps: Sequence[Overlap]) -> float:
-    """The `host_handoff_cores` (0 to MAX_HANDOFF_CORES) at which the overlaps simulated on `host`
-    give B its first token as late as measured (median error zero)."""
+    """The `host_handoff_cores` (0 to MAX_HANDOFF_CORES) the overlaps measured (`_fit`)."""
 
-    def error_s(cores: float) -> float:
-        return _median_error_s(profile, dataclasses.replace(host, host_handoff_cores=cores), overlaps)
+    def host_with(value: float) -> SimConfig:
+        return dataclasses.replace(host, host_handoff_cores=value)
 
-    return round(solve_increasing(error_s, 0.0, 0.0, MAX_HANDOFF_CORES, 0.01), 3)
+    return _fit(profile, overlaps, host_with, 0.0, MAX_HANDOFF_CORES)
 
 
 def fit_overlaps(profile: Profile, host: SimConfig, overlaps: Sequence[Overlap]) -> SimConfig:

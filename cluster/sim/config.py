@@ -87,13 +87,8 @@ class SimConfig:
             "host_background_cores",
             "must be a number >= 0",
         )
-        for key in ("host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s"):
+        for key in ("host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s", "host_handoff_cores"):
             _check(getattr(self, key) >= 0 and math.isfinite(getattr(self, key)), key, "must be a number >= 0")
-        _check(
-            self.host_handoff_cores >= 0 and math.isfinite(self.host_handoff_cores),
-            "host_handoff_cores",
-            "must be a number >= 0",
-        )
         for key in (
             "host_background_cores",
             "host_stream_cpu_per_step_s",

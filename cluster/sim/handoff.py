@@ -28,6 +28,8 @@ class HandOffs:
         self.waiting: list[deque[SimSeq]] = [deque() for _ in range(decode_instances)]  # for decode room
         self.in_progress: dict[SimSeq, int] = {}  # transfer started, not yet adopted: seq -> its attempt
         self.seconds = 0.0  # summed transfer time
+        # Only a shared host with hand-off cores counts them: elsewhere (a planner's fleet) no event is spent.
+        self.counted = sim.host is not None and sim.config.host_handoff_cores > 0
 
     def pin(self, seq: SimSeq) -> None:
         """The request's prompt is prefilled: it waits for room on its decode instance."""
@@ -45,9 +47,9 @@ class HandOffs:
             end_s = start_s + sim.profile.transfer.seconds(seq.prompt * sim.profile.model.kv_bytes_per_token)
             self.sender_free_s[seq.prefill_worker] = end_s
             self.seconds += end_s - start_s
-            if start_s > sim.now_s:
+            if self.counted and start_s > sim.now_s:
                 sim.push(start_s, HANDOFF_START, seq, seq.migrations)
-            else:
+            elif self.counted:
                 self.on_start(seq, seq.migrations)
             sim.push(end_s, HANDOFF_DONE, seq, seq.migrations)
 

@@ -127,21 +127,20 @@ class Simulation:
 
     def schedule(self, worker: SimWorker) -> None:
         """Queues the end of the worker's run (and of the runs a shared host's new stretch moved)."""
-        moved = [] if self.host is None else self._restretch()
-        for each in (worker, *(w for w in moved if w is not worker)):
-            end_s = each.next_time()
-            if end_s is not None:
-                self.push(end_s, WORKER, each, each.version)
+        moved = [] if self.host is None else self.restretch()
+        self._push_ends([worker, *(w for w in moved if w is not worker)])
 
-    def _restretch(self) -> list[SimWorker]:
+    def restretch(self) -> list[SimWorker]:
+        """The shared host's stretch recounted; the workers whose run's end it moved."""
         assert self.host is not None
         return self.host.update([*self.front, *self.decode], self.now_s, len(self.handoffs.in_progress))
 
     def handoffs_changed(self) -> None:
-        """A hand-off started or ended: with host_handoff_cores, the runs its cores moved are rescheduled."""
-        if self.host is None or not self.config.host_handoff_cores:
-            return
-        for each in self._restretch():
+        """A counted hand-off started or ended (cluster/sim/handoff.py): the runs its cores moved."""
+        self._push_ends(self.restretch())
+
+    def _push_ends(self, workers: list[SimWorker]) -> None:
+        for each in workers:
             end_s = each.next_time()
             if end_s is not None:
                 self.push(end_s, WORKER, each, each.version)
