@@ -12,10 +12,11 @@ SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in 
   metrics), decode_step_scale is their mean step over the profile's and step what the median probe's
   time per token adds to that mean: measured, not fitted;
 - prefill_step_scale: the engine in a prefill worker shares its process (and GIL) with the worker's
-  own threads and runs slower than the profiler's engine alone (1.1-1.4x on the dev box). With the
-  prefill engines' own step timings (`prefill_steps`) it is their median step over the profile's;
-  else, with two or more prompt lengths, how much faster measured TTFT grows with the prompt than
-  simulated TTFT does (the slope of a least-squares line through per-length medians);
+  own threads and runs slower than the profiler's engine alone (1.1-1.5x on the dev box). With the
+  prefill engines' own step timings (`prefill_steps`) it is the slope of their times against the
+  profile's and prefill_step the line's fixed part (`_measured_prefill`); else, with two or more
+  prompt lengths, how much faster measured TTFT grows with the prompt than simulated TTFT does (the
+  slope of a least-squares line through per-length medians);
 - route: (measured TTFT - simulated TTFT): router, Ray calls and the first token's trip;
 - adopt: (measured - simulated) gap between the first and second token (with `step` applied):
   reserve, announce, the transfer's fixed part, adopt, the second token's trip.
@@ -32,6 +33,7 @@ into route and adopt above. The figures are printed beside what was measured.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -79,10 +81,11 @@ def fit_overheads(
         step_s, decode_scale = _measured_decode(bare, measured, output_tokens, decode_step_s, host)
     stepped = bare.with_overheads(Overheads(step_s=step_s, decode_step_scale=decode_scale))
     if prefill_steps:
-        scale = _measured_prefill(bare, prefill_steps, step_s)
+        prefill_fixed_s, scale = _measured_prefill(bare, prefill_steps, step_s)
     else:
-        scale = _prefill_scale(stepped, measured, output_tokens, host)
-    stepped = bare.with_overheads(Overheads(step_s=step_s, prefill_step_scale=scale, decode_step_scale=decode_scale))
+        prefill_fixed_s, scale = 0.0, _prefill_scale(stepped, measured, output_tokens, host)
+    engines = Overheads(step_s=step_s, prefill_step_scale=scale, decode_step_scale=decode_scale)
+    stepped = bare.with_overheads(dataclasses.replace(engines, prefill_step_s=prefill_fixed_s))
     rows, ttft_extra, gap_extra = [], [], []
     for m in measured:
         sim = _alone(stepped, m, output_tokens, host)
@@ -108,6 +111,7 @@ def fit_overheads(
         step_s=step_s,
         prefill_step_scale=scale,
         decode_step_scale=decode_scale,
+        prefill_step_s=prefill_fixed_s,
     )
     return overheads, rows
 
@@ -205,15 +209,26 @@ def _prefill_scale(profile: Profile, measured: list[Probe], output_tokens: int, 
     return min(max(slope, low), high)
 
 
-def _measured_prefill(bare: Profile, prefill_steps: Sequence[tuple[int, float]], step_s: float) -> float:
-    """The median of the prefill steps' times (less the step overhead) over their profiled times. The
-    probes run alone, so the host stretches none of them (its model adds no core to one busy engine);
-    fitted instead from the probes' TTFTs (a slope through four per-length medians, with route's and
-    wake-up's noise in it) it read 1.05-1.42 on one shape over six validation runs."""
+def _measured_prefill(bare: Profile, prefill_steps: Sequence[tuple[int, float]], step_s: float) -> tuple[float, float]:
+    """(fixed seconds per step, scale): the line through the prefill steps' times (less the step
+    overhead) against their profiled times, by Theil-Sen (the median of the slopes between steps of
+    different lengths, then the median intercept), which a stray slow step does not move. A worker's
+    own threads cost its engine per operator (the GIL handed back and forth), and a prefill runs as many
+    operators for 32 tokens as for 512: a ratio alone (the median of time over profiled time, as this
+    was) read the middle lengths and left the simulation 3-8 ms slow at 384-512 tokens and fast at
+    32-128 (stop 37's runs; lines through one cluster's probes had 0.4-2.8 ms fixed per step). One
+    length, or a fixed part below 0: the median ratio, nothing fixed. The probes run alone, so the host
+    stretches none of them (its model adds no core to one busy engine)."""
     cost = bare.step_cost(1)
-    ratios = [(seconds - step_s) / cost.seconds(n, 1, prefill_pairs(0, n)) for n, seconds in prefill_steps]
+    points = [(cost.seconds(n, 1, prefill_pairs(0, n)), seconds - step_s) for n, seconds in prefill_steps]
     low, high = PREFILL_SCALE_RANGE
-    return min(max(statistics.median(ratios), low), high)
+    ratio = min(max(statistics.median(y / x for x, y in points), low), high)
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1]
+    if not slopes:
+        return 0.0, ratio
+    slope = min(max(statistics.median(slopes), low), high)
+    fixed_s = statistics.median(y - slope * x for x, y in points)
+    return (fixed_s, slope) if fixed_s >= 0 else (0.0, ratio)
 
 
 def _per_length_medians(lengths: list[int], values: list[float]) -> dict[int, float]:
@@ -263,7 +278,8 @@ def format_rows(rows: list[dict], overheads: Overheads) -> str:
     ]
     lines.append(
         f"overheads: route {overheads.route_s * 1e3:.1f} ms, adopt {overheads.adopt_s * 1e3:.1f} ms, "
-        f"step {overheads.step_s * 1e3:.2f} ms, prefill steps x{overheads.prefill_step_scale:.2f}, "
+        f"step {overheads.step_s * 1e3:.2f} ms, prefill steps x{overheads.prefill_step_scale:.2f} "
+        f"+ {overheads.prefill_step_s * 1e3:.2f} ms, "
         f"decode steps x{overheads.decode_step_scale:.2f}, "
         f"idle wake-up {overheads.idle_wake_s * 1e3:.2f} ms x ln(1 + idle / {IDLE_WAKE_TAU_S:g} s)"
     )

@@ -18,7 +18,9 @@ JSON layout (`format: splitserve-profile/v1`, times in ms, rates in bytes/s):
   adopt_ms (KV moved -> decode instance steps it), token_ms (decode step -> client), step_ms (what a
   cluster worker's loop adds to every engine step: the actor's loop, streaming the step's tokens),
   prefill_step_scale (how many times its profiled time a prefill worker's engine step takes in the
-  cluster, where the worker's own threads share its process and its GIL; 1 when absent) and
+  cluster, where the worker's own threads share its process and its GIL; 1 when absent) plus
+  prefill_step_ms (a fixed cost on each of those steps: the worker's threads cost an engine step per
+  operator it runs, not per token; 0 when absent) and
   decode_step_scale (the same for a decode instance's steps, measured from its own step timings by the
   calibration; 1 when absent) and idle_wake_ms (a request that finds the whole cluster idle for t
   seconds waits idle_wake_ms * ln(1 + t / IDLE_WAKE_TAU_S) longer to be routed: the host's and the
@@ -61,12 +63,15 @@ class Overheads:
     prefill_step_scale: float = 1.0
     decode_step_scale: float = 1.0
     idle_wake_s: float = 0.0
+    prefill_step_s: float = 0.0  # a prefill worker's fixed cost per engine step, beside the scale
 
     def __post_init__(self):
         for key in ("prefill_step_scale", "decode_step_scale"):
             value = getattr(self, key)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{key}: must be a number > 0, got {value}")
+        if not (self.prefill_step_s >= 0 and math.isfinite(self.prefill_step_s)):
+            raise ValueError(f"prefill_step_s: must be a number >= 0, got {self.prefill_step_s}")
 
     def to_dict(self) -> dict:
         return {
@@ -78,6 +83,7 @@ class Overheads:
             "prefill_step_scale": self.prefill_step_scale,
             "decode_step_scale": self.decode_step_scale,
             "idle_wake_ms": self.idle_wake_s * 1e3,
+            "prefill_step_ms": self.prefill_step_s * 1e3,
         }
 
     def wake_s(self, idle_s: float) -> float:
@@ -181,6 +187,7 @@ class Profile:
                     prefill_step_scale=over.get("prefill_step_scale", 1.0),
                     decode_step_scale=over.get("decode_step_scale", 1.0),
                     idle_wake_s=over.get("idle_wake_ms", 0.0) / 1e3,
+                    prefill_step_s=over.get("prefill_step_ms", 0.0) / 1e3,
                 ),
                 dict(raw.get("source", {})),
                 raw.get("threads_per_worker", 1),

@@ -26,6 +26,7 @@ Time is simulated: a run is deterministic and reads no clock except to report it
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections import deque
@@ -74,6 +75,8 @@ class Simulation:
         cost = profile.step_cost(config.tp if role != "prefill" else 1)
         scale = {"prefill": self.over.prefill_step_scale, "decode": self.over.decode_step_scale}.get(role, 1.0)
         cost = cost.scaled(scale).plus_step_s(self.over.step_s)
+        if role == "prefill" and self.over.prefill_step_s:  # every prefill worker's step computes a prompt
+            cost = dataclasses.replace(cost, prefill_step_s=cost.prefill_step_s + self.over.prefill_step_s)
         kv: BlockCounter | PrefixPool
         if role == "decode":
             kv = BlockCounter((config.decode_kv_tokens or profile.kv_capacity_tokens[config.tp]) // self.block_tokens)

@@ -148,8 +148,39 @@ def test_measured_prefill_steps_give_the_prefill_scale_directly():
     steps = [(n, 1.3 * cost.seconds(n, 1, prefill_pairs(0, n)) + TRUTH.step_s) for n in (64, 256, 512)]
     probes = _probes(TRUTH, [64, 256, 64, 256])
     measured, _ = fit_overheads(profile, probes, 16, None, None, steps)
-    assert measured.prefill_step_scale == pytest.approx(1.3)
+    assert (measured.prefill_step_scale, measured.prefill_step_s) == (pytest.approx(1.3), pytest.approx(0.0))
     assert fit_overheads(profile, probes)[0].prefill_step_scale == pytest.approx(1.5)
-    # An outlier step (a collection pause) does not move a median of five.
-    noisy = steps + [(128, 1.0), (128, 1.3 * cost.seconds(128, 1, prefill_pairs(0, 128)) + TRUTH.step_s)]
+    # An outlier step (a collection pause) moves neither the slope nor the fixed part.
+    noisy = [*steps, (128, 1.0), (128, 1.3 * cost.seconds(128, 1, prefill_pairs(0, 128)) + TRUTH.step_s)]
     assert fit_overheads(profile, probes, 16, None, None, noisy)[0].prefill_step_scale == pytest.approx(1.3)
+
+
+def test_measured_prefill_steps_separate_a_fixed_cost_per_step_from_the_scale():
+    # Steps at 2 ms + 1.2x the profile's: the fit gives both, and the simulated prefill of every
+    # length is then the measured one (a ratio alone is right at one length only).
+    profile = linear_profile()
+    cost = profile.step_cost(1)
+    lengths = [32, 64, 128, 256, 384, 512] * 3
+    steps = [(n, 0.002 + 1.2 * cost.seconds(n, 1, prefill_pairs(0, n)) + TRUTH.step_s) for n in lengths]
+    fitted, _ = fit_overheads(profile, _probes(TRUTH, [64, 256, 64, 256]), 16, None, None, steps)
+    assert (fitted.prefill_step_s, fitted.prefill_step_scale) == (pytest.approx(0.002), pytest.approx(1.2))
+    worker = profile.with_overheads(fitted)
+    for n in (32, 512):
+        alone = simulate(SimConfig(), worker, [SimRequest(0.0, n, 1)])
+        assert alone.busy_s["prefill"] == pytest.approx(
+            0.002 + 1.2 * cost.seconds(n, 1, prefill_pairs(0, n)) + TRUTH.step_s
+        )
+    # Steps that grow faster than the profile from below its origin would need a negative fixed cost:
+    # the median ratio instead, nothing fixed.
+    steep = [(n, 1.6 * cost.seconds(n, 1, prefill_pairs(0, n)) - 0.001) for n in lengths]  # 1.1-8.8 ms
+    fitted, _ = fit_overheads(profile, _probes(TRUTH, [64, 256]), 16, None, None, steep)
+    ratios = sorted((s - fitted.step_s) / cost.seconds(n, 1, prefill_pairs(0, n)) for n, s in steep)
+    assert fitted.prefill_step_s == 0.0
+    assert fitted.prefill_step_scale == pytest.approx((ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2)
+
+
+def test_the_fixed_prefill_cost_round_trips_through_a_profile_and_must_not_be_negative():
+    profile = linear_profile().with_overheads(Overheads(prefill_step_s=0.0015, prefill_step_scale=1.2))
+    assert Profile.from_dict(profile.to_dict()).overheads.prefill_step_s == pytest.approx(0.0015)
+    with pytest.raises(ValueError, match="prefill_step_s"):
+        Overheads(prefill_step_s=-0.001)
