@@ -63,7 +63,8 @@ async def measure(target: str, vocab: tuple[int, ...], rounds: int, prompt_token
 
 
 async def main_async(args) -> None:
-    from benchmarks.validate_sim import validation_model, warm_up
+    from benchmarks.validate_sim import validation_model
+    from benchmarks.warm_cluster import warm_up
     from cluster.config import ClusterConfig, PoolConfig, RouterConfig
     from cluster.launcher import launch
     from loadtest.plan import ModelLimits

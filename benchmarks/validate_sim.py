@@ -20,7 +20,8 @@ a 2P1D cluster's three workers ask for more cores than there are: the simulation
 (`SimConfig.host_cores`, `--host-cores`, default this machine's count; 0: every worker on its own
 accelerator, which the rows also report as `unshared` for comparison). Before the calibration and
 before each shape's bench, `--warmup` rounds of concurrent requests (discarded) warm every worker and
-every prefill->decode hand-off pair. Other jobs on a shared box are not modelled: the load average
+every prefill->decode hand-off pair, and `--warmup-steady` sequential ones bring the engines to their
+steady speed. Other jobs on a shared box are not modelled: the load average
 is printed before and after each shape; take timing runs on a quiet box (`flock` the lock the other
 timing runs take).
 """
@@ -45,6 +46,7 @@ from benchmarks.validate_sim_report import (
     print_row,
     within_counts,
 )
+from benchmarks.warm_cluster import STEADY_REQUESTS, warm_up
 from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
 from cluster.sim.config import SimConfig
@@ -53,7 +55,6 @@ from cluster.sim.profiler import Grid, measure_profile
 from engine.heap import CollectionPauses, freeze_startup_heap
 from loadtest.cluster_calibration import CALIBRATION_LENGTHS, calibrate_cluster, describe, host_report
 from loadtest.config import BenchConfig, DriverConfig
-from loadtest.host_cpu import burst
 from loadtest.plan import RequestDefaults, Slo
 from loadtest.records import read_jsonl
 from loadtest.runner import run_bench
@@ -98,7 +99,8 @@ async def run_shape(model_dir: str, shape: tuple[int, int], model: ShapeModel, a
         freeze_startup_heap()
         try:
             vocab = tuple(limits_of(model.profile).ordinary_token_ids)
-            await warm_up(server.address, vocab, prefill * decode * 2, getattr(args, "warmup", 2))
+            rounds, steady = getattr(args, "warmup", 2), getattr(args, "warmup_steady", STEADY_REQUESTS)
+            await warm_up(server.address, vocab, prefill * decode * 2, rounds, steady)
             if calibrate:
 
                 async def engine_steps():
@@ -155,14 +157,6 @@ async def _calibrate(
 def calibration_entry(model: ShapeModel) -> dict:
     """A report's record of one shape's calibration (benchmarks/validate_sim_predict.py reads it back)."""
     return {"shape": model.shape, "overheads": model.profile.overheads.to_dict(), "host": host_report(model.host)}
-
-
-async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: int) -> None:
-    """`rounds` of `concurrent` requests at once (results discarded): every worker and every
-    prefill->decode pair serves some before anything is timed."""
-    n = max(concurrent, 2)
-    for r in range(rounds):
-        await burst(target, vocab, [64 + 64 * (i % 4) for i in range(n)], 8, first=r * n)
 
 
 async def _one_rate(cluster, target: str, shape, model: ShapeModel, rate: float, args, seed: int) -> dict:
@@ -279,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
         help="per shape: overheads, idle cores (each), every figure (each-full); first: once, on the first",
     )
     parser.add_argument("--warmup", type=int, default=2, help="rounds of discarded requests before timing")
+    parser.add_argument(
+        "--warmup-steady", type=int, default=STEADY_REQUESTS, help="then sequential discarded requests (0: none)"
+    )
     parser.add_argument("--quick-profile", action="store_true", help="the small profile grid (for smoke runs)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--dump", help="folder for each run's measured and simulated per-request records")

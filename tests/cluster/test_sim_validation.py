@@ -57,7 +57,8 @@ def test_simulator_predicts_the_goodput_of_a_real_1p1d_bench_run(ray_session, ch
     profile = measure_profile(model_dir, threads=1, grid=Grid.quick())
     args = Namespace(rates=[4.0], num_requests=32, prompt_len="uniform:16,200", output_len="uniform:8,24",
                      ttft_ms=200.0, tpot_ms=60.0, max_concurrency=64, seed=0, dump=str(tmp_path),
-                     calibration_probes=CALIBRATION_LENGTHS[:16], repeats=2)  # half the full fit's probes
+                     calibration_probes=CALIBRATION_LENGTHS[:16], repeats=2,  # half the full fit's probes
+                     warmup_steady=8)
     model, (row,) = asyncio.run(
         asyncio.wait_for(run_shape(model_dir, (1, 1), ShapeModel(profile, None), args, calibrate=True), 120)
     )
