@@ -22,4 +22,5 @@ async def warm_up(target: str, vocab: tuple[int, ...], concurrent: int, rounds: 
     for r in range(rounds):
         await burst(target, vocab, [64 + 64 * (i % 4) for i in range(n)], 8, first=r * n)
     if steady:
-        await measure(target, [32 + (i * 37) % 481 for i in range(steady)], vocab, None, 16, 0, 0.0, STEADY_FIRST_INDEX)
+        lengths = [32 + (i * 37) % 481 for i in range(steady)]
+        await measure(target, lengths, vocab, output_tokens=16, warmup=0, idle_s=0.0, first=STEADY_FIRST_INDEX)

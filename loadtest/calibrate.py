@@ -84,8 +84,10 @@ def fit_overheads(
         prefill_fixed_s, scale = _measured_prefill(bare, prefill_steps, step_s)
     else:
         prefill_fixed_s, scale = 0.0, _prefill_scale(stepped, measured, output_tokens, host)
-    engines = Overheads(step_s=step_s, prefill_step_scale=scale, decode_step_scale=decode_scale)
-    stepped = bare.with_overheads(dataclasses.replace(engines, prefill_step_s=prefill_fixed_s))
+    engines = Overheads(
+        step_s=step_s, prefill_step_scale=scale, decode_step_scale=decode_scale, prefill_step_s=prefill_fixed_s
+    )
+    stepped = bare.with_overheads(engines)
     rows, ttft_extra, gap_extra = [], [], []
     for m in measured:
         sim = _alone(stepped, m, output_tokens, host)
@@ -104,14 +106,8 @@ def fit_overheads(
         )
     lengths = [m.prompt_tokens for m in measured]
     route_s, wake_s = _route_and_wake(lengths, [m.idle_s for m in measured], ttft_extra)
-    overheads = Overheads(
-        route_s=route_s,
-        idle_wake_s=wake_s,
-        adopt_s=_fixed_part(lengths, gap_extra),
-        step_s=step_s,
-        prefill_step_scale=scale,
-        decode_step_scale=decode_scale,
-        prefill_step_s=prefill_fixed_s,
+    overheads = dataclasses.replace(
+        engines, route_s=route_s, idle_wake_s=wake_s, adopt_s=_fixed_part(lengths, gap_extra)
     )
     return overheads, rows
 
