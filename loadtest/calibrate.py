@@ -21,7 +21,9 @@ SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in 
 - adopt: (measured - simulated) gap between the first and second token (with `step` applied):
   reserve, announce, the transfer's fixed part, adopt, the second token's trip.
 Route and adopt are fixed costs charged to every request, each the mean of its per-prompt-length
-medians; for route that is the intercept of the prefill scale's least-squares line. A difference that
+medians; for route that is the intercept of the prefill scale's least-squares line. What each probe
+left beyond them becomes the jitter the simulator draws per request (`Overheads.route_jitter_s`,
+`adopt_jitter_s`): the stalls the box dealt the probes, for the simulated tails. A difference that
 grows with the prompt is the prefill scale's, not an overhead's; what is left stays visible in the
 printed rows.
 With `host` (a SimConfig with host figures: benchmarks/validate_sim.py, when the simulation shares the
@@ -109,7 +111,10 @@ def fit_overheads(
     overheads = dataclasses.replace(
         engines, route_s=route_s, idle_wake_s=wake_s, adopt_s=_fixed_part(lengths, gap_extra)
     )
-    return overheads, rows
+    # What each probe left beyond the fixed parts: the simulator draws from these (Overheads.jitter_s).
+    route_jitter = [e - route_s - overheads.wake_s(m.idle_s) for e, m in zip(ttft_extra, measured, strict=True)]
+    adopt_jitter = [e - overheads.adopt_s for e in gap_extra]
+    return dataclasses.replace(overheads, route_jitter_s=tuple(route_jitter), adopt_jitter_s=tuple(adopt_jitter)), rows
 
 
 PREFILL_SCALE_RANGE = (0.5, 4.0)  # beyond it the probes measured noise, not the engine
@@ -279,4 +284,9 @@ def format_rows(rows: list[dict], overheads: Overheads) -> str:
         f"decode steps x{overheads.decode_step_scale:.2f}, "
         f"idle wake-up {overheads.idle_wake_s * 1e3:.2f} ms x ln(1 + idle / {IDLE_WAKE_TAU_S:g} s)"
     )
+    for name, jitter in (("route", overheads.route_jitter_s), ("adopt", overheads.adopt_jitter_s)):
+        if len(jitter) >= 2:
+            q = statistics.quantiles([v * 1e3 for v in jitter], n=10, method="inclusive")
+            top_ms = max(jitter) * 1e3
+            lines.append(f"{name} jitter ms: p10 {q[0]:+.1f}, p50 {q[4]:+.1f}, p90 {q[8]:+.1f}, max {top_ms:+.1f}")
     return "\n".join(lines)

@@ -120,9 +120,9 @@ async def calibrate_cluster(
     if streaming is not None:
         host = dataclasses.replace(host, **{key: getattr(streaming, key) for key in STREAMING_FIGURES})
         overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, host, decode_step_s, prefill_steps)
-        fitted = profile.with_overheads(overheads)
         overlaps = await measure_overlaps(target, vocab, OVERLAP_FIRST_INDEX + prompt_index)
-        return ClusterCalibration(fitted, fit_overlaps(fitted, host, overlaps), rows, idle)
+        host = fit_overlaps(profile.with_overheads(overheads.fixed()), host, overlaps)
+        return ClusterCalibration(profile.with_overheads(overheads), host, rows, idle)
     bursts = await measure_bursts(target, vocab, BURST_FIRST_INDEX + prompt_index)
     overlaps = await measure_overlaps(target, vocab, OVERLAP_FIRST_INDEX + prompt_index)
     sequential = in_flight_sample(measured, engines)
@@ -224,12 +224,13 @@ def fit_in_turn(
     figures on them (`fit_overlaps`; none: left as they are); `decode_step_s` and `prefill_steps` as
     `fit_overheads` takes them.
     The sequential probes and the bursts leave no hand-off beside a prefill, so the overlaps' figures
-    move nothing the loop fits."""
+    move nothing the loop fits. The fits simulate the fixed overheads only (`Overheads.fixed`): the
+    jitter's few draws would move their targets by chance."""
     measured_steps = (decode_step_s, prefill_steps)
     overheads, rows = fit_overheads(profile, measured, PROBE_OUTPUT_TOKENS, engines_of(host), *measured_steps)
     for _ in range(HOST_FIT_MAX_ROUNDS):
         before = (overheads.step_s, host.host_stream_cpu_per_token_s)
-        costs = fit_stream_costs(profile.with_overheads(overheads), sequential, bursts, host)
+        costs = fit_stream_costs(profile.with_overheads(overheads.fixed()), sequential, bursts, host)
         host = dataclasses.replace(
             host,
             host_stream_cpu_per_step_s=costs.per_step_s,
@@ -240,7 +241,7 @@ def fit_in_turn(
         after = (overheads.step_s, host.host_stream_cpu_per_token_s)
         if all(abs(a - b) <= HOST_FIT_TOLERANCE * max(abs(a), 1e-9) for a, b in zip(after, before, strict=True)):
             break
-    return overheads, rows, fit_overlaps(profile.with_overheads(overheads), host, overlaps)
+    return overheads, rows, fit_overlaps(profile.with_overheads(overheads.fixed()), host, overlaps)
 
 
 def host_report(host: SimConfig | None) -> dict:

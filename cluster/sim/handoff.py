@@ -69,7 +69,8 @@ class HandOffs:
         if prefill.kick(sim.now_s):
             sim.schedule(prefill)
         seq.stage = "adopting"
-        sim.push(sim.now_s + sim.over.adopt_s, ADOPT, seq, attempt)
+        adopt_s = max(sim.over.adopt_s + sim.over.jitter_s(sim.over.adopt_jitter_s, seq.index), 0.0)
+        sim.push(sim.now_s + adopt_s, ADOPT, seq, attempt)
 
     def over(self, seq: SimSeq, attempt: int) -> None:
         """The hand-off of `attempt` no longer keeps the host busy (adopted, or failed)."""

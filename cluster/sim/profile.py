@@ -64,6 +64,12 @@ class Overheads:
     decode_step_scale: float = 1.0
     idle_wake_s: float = 0.0
     prefill_step_s: float = 0.0  # a prefill worker's fixed cost per engine step, beside the scale
+    # The host's jitter around route and adopt: the calibration probes' own deviations from the fitted
+    # fixed parts (seconds, either sign). A request draws one of each (`jitter_s`), so the simulated
+    # tails carry the stalls of the box the probes met (a 50-100 ms stall of a lone request on a busy
+    # day) instead of every request paying exactly the median. Empty: no jitter.
+    route_jitter_s: tuple[float, ...] = ()
+    adopt_jitter_s: tuple[float, ...] = ()
 
     def __post_init__(self):
         for key in ("prefill_step_scale", "decode_step_scale"):
@@ -72,6 +78,10 @@ class Overheads:
                 raise ValueError(f"{key}: must be a number > 0, got {value}")
         if not (self.prefill_step_s >= 0 and math.isfinite(self.prefill_step_s)):
             raise ValueError(f"prefill_step_s: must be a number >= 0, got {self.prefill_step_s}")
+        for key in ("route_jitter_s", "adopt_jitter_s"):
+            object.__setattr__(self, key, tuple(float(v) for v in getattr(self, key)))
+            if not all(math.isfinite(v) for v in getattr(self, key)):
+                raise ValueError(f"{key}: every value must be a finite number")
 
     def to_dict(self) -> dict:
         return {
@@ -84,11 +94,26 @@ class Overheads:
             "decode_step_scale": self.decode_step_scale,
             "idle_wake_ms": self.idle_wake_s * 1e3,
             "prefill_step_ms": self.prefill_step_s * 1e3,
+            "route_jitter_ms": [v * 1e3 for v in self.route_jitter_s],
+            "adopt_jitter_ms": [v * 1e3 for v in self.adopt_jitter_s],
         }
 
     def wake_s(self, idle_s: float) -> float:
         """The extra wait of a request sent after the cluster idled `idle_s` seconds."""
         return self.idle_wake_s * math.log1p(max(idle_s, 0.0) / IDLE_WAKE_TAU_S) if self.idle_wake_s else 0.0
+
+    def fixed(self) -> Overheads:
+        """These overheads without their jitter: what the calibration's own fits simulate with."""
+        return replace(self, route_jitter_s=(), adopt_jitter_s=())
+
+    def jitter_s(self, samples: tuple[float, ...], key: int) -> float:
+        """The draw of request (or hand-off) `key` from `samples`: one sample, picked by a hash of the key,
+        so a request's draw does not depend on the order events happen in (0 with no samples)."""
+        if not samples:
+            return 0.0
+        mixed = (key * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+        mixed = ((mixed ^ (mixed >> 31)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        return samples[(mixed ^ (mixed >> 29)) % len(samples)]
 
 
 IDLE_WAKE_TAU_S = 0.1  # the idle time over which the wake-up cost grows logarithmically
@@ -129,7 +154,8 @@ class Profile:
             raise ValueError("transfer: bytes_per_s must be > 0 and latency_ms >= 0")
         if not (isinstance(self.threads_per_worker, int) and self.threads_per_worker >= 1):
             raise ValueError(f"threads_per_worker: must be an integer >= 1, got {self.threads_per_worker!r}")
-        if not all(v >= 0 and math.isfinite(v) for v in vars(self.overheads).values()):
+        fixed = (v for v in vars(self.overheads).values() if not isinstance(v, tuple))  # jitter may be < 0
+        if not all(v >= 0 and math.isfinite(v) for v in fixed):
             raise ValueError("overheads: every overhead must be a finite number >= 0")
 
     @property
@@ -188,6 +214,8 @@ class Profile:
                     decode_step_scale=over.get("decode_step_scale", 1.0),
                     idle_wake_s=over.get("idle_wake_ms", 0.0) / 1e3,
                     prefill_step_s=over.get("prefill_step_ms", 0.0) / 1e3,
+                    route_jitter_s=tuple(v / 1e3 for v in over.get("route_jitter_ms", ())),
+                    adopt_jitter_s=tuple(v / 1e3 for v in over.get("adopt_jitter_ms", ())),
                 ),
                 dict(raw.get("source", {})),
                 raw.get("threads_per_worker", 1),

@@ -197,7 +197,8 @@ class Simulation:
             self.router.inflight.add(decode, 1)
         seq.stage = "routing"
         wake_s = seq.wake_s if seq.migrations == 0 else 0.0
-        self.push(self.now_s + self.over.route_s + wake_s, ENQUEUE, seq, seq.migrations)
+        route_s = max(self.over.route_s + self.over.jitter_s(self.over.route_jitter_s, seq.index), 0.0)
+        self.push(self.now_s + route_s + wake_s, ENQUEUE, seq, seq.migrations)
 
     def _on_enqueue(self, seq: SimSeq, attempt: int) -> None:
         if attempt != seq.migrations:
