@@ -65,9 +65,9 @@ class Overheads:
     idle_wake_s: float = 0.0
     prefill_step_s: float = 0.0  # a prefill worker's fixed cost per engine step, beside the scale
     # The host's jitter around route and adopt: the calibration probes' own deviations from the fitted
-    # fixed parts (seconds, either sign). A request draws one of each (`jitter_s`), so the simulated
-    # tails carry the stalls of the box the probes met (a 50-100 ms stall of a lone request on a busy
-    # day) instead of every request paying exactly the median. Empty: no jitter.
+    # fixed parts (seconds, either sign; entry i of both is probe i's). A request draws one index
+    # (`jitter_s`, by its own index), so the simulated tails carry the stalls the probes met (50-80 ms
+    # for a lone request on a busy day) instead of every request paying exactly the median. Empty: none.
     route_jitter_s: tuple[float, ...] = ()
     adopt_jitter_s: tuple[float, ...] = ()
 
