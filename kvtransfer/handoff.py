@@ -5,11 +5,14 @@ Lifecycle of one hand-off (every step bounded by the lease deadline):
 1. Reservation: the decode instance allocates `block_ids` for the sequence (on every TP rank the same
    ids) and registers an `ExpectedTransfer` naming the prefill peer, before the prefill starts.
 2. The prefill worker computes the prompt, samples the first token, pins the blocks, and for each
-   decode rank sends: a header (request id, token and block counts, the sender's KV layout), then one
-   message per layer with that rank's KV heads of the sequence's blocks as the engine stores them
+   decode rank sends: a header (request id, token and block counts, the sender's KV layout), then the
+   layers with that rank's KV heads of the sequence's blocks as the engine stores them
    (`engine.kv_storage.KVCacheStorage.export_layer`: values, and per-token scales for a quantized
-   cache; never dequantized on the way). Per-layer messages let the receiver copy layer i into its
-   cache while layer i+1 is on the wire. A pair whose KV layouts differ (another kv_cache_dtype)
+   cache; never dequantized on the way), consecutive layers packed into messages of at most
+   MESSAGE_BYTES (`layer_groups`; a layer larger than that goes alone). Every message is acknowledged
+   before the next goes (the transport's contract), so a 512-token hand-off sent a layer a message
+   paid 14 round trips; packed, the receiver still copies one message's layers into its cache while
+   the next is on the wire, and its staging stays bounded. A pair whose KV layouts differ (another kv_cache_dtype)
    never gets here: the session compares the sender's layout with `HandoffTarget.kv_layout` right
    after reserving, and a receiver refuses a header naming a layout other than its own.
 3. Each decode rank receives into staging buffers, copies into its reserved blocks, and sends an ack.
@@ -36,6 +39,27 @@ REQUEST_ID_BYTES = 128  # request ids are utf-8, at most this long on the wire
 KV_LAYOUT_BYTES = 192  # KVCacheStorage.layout, utf-8
 ACK_OK = 1
 CONVERSATION_GRACE_S = 2.0  # a started hand-off's calls may outlive its lease by this much
+# Layers per message: as many whole layers as fit in this (at least one). The transport's gloo chunks
+# are 4 MiB too; both sides derive the grouping from one layer's bytes, which matching layouts share.
+MESSAGE_BYTES = 4 << 20
+
+
+def layer_groups(num_layers: int, layer_bytes: int) -> list[range]:
+    """Consecutive layers, as many per message as fit in MESSAGE_BYTES (at least one)."""
+    per_message = max(1, MESSAGE_BYTES // max(layer_bytes, 1))
+    return [range(start, min(start + per_message, num_layers)) for start in range(0, num_layers, per_message)]
+
+
+def message_staging(kv: KVCacheStorage, num_blocks: int) -> list[tuple[range, list[torch.Tensor]]]:
+    """(layers, buffers) of each message a sender of `num_blocks` blocks sends this rank: the buffers
+    are `kv.staging` for each of its layers, in order (one set per group size, reused)."""
+    one_layer = kv.staging(num_blocks)
+    groups = layer_groups(kv.num_layers, sum(t.nbytes for t in one_layer))
+    by_size: dict[int, list[torch.Tensor]] = {}
+    for group in groups:
+        if len(group) not in by_size:
+            by_size[len(group)] = one_layer + [t for _ in range(len(group) - 1) for t in kv.staging(num_blocks)]
+    return [(group, by_size[len(group)]) for group in groups]
 
 
 @dataclass(frozen=True)
@@ -141,8 +165,10 @@ def send_sequence_kv(
     sent_bytes = 0
     for rank in target.ranks:
         transport.send(rank.peer_id, header.encode(), call_timeout_s(target.lease_deadline_s))
-        for layer in range(kv.num_layers):
-            payload = kv.export_layer(layer, rank.kv_head_start, rank.kv_head_end, index)
+        heads = (rank.kv_head_start, rank.kv_head_end)
+        first = kv.export_layer(0, *heads, index)
+        for group in layer_groups(kv.num_layers, sum(t.nbytes for t in first)):
+            payload = [t for i in group for t in (first if i == 0 else kv.export_layer(i, *heads, index))]
             sent_bytes += transport.send(rank.peer_id, payload, call_timeout_s(target.lease_deadline_s)).num_bytes
     # Acks after all sends, so ranks copy in parallel with later sends. Every rank's ack is read even
     # after one failed: an unread ack would be taken by the next hand-off to that rank for its own.
@@ -182,8 +208,9 @@ def recv_sequence_kv(
             peer, f"{header.request_id!r}: sender has {header.num_blocks} blocks, the reservation {len(block_ids)}"
         )
     index = torch.tensor(list(block_ids), dtype=torch.int64)
-    staging = kv.staging(len(block_ids))
-    for layer in range(kv.num_layers):
-        transport.recv(peer, staging, call_timeout_s(deadline_s))
-        kv.import_layer(layer, index, staging)
+    for group, buffers in message_staging(kv, len(block_ids)):
+        transport.recv(peer, buffers, call_timeout_s(deadline_s))
+        per_layer = len(buffers) // len(group)
+        for j, layer in enumerate(group):
+            kv.import_layer(layer, index, buffers[j * per_layer : (j + 1) * per_layer])
     transport.send(peer, [torch.tensor([ACK_OK], dtype=torch.int64)], call_timeout_s(deadline_s))

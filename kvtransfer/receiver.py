@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_storage import KVCacheStorage
-from kvtransfer.handoff import HandoffHeader, call_timeout_s, layout_mismatch, recv_header, recv_sequence_kv
+from kvtransfer.handoff import (
+    HandoffHeader,
+    call_timeout_s,
+    layout_mismatch,
+    message_staging,
+    recv_header,
+    recv_sequence_kv,
+)
 from kvtransfer.transport import KVTransport, PeerId, TransferError
 
 REFUSED_DEADLINE_S = 10.0  # how long a refused transfer may take to drain
@@ -173,8 +180,7 @@ class KVReceiver:
                 entry.finished.set()
 
     def _drain(self, peer: PeerId, header: HandoffHeader, deadline_s: float) -> None:
-        scratch = self.kv.staging(header.num_blocks)
-        for _ in range(self.kv.num_layers):
+        for _, scratch in message_staging(self.kv, header.num_blocks):
             self.transport.recv(peer, scratch, call_timeout_s(deadline_s))
         self.transport.send(peer, [torch.tensor([0], dtype=torch.int64)], call_timeout_s(deadline_s))
 
@@ -182,11 +188,12 @@ class KVReceiver:
         """The sender's layer messages do not fit our staging tensors, so they cannot be drained: posting
         one receive makes the transport compare layouts and fail the channel on both sides (contract
         point 1), so the sender stops at once instead of at its timeout."""
+        messages = message_staging(self.kv, header.num_blocks)
         try:
-            self.transport.recv(peer, self.kv.staging(header.num_blocks), call_timeout_s(deadline_s))
+            self.transport.recv(peer, messages[0][1], call_timeout_s(deadline_s))
         except TransferError:
             return
         # Same tensors under another name (a layout this check does not know): take the rest, refuse.
-        for _ in range(self.kv.num_layers - 1):
-            self.transport.recv(peer, self.kv.staging(header.num_blocks), call_timeout_s(deadline_s))
+        for _, scratch in messages[1:]:
+            self.transport.recv(peer, scratch, call_timeout_s(deadline_s))
         self.transport.send(peer, [torch.tensor([0], dtype=torch.int64)], call_timeout_s(deadline_s))

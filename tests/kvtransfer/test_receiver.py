@@ -2,7 +2,8 @@
 refused or misfit transfer is drained, a receive whose lease ran out after it started is carried
 through, and in every case the next transfer on the same channel arrives intact; quantized blocks
 arrive with their scales bit for bit, and a sender storing KV in another format is refused at once,
-naming both layouts."""
+naming both layouts. Every test runs twice: with the layers packed into messages (the default) and
+with one layer a message (MESSAGE_BYTES = 1), so draining and refusing meet both."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +14,8 @@ import torch
 
 from engine.kv_quant import kv_format
 from engine.kv_storage import KVCacheStorage
-from kvtransfer.handoff import HandoffTarget, RankTarget, send_sequence_kv
+from kvtransfer import handoff
+from kvtransfer.handoff import HandoffTarget, RankTarget, layer_groups, send_sequence_kv
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.store import create_rendezvous_store
 from kvtransfer.torch_dist import TorchDistTransport
@@ -44,6 +46,12 @@ def _blocks(storage: KVCacheStorage, block_ids, heads: slice = slice(None)) -> l
 
 def _same_blocks(receiver: KVReceiver, ids, source: KVCacheStorage, source_ids, heads: slice = slice(None)) -> bool:
     return all(torch.equal(a, b) for a, b in zip(_blocks(receiver.kv, ids), _blocks(source, source_ids, heads)))
+
+
+@pytest.fixture(autouse=True, params=["packed", "a layer a message"])
+def message_bytes(request, monkeypatch):
+    if request.param != "packed":
+        monkeypatch.setattr(handoff, "MESSAGE_BYTES", 1)
 
 
 @pytest.fixture
@@ -217,3 +225,33 @@ def test_a_sender_storing_kv_in_another_format_is_refused_at_once_naming_both(pa
     with pytest.raises(TransferError, match="KV layout mismatch"):
         receiver.wait("mixed", 1.0)
     _next_transfer_arrives_intact(sender, receiver, _storage("fp8", seed=3))
+
+
+def test_layers_pack_into_messages_of_at_most_message_bytes(monkeypatch):
+    mib = 1 << 20
+    monkeypatch.setattr(handoff, "MESSAGE_BYTES", 4 * mib)
+    assert layer_groups(12, mib) == [range(0, 4), range(4, 8), range(8, 12)]
+    assert layer_groups(12, 5 * mib) == [range(i, i + 1) for i in range(12)]  # a large layer goes alone
+    assert layer_groups(5, 2 * mib) == [range(0, 2), range(2, 4), range(4, 5)]
+
+
+def test_uneven_groups_of_layers_arrive_intact(pair, monkeypatch):
+    """Five layers, two a message: the last message holds one layer, and its staging another shape."""
+    sender, receiver_transport = pair
+    layers, _, heads, blocks, block_size, head_dim = 5, *SHAPE[1:]
+    source, empty = (KVCacheStorage(kv_format("int8", torch.float32), layers, heads, blocks, block_size, head_dim)
+                     for _ in range(2))
+    gen = torch.Generator().manual_seed(4)
+    for layer in range(layers):
+        k, v = (torch.randn(blocks * block_size, heads, head_dim, generator=gen) for _ in range(2))
+        source.layer(layer).write(k, v, torch.arange(blocks * block_size))
+    one_layer_bytes = sum(t.nbytes for t in source.staging(3))
+    monkeypatch.setattr(handoff, "MESSAGE_BYTES", 2 * one_layer_bytes)
+    assert len(layer_groups(layers, one_layer_bytes)) == 3
+    receiver = KVReceiver(receiver_transport, empty)
+    receiver.expect("uneven", (4, 0, 2), time.time() + 5.0)
+    sent = _send_async(sender, source, (1, 6, 3), "uneven")
+    receiver.receive("prefill-x", "uneven")
+    sent["thread"].join(10)
+    assert "error" not in sent
+    assert _same_blocks(receiver, [4, 0, 2], source, [1, 6, 3])
