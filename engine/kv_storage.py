@@ -102,7 +102,7 @@ class KVCacheStorage:
         return out
 
     def staging(self, num_blocks: int) -> list[torch.Tensor]:
-        """Empty tensors one received layer message fills (this rank's heads)."""
+        """Empty tensors one received layer fills (this rank's heads; a message carries one or more layers)."""
         shape = (2, self.num_kv_heads, num_blocks, self.block_size)
         out = [torch.empty(*shape, self.head_dim, dtype=self.fmt.storage_dtype, device=self.values.device)]
         if self.scales is not None:
@@ -110,7 +110,7 @@ class KVCacheStorage:
         return out
 
     def import_layer(self, layer: int, block_ids: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-        """Writes a received layer message (`staging` shapes) into `block_ids` of layer `layer`."""
+        """Writes one received layer (`staging` shapes) into `block_ids` of layer `layer`."""
         block_ids = block_ids.to(self.values.device)
         _bytes(self.values[layer]).index_copy_(2, block_ids, _bytes(tensors[0]))
         if self.scales is not None:

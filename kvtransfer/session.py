@@ -11,7 +11,7 @@ pinned) and runs (DESIGN.md lifecycle step 5):
    meanwhile the prefill side keeps its pins, which back-pressures prefill instead of failing anyone.
 2. **announce** — every decode rank posts a receive for this sender (so no rank ever waits on an idle
    channel: a transport timeout always means a real failure).
-3. **send** — header + one message per layer to every rank, then every rank's ack
+3. **send** — header + the layers (packed into messages of up to 4 MiB) to every rank, then every rank's ack
    (`kvtransfer.handoff.send_sequence_kv`), on the worker's sender thread.
 4. **release** — the prefill side's pins go, whatever happened (the blocks stay in its prefix cache).
 5. **adopt** — the decode instance adds the sequence to its running batch; tokens flow from there.
