@@ -103,10 +103,15 @@ def _dearer(profile: Profile, factor: float) -> Profile:
     """Every cost `factor` times: engine steps, the calibrated cluster overheads, the hand-off."""
     steps = {tp: cost.scaled(factor) for tp, cost in profile.steps.items()}
     over = profile.overheads
-    times = {f.name: getattr(over, f.name) * factor for f in dataclasses.fields(over) if f.name.endswith("_s")}
+    times = {f.name: _times(getattr(over, f.name), factor) for f in dataclasses.fields(over) if f.name.endswith("_s")}
     overheads = dataclasses.replace(over, **times)  # the step scales kept: the steps are dearer already
     transfer = Transfer(profile.transfer.latency_s * factor, profile.transfer.bytes_per_s / factor)
     return dataclasses.replace(profile, steps=steps, overheads=overheads, transfer=transfer)
+
+
+def _times(value: float | tuple[float, ...], factor: float) -> float | tuple[float, ...]:
+    """A duration, or a tuple of them (the host's jitter draws), `factor` times."""
+    return tuple(v * factor for v in value) if isinstance(value, tuple) else value * factor
 
 
 def _goodput(profile: Profile, args) -> float:
