@@ -110,3 +110,28 @@ def test_blocks_move_between_storages_bit_for_bit(name):
                            source.layer(layer).k[2:4, [7, 2]].view(torch.uint8))
     assert source.bytes_per_block == source.bytes_per_token * 4 == fmt.bytes_per_token(3, 4, 8) * 4
     assert name.replace("auto", "float32") in source.layout
+
+
+@pytest.mark.parametrize("name", KV_CACHE_DTYPES)
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [3, 4, 6, 64])
+def test_writes_and_moves_are_bit_exact_at_any_row_width(name, model_dtype, head_dim):
+    """Writes and imports copy through wider integer views when a row's bytes allow (kv_storage._wide):
+    the bytes land where a slot-by-slot copy puts them, whatever the head_dim and element size."""
+    fmt = kv_format(name, model_dtype)
+    kv = KVCacheStorage(fmt, 1, 2, 5, 4, head_dim)
+    gen = torch.Generator().manual_seed(head_dim)
+    k, v = (torch.randn(7, 2, head_dim, generator=gen).to(model_dtype) for _ in range(2))
+    slots = torch.tensor([19, 0, 5, 6, 11, 2, 13])
+    kv.layer(0).write(k, v, slots)
+    for cache, new in ((kv.layer(0).k, k), (kv.layer(0).v, v)):
+        values, _ = fmt.quantize(new)
+        flat = cache.reshape(2, 20, head_dim)
+        for i, slot in enumerate(slots.tolist()):
+            assert torch.equal(flat[:, slot].view(torch.uint8), values[i].view(torch.uint8))
+    # a message's layer into other blocks, then back out: the same bytes
+    other = KVCacheStorage(fmt, 1, 2, 5, 4, head_dim)
+    other.import_layer(0, torch.tensor([3, 1]), kv.export_layer(0, 0, 2, torch.tensor([4, 0])))
+    again = other.export_layer(0, 0, 2, torch.tensor([3, 1]))
+    for ours, theirs in zip(again, kv.export_layer(0, 0, 2, torch.tensor([4, 0])), strict=True):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
