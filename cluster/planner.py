@@ -72,7 +72,7 @@ class Planner:
         found = least_cost(
             self.profile,
             self._requests(obs, rate_scale),
-            self.base,
+            dataclasses.replace(self.base, routers=obs.routers),
             self.config.max_workers,
             self.config.attainment,
             floor=(floor.prefill, floor.decode),
@@ -84,7 +84,9 @@ class Planner:
         """Whether `pools` meet the SLO for the observed traffic (no traffic: trivially)."""
         if obs.arrival_rate_per_s <= 0:
             return True
-        config = dataclasses.replace(self.base, prefill=pools.prefill, decode=pools.decode, colocated=0)
+        config = dataclasses.replace(
+            self.base, prefill=pools.prefill, decode=pools.decode, colocated=0, routers=obs.routers
+        )
         return attainment(config, self.profile, self._requests(obs)) >= self.config.attainment
 
     def step(self, obs: Observation, current: Pools, now_s: float) -> Pools | None:

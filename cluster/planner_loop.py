@@ -62,6 +62,7 @@ def sim_base(config: ClusterConfig) -> SimConfig:
         enable_prefix_caching=config.enable_prefix_caching,
         policy=policy,
         migration_limit=config.router.migration_limit,
+        router_max_requests=config.router.max_concurrent_requests,
     )
 
 

@@ -46,6 +46,7 @@ class Observation(NamedTuple):
     mean_prompt_tokens: float
     mean_output_tokens: float
     attainment: float | None = None  # share of finished requests within the SLO; None: none finished
+    routers: int = 1  # routers whose reports arrived in the interval (each has its own request limit)
 
 
 class TrafficWindow:
@@ -54,15 +55,15 @@ class TrafficWindow:
     def __init__(self, keep_s: float):
         self.keep_s = keep_s
         self._last: dict[str, TrafficCounts] = {}  # router id -> its latest cumulative counts
-        self._deltas: deque[tuple[float, TrafficCounts]] = deque()  # (received at, delta), oldest first
+        self._deltas: deque[tuple[str, float, TrafficCounts]] = deque()  # (router, received at, delta), oldest first
         self._lengths = (0.0, 0.0)  # the last known mean lengths: kept through an interval with no traffic
 
     def add(self, router_id: str, counts: TrafficCounts, now_s: float) -> None:
         last = self._last.get(router_id, TrafficCounts())
         delta = counts.minus(last) if last.is_before(counts) else counts  # restarted router: a fresh count
         self._last[router_id] = counts
-        self._deltas.append((now_s, delta))
-        while self._deltas and self._deltas[0][0] < now_s - self.keep_s:
+        self._deltas.append((router_id, now_s, delta))
+        while self._deltas and self._deltas[0][1] < now_s - self.keep_s:
             self._deltas.popleft()
 
     def forget(self, router_id: str) -> None:
@@ -70,10 +71,11 @@ class TrafficWindow:
 
     def observe(self, now_s: float, window_s: float) -> Observation:
         """The cluster's traffic over the `window_s` seconds before `now_s`."""
-        total = TrafficCounts()
-        for received_s, delta in self._deltas:
+        total, reporting = TrafficCounts(), set()
+        for router_id, received_s, delta in self._deltas:
             if now_s - window_s < received_s <= now_s:
                 total = total.plus(delta)
+                reporting.add(router_id)
         prompt, output = self._lengths
         if total.arrivals:
             prompt = total.prompt_tokens / total.arrivals
@@ -81,4 +83,4 @@ class TrafficWindow:
             output = total.output_tokens / total.finished
         self._lengths = (prompt, output)
         met = total.slo_met / total.finished if total.finished else None
-        return Observation(total.arrivals / window_s, prompt, output, met)
+        return Observation(total.arrivals / window_s, prompt, output, met, max(1, len(reporting)))

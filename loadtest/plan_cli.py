@@ -17,6 +17,7 @@ figures are estimates: the header says which profile the table comes from.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -103,10 +104,13 @@ def workload_line(notes: dict, max_model_len: int) -> str | None:
 
 
 def fleet(best: PlanRow, profile, requests, rate: float, duration_s: float):
-    """(config, result, simulated requests/s): copies of `best` for `rate`, run over `duration_s`."""
+    """(config, result, simulated requests/s): copies of `best` for `rate`, run over `duration_s`. Each
+    copy brings the routers the plan assumed for one (their concurrency limit would otherwise refuse
+    a fleet's traffic as if one router served it)."""
     copies = max(1, math.ceil(rate / best.max_rate_per_s)) if best.max_rate_per_s > 0 else 1
     c = best.config
     config = with_pools(c, c.prefill * copies, c.decode * copies, c.tp, c.colocated * copies)
+    config = dataclasses.replace(config, routers=c.routers * copies)
     scaled = rescaled(requests, rate / base_rate(requests))
     span_s = scaled[-1].arrival_s - scaled[0].arrival_s
     tiled = repeat_trace(scaled, max(1, math.ceil(duration_s / max(span_s, 1e-9))))
@@ -151,13 +155,16 @@ def main(argv: list[str] | None = None) -> None:
         config, result, speed = fleet(rows[0], profile, requests, args.fleet_rate, args.fleet_duration_s)
         s = result.summary()
         print(
-            f"fleet for {args.fleet_rate:g} req/s: {config.name} ({config.workers} workers): attainment "
+            f"fleet for {args.fleet_rate:g} req/s: {config.name} ({config.workers} workers, {config.routers} "
+            f"router(s) of {config.router_max_requests} requests): attainment "
             f"{s.slo_attainment:.1%}, goodput {s.goodput_per_s:.1f} req/s over {s.duration_s:.0f} s; "
             f"{len(result.records)} requests simulated at {speed:,.0f} simulated requests/s"
         )
         report["fleet"] = {
             "shape": config.name,
             "workers": config.workers,
+            "routers": config.routers,
+            "rejected": sum(r.status == "rejected" for r in result.records),
             "attainment": s.slo_attainment,
             "goodput_per_s": s.goodput_per_s,
             "requests": len(result.records),

@@ -43,6 +43,15 @@ def add_sim_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="the client's open streams at most (bench default 64; default here: unlimited)",
     )
+    g.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes sharing the traffic (default 1; plan's fleet: one for each copy of the shape)",
+    )
+    g.add_argument(
+        "--router-max-requests", type=int, default=1024, help="each router's max_concurrent_requests (default 1024)"
+    )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--prefill-chunk-tokens", type=int, default=512)
@@ -74,6 +83,8 @@ def load_inputs(args: argparse.Namespace) -> tuple[Profile, list, dict, SimConfi
         ttft_slo_s=None if args.ttft_ms is None else args.ttft_ms / 1e3,
         tpot_slo_s=None if args.tpot_ms is None else args.tpot_ms / 1e3,
         max_concurrency=args.max_concurrency,
+        router_max_requests=args.router_max_requests,
+        routers=args.routers,
     )
     return profile, requests, notes, base
 

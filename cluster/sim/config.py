@@ -47,6 +47,9 @@ class SimConfig:
     tpot_slo_s: float | None = None
     max_concurrency: int | None = None  # the client's open streams at most (bench --max-concurrency)
     router_max_requests: int = 1024  # router.max_concurrent_requests: beyond it requests are refused
+    # Router processes sharing the traffic (stateless peers behind one load balancer): the cluster refuses
+    # beyond routers x router_max_requests requests in flight (an even spread; one router's CPU is not modelled).
+    routers: int = 1
     migration_limit: int = 3
     faults: tuple[Fault, ...] = field(default_factory=tuple)
     restart_s: float = 5.0
@@ -79,6 +82,7 @@ class SimConfig:
             _check(value is None or (value > 0 and math.isfinite(value)), key, "must be None or a number > 0")
         _check(self.admission != "ttft" or self.ttft_slo_s is not None, "admission", "ttft needs ttft_slo_s")
         _check(self.router_max_requests >= 1, "router_max_requests", "must be >= 1")
+        _check(self.routers >= 1, "routers", "must be >= 1")
         _check(self.migration_limit >= 0, "migration_limit", "must be >= 0")
         _check(self.restart_s >= 0, "restart_s", "must be >= 0")
         _check(self.host_cores is None or self.host_cores >= 1, "host_cores", "must be None or >= 1")

@@ -159,7 +159,7 @@ class Simulation:
     def _send(self, seq: SimSeq) -> None:
         seq.send_s = self.now_s
         self.open_streams += 1
-        if self.router_streams >= self.config.router_max_requests or not self._admit(seq):
+        if self.router_streams >= self.config.routers * self.config.router_max_requests or not self._admit(seq):
             self.end(seq, "rejected")
             return
         if self.router_streams == 0:

@@ -77,7 +77,7 @@ def test_traffic_window_sums_router_deltas_over_the_interval():
     window.add("a", TrafficCounts(4, 400, 2, 20, 1), now_s=1.0)
     window.add("b", TrafficCounts(2, 100, 2, 4, 2), now_s=1.5)
     window.add("a", TrafficCounts(10, 1000, 8, 80, 7), now_s=3.0)  # cumulative: the delta is (6, 600, 6, 60, 6)
-    assert window.observe(now_s=3.0, window_s=2.0) == Observation(8 / 2.0, 700 / 8, 64 / 8, 8 / 8)
+    assert window.observe(now_s=3.0, window_s=2.0) == Observation(8 / 2.0, 700 / 8, 64 / 8, 8 / 8, routers=2)
     window.add("b", TrafficCounts(1, 10, 0, 0, 0), now_s=4.0)  # a restarted router counts from zero again
-    assert window.observe(now_s=4.5, window_s=1.0) == Observation(1.0, 10.0, 8.0, None)  # lengths: last known
+    assert window.observe(now_s=4.5, window_s=1.0) == Observation(1.0, 10.0, 8.0, None, routers=1)  # lengths: last known
     assert window.observe(now_s=30.0, window_s=2.0).arrival_rate_per_s == 0.0

@@ -119,6 +119,10 @@ def test_router_limit_and_client_concurrency():
     requests = [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 3)]
     limited = simulate(SimConfig(router_max_requests=1), linear_profile(), requests)
     assert [r.status for r in limited.records] == ["ok", "rejected"]
+    # Two routers, each with that limit: both requests are served, each as if alone on its prefill worker.
+    shared = simulate(SimConfig(prefill=2, router_max_requests=1, routers=2), linear_profile(), requests)
+    assert [r.status for r in shared.records] == ["ok", "ok"]
+    assert shared.records[0].ttft_s == approx(shared.records[1].ttft_s)
     # One open stream: r1 is sent when r0 ends (10.02 ms) and then runs as r0 did.
     capped = simulate(SimConfig(max_concurrency=1), linear_profile(), requests)
     assert capped.records[1].send_s == approx(0.01002)

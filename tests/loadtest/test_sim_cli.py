@@ -80,6 +80,21 @@ def test_plan_prints_the_table_and_sizes_a_fleet(measured, tmp_path, capsys):
     assert {r["shape"] for r in report["rows"]} == {"1P1D", "1P2D", "2P1D", "1C", "2C", "3C"}
     assert report["choice"] == report["rows"][0]["shape"] and f"->{report['choice']}" in text.replace(" ", "")
     assert report["fleet"]["requests"] >= 40 and report["fleet"]["simulated_requests_per_s"] > 0
+    # The fleet is copies of the choice, each with its router: none refused for one router's limit.
+    chosen = next(r for r in report["rows"] if r["shape"] == report["choice"])
+    assert report["fleet"]["routers"] == report["fleet"]["workers"] // chosen["workers"]
+
+
+def test_a_fleet_far_beyond_one_routers_limit_is_not_refused_by_it(measured, tmp_path):
+    """--router-max-requests 2: one router would refuse most of a 200 req/s fleet's traffic; the fleet
+    check gives every copy of the chosen shape its own router, as the plan assumed for one."""
+    out = tmp_path / "plan.json"
+    splitserve(["plan", "--profile", str(measured), "--workload", "poisson", "--rate", "1", "--num-requests", "20",
+                "--ttft-ms", "5000", "--tpot-ms", "1000", "--max-workers", "2", "--router-max-requests", "2",
+                "--fleet-rate", "200", "--fleet-duration-s", "5", "--json", str(out)])
+    fleet = json.loads(out.read_text())["fleet"]
+    assert fleet["routers"] > 1 and fleet["requests"] >= 200
+    assert fleet["rejected"] <= 0.05 * fleet["requests"], fleet
 
 
 def test_plan_refuses_a_run_without_an_slo(measured, capsys):
