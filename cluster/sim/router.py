@@ -12,7 +12,8 @@ It models router/ (which `cluster/` may not import: the simulator serves the con
 - admission `always`, or `ttft`: refuse a request whose predicted TTFT on its worker (queued tokens
   plus its own at the profile's prefill rate) exceeds the SLO, as `predictive` does for TTFT.
 A tests/ check holds `cache_aware` here to the router's own policy on the same loads and holdings.
-Everything is O(log workers) per request except the walk over holders of the prompt's blocks.
+Everything is O(log workers) per request except the walk over holders of the prompt's blocks (see
+`choose_prefill` for what keeps that short on large fleets).
 """
 
 from __future__ import annotations
@@ -77,20 +78,18 @@ class PrefixIndex:
     def drop_worker(self, worker: int, keys) -> None:
         self.on_event(worker)(BlockRemoved(tuple(keys)))
 
-    def leading_blocks(self, keys: Sequence[Hashable]) -> dict[int, int]:
-        """Per worker holding the first block, how many leading blocks of `keys` it holds."""
-        result: dict[int, int] = {}
+    def levels(self, keys: Sequence[Hashable]) -> list[tuple[int, set[int]]]:
+        """(d, the workers holding the first d blocks of `keys`) for d = 1, 2, ... while any does. The
+        sets are the index's own or fresh intersections: read them, never change them."""
+        found: list[tuple[int, set[int]]] = []
         current: set[int] | None = None
-        for i, key in enumerate(keys):
+        for depth, key in enumerate(keys, start=1):
             held = self.holders.get(key)
-            if not held:
-                break
-            current = set(held) if current is None else current & held
+            current = held if current is None else (current & held if held else None)
             if not current:
                 break
-            for worker in current:
-                result[worker] = i + 1
-        return result
+            found.append((depth, current))
+        return found
 
 
 class SimRouter:
@@ -110,17 +109,26 @@ class SimRouter:
         if least is None:
             return None
         if self.policy == "round_robin":
-            alive = [i for i, ok in enumerate(self.queued.alive) if ok]
-            worker = alive[self._turn % len(alive)]
+            serving = [i for i, ok in enumerate(self.queued.alive) if ok]
+            worker = serving[self._turn % len(serving)]
             self._turn += 1
             return worker, prompt_tokens
-        queued = self.queued.values
+        queued, alive = self.queued.values, self.queued.alive
         best = (queued[least] + prompt_tokens, 0, least)
         if self.policy == "cache_aware" and keys:
-            for worker, blocks in self.index.leading_blocks(keys).items():
-                if self.queued.alive[worker]:
-                    uncached = max(prompt_tokens - blocks * self.block_tokens, 1)
-                    best = min(best, (queued[worker] + uncached, -blocks, worker))
+            # Each worker at every depth it holds: a shallower depth never beats its deepest, so the least
+            # (cost, -blocks, worker) is the policy's. Deepest first; a level whose cost cannot go below
+            # the least-queued worker's is skipped, and one that worker holds costs its queue: fleets of
+            # thousands of workers all hold a popular first block, and a scan of them cost ~1 ms a request.
+            floor = queued[least]
+            for blocks, holders in reversed(self.index.levels(keys)):
+                uncached = max(prompt_tokens - blocks * self.block_tokens, 1)
+                if (floor + uncached, -blocks) > best[:2]:
+                    continue
+                if least in holders:
+                    best = min(best, (floor + uncached, -blocks, least))
+                else:
+                    best = min([best, *((queued[w] + uncached, -blocks, w) for w in holders if alive[w])])
         _, neg_blocks, worker = best
         return worker, max(prompt_tokens + neg_blocks * self.block_tokens, 1)
 
