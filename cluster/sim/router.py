@@ -11,7 +11,8 @@ It models router/ (which `cluster/` may not import: the simulator serves the con
   cache; `round_robin`; decode instances: fewest requests in flight (router/worker_choice.py `_pick`);
 - admission `always`, or `ttft`: refuse a request whose predicted TTFT on its worker (queued tokens
   plus its own at the profile's prefill rate) exceeds the SLO, as `predictive` does for TTFT.
-A tests/ check holds `cache_aware` here to the router's own policy on the same loads and holdings.
+tests/cluster/test_sim_router.py holds `cache_aware` here to the router's own policy on the same loads and
+holdings (cost and cached blocks), and to a brute-force walk of every worker.
 Everything is O(log workers) per request except the walk over holders of the prompt's blocks (see
 `choose_prefill` for what keeps that short on large fleets).
 """

@@ -52,3 +52,38 @@ def test_cache_aware_choice_equals_the_brute_force_walk(seed):
         assert router.choose_prefill(query, prompt) == _brute_force(router, query, prompt)
         worker = rng.randrange(workers)
         router.queued.add(worker, rng.randint(0, 64))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_cache_aware_costs_what_the_real_routers_policy_costs(seed):
+    """Same holdings and queues: the simulated choice has the real `CacheAwarePolicy`'s cost and cached
+    blocks (the last tie goes to the lower index here, to the prefix-hash ring there)."""
+    import asyncio
+
+    from cluster.kv_events import KVEventBatch
+    from cluster.prefix_index.memory import InProcessPrefixIndex
+    from engine.block_hash import HashNamespace, hash_blocks
+    from router.routing import RouteQuery, WorkerLoad
+    from router.routing.cache_aware import CacheAwarePolicy
+
+    rng, block_size = random.Random(seed), 4
+    namespace, workers = HashNamespace("model/sim", block_size), rng.randint(1, 6)
+    prompt = list(range(seed, seed + rng.choice([4, 9, 20, 24])))
+    hashes = hash_blocks(namespace, prompt)
+    index, sim = InProcessPrefixIndex(lease_s=30), SimRouter("cache_aware", workers, 1, block_size)
+    for worker in range(workers):
+        held = hashes[: rng.randint(0, len(hashes))]
+        if held:
+            events = tuple((i + 1, BlockStored((h,), None, ())) for i, h in enumerate(held))
+            asyncio.run(index.apply(KVEventBatch(f"w{worker}", 1, len(events), events)))
+            sim.index.on_event(worker)(BlockStored(tuple(held), None, ()))
+        sim.queued.add(worker, rng.choice([0, 0, 4, 8, rng.randint(0, 30)]))
+    query = RouteQuery(tuple(hashes), len(prompt), block_size, repr(prompt).encode())
+    loads = [WorkerLoad(f"w{w}", 0, sim.queued.values[w]) for w in range(workers)]
+    real = asyncio.run(CacheAwarePolicy(index).choose(query, loads))
+    real_queued = sim.queued.values[int(real.worker_id[1:])]
+    worker, uncached = sim.choose_prefill(hashes, len(prompt))
+    assert (sim.queued.values[worker] + uncached, uncached) == (
+        real_queued + max(len(prompt) - real.expected_cached_blocks * block_size, 1),
+        max(len(prompt) - real.expected_cached_blocks * block_size, 1),
+    )
