@@ -52,14 +52,11 @@ def layer_groups(num_layers: int, layer_bytes: int) -> list[range]:
 
 def message_staging(kv: KVCacheStorage, num_blocks: int) -> list[tuple[range, list[torch.Tensor]]]:
     """(layers, buffers) of each message a sender of `num_blocks` blocks sends this rank: the buffers
-    are `kv.staging` for each of its layers, in order (one set per group size, reused)."""
+    are `kv.staging` for each of its layers, in order; every message reuses the first one's."""
     one_layer = kv.staging(num_blocks)
     groups = layer_groups(kv.num_layers, sum(t.nbytes for t in one_layer))
-    by_size: dict[int, list[torch.Tensor]] = {}
-    for group in groups:
-        if len(group) not in by_size:
-            by_size[len(group)] = one_layer + [t for _ in range(len(group) - 1) for t in kv.staging(num_blocks)]
-    return [(group, by_size[len(group)]) for group in groups]
+    buffers = one_layer + [t for _ in range(len(groups[0]) - 1) for t in kv.staging(num_blocks)]
+    return [(group, buffers[: len(group) * len(one_layer)]) for group in groups]
 
 
 @dataclass(frozen=True)
