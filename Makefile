@@ -76,14 +76,17 @@ test-deps: sdk-venv lower-venv
 run: setup
 	scripts/run_local.sh $(SERVE_ARGS)
 
-# Lint (ruff: rules and format) and type-check (mypy) the product packages and benchmarks; the rules and the
+# Lint (ruff: rules and format), type-check (mypy) and check the layering (import-linter) of the product packages
+# and benchmarks; the rules and the
 # paths mypy checks are in pyproject.toml. `make test` runs it first, so CI does.
-LINT_PATHS := engine prefill_worker decode_worker kvtransfer cluster router loadtest splitserve benchmarks
+LINT_PATHS := engine kvtransfer splitserve_client common prefix_index policies sim prefill_worker decode_worker cluster router \
+	loadtest splitserve benchmarks
 
 lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: setup test-deps lint
 	PY=$(PY) scripts/run_tests.sh $(PYTEST_ARGS)

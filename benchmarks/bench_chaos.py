@@ -1,7 +1,7 @@
 """Chaos on 2 prefill + 2 decode: a worker SIGKILLed every 10 s for 2 minutes under a trace replay.
 
     scripts/in_sandbox.sh .venv/bin/python -m benchmarks.bench_chaos [--every-s 10] [--duration-s 120] \\
-        [--json docs/perf/chaos.json] [-- extra splitserve chaos / bench flags]
+        [--json docs/perf/chaos/cpu.json] [-- extra splitserve chaos / bench flags]
 
 Launches the cluster (a shrunken demo model, so that 2 cores keep up with the replay), serves a router
 on this process's loop as `splitserve serve` does, then runs `splitserve chaos` (loadtest/chaos.py):
@@ -18,8 +18,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
+from common.config import ClusterConfig, PoolConfig, RouterConfig
 from loadtest.chaos import format_report, parse_chaos, run_chaos
 
 SLICE = Path(__file__).resolve().parents[1] / "tests/data/traces/mooncake-fast25/conversation_trace.jsonl"

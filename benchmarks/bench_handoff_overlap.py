@@ -27,7 +27,7 @@ IDLE_S = 0.5
 
 
 async def measure(target: str, vocab: tuple[int, ...], rounds: int, prompt_tokens: int) -> dict[str, list[float]]:
-    from router.client import AsyncClient
+    from splitserve_client.client import AsyncClient
 
     counter = itertools.count(500_000)  # past the warm-up's prompt indices
 
@@ -65,11 +65,11 @@ async def measure(target: str, vocab: tuple[int, ...], rounds: int, prompt_token
 async def main_async(args) -> None:
     from benchmarks.validate_sim import validation_model
     from benchmarks.warm_cluster import warm_up
-    from cluster.config import ClusterConfig, PoolConfig, RouterConfig
     from cluster.launcher import launch
+    from common.config import ClusterConfig, PoolConfig, RouterConfig
     from loadtest.plan import ModelLimits
-    from router.client import AsyncClient
     from router.server import RouterServer
+    from splitserve_client.client import AsyncClient
 
     config = ClusterConfig(
         prefill=PoolConfig(replicas=1, num_cpus=1.0, threads=1),

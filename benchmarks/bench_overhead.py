@@ -33,12 +33,12 @@ import time
 import grpc
 
 from cluster.client import ClusterClient
-from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
-from cluster.messages import GenerateRequest
+from common.config import ClusterConfig, PoolConfig, RouterConfig
+from common.messages import GenerateRequest
 from engine import SamplingParams
-from router.protocol import splitserve_v1_pb2 as pb
-from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
+from splitserve_client.protocol import splitserve_v1_pb2 as pb
+from splitserve_client.protocol import splitserve_v1_pb2_grpc as pb_grpc
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -72,8 +72,8 @@ def _pct(values: list[float], q: float) -> float:
 async def client_main(args) -> None:
     """A router arm's client process: one round of open-loop requests on one channel; prints
     {request id: [latency_s, upstream_s]} (upstream: the router's trailer; None from the floor server)."""
-    from router.client import build_request
-    from router.sdk_types import UPSTREAM_MS_KEY
+    from splitserve_client.client import build_request
+    from splitserve_client.sdk_types import UPSTREAM_MS_KEY
 
     upstream: dict[int, float | None] = {}
     async with grpc.aio.insecure_channel(args.client) as channel:

@@ -19,11 +19,11 @@ import random
 import statistics
 import time
 
-from cluster.kv_events import KVEventBatch
-from cluster.prefix_index.base import IndexNamespace, PrefixIndex
-from cluster.prefix_index.memory import InProcessPrefixIndex
-from cluster.prefix_index.redis_index import RedisPrefixIndex
+from common.kv_events import KVEventBatch
 from engine.block_hash import BlockHash, HashNamespace, hash_blocks
+from prefix_index.base import IndexNamespace, PrefixIndex
+from prefix_index.memory import InProcessPrefixIndex
+from prefix_index.redis_index import RedisPrefixIndex
 
 BLOCK_SIZE = 16
 HASH_NS = HashNamespace("bench-model", BLOCK_SIZE)

@@ -20,9 +20,9 @@ import statistics
 import time
 
 from cluster.client import ClusterClient
-from cluster.config import ClusterConfig, PoolConfig
 from cluster.launcher import launch
-from cluster.messages import GenerateRequest, PrefixPull
+from common.config import ClusterConfig, PoolConfig
+from common.messages import GenerateRequest, PrefixPull
 from engine import SamplingParams
 from router.prefix_pull_planner import PULL_PRIOR
 

@@ -23,9 +23,9 @@ import ray
 
 from cluster.client import ClusterClient
 from cluster.cluster_view import ClusterView
-from cluster.config import ClusterConfig, PoolConfig
 from cluster.launcher import launch
-from cluster.messages import GenerateRequest
+from common.config import ClusterConfig, PoolConfig
+from common.messages import GenerateRequest
 from engine.sampling_params import SamplingParams
 
 POOL = PoolConfig(num_cpus=0.5, threads=1, num_kv_blocks=512)

@@ -25,8 +25,8 @@ import time
 import ray
 
 from benchmarks.bench_overhead import _pct, _router_round, _small_model
-from cluster.config import ClusterConfig, PoolConfig
 from cluster.launcher import launch
+from common.config import ClusterConfig, PoolConfig
 
 CLUSTER = "routers-bench"
 

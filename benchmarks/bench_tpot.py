@@ -110,7 +110,7 @@ def run_colocated(model_dir: str, items, threads: int) -> list[Timing]:
 
 async def _disagg_requests(cluster, items) -> list[Timing]:
     from cluster.client import ClusterClient
-    from cluster.messages import GenerateRequest
+    from common.messages import GenerateRequest
 
     client = ClusterClient(cluster)
     started_s = time.perf_counter()
@@ -129,8 +129,8 @@ async def _disagg_requests(cluster, items) -> list[Timing]:
 
 
 def run_disaggregated(model_dir: str, items) -> list[Timing]:
-    from cluster.config import ClusterConfig, PoolConfig
     from cluster.launcher import launch
+    from common.config import ClusterConfig, PoolConfig
 
     pool = PoolConfig(num_cpus=1, threads=1, max_num_batched_tokens=1024)
     cluster = launch(ClusterConfig(prefill=pool, decode=pool, ready_timeout_s=180), model_dir)

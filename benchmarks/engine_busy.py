@@ -1,7 +1,7 @@
 """How long a live cluster's engines stepped, per pool: the measured side of the simulator's busy time.
 
 Every worker's engine loop records each step's wall time (`splitserve_worker_step_duration_seconds`,
-cluster/worker_metrics.py) on its Prometheus endpoint (the pool's `metrics_port`). `pool_steps`
+common/worker_metrics.py) on its Prometheus endpoint (the pool's `metrics_port`). `pool_steps`
 reads the summed step seconds and step counts of each pool; the difference of two readings is what
 the engines did in between, to set beside the simulation's `SimResult.busy_s` and `steps`. Where the
 two agree and the latencies do not, the time went outside the engines' steps (queues, hand-offs,
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import ray
 
-from cluster.metrics_http import scrape
+from common.metrics_http import scrape
 from engine.step_log import StepRecord
 
 STEP_SUM, STEP_COUNT = "splitserve_worker_step_duration_seconds_sum", "splitserve_worker_step_duration_seconds_count"

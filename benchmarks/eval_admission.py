@@ -1,6 +1,6 @@
 """Goodput vs offered load with admission `always` and `predictive`, on a small real cluster (issue 6).
 
-    scripts/in_sandbox.sh .venv/bin/python -m benchmarks.eval_admission --out docs/perf
+    scripts/in_sandbox.sh .venv/bin/python -m benchmarks.eval_admission --out docs/perf/admission
 
 1. Launches 1 prefill + 1 decode actor over a shrunken demo model (prefill compute is the bottleneck,
    as on a real cluster, at a rate a 2-core box reaches) and serves a router with admission
@@ -112,7 +112,7 @@ class Evaluation:
         self.saturation_per_s = 1.0
 
     async def point(self, policy: str, rate: float) -> Point:
-        from router.admission import make_admission_policy
+        from policies.admission import make_admission_policy
 
         gate = self.service.admission
         gate.policy = make_admission_policy(policy, config=gate.config)
@@ -161,7 +161,7 @@ async def _solo(target: str, args) -> tuple[float, float]:
     """Median TTFT and TPOT (ms) of sequential requests of the workload's mean prompt length."""
     import random
 
-    from router.client import AsyncClient
+    from splitserve_client.client import AsyncClient
 
     rng = random.Random(7)
     ttfts, tpots = [], []
@@ -212,9 +212,9 @@ async def _evaluate(service, target: str, args) -> dict:
 
 
 async def _serve_and_evaluate(args) -> dict:
-    from cluster.config import ClusterConfig, PoolConfig, RouterConfig
     from cluster.launcher import launch
-    from router.admission import AdmissionConfig
+    from common.config import ClusterConfig, PoolConfig, RouterConfig
+    from policies.admission import AdmissionConfig
     from router.server import RouterServer
 
     pool = PoolConfig(num_cpus=1.0, threads=1)

@@ -1,4 +1,4 @@
-"""The admission fit (`router/admission/linear_fit.py`, exact non-negative least squares) against the
+"""The admission fit (`policies/admission/linear_fit.py`, exact non-negative least squares) against the
 greedy active set it replaced, on prefill-like windows: how often each misses the optimum, and what
 each predicts for a short prompt. Numbers only, no cluster:
 
@@ -14,8 +14,8 @@ import argparse
 
 import numpy as np
 
-from router.admission.cost_model import PREFILL_PRIOR, PrefillTimeFit
-from router.admission.linear_fit import WindowedLinearFit, _identifiable_terms
+from policies.admission.cost_model import PREFILL_PRIOR, PrefillTimeFit
+from policies.admission.linear_fit import WindowedLinearFit, _identifiable_terms
 
 TRUTH = PrefillTimeFit(intercept_s=0.010, per_token_s=5e-5, per_token_sq_s=0.0)
 

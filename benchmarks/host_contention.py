@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.host_contention [--others 0,1,2,3] [--steps 40] [--threads 1]
 
-The fleet simulator's host-sharing model (cluster/sim/contention.py) says a step takes its profiled
+The fleet simulator's host-sharing model (sim/contention.py) says a step takes its profiled
 time x max(1, busy processes / host cores). This measures that on this machine: a timed process runs
 the validation model's steps (a 256-token prefill chunk and an 8-sequence decode step, alternating)
 while `k` other processes run the same engine's steps flat out; every process has `--threads` torch

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_overhead import _small_model
-from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
+from common.config import ClusterConfig, PoolConfig, RouterConfig
 from loadtest.records import read_jsonl
 from loadtest.stats import percentile
 

@@ -1,6 +1,6 @@
 """A discrete-event replay of prompts through N prefill workers, routed by a real policy.
 
-What is real: the routing policy (`router.routing.make_policy`), the router's load bookkeeping (the
+What is real: the routing policy (`policies.routing.make_policy`), the router's load bookkeeping (the
 same WorkerLoad figures `router/service.py` keeps), each worker's `KVCacheManager` over a finite
 `BlockPool` (prefix lookup with token verification, allocation, LRU eviction), the `BlockStored` /
 `BlockRemoved` events it emits into a real `KVEventBuffer`, the `IndexFeeder` that pulls those
@@ -36,14 +36,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from benchmarks.prefill_sim_worker import SimWorker
-from cluster.kv_events import KVEventBuffer
-from cluster.messages import PullOutcome
-from cluster.prefix_index.memory import InProcessPrefixIndex
+from common.kv_events import KVEventBuffer
+from common.messages import PullOutcome
 from engine.block_hash import BlockHash
-from router.admission import PrefillStep
+from policies.admission import PrefillStep
+from policies.routing import CacheAwarePolicy, PrefixHashPolicy, RouteQuery, RoutingPolicy, make_policy
+from prefix_index.memory import InProcessPrefixIndex
 from router.index_feeder import IndexFeeder
 from router.prefix_pull_planner import PullPlanner
-from router.routing import CacheAwarePolicy, PrefixHashPolicy, RouteQuery, RoutingPolicy, make_policy
 
 # Kinds order events due at the same instant: a finishing prefill frees its worker and a feed
 # refreshes the index before an arrival at that instant is routed.

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from cluster.kv_events import KVEventBuffer
+from common.kv_events import KVEventBuffer
 from engine.kv_cache_manager import KVCacheManager
-from router.routing import WorkerLoad
+from policies.routing import WorkerLoad
 
 if TYPE_CHECKING:
     from benchmarks.prefill_sim import SimConfig, SimRequest

@@ -26,8 +26,8 @@ from typing import Any
 
 from benchmarks.validate_sim_predict import SETTINGS, model_from_report, parse_shape, predict
 from benchmarks.validate_sim_report import compare, format_row, pooled_summary, within_counts
-from cluster.sim.config import SimConfig
 from loadtest.records import read_jsonl
+from sim.config import SimConfig
 
 
 def measured_runs(folder: Path) -> list[tuple[list, dict]]:

@@ -47,11 +47,8 @@ from benchmarks.validate_sim_report import (
     within_counts,
 )
 from benchmarks.warm_cluster import STEADY_REQUESTS, warm_up
-from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import Profile
-from cluster.sim.profiler import Grid, measure_profile
+from common.config import ClusterConfig, PoolConfig, RouterConfig
 from engine.heap import CollectionPauses, freeze_startup_heap
 from loadtest.cluster_calibration import CALIBRATION_LENGTHS, calibrate_cluster, describe, host_report
 from loadtest.config import BenchConfig, DriverConfig
@@ -59,6 +56,9 @@ from loadtest.plan import RequestDefaults, Slo
 from loadtest.records import read_jsonl
 from loadtest.runner import run_bench
 from loadtest.sim_workload import limits_of
+from sim.config import SimConfig
+from sim.profile import Profile
+from sim.profiler import Grid, measure_profile
 
 VALIDATION_MODEL = {
     "hidden_size": 256,

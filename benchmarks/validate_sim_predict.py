@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import Profile
-from cluster.sim.simulator import simulate
-from cluster.sim.worker import EngineLimits
 from loadtest.lengths import LengthDist
 from loadtest.poisson import PoissonSpec
 from loadtest.sim_report import sim_summary
 from loadtest.sim_workload import limits_of, sim_requests
+from sim.config import SimConfig
+from sim.profile import Profile
+from sim.simulator import simulate
+from sim.worker import EngineLimits
 
 # The workload and client settings a report records.
 SETTINGS = ("rates", "num_requests", "prompt_len", "output_len", "ttft_ms", "tpot_ms", "max_concurrency", "seed")

@@ -18,9 +18,9 @@ from collections.abc import Iterator, Sequence
 from typing import Self
 
 from cluster.client import ClusterClient, TokenChunk
-from cluster.config import ClusterConfig
 from cluster.launcher import LaunchedCluster, launch
-from cluster.messages import GenerateRequest
+from common.config import ClusterConfig
+from common.messages import GenerateRequest
 from engine.sampling_params import SamplingParams
 
 _END = object()

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from cluster.membership import Member
-from cluster.messages import GenerateRequest, PrefillQueue, PrefillResult, PullOutcome, TokenUpdate
+from common.membership import Member
+from common.messages import GenerateRequest, PrefillQueue, PrefillResult, PullOutcome, TokenUpdate
 from engine.errors import InvalidRequestError
 from kvtransfer.session import HandoffFailed, HandoffStats
 

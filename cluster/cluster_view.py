@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import ray
 
-from cluster.config import ClusterConfig
 from cluster.launcher import LaunchedCluster
-from cluster.membership import Member, Membership
+from common.config import ClusterConfig
+from common.membership import Member, Membership
 
 log = logging.getLogger(__name__)
 WATCH_S = 5.0  # one long-poll's wait at the controller

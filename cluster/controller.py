@@ -33,13 +33,13 @@ import time
 
 from ray.exceptions import ActorDiedError, RayActorError
 
-from cluster.config import ClusterConfig, ConfigError, config_conflicts
 from cluster.controller_slots import Slot, SlotStarter
 from cluster.controller_state import ControllerState
-from cluster.membership import DRAINING, ROLES, SERVING, Member, Membership
-from cluster.messages import Liveness
 from cluster.planner_loop import PlannerLoop
-from cluster.traffic import TrafficCounts
+from common.config import ClusterConfig, ConfigError, config_conflicts
+from common.membership import DRAINING, ROLES, SERVING, Member, Membership
+from common.messages import Liveness
+from common.traffic import TrafficCounts
 
 log = logging.getLogger(__name__)
 CONTROLLER_PREFIX = "splitserve-controller:"
@@ -128,7 +128,7 @@ class ClusterController:
         await self._reconcile()
 
     async def report_traffic(self, router_id: str, counts: TrafficCounts) -> bool:
-        """A router's cumulative traffic counters (cluster/traffic.py). False: no planner runs here."""
+        """A router's cumulative traffic counters (common/traffic.py). False: no planner runs here."""
         if self.planner is None:
             return False
         self.planner.report(router_id, counts)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import ray
 
 from cluster.controller_state import SlotRecord
-from cluster.membership import DRAINING, SERVING, Member
-from cluster.messages import WorkerInfo
 from cluster.rendezvous_host import ensure_rendezvous, rendezvous_name
 from cluster.worker_actors import end_worker, find_actor, planned_names, start_worker
+from common.membership import DRAINING, SERVING, Member
+from common.messages import WorkerInfo
 from engine.block_hash import spec_fingerprint
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class SlotStarter:
             return  # routers' in-process indexes drop it when it leaves membership
         try:
             if self._index is None:
-                from cluster.prefix_index import IndexNamespace, make_prefix_index
+                from prefix_index import IndexNamespace, make_prefix_index
 
                 info = next(s.info for s in self.controller.slots.values() if s.info is not None)
                 namespace = IndexNamespace(info.model_identity, info.block_size)

@@ -25,10 +25,10 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
-from cluster.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
 from cluster.controller import ClusterController, controller_name
 from cluster.controller_slots import ClusterStartError  # re-exported: callers catch it here
-from cluster.membership import Member, Membership
+from common.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
+from common.membership import Member, Membership
 
 RAY_NAMESPACE = "splitserve"
 JOIN_TIMEOUT_S = 10.0  # a controller that does not answer this fast is not there (or broken)

@@ -7,7 +7,7 @@ cluster/k8s_actuator.py). The decision:
 1. the observed traffic (arrival rate, mean prompt and output lengths over the last interval) becomes
    a synthetic Poisson workload (seeded: the same observation gives the same answer);
 2. growth: when the current pools miss the SLO (for `attainment` of it) in the simulator,
-   `least_cost` (cluster/sim/search.py) finds the smallest P + D that meets it with no pool smaller
+   `least_cost` (sim/search.py) finds the smallest P + D that meets it with no pool smaller
    than now (workers are added, none taken away), within `max_workers`; when only a rebalance fits
    under `max_workers`, the unconstrained least cost; when nothing does, the largest cluster allowed.
    Growth applies at once;
@@ -28,12 +28,12 @@ import dataclasses
 import random
 from typing import NamedTuple
 
-from cluster.planner_config import PlannerConfig
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import Profile
-from cluster.sim.search import attainment, least_cost
-from cluster.sim.seq import SimRequest
-from cluster.traffic import Observation
+from common.planner_config import PlannerConfig
+from common.traffic import Observation
+from sim.config import SimConfig
+from sim.profile import Profile
+from sim.search import attainment, least_cost
+from sim.seq import SimRequest
 
 __all__ = ["Observation", "Planner", "PlannerConfig", "Pools", "synthetic_requests"]
 

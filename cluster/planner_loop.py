@@ -3,7 +3,7 @@
 Why the controller hosts it: there is exactly one per cluster (routers are many stateless peers, and
 a planner per router would vote against each other), it already owns the desired pool sizes and
 `scale(role, replicas)` with drain on the way down, and Ray restarts it when it dies. Routers call
-down into it (`report_traffic`, cluster/traffic.py); nothing here knows about routers.
+down into it (`report_traffic`, common/traffic.py); nothing here knows about routers.
 
 Each round:
 1. the routers' reports over the last interval become one `Observation` (rate, mean lengths, the
@@ -26,12 +26,12 @@ import time
 from collections import deque
 from typing import NamedTuple
 
-from cluster.config import ClusterConfig
 from cluster.planner import Planner, Pools
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import Profile
-from cluster.sim.worker import EngineLimits
-from cluster.traffic import Observation, TrafficCounts, TrafficWindow
+from common.config import ClusterConfig
+from common.traffic import Observation, TrafficCounts, TrafficWindow
+from sim.config import SimConfig
+from sim.profile import Profile
+from sim.worker import EngineLimits
 
 log = logging.getLogger(__name__)
 KEEP_ROUNDS = 100

@@ -19,7 +19,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import ClusterConfig, PoolConfig
+from common.config import ClusterConfig, PoolConfig
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import asyncio
 import threading
 import time
 
-from cluster.messages import TokenUpdate
+from common.messages import TokenUpdate
 from engine.llm_engine import LLMEngine
 from engine.step_updates import SequenceUpdate
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig
+from common.config import ClusterConfig
 from engine.config import ModelConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine

@@ -20,10 +20,10 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from cluster.config import ClusterConfig
-from cluster.membership import Membership
-from cluster.messages import GenerateRequest, Liveness, TokenUpdate, WorkerInfo, WorkerStats
-from cluster.worker_telemetry import WorkerTelemetry
+from common.config import ClusterConfig
+from common.membership import Membership
+from common.messages import GenerateRequest, Liveness, TokenUpdate, WorkerInfo, WorkerStats
+from common.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
 from engine.block_hash import spec_fingerprint

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from loadtest.plan import ModelLimits, PlannedRequest
-from router.channel import ClientTls
-from router.sdk_types import SplitserveError
+from splitserve_client.channel import ClientTls
+from splitserve_client.sdk_types import SplitserveError
 
 
 class BackendError(Exception):
@@ -55,10 +55,10 @@ class RequestOptions:
 
 
 class GrpcBackend:
-    """The splitserve router through the SDK (`router.client.AsyncClient`)."""
+    """The splitserve router through the SDK (`splitserve_client.client.AsyncClient`)."""
 
     def __init__(self, target: str, token: str | None, timeout_s: float, tls: ClientTls = ClientTls(), **_):
-        from router.client import AsyncClient
+        from splitserve_client.client import AsyncClient
 
         self.target = target
         self.client = AsyncClient(target, token=token, tls=tls, timeout_s=timeout_s)
@@ -123,7 +123,7 @@ BACKENDS: dict[str, Callable[..., Any]] = {"splitserve": GrpcBackend, "openai": 
 
 
 def make_backend(name: str, **kwargs):
-    """kwargs: target, token, timeout_s, tls (router.channel.ClientTls), and for openai model / tokenizer."""
+    """kwargs: target, token, timeout_s, tls (splitserve_client.channel.ClientTls), and for openai model / tokenizer."""
     if name not in BACKENDS:
         raise ValueError(f"--backend must be one of {sorted(BACKENDS)}, got {name!r}")
     return BACKENDS[name](**kwargs)

@@ -40,12 +40,12 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import IDLE_WAKE_TAU_S, Overheads, Profile
-from cluster.sim.seq import SimRequest
-from cluster.sim.simulator import simulate
-from cluster.sim.step_cost import prefill_pairs
 from loadtest.probes import Probe
+from sim.config import SimConfig
+from sim.profile import IDLE_WAKE_TAU_S, Overheads, Profile
+from sim.seq import SimRequest
+from sim.simulator import simulate
+from sim.step_cost import prefill_pairs
 
 
 def _alone(profile: Profile, probe: Probe, output_tokens: int, host: SimConfig) -> Probe:

@@ -25,8 +25,8 @@ from loadtest.runner import BenchError, run_bench
 from loadtest.trace import OVERFLOW_POLICIES
 from loadtest.trace_rows import FORMATS
 from loadtest.workloads import DEFAULTS, WORKLOADS, spec_from_args
-from router.channel import ClientTls
-from router.cli_args import add_connection_flags
+from splitserve_client.channel import ClientTls
+from splitserve_client.cli_args import add_connection_flags
 
 
 def add_workload_flags(parser: argparse.ArgumentParser) -> None:

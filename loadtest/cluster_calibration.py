@@ -29,9 +29,6 @@ import statistics
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import Overheads, Profile
-from cluster.sim.seq import SimRequest
 from engine.step_log import StepRecord
 from loadtest.calibrate import fit_overheads, format_rows
 from loadtest.host_cpu import (
@@ -45,6 +42,9 @@ from loadtest.host_cpu import (
 )
 from loadtest.overlaps import OVERLAP_FIRST_INDEX, Overlap, fit_overlaps, measure_overlaps
 from loadtest.probes import Probe, measure
+from sim.config import SimConfig
+from sim.profile import Overheads, Profile
+from sim.seq import SimRequest
 
 CALIBRATION_LENGTHS = [(64, 128, 256, 384)[i % 4] for i in range(32)]  # 8 probes per length
 CALIBRATION_WARMUP = 2

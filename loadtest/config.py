@@ -16,9 +16,9 @@ from loadtest.plan import RequestDefaults
 from loadtest.poisson import PoissonSpec
 from loadtest.shared_prefix import SharedPrefixSpec
 from loadtest.trace import TraceSpec
-from router import channel
-from router.channel import ClientTls
-from router.cli_args import read_token
+from splitserve_client import channel
+from splitserve_client.channel import ClientTls
+from splitserve_client.cli_args import read_token
 
 WorkloadSpec = PoissonSpec | SharedPrefixSpec | TraceSpec
 
@@ -27,7 +27,7 @@ DEFAULT_TARGETS = {"splitserve": "127.0.0.1:50051", "openai": "http://127.0.0.1:
 
 
 def check_target(target: str, backend: str = "splitserve") -> str:
-    """splitserve: one of the SDK's target forms (`router/channel.py`: HOST:PORT, [IPV6]:PORT, unix:PATH,
+    """splitserve: one of the SDK's target forms (`splitserve_client/channel.py`: HOST:PORT, [IPV6]:PORT, unix:PATH,
     a gRPC URI); openai: an http(s)://HOST[:PORT][/v1] URL. Returns it unchanged, else ValueError naming
     --target."""
     if backend == "openai":

@@ -1,6 +1,6 @@
 """What a cluster sharing this host's cores burns besides its engine steps, measured around a calibration.
 
-The simulator's host sharing (cluster/sim/contention.py) needs, beside the profile:
+The simulator's host sharing (sim/contention.py) needs, beside the profile:
 - background cores: what the host keeps busy while the cluster idles (Ray's daemons, the controller
   and rendezvous loops, anything else running): `idle_cores` over a quiet window;
 - streaming CPU per decode step and per output token: what the workers' outbox and poll threads, the
@@ -31,13 +31,13 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import Profile
-from cluster.sim.seq import SimRequest
-from cluster.sim.simulator import simulate
 from loadtest.calibrate import solve_increasing
 from loadtest.host_clock import busy_cpu_s
-from router.client import AsyncClient
+from sim.config import SimConfig
+from sim.profile import Profile
+from sim.seq import SimRequest
+from sim.simulator import simulate
+from splitserve_client.client import AsyncClient
 
 T = TypeVar("T")
 

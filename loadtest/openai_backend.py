@@ -25,8 +25,8 @@ import aiohttp
 
 from loadtest.backends import BackendError, RequestError, RequestOptions, StreamEvent
 from loadtest.plan import ModelLimits, PlannedRequest
-from router.channel import ClientTls
-from router.sdk_types import SENT_AT_KEY
+from splitserve_client.channel import ClientTls
+from splitserve_client.sdk_types import SENT_AT_KEY
 
 # HTTP status → the gRPC status name summaries group by (the same table as the router's HTTP front).
 _CODES = {

@@ -1,6 +1,6 @@
 """Prompts sent while other requests stream: what a prefill worker loses to the work beside it.
 
-The simulator's host sharing (cluster/sim/contention.py) has two figures only overlapping requests
+The simulator's host sharing (sim/contention.py) has two figures only overlapping requests
 show, both fitted here on a running cluster, on every shape (the loss grows with the workers sharing
 the cores):
 - `host_prefill_interference`: a prefill engine feels the decode streams' demand this much more than
@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import Profile
-from cluster.sim.seq import SimRequest
-from cluster.sim.simulator import simulate
 from loadtest.calibrate import solve_increasing
 from loadtest.host_cpu import MAX_INTERFERENCE
-from router.client import AsyncClient
+from sim.config import SimConfig
+from sim.profile import Profile
+from sim.seq import SimRequest
+from sim.simulator import simulate
+from splitserve_client.client import AsyncClient
 
 # Each A streams OVERLAP_STREAM (prompt, output tokens); B asks for OVERLAP_OUTPUT_TOKENS.
 OVERLAP_STREAM, OVERLAP_OUTPUT_TOKENS = (64, 48), 2

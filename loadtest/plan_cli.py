@@ -7,7 +7,7 @@
 
 Every shape within --max-workers (P prefill workers + D decode instances x TP ranks, and colocated
 workers as the baseline) gets the highest request rate at which --attainment of the requests meet
-the SLO (the workload's arrivals scaled in time; cluster/sim/search.py); the table ranks them by
+the SLO (the workload's arrivals scaled in time; sim/search.py); the table ranks them by
 that rate per worker (DistServe's per-GPU goodput) and the first row is the choice. --fleet-rate R
 then sizes a fleet for R req/s from copies of the chosen shape and simulates the whole fleet at R
 (the workload tiled in time until it spans --fleet-duration-s) to check it. A roofline profile's
@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.sim.search import PlanRow, base_rate, rescaled, search
-from cluster.sim.simulator import simulate
 from loadtest.sim_args import add_sim_flags, load_inputs, with_pools
 from loadtest.sim_workload import repeat_trace
+from sim.search import PlanRow, base_rate, rescaled, search
+from sim.simulator import simulate
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 from loadtest.host_clock import busy_cpu_s
-from router.client import AsyncClient
+from splitserve_client.client import AsyncClient
 
 
 class Probe(NamedTuple):

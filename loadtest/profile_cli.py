@@ -6,14 +6,14 @@
     splitserve profile --roofline --model llama-3.2-1b --gpu h100 --out h100-1b.json
     splitserve profile --calibrate --profile cpu.json --target 127.0.0.1:50051 --out cpu.json
 
-The first runs the engine in this process over a grid of step shapes (cluster/sim/profiler.py) with
+The first runs the engine in this process over a grid of step shapes (sim/profiler.py) with
 the torch threads a pool worker gets; `--device cuda` times it on the GPU (then give the KV memory a
 GPU worker gets and the hand-off's figures: the defaults describe CPU workers on loopback), with decode
 and prefill points up to 16,384-token contexts by default (GPU_DECODE_CONTEXTS, GPU_PREFILL_STARTS, as far
 as the model reaches): a GPU reads KV and computes attention so fast that shorter ones leave the cost of
 context unmeasured (fitted as 0, which a long trace's late chunks then do not pay). The second
 writes a roofline estimate for a named model on a named GPU, labelled as such
-(cluster/sim/roofline.py). The third measures the cluster's own overheads (router, Ray calls, hand-off
+(sim/roofline.py). The third measures the cluster's own overheads (router, Ray calls, hand-off
 fixed costs) against an idle running cluster and stores them in the profile
 (loadtest/calibrate.py).
 """
@@ -25,9 +25,9 @@ import asyncio
 import dataclasses
 import sys
 
-from cluster.sim.profile import Profile, Transfer
-from cluster.sim.profiler import CPU_TRANSFER, Grid, measure_profile
-from cluster.sim.roofline import GPUS, MODELS, roofline_profile
+from sim.profile import Profile, Transfer
+from sim.profiler import CPU_TRANSFER, Grid, measure_profile
+from sim.roofline import GPUS, MODELS, roofline_profile
 
 GPU_DECODE_CONTEXTS = (64, 1024, 4096, 16384)  # the decode points' contexts with --device cuda
 GPU_PREFILL_STARTS = (0, 256, 1024, 4096, 16384)  # tokens before the prefill points' chunks, --device cuda

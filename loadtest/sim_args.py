@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from cluster.sim.config import ADMISSIONS, POLICIES, SimConfig
-from cluster.sim.profile import Profile
-from cluster.sim.worker import EngineLimits
 from loadtest.cli import add_workload_flags
 from loadtest.sim_workload import limits_of, repeat_trace, sim_requests
 from loadtest.trace import TraceSpec
 from loadtest.trace_rows import MOONCAKE_BLOCK_TOKENS
 from loadtest.workloads import spec_from_args
+from sim.config import ADMISSIONS, POLICIES, SimConfig
+from sim.profile import Profile
+from sim.worker import EngineLimits
 
 
 def add_sim_flags(parser: argparse.ArgumentParser) -> None:

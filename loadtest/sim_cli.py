@@ -16,10 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from cluster.sim.simulator import simulate
 from loadtest.sim_args import add_sim_flags, load_inputs, with_pools
 from loadtest.sim_report import sim_summary
 from loadtest.summary import format_table
+from sim.simulator import simulate
 
 
 def build_parser() -> argparse.ArgumentParser:

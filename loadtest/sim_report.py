@@ -6,10 +6,10 @@ ITL is left empty (count 0) and the notes say the run was simulated and from whi
 
 from __future__ import annotations
 
-from cluster.sim.profile import Profile
-from cluster.sim.result import SimResult
 from loadtest.stats import Distribution
 from loadtest.summary import REJECTED, Summary
+from sim.profile import Profile
+from sim.result import SimResult
 
 
 def sim_summary(

@@ -1,6 +1,6 @@
 """`splitserve bench` workloads as simulator input: a `WorkloadSpec` -> `SimRequest`s.
 
-The simulator (cluster/sim/) sits below loadtest/ and takes plain request lists; this is where the
+The simulator (sim/) sits below loadtest/ and takes plain request lists; this is where the
 bench's generators feed it, so a simulated run and a measured one replay the same requests:
 - poisson / shared-prefix: the very plan the bench sends (same seed: same arrivals, lengths and
   tokens); each prompt's full blocks are keyed by their real chained block hashes
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cluster.sim.seq import SimRequest
 from engine.block_hash import HashNamespace, hash_blocks
 from loadtest.config import WorkloadSpec
 from loadtest.plan import ModelLimits, Plan, RequestDefaults
 from loadtest.trace import TraceSpec
 from loadtest.trace_rows import MOONCAKE_BLOCK_TOKENS
+from sim.seq import SimRequest
 
 SIM_MODEL_IDENTITY = "splitserve-sim"  # the hash root of simulated prompts (only equality matters)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ray.exceptions import RayTaskError
 
-from cluster.membership import Member
-from cluster.messages import GenerateRequest
+from common.membership import Member
+from common.messages import GenerateRequest
 from kvtransfer.handoff import HandoffTarget, RankTarget
 from kvtransfer.session import DecodeEndpoint, DecodeFull, HandoffFailed
 

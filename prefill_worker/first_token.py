@@ -21,8 +21,8 @@ import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
-from cluster.messages import PrefillQueue, PrefillResult, PullOutcome
-from cluster.worker_metrics import WorkerMetrics
+from common.messages import PrefillQueue, PrefillResult, PullOutcome
+from common.worker_metrics import WorkerMetrics
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.scheduler import ScheduledChunk

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from cluster.messages import GenerateRequest, PullOutcome
+from common.messages import GenerateRequest, PullOutcome
 from engine.block_hash import HashNamespace, hash_blocks
 from engine.kv_cache_manager import CachedPrefix
 from engine.llm_engine import LLMEngine

@@ -22,11 +22,11 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from cluster.config import ClusterConfig
-from cluster.kv_events import KVEventBatch, KVEventBuffer
-from cluster.membership import Member, Membership
-from cluster.messages import GenerateRequest, Liveness, PrefillResult, WorkerInfo, WorkerStats
-from cluster.worker_telemetry import WorkerTelemetry
+from common.config import ClusterConfig
+from common.kv_events import KVEventBatch, KVEventBuffer
+from common.membership import Member, Membership
+from common.messages import GenerateRequest, Liveness, PrefillResult, WorkerInfo, WorkerStats
+from common.worker_telemetry import WorkerTelemetry
 from engine.block_hash import spec_fingerprint
 from engine.engine_loop import EngineLoop
 from engine.heap import freeze_startup_heap
@@ -299,7 +299,7 @@ def _start_publisher(buffer: KVEventBuffer, config: ClusterConfig, engine: LLMEn
     them); without one, routers pull them with `read_kv_events`."""
     if config.redis_url is None:
         return None
-    from cluster.prefix_index import IndexNamespace, RedisIndexPublisher
+    from prefix_index import IndexNamespace, RedisIndexPublisher
 
     namespace = IndexNamespace(engine.model_config.identity, engine.config.block_size)
     return RedisIndexPublisher(buffer, config.redis_url, namespace, config.index_lease_s).start()

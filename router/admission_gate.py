@@ -16,7 +16,7 @@ The decision is made after routing and before any worker is touched; a rejection
 
 from __future__ import annotations
 
-from router.admission import (
+from policies.admission import (
     AdmissionConfig,
     AdmissionDecision,
     AdmissionRequest,
@@ -33,8 +33,8 @@ from router.admission import (
     TtftSample,
     policy_from_config,
 )
-from router.admission.step_stats import unseen_steps
-from router.routing import WorkerLoad
+from policies.admission.step_stats import unseen_steps
+from policies.routing import WorkerLoad
 
 # The observed-TTFT model tracks the regime now: its window (requests, not steps) forgets an overload
 # that has passed within a few seconds of traffic, where the step models' longer windows keep history.
@@ -64,7 +64,7 @@ class AdmissionGate:
         self.ttft_cost.observe(TtftSample(tokens_through, observed_s))
 
     def observe_handoff(self, stats) -> None:
-        """A finished prefill → decode KV hand-off (cluster.messages.HandoffStats): the transfer model."""
+        """A finished prefill → decode KV hand-off (common.messages.HandoffStats): the transfer model."""
         self.transfer_cost.observe(TransferStep(stats.num_bytes, stats.elapsed_s))
 
     def observe_stats(self, worker_id: str, role: str, epoch: int, stats) -> None:

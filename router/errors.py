@@ -11,9 +11,9 @@ from typing import NamedTuple
 import grpc
 
 from cluster.client import RequestFailed
-from cluster.membership import Member
+from common.membership import Member
 from engine.errors import InvalidRequestError
-from router.routing import NoWorkersError
+from policies.routing import NoWorkersError
 from router.service_types import DuplicateRequest, Overloaded
 
 KV_FULL_RETRY_AFTER_S = 1.0  # a full decode pool frees blocks as its requests finish

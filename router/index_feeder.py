@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from cluster.cluster_view import ClusterView
-from cluster.membership import Member, Membership
+from common.membership import Member, Membership
 
 log = logging.getLogger(__name__)
 

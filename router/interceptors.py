@@ -2,7 +2,7 @@
 
 The error interceptor is the only place a domain exception becomes a gRPC status: servicer methods
 just raise. It wraps unary and server-streaming handlers alike; the status's field name and
-retry-after travel in trailing metadata (keys in router.sdk_types) as well as in the details text.
+retry-after travel in trailing metadata (keys in splitserve_client.sdk_types) as well as in the details text.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import grpc
 
 from router.errors import Status, Unauthenticated, status_for
 from router.metrics import RouterMetrics
-from router.sdk_types import FIELD_KEY, RETRY_AFTER_KEY
+from splitserve_client.sdk_types import FIELD_KEY, RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes (Kubernetes, Docker) carry no token

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from router.admission import RunningRequest
-from router.routing import WorkerLoad
+from policies.admission import RunningRequest
+from policies.routing import WorkerLoad
 from router.stream_state import StreamState
 
 

@@ -26,7 +26,7 @@ SLO meets it by finishing). Goodput rate = `rate(splitserve_router_goodput_reque
 as a share of all requests, divide by `sum(rate(splitserve_router_requests_total[1m]))`. The prefix
 cache hit rate is `rate(..._cached_prompt_tokens_total[5m]) / rate(..._prompt_tokens_total[5m])`.
 The per-worker gauges are the router's view (fed by its worker monitor); each worker exports its
-own figures too (cluster/worker_metrics.py).
+own figures too (common/worker_metrics.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from cluster.metrics_http import histogram_totals, plain, sample_values
+from common.metrics_http import histogram_totals, plain, sample_values
 
 NAMESPACE, SUBSYSTEM = "splitserve", "router"
 # Interactive TTFT lives in 10 ms – 2 s; a CPU demo or a long queue reaches minutes.
@@ -90,7 +90,7 @@ def slo_met(ttft_s: float, tpot_s: float | None, ttft_slo_ms: float | None, tpot
 
 class RouterMetrics:
     """The router's metrics in a registry of their own (`registry`: serve it with
-    cluster.metrics_http.start_metrics_server). All methods are thread-safe and cheap."""
+    common.metrics_http.start_metrics_server). All methods are thread-safe and cheap."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()

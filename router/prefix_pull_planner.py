@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from cluster.messages import PrefixPull, PullOutcome
-from router.admission import PrefillCostModel, PrefillStep
-from router.admission.cost_model import TransferCostModel, TransferTimeFit
-from router.admission.step_stats import TransferStep, unseen_steps
-from router.routing import RouteDecision, RouteQuery
+from common.messages import PrefixPull, PullOutcome
+from policies.admission import PrefillCostModel, PrefillStep
+from policies.admission.cost_model import TransferCostModel, TransferTimeFit
+from policies.admission.step_stats import TransferStep, unseen_steps
+from policies.routing import RouteDecision, RouteQuery
 
 PULL_PRIOR = TransferTimeFit(latency_s=0.020, per_byte_s=2e-9)
 MODES = ("auto", "always", "never")

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 
 from engine.block_hash import HashNamespace, hash_blocks
-from router.routing import RouteQuery
+from policies.routing import RouteQuery
 
 
 def route_query(token_ids: Sequence[int], tenant: str, model_identity: str, block_size: int) -> RouteQuery:

@@ -23,22 +23,22 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from cluster.cluster_view import ClusterView
-from cluster.config import ClusterConfig, ConfigError
 from cluster.launcher import LaunchedCluster
-from cluster.metrics_http import start_metrics_server
-from cluster.tls import load_server_tls, server_ssl_context
+from common.config import ClusterConfig, ConfigError
+from common.metrics_http import start_metrics_server
+from policies.routing import make_policy
 from router.admission_gate import AdmissionGate
 from router.health_listener import HealthListener
 from router.index_feeder import IndexFeeder
 from router.interceptors import AuthInterceptor, ErrorInterceptor
 from router.metrics import RouterMetrics
 from router.openai import HttpFront
-from router.protocol import splitserve_v1_pb2 as pb
-from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
-from router.routing import make_policy
 from router.service import RouterService
 from router.servicer import RouterServicer
+from router.tls import load_server_tls, server_ssl_context
 from router.tls_credentials import bind
+from splitserve_client.protocol import splitserve_v1_pb2 as pb
+from splitserve_client.protocol import splitserve_v1_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
@@ -180,7 +180,7 @@ class RouterServer:
 async def _make_index(cluster: ClusterView, config: ClusterConfig):
     """Redis when configured (the workers publish into it; several routers share it), else an
     in-process index this router feeds by pulling the workers' KV events."""
-    from cluster.prefix_index import IndexNamespace, make_prefix_index
+    from prefix_index import IndexNamespace, make_prefix_index
 
     info = cluster.prefill[0].info
     namespace = IndexNamespace(info.model_identity, info.block_size)

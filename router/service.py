@@ -15,17 +15,17 @@ from collections.abc import AsyncGenerator
 
 from cluster.client import ClusterClient, RequestFailed
 from cluster.cluster_view import ClusterView
-from cluster.membership import ROLES, Membership
-from cluster.messages import GenerateRequest
+from common.membership import ROLES, Membership
+from common.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
+from policies.routing import RoutingPolicy
 from router.admission_gate import AdmissionGate
 from router.errors import migration_cause
 from router.ledger import RouteLedger
 from router.metrics import RouterMetrics, slo_met
 from router.prefix_pull_planner import PullPlanner
 from router.request_keys import route_query, timed
-from router.routing import RoutingPolicy
 from router.service_types import DuplicateRequest, Overloaded, RouteInfo, RouterOutput
 from router.stream_state import StreamState
 from router.traffic_reporter import TrafficReporter

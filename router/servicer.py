@@ -6,13 +6,13 @@ No decisions are made here and no status codes are chosen here (that is the erro
 from __future__ import annotations
 
 from engine.block_hash import spec_fingerprint
-from router.protocol import splitserve_v1_pb2 as pb
-from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
 from router.request_keys import deadline_from_remaining
-from router.sdk_types import UPSTREAM_MS_KEY
 from router.service import RouterService
 from router.service_types import RouterOutput
 from router.validation import client_wait_s, parse_request
+from splitserve_client.protocol import splitserve_v1_pb2 as pb
+from splitserve_client.protocol import splitserve_v1_pb2_grpc as pb_grpc
+from splitserve_client.sdk_types import UPSTREAM_MS_KEY
 
 _FINISH: dict[str | None, pb.FinishReason] = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 

@@ -3,7 +3,7 @@
 `server_credentials` serves the certificate in `router.tls_cert_file` and, under mutual TLS, requires
 a client certificate chaining to `router.tls_client_ca_file`. gRPC asks for the certificate before
 every new connection's handshake; the answer is the current one, re-read from disk when the files
-changed (`cluster.tls.TlsFiles`), so a renewed certificate is served without a restart while
+changed (`router.tls.TlsFiles`), so a renewed certificate is served without a restart while
 connections already open keep theirs.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import grpc
 
-from cluster.config import RouterConfig
-from cluster.tls import ServerTls, TlsFiles, tls_enabled
+from common.config import RouterConfig
+from router.tls import ServerTls, TlsFiles, tls_enabled
 
 
 def server_credentials(router: RouterConfig) -> grpc.ServerCredentials | None:

@@ -1,7 +1,7 @@
 """A router's traffic, counted on the request path and reported to the controller's planner.
 
 The planner runs in the controller (cluster/planner_loop.py says why); each router only counts what
-it served (`cluster.traffic.TrafficCounts`: arrivals with their prompt tokens, finished requests
+it served (`common.traffic.TrafficCounts`: arrivals with their prompt tokens, finished requests
 with their output tokens and whether they met the planner's SLO) and sends its cumulative counters
 every `planner.report_interval_s`. Cumulative: a report that fails (controller restarting) is simply
 superseded by the next. With the planner off nothing is counted and nothing is sent.
@@ -13,8 +13,8 @@ import asyncio
 import logging
 import secrets
 
-from cluster.planner_config import PlannerConfig
-from cluster.traffic import TrafficCounts
+from common.planner_config import PlannerConfig
+from common.traffic import TrafficCounts
 from router.metrics import slo_met
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from typing import NoReturn, TypeGuard
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-from router.protocol import splitserve_v1_pb2 as pb
-from router.sdk_types import SENT_AT_KEY
+from splitserve_client.protocol import splitserve_v1_pb2 as pb
+from splitserve_client.sdk_types import SENT_AT_KEY
 
 MAX_PRIORITY = 1000
 MAX_TENANT_CHARS = 128

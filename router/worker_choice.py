@@ -12,8 +12,8 @@ import time
 
 from cluster.client import ClusterClient
 from cluster.cluster_view import ClusterView
+from policies.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.ledger import RouteLedger
-from router.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.worker_monitor import WorkerMonitor
 
 

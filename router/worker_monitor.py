@@ -15,8 +15,8 @@ import logging
 from ray.exceptions import RayActorError
 
 from cluster.cluster_view import ClusterView
-from cluster.membership import Member, Membership
-from cluster.messages import WorkerStats
+from common.membership import Member, Membership
+from common.messages import WorkerStats
 
 log = logging.getLogger(__name__)
 

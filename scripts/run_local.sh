@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 RUN_DIR=$PWD/.run
 mkdir -p "$RUN_DIR"
 rm -f "$RUN_DIR/router.sock" "$RUN_DIR/http.sock"
-.venv/bin/python -m cluster.loopback_forward "127.0.0.1:${GRPC_PORT:-50051}=$RUN_DIR/router.sock" \
+.venv/bin/python -m splitserve.loopback_forward "127.0.0.1:${GRPC_PORT:-50051}=$RUN_DIR/router.sock" \
   "127.0.0.1:${HTTP_PORT:-8000}=$RUN_DIR/http.sock" &
 FORWARDER=$!
 trap 'kill "$FORWARDER" 2>/dev/null || true; wait "$FORWARDER" 2>/dev/null || true' EXIT

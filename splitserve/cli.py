@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Callable
 
@@ -22,14 +23,15 @@ def _demo_model(argv: list[str]) -> None:
 
 
 def _bench_engine(argv: list[str]) -> None:
-    if "--accuracy" in argv:  # quantized configurations against the unquantized engine
-        from benchmarks.bench_quant_accuracy import main as accuracy_main
+    """Runs the engine benchmark script of a source checkout (`benchmarks/`) as its own program: the
+    product never imports benchmark code. `--accuracy` runs the quantization accuracy report instead."""
+    import subprocess
 
-        accuracy_main([arg for arg in argv if arg != "--accuracy"])
-        return
-    from benchmarks.bench_engine import main
-
-    main(argv)
+    script = "benchmarks.bench_quant_accuracy" if "--accuracy" in argv else "benchmarks.bench_engine"
+    if importlib.util.find_spec("benchmarks") is None:
+        raise SystemExit(f"splitserve bench-engine: {script} is not installed (run it from a source checkout)")
+    args = [arg for arg in argv if arg != "--accuracy"]
+    raise SystemExit(subprocess.call([sys.executable, "-m", script, *args]))
 
 
 def _bench(argv: list[str]) -> None:
@@ -87,19 +89,19 @@ def _router(argv: list[str]) -> None:
 
 
 def _generate(argv: list[str]) -> None:
-    from router.cli_client import generate_main
+    from splitserve_client.cli_client import generate_main
 
     generate_main(argv)
 
 
 def _status(argv: list[str]) -> None:
-    from router.cli_client import status_main
+    from splitserve_client.cli_client import status_main
 
     status_main(argv)
 
 
 def _health(argv: list[str]) -> None:
-    from router.cli_client import health_main
+    from splitserve_client.cli_client import health_main
 
     health_main(argv)
 

@@ -26,7 +26,7 @@ import signal
 import sys
 from pathlib import Path
 
-from cluster.config import ClusterConfig, ConfigError
+from common.config import ClusterConfig, ConfigError
 
 DEFAULT_CLUSTER_NAME = "default"
 # flag → (section, key) in the config mapping; None section = top level

@@ -76,7 +76,7 @@ def metrics_exporter():
     register their metrics' registries on the mount (stopping an exporter takes up to 0.5 s)."""
     from prometheus_client import CollectorRegistry
 
-    from cluster.metrics_http import start_metrics_server
+    from common.metrics_http import start_metrics_server
 
     mount = CollectorRegistry()
     server = start_metrics_server(mount)

@@ -18,8 +18,8 @@ import splitserve
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-PRODUCT = ("engine", "prefill_worker", "decode_worker", "kvtransfer", "router", "cluster", "loadtest", "splitserve",
-           "benchmarks")
+# Every top-level package of the distribution (the layering contract lists them all).
+PRODUCT = tuple(PYPROJECT["tool"]["importlinter"]["root_packages"])
 # Distribution -> the module it is imported as, where the names differ.
 IMPORT_NAMES = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "grpcio-reflection": "grpc_reflection",
                 "grpcio-tools": "grpc_tools", "protobuf": "google.protobuf", "pyyaml": "yaml",
@@ -30,6 +30,7 @@ NOT_IMPORTED = {"hiredis": "redis-py's C reply parser, used by redis-py when pre
                 "pytest-timeout": "a pytest plugin: the suite's per-test timeout (pyproject [tool.pytest])",
                 "httptools": "uvicorn's HTTP parser, loaded by name (http='httptools') in benchmarks/http_stack_servers.py",
                 "ruff": "`make lint`: a command-line tool", "mypy": "`make lint`: a command-line tool",
+                "import-linter": "`make lint`: the layering contract ([tool.importlinter] in pyproject.toml)",
                 **{f"types-{name}": "stubs mypy reads in `make lint`"
                    for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "pyyaml", "tqdm")}}
 
@@ -80,12 +81,12 @@ def test_extras_are_split_from_the_runtime_set():
 def test_bounds_match_the_committed_generated_code():
     """The generated modules refuse older runtimes than the ones that generated them."""
     runtime = {canonicalize_name(r.name): r for r in map(Requirement, PYPROJECT["project"]["dependencies"])}
-    pb2 = (REPO / "router/protocol/splitserve_v1_pb2.py").read_text()
+    pb2 = (REPO / "splitserve_client/protocol/splitserve_v1_pb2.py").read_text()
     protobuf = re.search(r"# Protobuf Python Version: (\d+)\.(\d+)\.(\d+)", pb2).groups()
     assert runtime["protobuf"].specifier.contains(".".join(protobuf))
     assert not runtime["protobuf"].specifier.contains(f"{int(protobuf[0])}.{int(protobuf[1]) - 1}.99")
     assert not runtime["protobuf"].specifier.contains(f"{int(protobuf[0]) + 1}.0.0"), "a new major breaks it"
-    grpc = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", (REPO / "router/protocol/splitserve_v1_pb2_grpc.py")
+    grpc = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", (REPO / "splitserve_client/protocol/splitserve_v1_pb2_grpc.py")
                      .read_text()).group(1)
     for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
         assert runtime[name].specifier.contains(grpc) and not runtime[name].specifier.contains("1.85.0"), name

@@ -16,8 +16,8 @@ from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 LOWER_PYTHON = Path(os.environ.get("SPLITSERVE_LOWER_PYTHON", REPO / ".venv-lower" / "bin" / "python"))
-PACKAGES = ("engine", "prefill_worker", "decode_worker", "kvtransfer", "router", "cluster", "loadtest", "splitserve",
-            "benchmarks")
+# Every top-level package of the distribution (the layering contract in pyproject.toml lists them all).
+PACKAGES = tuple(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"])
 lower_bound_pin = load_script("lower_bounds").lower_bound_pin
 
 SCRIPT = r"""
@@ -42,9 +42,9 @@ for package in packages:
         modules += 1
 
 import ray
-from cluster.config import ClusterConfig, PoolConfig, RouterConfig
+from common.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import launch
-from router.client import AsyncClient
+from splitserve_client.client import AsyncClient
 from router.server import RouterServer
 
 ray.init(num_cpus=4, include_dashboard=False, namespace="lower", configure_logging=False,

@@ -36,9 +36,9 @@ from router.openai.choices import run_choices
 from router.openai.errors import HttpError, http_error
 from router.openai.parse import ApiRequest, Context, parse_chat, parse_completion
 from router.openai.render import DONE_EVENT, Renderer
-from router.sdk_types import SENT_AT_KEY
 from router.service import RouterService
 from router.validation import client_wait_s
+from splitserve_client.sdk_types import SENT_AT_KEY
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024

@@ -5,7 +5,7 @@ import pytest
 
 from cluster.api import Cluster
 from cluster.client import RequestFailed
-from cluster.config import ClusterConfig, PoolConfig
+from common.config import ClusterConfig, PoolConfig
 from engine import SamplingParams
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts
 

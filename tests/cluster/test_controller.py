@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 import ray
 
-from cluster.config import ClusterConfig, ConfigError, PoolConfig
+from common.config import ClusterConfig, ConfigError, PoolConfig
 from cluster.launcher import launch
-from router.client import Client
+from splitserve_client.client import Client
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts
 from tests.router.cleanliness import wait_workers_clean
 from tests.router.conftest import SMALL_POOL, router_config, start_router

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from cluster.client import ClusterClient, RequestFailed
-from cluster.config import ClusterConfig, PoolConfig
+from common.config import ClusterConfig, PoolConfig
 from cluster.launcher import ClusterStartError, launch
-from cluster.messages import GenerateRequest, PrefillResult
+from common.messages import GenerateRequest, PrefillResult
 from engine import SamplingParams
 from tests.cluster.conftest import run
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts

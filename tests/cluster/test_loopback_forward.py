@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from cluster.loopback_forward import Route, parse_route, serve
+from splitserve.loopback_forward import Route, parse_route, serve
 
 
 def test_routes_bind_loopback_only():

@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from engine import SamplingParams
-from router.client import Client
-from router.sdk_types import Unavailable
+from splitserve_client.client import Client
+from splitserve_client.sdk_types import Unavailable
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts
 from tests.router.cleanliness import wait_workers_clean
 from tests.router.conftest import router_config, start_router

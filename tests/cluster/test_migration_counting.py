@@ -12,7 +12,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from cluster.client import RequestFailed, _first_token
-from cluster.messages import PrefillQueue
+from common.messages import PrefillQueue
 
 WORKER = SimpleNamespace(worker_id="prefill-0", epoch=3)
 

@@ -1,14 +1,14 @@
 """The online planner's decision (cluster/planner.py) on the linear test profile: direction, floor,
 hysteresis, cooldown and the routers' attainment veto, with exact pool sizes; its config errors; the
-controller's sum of router traffic reports (cluster/traffic.py), exactly."""
+controller's sum of router traffic reports (common/traffic.py), exactly."""
 from __future__ import annotations
 
 import pytest
 
-from cluster.config import ClusterConfig, ConfigError
+from common.config import ClusterConfig, ConfigError
 from cluster.planner import Observation, Planner, PlannerConfig, Pools
-from cluster.traffic import TrafficCounts, TrafficWindow
-from tests.cluster.sim_factories import linear_profile
+from common.traffic import TrafficCounts, TrafficWindow
+from tests.sim.sim_factories import linear_profile
 
 CONFIG = PlannerConfig(ttft_ms=100.0, tpot_ms=100.0, cooldown_s=60.0, scale_down_intervals=2, max_workers=6,
                        window_requests=200)

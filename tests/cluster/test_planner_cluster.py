@@ -19,11 +19,11 @@ from dataclasses import replace
 
 import ray
 
-from cluster.config import ControllerConfig
+from common.config import ControllerConfig
 from cluster.planner import Observation, Planner, PlannerConfig, Pools
-from cluster.sim.profile import ModelFacts, Profile, Transfer
-from cluster.sim.step_cost import StepCost
-from router.client import AsyncClient
+from sim.profile import ModelFacts, Profile, Transfer
+from sim.step_cost import StepCost
+from splitserve_client.client import AsyncClient
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts
 from tests.router.cleanliness import wait_workers_clean
 from tests.router.conftest import router_config, start_router

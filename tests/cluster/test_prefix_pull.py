@@ -11,9 +11,9 @@ import pytest
 import ray
 
 from cluster.client import ClusterClient
-from cluster.config import ClusterConfig, PoolConfig
+from common.config import ClusterConfig, PoolConfig
 from cluster.launcher import launch
-from cluster.messages import GenerateRequest, PrefillQueue, PrefillResult, PrefixPull
+from common.messages import GenerateRequest, PrefillQueue, PrefillResult, PrefixPull
 from engine import SamplingParams
 from tests.cluster.conftest import run
 from tests.factories import NUM_SPECIAL_TOKENS, TinySpec, hf_greedy_generate

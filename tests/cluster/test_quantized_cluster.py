@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import PoolConfig
+from common.config import PoolConfig
 from engine.kv_quant import kv_format
 from tests.cluster.conftest import run
 from tests.cluster.test_disaggregated import GREEDY, SMALL_POOL, _assert_clean, _generate_all, cluster_factory  # noqa: F401

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import PoolConfig
+from common.config import PoolConfig
 from engine import SamplingParams
 from tests.cluster.conftest import run
 from tests.cluster.test_disaggregated import GREEDY, SMALL_POOL, _assert_clean, _generate_all, cluster_factory  # noqa: F401

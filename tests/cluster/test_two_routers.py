@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from router.client import Client
+from splitserve_client.client import Client
 from tests.cluster.processes import ServingProcess
 from tests.cluster.ray_head import RayHead
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts

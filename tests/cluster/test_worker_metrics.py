@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics_http import scrape, start_metrics_server
-from cluster.worker_metrics import WorkerMetrics
+from common.metrics_http import scrape, start_metrics_server
+from common.worker_metrics import WorkerMetrics
 from engine.speculative.counters import SpecCounters
 
 P = "splitserve_worker_"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.messages import TokenUpdate
+from common.messages import TokenUpdate
 from decode_worker.outbox import Outbox
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from router.cli_args import add_connection_flags
+from splitserve_client.cli_args import add_connection_flags
 from tests.deploy.chart import MATRIX, NAMESPACE, cluster_config_raw, objects, of_kind, only, pod_templates
 
 matrix = pytest.mark.parametrize("case", sorted(MATRIX))

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster.config import ClusterConfig
+from common.config import ClusterConfig
 from engine.speculative.config import SpeculativeConfig
 from tests.deploy.certificate_schema import validate_certificate
 from tests.deploy.chart import CHART_DIR, KUBE_VERSION, MATRIX, NAMESPACE, objects, of_kind, only, pod_templates

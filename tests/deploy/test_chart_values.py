@@ -1,5 +1,5 @@
 """values.schema.json: bad values fail before anything renders, naming the key; and the chart's
-values cover cluster/config.py's keys exactly once (chart-owned or passed through under `config`)."""
+values cover common/config.py's keys exactly once (chart-owned or passed through under `config`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +8,8 @@ import json
 import helm_python
 import pytest
 
-from cluster.config import ROUTING_POLICIES, ClusterConfig, ConfigError, PoolConfig, RouterConfig
-from cluster.planner_config import PlannerConfig
+from common.config import ROUTING_POLICIES, ClusterConfig, ConfigError, PoolConfig, RouterConfig
+from common.planner_config import PlannerConfig
 from engine.config import DTYPES
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
@@ -108,7 +108,7 @@ def _fields(cls) -> set[str]:
 
 
 def test_chart_values_cover_each_config_key_exactly_once():
-    """A key added to cluster/config.py fails here until the chart decides who sets it."""
+    """A key added to common/config.py fails here until the chart decides who sets it."""
     config = _schema()["properties"]["config"]["properties"]
     pool = _schema()["definitions"]["poolEngine"]["properties"]
     router = config["router"]["properties"]

@@ -141,7 +141,7 @@ def test_planner_rbac_renders_only_when_enabled_and_names_its_raycluster():
 
 
 def test_planner_values_render_its_config_profile_and_the_head_token_only():
-    from cluster.config import ClusterConfig
+    from common.config import ClusterConfig
     from tests.deploy.chart import cluster_config_raw, pod_templates
 
     off = objects({})

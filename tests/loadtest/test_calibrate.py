@@ -8,14 +8,14 @@ import dataclasses
 
 import pytest
 
-from cluster.sim.config import SimConfig
-from cluster.sim.profile import Overheads, Profile
-from cluster.sim.seq import SimRequest
-from cluster.sim.simulator import simulate
-from cluster.sim.step_cost import prefill_pairs
+from sim.config import SimConfig
+from sim.profile import Overheads, Profile
+from sim.seq import SimRequest
+from sim.simulator import simulate
+from sim.step_cost import prefill_pairs
 from loadtest.calibrate import _alone, fit_overheads
 from loadtest.probes import Probe
-from tests.cluster.sim_factories import linear_profile
+from tests.sim.sim_factories import linear_profile
 
 TRUTH = Overheads(route_s=0.005, adopt_s=0.007, step_s=0.0005, prefill_step_scale=1.5)
 

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from cluster.sim.seq import SimRequest
+from sim.seq import SimRequest
 from loadtest.cluster_calibration import PROBE_OUTPUT_TOKENS, in_flight_sample
 from loadtest.probes import Probe, measure
-from router.client import AsyncClient
+from splitserve_client.client import AsyncClient
 
 VOCAB = tuple(range(10, 250))  # ids of the tiny checkpoint (the probes ignore EOS)
 TICK_S = 0.01  # /proc/stat's resolution, per core

@@ -8,14 +8,14 @@ import dataclasses
 
 import pytest
 
-from cluster.sim import SimConfig, SimRequest, simulate
-from cluster.sim.profile import Overheads, Profile
+from sim import SimConfig, SimRequest, simulate
+from sim.profile import Overheads, Profile
 from loadtest.calibrate import _alone
 from loadtest.cluster_calibration import fit_in_turn
 from loadtest.host_cpu import BurstSample, CpuSample
 from loadtest.overlaps import OVERLAP_STREAM, Overlap
 from loadtest.probes import Probe
-from tests.cluster.sim_factories import linear_profile
+from tests.sim.sim_factories import linear_profile
 
 TRUTH = Overheads(route_s=0.005, adopt_s=0.007, step_s=0.0005, prefill_step_scale=1.5)
 HOST = SimConfig(host_cores=1, host_stream_cpu_per_token_s=0.001, host_stream_interference=1.5)

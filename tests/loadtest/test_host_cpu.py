@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from cluster.sim import SimConfig, SimRequest, simulate
-from cluster.sim.profile import Overheads
+from sim import SimConfig, SimRequest, simulate
+from sim.profile import Overheads
 from loadtest.host_clock import busy_cpu_s
 from loadtest.host_cpu import (
     MAX_INTERFERENCE,
@@ -20,7 +20,7 @@ from loadtest.host_cpu import (
     idle_cores,
     with_host_cpu,
 )
-from tests.cluster.sim_factories import linear_profile
+from tests.sim.sim_factories import linear_profile
 
 
 def _spin(seconds: float) -> None:
@@ -84,7 +84,7 @@ def test_streaming_cpu_is_what_is_left_after_background_and_engines_split_by_ste
 
 
 def test_interference_is_the_factor_at_which_simulated_bursts_end_when_measured_ones_did():
-    # tests/cluster/test_sim_contention.py's 1P1D timeline on one core: a request (100 prompt tokens, 3
+    # tests/sim/test_sim_contention.py's 1P1D timeline on one core: a request (100 prompt tokens, 3
     # output) ends at 8 ms + 2.02 ms x s, with s = (1 + sqrt(1 + 4 f)) / 2 at interference f (1.01 ms
     # of streaming per 1.01 ms decode step). Measured ends made at f = 2 (s = 2) and f = 3.5 (s = 2.5).
     profile = linear_profile()

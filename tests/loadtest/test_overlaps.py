@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cluster.sim import SimConfig, SimRequest, simulate
+from sim import SimConfig, SimRequest, simulate
 from loadtest.overlaps import (
     OVERLAP_OUTPUT_TOKENS,
     OVERLAP_PLAN,
@@ -17,7 +17,7 @@ from loadtest.overlaps import (
     fit_overlaps,
     fit_prefill_interference,
 )
-from tests.cluster.sim_factories import linear_profile
+from tests.sim.sim_factories import linear_profile
 
 PROFILE = linear_profile()
 HOST = SimConfig(decode=2, host_cores=1, host_stream_cpu_per_token_s=0.002)

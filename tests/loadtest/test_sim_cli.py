@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from cluster.sim.profile import Profile
-from cluster.sim.step_cost import prefill_pairs
+from sim.profile import Profile
+from sim.step_cost import prefill_pairs
 from splitserve.cli import main as splitserve
 
 
@@ -34,7 +34,7 @@ def test_profile_measures_the_engine_and_fits_it(measured):
 
 def test_profile_takes_the_device_and_the_workers_kv_memory(checkpoint, tmp_path, capsys):
     """A GPU box's profile is written with `--device cuda` and the KV memory its workers get (measured
-    on an H200: docs/perf/profile_h200_llama1b_measured.json); here the same flags on CPU."""
+    on an H200: docs/perf/profile/h200.json); here the same flags on CPU."""
     path = tmp_path / "cpu-kv.json"
     splitserve(["profile", "--quick", "--model", str(checkpoint()), "--device", "cpu", "--kv-cache-gib", "0.01",
                 "--decode-contexts", "96,32", "--decode-batches", "2", "--out", str(path)])

@@ -108,7 +108,7 @@ def test_a_plan_must_be_in_arrival_order():
 
 
 def test_limits_come_from_the_sdk_model_info():
-    from router.sdk_types import ModelInfo
+    from splitserve_client.sdk_types import ModelInfo
 
     info = ModelInfo("m", 1024, 500, 32, "blake2b-128/v1/u32le", (1, 2), True)
     assert ModelLimits.from_model_info(info) == ModelLimits(1024, 500, 32, (1, 2))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.messages import PrefillQueue
-from cluster.worker_metrics import WorkerMetrics
+from common.messages import PrefillQueue
+from common.worker_metrics import WorkerMetrics
 from engine import SamplingParams
 from prefill_worker.first_token import FirstTokenWaiters
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts

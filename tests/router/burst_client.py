@@ -42,8 +42,8 @@ def burst(target: str, prompts: list[list[int]], priorities: list[int], ttft_ms:
 
 
 async def _send_all(target: str, prompts, priorities, ttft_ms: float) -> list[tuple]:
-    from router.client import AsyncClient
-    from router.sdk_types import ResourceExhausted
+    from splitserve_client.client import AsyncClient
+    from splitserve_client.sdk_types import ResourceExhausted
 
     async with AsyncClient(target, max_retries=0) as client:
         async def one(prompt, priority) -> tuple:

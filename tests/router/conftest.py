@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from cluster.config import ClusterConfig, PoolConfig, RouterConfig
+from common.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.launcher import LaunchedCluster, launch
 from tests.factories import TinySpec
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParams
-from router.admission import AdmissionConfig, Cause, ObservedTtftFit
+from policies.admission import AdmissionConfig, Cause, ObservedTtftFit
 from router.admission_gate import AdmissionGate
-from router.routing.base import WorkerLoad
+from policies.routing.base import WorkerLoad
 from router.validation import RouterRequest
 
 def gate() -> AdmissionGate:
@@ -50,7 +50,7 @@ def test_the_gate_admits_on_the_larger_of_the_step_and_observed_predictions():
 
 
 def test_hand_offs_feed_the_transfer_model():
-    from cluster.messages import HandoffStats
+    from common.messages import HandoffStats
 
     g = gate()
     for num_bytes in (1_000_000, 2_000_000, 4_000_000):

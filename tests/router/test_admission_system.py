@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 
 from engine.heap import freeze_startup_heap
-from router.admission import AdmissionConfig, AlwaysAdmitPolicy
+from policies.admission import AdmissionConfig, AlwaysAdmitPolicy
 from tests.factories import TinySpec, random_prompts
 from tests.router.burst_client import burst
 from tests.router.conftest import router_config, start_router

@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 
-from router.channel import ClientTls, check_target, connection_hint
-from router.cli_args import add_connection_flags, connection_from_args
-from router.client import Client
+from splitserve_client.channel import ClientTls, check_target, connection_hint
+from splitserve_client.cli_args import add_connection_flags, connection_from_args
+from splitserve_client.client import Client
 from tests.tls_certs import TestCA
 
 GOOD = ["127.0.0.1:50051", "localhost:1", "router.serving.svc:443", "[::1]:50051", "my_host-2:65535",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import InvalidRequestError
-from router.sdk_types import SENT_AT_KEY
+from splitserve_client.sdk_types import SENT_AT_KEY
 from router.validation import MAX_CLIENT_WAIT_S, client_wait_s
 
 NOW_US = 1_800_000_000_000_000

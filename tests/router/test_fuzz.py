@@ -6,9 +6,9 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.protocol import splitserve_v1_pb2 as pb
-from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
-from router.sdk_types import FIELD_KEY
+from splitserve_client.protocol import splitserve_v1_pb2 as pb
+from splitserve_client.protocol import splitserve_v1_pb2_grpc as pb_grpc
+from splitserve_client.sdk_types import FIELD_KEY
 
 FIELDS = {"prompt", "text", "token_ids", "priority", "tenant", "request_id", "return_text", "slo.ttft_ms",
           "slo.tpot_ms"} | {f"sampling.{f.name}" for f in pb.SamplingParams.DESCRIPTOR.fields}

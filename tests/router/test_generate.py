@@ -8,9 +8,9 @@ import time
 import grpc
 import pytest
 
-from router.client import AsyncClient, Client, build_request
-from router.protocol import splitserve_v1_pb2_grpc as pb_grpc
-from router.sdk_types import SENT_AT_KEY, AlreadyExists, DeadlineExceeded, InvalidArgument, error_from_rpc
+from splitserve_client.client import AsyncClient, Client, build_request
+from splitserve_client.protocol import splitserve_v1_pb2_grpc as pb_grpc
+from splitserve_client.sdk_types import SENT_AT_KEY, AlreadyExists, DeadlineExceeded, InvalidArgument, error_from_rpc
 from tests.factories import TinySpec, hf_greedy_generate, hf_prompt_logprobs, random_prompts
 
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -204,7 +204,7 @@ def test_prompt_logprobs_come_with_the_first_chunk_and_ignore_the_prefix_cache(r
 def test_a_finished_stream_says_how_long_the_cluster_took(router_stack):
     """The `splitserve-upstream-ms` trailer: the router's wait on the cluster for this very request, so
     a client can tell the router's share of its latency (positive, and less than what the client saw)."""
-    from router.sdk_types import UPSTREAM_MS_KEY
+    from splitserve_client.sdk_types import UPSTREAM_MS_KEY
 
     with grpc.insecure_channel(router_stack.target) as channel:
         started_s = time.perf_counter()

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics_http import scrape
+from common.metrics_http import scrape
 from router.metrics import (OUTCOMES, REJECT_REASONS, RouterMetrics, outcome_label, priority_class,
                             reject_reason, slo_met)
 

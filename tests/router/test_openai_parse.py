@@ -12,7 +12,7 @@ from engine.tokenizer import load_tokenizer
 from router.errors import Unauthenticated
 from router.openai.errors import http_error
 from router.openai.parse import Context, ModelNotFound, parse_chat, parse_completion
-from router.routing import NoWorkersError
+from policies.routing import NoWorkersError
 from router.service import DuplicateRequest, Overloaded
 from router.validation import ModelLimits
 from tests.factories import TinySpec

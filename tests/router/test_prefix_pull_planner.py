@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.messages import PrefixPull, PullOutcome, WorkerStats
+from common.messages import PrefixPull, PullOutcome, WorkerStats
 from engine.step_log import StepRecord
 from router.prefix_pull_planner import PullPlanner
-from router.routing import RouteDecision, RouteQuery
+from policies.routing import RouteDecision, RouteQuery
 
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 1000
@@ -75,7 +75,7 @@ def test_unknown_mode_is_refused_by_name():
 
 
 def test_a_prefill_model_fed_elsewhere_is_shared_not_copied():
-    from router.admission import PrefillCostModel, PrefillStep
+    from policies.admission import PrefillCostModel, PrefillStep
 
     model = PrefillCostModel(min_samples=2)
     planner = PullPlanner("auto", KV_BYTES_PER_TOKEN, prefill_cost=model)

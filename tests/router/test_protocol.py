@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router.protocol import regen
+from splitserve_client.protocol import regen
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -12,7 +12,7 @@ def test_regenerating_gives_identical_bytes(tmp_path):
     for generated in regen.generate(tmp_path):
         committed = REPO / generated.relative_to(tmp_path)
         assert committed.read_bytes() == generated.read_bytes(), (
-            f"{committed.relative_to(REPO)} is stale: run `python -m router.protocol.regen`")
+            f"{committed.relative_to(REPO)} is stale: run `python -m splitserve_client.protocol.regen`")
 
 
 def test_every_rpc_and_field_has_a_comment():

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import ray
 
-from router.client import AsyncClient, Client
+from splitserve_client.client import AsyncClient, Client
 from tests.factories import TinySpec
 from tests.redis_server import RedisServer
 from tests.router.conftest import LoopThread, RouterStack, router_config, start_router

@@ -12,8 +12,8 @@ SDK_PYTHON = Path(os.environ.get("SPLITSERVE_SDK_PYTHON", REPO / ".venv-sdk" / "
 
 SCRIPT = r"""
 import asyncio, importlib.util, json, sys
-from router.client import AsyncClient, Client
-from router.sdk_types import InvalidArgument
+from splitserve_client.client import AsyncClient, Client
+from splitserve_client.sdk_types import InvalidArgument
 
 absent = [m for m in ("torch", "ray", "transformers", "numpy") if importlib.util.find_spec(m) is not None]
 target = sys.argv[1]

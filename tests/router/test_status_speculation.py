@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.messages import WorkerStats
+from common.messages import WorkerStats
 from engine.speculative.counters import SpecCounters
-from router.protocol import splitserve_v1_pb2 as pb
+from splitserve_client.protocol import splitserve_v1_pb2 as pb
 from router.servicer import _speculation
 
 

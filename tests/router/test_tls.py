@@ -23,10 +23,10 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.config import ClusterConfig, RouterConfig
+from common.config import ClusterConfig, RouterConfig
 from cluster.launcher import launch
-from router.client import AsyncClient, Client
-from router.sdk_types import SplitserveError, Unavailable
+from splitserve_client.client import AsyncClient, Client
+from splitserve_client.sdk_types import SplitserveError, Unavailable
 from tests.factories import TinySpec
 from tests.router.conftest import SMALL_POOL, LoopThread
 from tests.tls_certs import TestCA

@@ -10,8 +10,8 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.client import Client
-from router.sdk_types import Unauthenticated
+from splitserve_client.client import Client
+from splitserve_client.sdk_types import Unauthenticated
 from tests.factories import TinySpec, hf_greedy_generate
 from tests.router.conftest import router_config, start_router
 
@@ -99,8 +99,8 @@ def test_a_worker_dying_under_a_request_moves_it_and_others_go_on(secured, check
 
 def _prompt_routed_to(client: Client, worker_id: str) -> list[int]:
     """A prompt prefix_hash maps to `worker_id` (found by asking a worker-free question: the ring)."""
-    from router.routing.prefix_hash import PrefixHashPolicy
-    from router.routing import RouteQuery, WorkerLoad
+    from policies.routing.prefix_hash import PrefixHashPolicy
+    from policies.routing import RouteQuery, WorkerLoad
     from engine.block_hash import HashNamespace, hash_blocks
     import asyncio
 
@@ -129,7 +129,7 @@ def _wait_for_index(stack, prefix, timeout_s: float = 10.0) -> None:
 
 def _check_prometheus(url: str, status) -> None:
     """The router's Prometheus endpoint shows the same live figures as GetClusterStatus."""
-    from cluster.metrics_http import scrape
+    from common.metrics_http import scrape
 
     samples = scrape(url)
     value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]  # noqa: E731
@@ -142,7 +142,7 @@ def _check_prometheus(url: str, status) -> None:
 
 def _check_worker_telemetry(stack, worker_id: str) -> None:
     """Workers report their recent steps (for the router's cost models) and export their own metrics."""
-    from cluster.metrics_http import scrape
+    from common.metrics_http import scrape
 
     handle = next(h for h in stack.cluster.prefill if h.worker_id == worker_id)
     stats = ray.get(handle.actor.stats.remote(), timeout=10)

@@ -1,4 +1,4 @@
-{{/* The cluster config (cluster/config.py ClusterConfig.from_dict) the release runs with.
+{{/* The cluster config (common/config.py ClusterConfig.from_dict) the release runs with.
 Chart-owned keys come from the chart's own values, everything else from `config` verbatim; the
 values schema keeps the two sets apart, so no key has two sources. The Ray address is not in it: the
 router's command line names it (`--ray-address`). */}}

@@ -1,0 +1,262 @@
+"""The cluster's one configuration: frozen and typed inside, validated once at the edge.
+
+`ClusterConfig.from_dict` is the single loader for every source (CLI flags, a YAML file, the config
+the Helm chart renders): unknown keys and bad values fail naming the key. Defaults live here only,
+or in the module of their section (`router:` in common/router_config.py, `admission:`, `planner:`);
+the checks every section passes, and `ConfigError`, are in common/config_parsing.py. Importers use
+`common.config` for all of these: the router section's names and `ConfigError` are re-exported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.admission_config import AdmissionConfig
+from common.config_parsing import ConfigError, build, check, reject_unknown
+from common.planner_config import PlannerConfig
+from common.router_config import PREFIX_PULL_MODES as PREFIX_PULL_MODES
+from common.router_config import ROUTING_POLICIES as ROUTING_POLICIES
+from common.router_config import RouterConfig, check_router
+from engine.config import DTYPES, EngineConfig
+from engine.kv_quant import KV_CACHE_DTYPES
+from engine.layers.quantization import QUANTIZATIONS
+from engine.speculative.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One worker pool (prefill or decode): how many, how big, and each worker's engine limits."""
+
+    replicas: int = 1
+    tp_size: int = 1  # decode: ranks per instance; prefill: must be 1
+    num_cpus: float = 1.0  # Ray logical CPUs per actor (per rank)
+    num_gpus: float = 0.0  # Ray GPUs per actor (per rank)
+    # A Ray custom resource each actor (rank) takes one unit of; pins the pool to the nodes that
+    # advertise it (KubeRay: the prefill / decode worker groups). None: any node.
+    ray_resource: str | None = None
+    threads: int = 1  # torch intra-op threads per actor
+    kv_cache_memory_bytes: int = 1024**3
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_tokens: int = 512
+    metrics_port: int | None = None  # each actor's Prometheus endpoint; None: off, 0: any free port
+    # Weight quantization of this pool's workers; None: the cluster's `quantization`. (Decode steps
+    # read every weight per token, prefill is compute-bound: the two may differ.)
+    quantization: str | None = None
+    # Decode pool only: speculative decoding (engine/speculative/config.py, vLLM's keys); None: off.
+    speculative_config: SpeculativeConfig | None = None
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """How the controller supervises workers (cluster/controller.py)."""
+
+    health_interval_s: float = 0.5  # every worker rank is pinged this often
+    health_timeout_s: float = 5.0  # a ping unanswered this long is a strike (a busy box answers late)
+    health_failures: int = 3  # consecutive strikes after which a worker is declared hung and replaced
+    drain_quiet_s: float = 2.0  # a draining worker stops after being idle this long (routers have moved on)
+    restart_backoff_s: float = 1.0  # first wait before retrying a failed start; doubles up to 30 s
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    # Which cluster in the Ray cluster (its controller's name). None: a new cluster of its own
+    # (the Python API); the command line uses "default".
+    cluster_name: str | None = None
+    model_dir: str | None = None  # None: the generated demo checkpoint
+    dtype: str = "auto"
+    # How KV blocks are stored (engine/kv_quant.py): cluster-wide, because blocks cross from prefill
+    # to decode (and between prefill workers) exactly as stored.
+    kv_cache_dtype: str = "auto"
+    quantization: str = "none"  # weights (engine/layers/quantization.py); a pool may override it
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    ray_address: str | None = None  # None: start a local Ray cluster
+    ray_num_cpus: int | None = None  # logical CPUs of a local Ray cluster (None: enough for the pools)
+    # The address workers dial to reach the cluster's rendezvous store (cluster/rendezvous_host.py). The
+    # store listens on every interface; this is only what workers are told. None: its node's IP.
+    rendezvous_host: str | None = None
+    ready_timeout_s: float = 120.0
+    handoff_lease_s: float = 30.0  # a reservation/transfer not finished by then is abandoned
+    request_timeout_s: float = 600.0  # longest any single request may take end to end
+    router: RouterConfig = field(default_factory=RouterConfig)
+    redis_url: str | None = None  # global prefix index; None: the router's in-process index
+    index_lease_s: float = 30.0  # a worker's prefix-index entries expire this long after its last heartbeat
+    prefix_pull_timeout_s: float = 5.0  # a prefix pull not done by then is abandoned (the prompt is computed)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # router admission control
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # the controller's online planner
+
+    def __post_init__(self):
+        check(self.block_size >= 1, "block_size", "must be >= 1")
+        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {sorted(DTYPES)}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
+        check(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {list(QUANTIZATIONS)}")
+        for name in ("prefill", "decode"):
+            _check_pool(name, getattr(self, name))
+        check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
+        check(
+            self.prefill.speculative_config is None,
+            "prefill.speculative_config",
+            "speculative decoding runs on the decode pool (prefill samples one token and hands off)",
+        )
+        check(self.decode.tp_size in (1, 2, 4, 8), "decode.tp_size", "must be 1, 2, 4 or 8")
+        check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
+        check(self.handoff_lease_s > 0, "handoff_lease_s", "must be > 0")
+        check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
+        check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
+        check(self.prefix_pull_timeout_s > 0, "prefix_pull_timeout_s", "must be > 0")
+        check(
+            self.rendezvous_host is None or bool(self.rendezvous_host),
+            "rendezvous_host",
+            "must be None or a non-empty host name or address",
+        )
+        check(
+            self.cluster_name is None or _NAME.fullmatch(self.cluster_name) is not None,
+            "cluster_name",
+            "must be 1-64 letters, digits, '.', '_' or '-'",
+        )
+        _check_controller(self.controller)
+        check(
+            self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            "redis_url",
+            "must start with redis://, rediss:// or unix://",
+        )
+        check_router(self.router)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
+        """Builds a config from plain data (YAML, JSON, CLI); rejects unknown keys by name."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"cluster config must be a mapping, got {type(raw).__name__}")
+        reject_unknown(raw, cls, "")
+        values = dict(raw)
+        for name, section_cls in _SECTIONS.items():
+            if name in values:
+                section = values[name]
+                if not isinstance(section, dict):
+                    raise ConfigError(f"{name}: must be a mapping")
+                if name in ("prefill", "decode") and "kv_cache_dtype" in section:
+                    raise ConfigError(
+                        f"{name}.kv_cache_dtype: the KV cache dtype is cluster-wide (top-level "
+                        "kv_cache_dtype): prefill and decode pools must store KV alike, since "
+                        "blocks move between them as stored"
+                    )
+                reject_unknown(section, section_cls, f"{name}.")
+                values[name] = build(section_cls, _with_speculative(name, section), f"{name}.")
+        if "admission" in values:  # its own loader: per-priority SLOs are a nested mapping
+            try:
+                values["admission"] = AdmissionConfig.from_dict(values["admission"])
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        return build(cls, values, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that `from_dict` reads back (how workers receive the config)."""
+        raw = dataclasses.asdict(self)
+        raw["admission"] = self.admission.to_dict()
+        return raw
+
+    def engine_config(self, role: str, model_dir: str) -> EngineConfig:
+        pool = self.prefill if role == "prefill" else self.decode
+        return EngineConfig(
+            model_dir=model_dir,
+            role=role,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            quantization=pool.quantization or self.quantization,
+            num_kv_blocks=pool.num_kv_blocks,
+            kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
+            max_num_seqs=pool.max_num_seqs,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            prefill_chunk_tokens=pool.prefill_chunk_tokens,
+            enable_prefix_caching=self.enable_prefix_caching and role == "prefill",
+            seed=self.seed,
+            num_threads=pool.threads,
+            tp_size=pool.tp_size,
+            speculative_config=pool.speculative_config if role == "decode" else None,
+        )
+
+    @property
+    def num_cpus_needed(self) -> float:
+        return (
+            self.prefill.replicas * self.prefill.num_cpus
+            + self.decode.replicas * self.decode.tp_size * self.decode.num_cpus
+        )
+
+
+def _check_pool(name: str, pool: PoolConfig) -> None:
+    check(pool.replicas >= 1, f"{name}.replicas", "must be >= 1")
+    check(pool.num_cpus > 0, f"{name}.num_cpus", "must be > 0")
+    check(pool.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
+    check(pool.ray_resource is None or bool(pool.ray_resource), f"{name}.ray_resource", "must be None or non-empty")
+    check(pool.threads >= 1, f"{name}.threads", "must be >= 1")
+    check(pool.kv_cache_memory_bytes > 0, f"{name}.kv_cache_memory_bytes", "must be > 0")
+    check(pool.num_kv_blocks is None or pool.num_kv_blocks >= 1, f"{name}.num_kv_blocks", "must be >= 1")
+    check(pool.max_num_seqs >= 1, f"{name}.max_num_seqs", "must be >= 1")
+    check(pool.max_num_batched_tokens >= 1, f"{name}.max_num_batched_tokens", "must be >= 1")
+    check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
+    check(
+        pool.metrics_port is None or 0 <= pool.metrics_port <= 65535,
+        f"{name}.metrics_port",
+        "must be None or in [0, 65535]",
+    )
+    check(
+        pool.quantization is None or pool.quantization in QUANTIZATIONS,
+        f"{name}.quantization",
+        f"must be None or one of {list(QUANTIZATIONS)}",
+    )
+
+
+def _with_speculative(pool_name: str, section: dict) -> dict:
+    """A pool section with its `speculative_config` mapping parsed (errors name the full key)."""
+    raw = section.get("speculative_config")
+    if raw is None or isinstance(raw, SpeculativeConfig):
+        return section
+    try:
+        return {**section, "speculative_config": SpeculativeConfig.from_dict(raw)}
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{pool_name}.{err}") from None
+
+
+def _check_controller(controller: ControllerConfig) -> None:
+    for key in ("health_interval_s", "health_timeout_s", "drain_quiet_s", "restart_backoff_s"):
+        check(getattr(controller, key) > 0, f"controller.{key}", "must be > 0")
+    check(controller.health_failures >= 1, "controller.health_failures", "must be >= 1")
+
+
+_SECTIONS = {
+    "prefill": PoolConfig,
+    "decode": PoolConfig,
+    "router": RouterConfig,
+    "controller": ControllerConfig,
+    "planner": PlannerConfig,
+}
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# What a cluster's controller owns: a command joining a running cluster may not ask for other values.
+# The rest (router, admission, where Ray is) belongs to each process.
+PER_PROCESS_KEYS = frozenset({"router", "admission", "ray_address", "ray_num_cpus", "cluster_name"})
+
+
+def config_conflicts(given: dict[str, Any], running: dict[str, Any], prefix: str = "") -> list[str]:
+    """Where plain-data keys explicitly `given` to a joining command differ from the running cluster's
+    config (`ClusterConfig.to_dict()`); per-process keys are not compared."""
+    conflicts = []
+    for key, value in given.items():
+        if not prefix and key in PER_PROCESS_KEYS:
+            continue
+        have = running.get(key)
+        if isinstance(value, dict) and isinstance(have, dict):
+            conflicts += config_conflicts(value, have, f"{prefix}{key}.")
+        elif value != have:
+            conflicts.append(f"{prefix}{key}: the running cluster has {have!r}, this command asked for {value!r}")
+    return conflicts

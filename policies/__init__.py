@@ -1,0 +1,1 @@
+"""Routing and admission policies, shared by the router and the fleet simulator."""

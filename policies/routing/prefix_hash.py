@@ -1,0 +1,128 @@
+"""`prefix_hash`: consistent hashing of the prompt's leading block hashes onto the workers.
+
+Prompts that share their first `prefix_blocks` blocks land on the same worker, so its prefix cache
+serves them. The ring has `virtual_nodes` points per worker, so when a worker joins or leaves only
+the keys of the arc it gains or loses move (about 1/N of them), not everything.
+
+Loads are bounded (consistent hashing with bounded loads, after Mirrokni et al. 2018), in tokens of
+prefill work: a worker keeps a key while its queued uncached prompt tokens stay within
+max(load_factor · (all workers' queued tokens + this prompt's) / workers, slack_tokens); otherwise the
+request goes to the next worker met walking the ring from its key. One hot prefix — a system prompt
+shared by a whole workload — then spreads over a few workers in ring order instead of queueing on
+one, while a worker with less than `slack_tokens` queued (about two prefill steps) always keeps its
+keys, so ordinary load never breaks affinity. `load_factor=None` ignores load (the pure ring). Every
+router computes the same ring order; the loads are each router's own. Measured on the Mooncake trace
+(README): with the ring keyed on 2 blocks, which every request shares, the pure ring queues for minutes
+on one worker and the bound keeps the mean queue near 0.1 s; keyed on 5 blocks it costs 6% of the
+hits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+
+from policies.routing.base import RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad, require_workers
+
+DEFAULT_PREFIX_BLOCKS = 2
+DEFAULT_VIRTUAL_NODES = 128
+DEFAULT_LOAD_FACTOR = 1.25  # the paper's choice: few moved keys, no worker far above the mean
+DEFAULT_SLACK_TOKENS = 4096  # about two prefill steps of the default 2048-token budget
+
+
+def ring_point(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """A consistent-hash ring over a fixed set of worker ids."""
+
+    def __init__(self, worker_ids: Sequence[str], virtual_nodes: int = DEFAULT_VIRTUAL_NODES):
+        points = sorted(
+            (ring_point(f"{worker_id}#{i}".encode()), worker_id)
+            for worker_id in worker_ids
+            for i in range(virtual_nodes)
+        )
+        self.points = [p for p, _ in points]
+        self.owners = [w for _, w in points]
+        self.worker_ids = frozenset(worker_ids)
+
+    def owner(self, key: bytes) -> str:
+        index = bisect.bisect(self.points, ring_point(key)) % len(self.points)
+        return self.owners[index]
+
+    def walk(self, key: bytes) -> Iterator[str]:
+        """Every worker once, in the order met walking the ring from the key: the owner first, then
+        who would own the key if the owner left, and so on. Every router computes the same order."""
+        start = bisect.bisect(self.points, ring_point(key))
+        seen: set[str] = set()
+        for offset in range(len(self.owners)):
+            owner = self.owners[(start + offset) % len(self.owners)]
+            if owner not in seen:
+                seen.add(owner)
+                yield owner
+                if len(seen) == len(self.worker_ids):
+                    return
+
+    def preference(self, key: bytes) -> list[str]:
+        return list(self.walk(key))
+
+
+def prefix_key(query: RouteQuery, prefix_blocks: int) -> bytes:
+    """The chained hash of block min(prefix_blocks, n) - 1 covers all blocks before it too."""
+    if query.block_hashes:
+        return bytes(query.block_hashes[min(prefix_blocks, len(query.block_hashes)) - 1])
+    return query.prompt_key
+
+
+class PrefixHashPolicy(RoutingPolicy):
+    name = "prefix_hash"
+
+    def __init__(
+        self,
+        prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
+        virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
+        load_factor: float | None = DEFAULT_LOAD_FACTOR,
+        slack_tokens: int = DEFAULT_SLACK_TOKENS,
+    ):
+        if prefix_blocks < 1 or virtual_nodes < 1:
+            raise ValueError("prefix_blocks and virtual_nodes must be >= 1")
+        if load_factor is not None and not (math.isfinite(load_factor) and load_factor >= 1.0):
+            raise ValueError(f"load_factor must be None or >= 1, got {load_factor!r}")
+        if slack_tokens < 0:
+            raise ValueError(f"slack_tokens must be >= 0, got {slack_tokens}")
+        self.prefix_blocks, self.virtual_nodes = prefix_blocks, virtual_nodes
+        self.load_factor, self.slack_tokens = load_factor, slack_tokens
+        self._ring: HashRing | None = None
+
+    async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
+        return self.choose_now(query, workers)
+
+    def choose_now(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
+        """The same choice without awaiting (cache_aware falls back to it from inside its own choose)."""
+        require_workers(workers)
+        ring, key = self._ring_for(workers), prefix_key(query, self.prefix_blocks)
+        if self.load_factor is None:
+            return RouteDecision(ring.owner(key), 0)
+        queued = {w.worker_id: w.queued_prompt_tokens for w in workers}
+        mean_tokens = (sum(queued.values()) + query.num_prompt_tokens) / len(queued)
+        bound = max(self.load_factor * mean_tokens, self.slack_tokens)
+        # Some worker is within the bound: the least loaded holds at most the mean, below it.
+        return RouteDecision(next(w for w in ring.walk(key) if queued[w] <= bound), 0)
+
+    def preference(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> list[str]:
+        """The workers in this prompt's ring order (see HashRing.preference)."""
+        return self._ring_for(workers).preference(prefix_key(query, self.prefix_blocks))
+
+    def _ring_for(self, workers: Sequence[WorkerLoad]) -> HashRing:
+        ids = frozenset(w.worker_id for w in workers)
+        if self._ring is None or self._ring.worker_ids != ids:  # membership changed: rebuild (cheap)
+            self._ring = HashRing(sorted(ids), self.virtual_nodes)
+        return self._ring
+
+    def check_integrity(self) -> None:
+        if self._ring is not None:
+            assert self._ring.points == sorted(self._ring.points), "ring points out of order"
+            assert set(self._ring.owners) == set(self._ring.worker_ids), "ring owners differ from members"

@@ -1,0 +1,291 @@
+"""The discrete-event model of a whole cluster: `simulate(config, profile, requests) -> SimResult`.
+
+Why it lives in `cluster/` (DESIGN.md puts simulators in benchmarks/): the controller's online
+planner (cluster/planner/) asks it which pool sizes meet the SLO, and the product may not import
+benchmarks. It imports only downward: the engine's real `BlockPool` and `cluster/sim`'s own models
+of the router and the engine's scheduling. Workloads reach it as plain `SimRequest` lists (the
+generators of `splitserve bench` live above it, in loadtest/, and feed it from there).
+
+A request's life, as in the cluster (README "A request through the disaggregated cluster"):
+1. the client sends it at its arrival (or later, under the client's concurrency cap);
+2. the router refuses it (its concurrency limit, admission) or routes it: a prefill worker by the
+   policy, the decode instance with the fewest requests in flight; after `route` it is queued there
+   (a request that finds nothing in flight waits the idle wake-up too, `Overheads.wake_s`);
+3. the prefill worker's batched chunked prefill (sim/worker.py) reaches its prompt's end:
+   the first token reaches the client `first_token` later;
+4. hand-off (sim/handoff.py): blocks for its context are reserved on the decode instance (a
+   full instance is waited for), the KV goes over the prefill worker's one sender (latency + bytes /
+   bandwidth, in turn), its prefill blocks are released (they stay cached), the decode instance
+   adopts it `adopt` later;
+5. it decodes in the instance's continuous batch; its last token reaches the client `token` later.
+Colocated workers do 3 and 5 in one batch. Worker faults migrate requests (sim/faults.py).
+Workers sharing one host's cores (`host_cores`) step slower while more of them are busy
+(sim/contention.py).
+Time is simulated: a run is deterministic and reads no clock except to report its own speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from sim.config import SimConfig
+from sim.contention import SharedHost, host_share
+from sim.events import ARRIVE, ENQUEUE, FAULT, RESTART, WORKER
+from sim.faults import FaultHandler
+from sim.handoff import HandOffs
+from sim.kv import BlockCounter, PrefixPool
+from sim.profile import Profile
+from sim.result import SimResult
+from sim.router import SimRouter
+from sim.seq import SimRequest, SimSeq, shared_keys, useful_keys
+from sim.worker import SimWorker
+
+
+def simulate(config: SimConfig, profile: Profile, requests: Sequence[SimRequest]) -> SimResult:
+    return Simulation(config, profile).run(requests)
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, profile: Profile):
+        self.config, self.profile = config, profile
+        self.block_tokens = config.cache_block_tokens or profile.model.block_size
+        self.over = profile.overheads
+        self.host = None if config.host_cores is None else SharedHost(host_share(config, profile.threads_per_worker))
+        prefill_pool = config.colocated or config.prefill
+        self.router = SimRouter(config.policy, prefill_pool, max(config.decode, 1), self.block_tokens)
+        self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
+        self.decode = [self.new_worker("decode", i) for i in range(config.decode)]
+        self.handoffs = HandOffs(self, prefill_pool, config.decode)
+        self.faults = FaultHandler(self)
+        self.client_queue: deque[SimSeq] = deque()
+        self.active: set[SimSeq] = set()  # sent, not ended (faults find the requests a death touches)
+        self.open_streams = 0
+        self.router_streams = 0
+        self.idle_since_s = 0.0  # when the router last had no request in flight
+        self._events: list = []
+        self._order = 0
+        self.now_s = 0.0
+
+    def new_worker(self, role: str, index: int) -> SimWorker:
+        profile, config = self.profile, self.config
+        cost = profile.step_cost(config.tp if role != "prefill" else 1)
+        scale = {"prefill": self.over.prefill_step_scale, "decode": self.over.decode_step_scale}.get(role, 1.0)
+        cost = cost.scaled(scale).plus_step_s(self.over.step_s)
+        if role == "prefill" and self.over.prefill_step_s:  # every prefill worker's step computes a prompt
+            cost = dataclasses.replace(cost, prefill_step_s=cost.prefill_step_s + self.over.prefill_step_s)
+        kv: BlockCounter | PrefixPool
+        if role == "decode":
+            kv = BlockCounter((config.decode_kv_tokens or profile.kv_capacity_tokens[config.tp]) // self.block_tokens)
+        else:
+            tokens = config.prefill_kv_tokens or profile.kv_capacity_tokens[config.tp if role == "colocated" else 1]
+            kv = PrefixPool(
+                tokens // self.block_tokens,
+                self.block_tokens,
+                config.enable_prefix_caching,
+                self.router.index.on_event(index),
+            )
+        worker = SimWorker(index, role, cost, config.limits, kv)
+        worker.stretch = self.host.stretch_of(role) if self.host is not None else 1.0
+        return worker
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        started = time.perf_counter()
+        shared = None if self.config.faults else shared_keys(requests)
+        seqs = [
+            SimSeq(i, r.arrival_s, r.prompt_tokens, r.output_tokens, useful_keys(r.block_keys, shared), r.prompt_tokens)
+            for i, r in enumerate(requests)
+        ]
+        for seq in seqs:
+            self.push(seq.arrival_s, ARRIVE, seq)
+        for fault in self.config.faults:
+            self.push(fault.time_s, FAULT, fault)
+        handlers = (
+            self._on_worker,
+            self.handoffs.on_done,
+            self._on_adopt,
+            self._on_enqueue,
+            self.faults.on_restart,
+            self.faults.on_fault,
+            self._on_arrive,
+            self.handoffs.on_start,
+        )
+        events = 0
+        while self._events:
+            self.now_s, kind, _, payload, tag = heapq.heappop(self._events)
+            handlers[kind](payload, tag)
+            events += 1
+        return self._result(seqs, events, time.perf_counter() - started)
+
+    def push(self, time_s: float, kind: int, payload, tag=None) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (time_s, kind, self._order, payload, tag))
+
+    def restart_later(self, key: tuple[str, int]) -> None:
+        self.push(self.now_s + self.config.restart_s, RESTART, key)
+
+    def schedule(self, worker: SimWorker) -> None:
+        """Queues the end of the worker's run (and of the runs a shared host's new stretch moved)."""
+        moved = [] if self.host is None else self.restretch()
+        self._push_ends([worker, *(w for w in moved if w is not worker)])
+
+    def restretch(self) -> list[SimWorker]:
+        """The shared host's stretch recounted; the workers whose run's end it moved."""
+        assert self.host is not None
+        return self.host.update([*self.front, *self.decode], self.now_s, len(self.handoffs.in_progress))
+
+    def handoffs_changed(self) -> None:
+        """A counted hand-off started or ended (sim/handoff.py): the runs its cores moved."""
+        self._push_ends(self.restretch())
+
+    def _push_ends(self, workers: list[SimWorker]) -> None:
+        for each in workers:
+            end_s = each.next_time()
+            if end_s is not None:
+                self.push(end_s, WORKER, each, each.version)
+
+    # ---- client and router ------------------------------------------------------------------------
+    def _on_arrive(self, seq: SimSeq, _) -> None:
+        cap = self.config.max_concurrency
+        if cap is not None and self.open_streams >= cap:
+            self.client_queue.append(seq)
+        else:
+            self._send(seq)
+
+    def _send(self, seq: SimSeq) -> None:
+        seq.send_s = self.now_s
+        self.open_streams += 1
+        if self.router_streams >= self.config.routers * self.config.router_max_requests or not self._admit(seq):
+            self.end(seq, "rejected")
+            return
+        if self.router_streams == 0:
+            seq.wake_s = self.over.wake_s(self.now_s - self.idle_since_s)
+        self.router_streams += 1
+        self.active.add(seq)
+        self.route(seq)
+
+    def _admit(self, seq: SimSeq) -> bool:
+        if self.config.admission == "always":
+            return True
+        choice = self.router.choose_prefill(seq.keys, seq.prompt)
+        if choice is None:
+            return True
+        worker, uncached = choice
+        cost = self.front[worker].cost
+        chunk = self.config.limits.prefill_chunk_tokens
+        rate = chunk / cost.seconds(chunk, 1, chunk * (chunk + 1) / 2)  # tokens per second, one chunk a step
+        queued = self.router.queued.values[worker] + uncached
+        slo_s = self.config.ttft_slo_s
+        assert slo_s is not None, "SimConfig: ttft admission needs ttft_slo_s"
+        return queued / rate + self.over.route_s + self.over.first_token_s <= slo_s
+
+    def route(self, seq: SimSeq) -> None:
+        """Books the request on a prefill worker (and decode instance) and queues it there."""
+        choice = self.router.choose_prefill(seq.keys, seq.prompt)
+        decode = self.router.choose_decode() if self.decode else 0
+        if choice is None or decode is None:
+            self.faults.wait_for_workers(seq)
+            return
+        seq.prefill_worker, seq.estimate_tokens = choice
+        self.router.queued.add(seq.prefill_worker, seq.estimate_tokens)
+        if self.decode:
+            seq.decode_worker = decode
+            self.router.inflight.add(decode, 1)
+        seq.stage = "routing"
+        wake_s = seq.wake_s if seq.migrations == 0 else 0.0
+        route_s = max(self.over.route_s + self.over.jitter_s(self.over.route_jitter_s, seq.index), 0.0)
+        self.push(self.now_s + route_s + wake_s, ENQUEUE, seq, seq.migrations)
+
+    def _on_enqueue(self, seq: SimSeq, attempt: int) -> None:
+        if attempt != seq.migrations:
+            return
+        seq.stage = "prefill"
+        worker = self.front[seq.prefill_worker]
+        if worker.submit(seq, self.now_s):
+            self.schedule(worker)
+
+    def finish(self, seq: SimSeq) -> None:
+        """Its last token reached the client now."""
+        seq.last_token_s = self.now_s + (self.over.token_s if seq.emitted > 1 else self.over.first_token_s)
+        self.end(seq, "ok")
+
+    def end(self, seq: SimSeq, status: str) -> None:
+        if status != "rejected":
+            self.router_streams -= 1
+            if self.router_streams == 0:
+                self.idle_since_s = self.now_s
+            self.active.discard(seq)
+            if seq.decode_worker >= 0 and self.decode:
+                self.router.inflight.add(seq.decode_worker, -1)
+        seq.status, seq.stage = status, "done"
+        self.open_streams -= 1
+        if self.client_queue:
+            self._send(self.client_queue.popleft())
+
+    # ---- workers ----------------------------------------------------------------------------------
+    def _on_worker(self, worker: SimWorker, version: int) -> None:
+        if version != worker.version or self.faults.is_dead(worker):
+            return
+        completed, finished = worker.finish_run()
+        for seq in completed:
+            self._first_token(worker, seq)
+        for seq in finished:
+            self._finished(worker, seq)
+        worker.plan(self.now_s)
+        self.schedule(worker)
+
+    def _first_token(self, worker: SimWorker, seq: SimSeq) -> None:
+        seq.emitted += 1
+        if seq.first_token_s is None:
+            seq.first_token_s = self.now_s + self.over.first_token_s
+        self.router.queued.add(seq.prefill_worker, -seq.estimate_tokens)
+        seq.estimate_tokens = 0
+        if seq.decode_left == 0:  # done at prefill: nothing is handed off
+            worker.release_prefill(seq)
+            self.finish(seq)
+        elif worker.role == "colocated":
+            seq.stage = "decode"
+            worker.start_decoding(seq)
+        elif self.faults.decode_dead(seq):  # its hand-off fails: the request migrates
+            worker.release_prefill(seq)
+            self.faults.migrate(seq, seq.emitted)
+        else:
+            self.handoffs.pin(seq)
+
+    def _on_adopt(self, seq: SimSeq, attempt: int) -> None:
+        self.handoffs.over(seq, attempt)
+        if attempt != seq.migrations:
+            return
+        seq.stage = "decode"
+        instance = self.decode[seq.decode_worker]
+        if instance.adopt(seq, self.now_s):
+            self.schedule(instance)
+
+    def _finished(self, worker: SimWorker, seq: SimSeq) -> None:
+        if worker.role == "decode":
+            worker.release_decode(seq)
+            self.handoffs.reserve_next(worker.index)
+        else:
+            worker.release_prefill(seq)
+        self.finish(seq)
+
+    def _result(self, seqs: list[SimSeq], events: int, wall_s: float) -> SimResult:
+        records = [s.record() for s in seqs]
+        busy = {"prefill": sum(w.busy_s for w in self.front), "decode": sum(w.busy_s for w in self.decode)}
+        steps = {"prefill": sum(w.steps_done for w in self.front), "decode": sum(w.steps_done for w in self.decode)}
+        return SimResult(
+            self.config.name,
+            self.config.ttft_slo_s,
+            self.config.tpot_slo_s,
+            records,
+            self.config.workers,
+            events,
+            wall_s,
+            busy,
+            self.handoffs.seconds,
+            steps,
+        )
