@@ -21,11 +21,12 @@ import itertools
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from common.actor_api import PrefillEvent
 from common.membership import Member
 from common.messages import GenerateRequest, PrefillQueue, PrefillResult, PullOutcome, TokenUpdate
 from engine.errors import InvalidRequestError
@@ -116,7 +117,7 @@ class ClusterClient:
         self._load[decode.worker_id] += 1
         finished, prefill_holds = False, True
         try:
-            stream = prefill.actor.prefill.options(num_returns="streaming").remote(request, decode, self.client_id)
+            stream = prefill.prefill_worker.prefill(request, decode, self.client_id)
             first = await _first_token(stream, deadline_s, prefill)
             yield TokenChunk(
                 (first.token_id,),
@@ -169,9 +170,9 @@ class ClusterClient:
     async def _cancel(self, request_id: str, prefill: Member | None, decode: Member) -> None:
         """Frees what the request holds on its prefill worker (`None`: nothing left there) and on its
         decode instance (a reservation, or the running sequence)."""
-        calls = [decode.actor.cancel.remote(request_id)]
+        calls: list[Awaitable] = [decode.decode_instance.cancel(request_id)]
         if prefill is not None:  # first: its hand-off session then stops before reserving anything
-            calls.insert(0, prefill.actor.abort.remote(request_id))
+            calls.insert(0, prefill.prefill_worker.abort(request_id))
         for call in calls:
             with contextlib.suppress(Exception):  # a dead worker has nothing left to free
                 await asyncio.wait_for(call, self.cluster.config.handoff_lease_s + 5.0)
@@ -187,7 +188,7 @@ class ClusterClient:
         key = (decode.worker_id, decode.epoch)
         while True:
             try:
-                updates = await decode.actor.poll.remote(self.client_id, POLL_WAIT_S)
+                updates = await decode.decode_instance.poll(self.client_id, POLL_WAIT_S)
             except (RayActorError, RayTaskError) as err:
                 self._fail_instance(
                     key,
@@ -214,7 +215,7 @@ class ClusterClient:
         self._pollers.clear()
 
 
-async def _first_token(stream, deadline_s: float, prefill: Member) -> PrefillResult:
+async def _first_token(stream: AsyncIterator[PrefillEvent], deadline_s: float, prefill: Member) -> PrefillResult:
     """The first token from the prefill worker's stream, past its queue changes. The worker's death while
     the request waited in its queue does not count toward the router's migration limit: only a request
     being computed can have caused it."""
@@ -228,7 +229,9 @@ async def _first_token(stream, deadline_s: float, prefill: Member) -> PrefillRes
         raise
 
 
-async def _handoff(stream, deadline_s: float, prefill: Member, decode: Member) -> HandoffStats:
+async def _handoff(
+    stream: AsyncIterator[PrefillEvent], deadline_s: float, prefill: Member, decode: Member
+) -> HandoffStats:
     """The hand-off's outcome from the prefill worker's stream. A worker death here (either side) does not
     count toward the router's migration limit: the request had run to its first token and no decode step."""
     try:
@@ -238,11 +241,10 @@ async def _handoff(stream, deadline_s: float, prefill: Member, decode: Member) -
         raise
 
 
-async def _next(stream, deadline_s: float, what: str, prefill: Member):
-    """The next item of a streaming Ray call, within the request's deadline; failures → RequestFailed."""
+async def _next(stream: AsyncIterator[PrefillEvent], deadline_s: float, what: str, prefill: Member):
+    """The next item of the prefill worker's stream, within the request's deadline; failures → RequestFailed."""
     try:
-        ref = await asyncio.wait_for(stream.__anext__(), max(deadline_s - time.monotonic(), 0.0))
-        return await ref
+        return await asyncio.wait_for(anext(stream), max(deadline_s - time.monotonic(), 0.0))
     except StopAsyncIteration:
         raise RequestFailed(f"{what} ended the stream early", unavailable=True) from None
     except TimeoutError:

@@ -84,7 +84,7 @@ class ClusterView:
         failing = False
         while True:
             try:
-                self._watch = self.controller.watch.remote(self.membership.version, WATCH_S)
+                self._watch = self.controller.watch(self.membership.version, WATCH_S)
                 membership = await asyncio.wait_for(self._watch, WATCH_S + WATCH_SLACK_S)
                 failing = False
             except asyncio.CancelledError:

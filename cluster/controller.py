@@ -30,12 +30,14 @@ import os
 import secrets
 import signal
 import time
+from typing import TYPE_CHECKING
 
 from ray.exceptions import ActorDiedError, RayActorError
 
 from cluster.controller_slots import Slot, SlotStarter
 from cluster.controller_state import ControllerState
 from cluster.planner_loop import PlannerLoop
+from common.actor_api import ControllerApi, WorkerHandle
 from common.config import ClusterConfig, ConfigError, config_conflicts
 from common.membership import DRAINING, ROLES, SERVING, Member, Membership
 from common.messages import Liveness
@@ -146,7 +148,7 @@ class ClusterController:
         slot = self.slots.get(worker_id)
         if slot is None or slot.ranks is None or rank >= len(slot.ranks):
             return False
-        slot.ranks[rank].debug_signal.remote(signal.SIGKILL)
+        WorkerHandle(slot.ranks[rank]).debug_signal(signal.SIGKILL)
         return True
 
     async def shutdown(self) -> None:
@@ -218,7 +220,7 @@ class ClusterController:
         timeout_s = self.config.controller.health_timeout_s
         assert slot.ranks is not None, "only running slots are probed"
         try:
-            answers = await asyncio.wait_for(asyncio.gather(*(r.ping.remote() for r in slot.ranks)), timeout_s)
+            answers = await asyncio.wait_for(asyncio.gather(*(WorkerHandle(r).ping() for r in slot.ranks)), timeout_s)
         except (ActorDiedError, RayActorError) as err:
             if isinstance(err, ActorDiedError) or "died" in str(err).lower():
                 return f"dead ({type(err).__name__})"
@@ -283,9 +285,13 @@ class ClusterController:
         self._changed = asyncio.get_running_loop().create_future()
         for member in members:  # workers follow too: peers for prefix pulls, channels to close
             for rank in member.ranks:
-                rank.set_membership.remote(self._membership)
+                WorkerHandle(rank).set_membership(self._membership)
 
 
 def _same(a: tuple[Member, ...], b: tuple[Member, ...]) -> bool:
     key = lambda m: (m.worker_id, m.epoch, m.state)  # noqa: E731
     return [key(m) for m in a] == [key(m) for m in b]
+
+
+if TYPE_CHECKING:  # mypy holds the actor to its remote interface
+    _implements: type[ControllerApi] = ClusterController

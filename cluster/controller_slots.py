@@ -21,6 +21,7 @@ import ray
 from cluster.controller_state import SlotRecord
 from cluster.rendezvous_host import ensure_rendezvous, rendezvous_name
 from cluster.worker_actors import end_worker, find_actor, planned_names, start_worker
+from common.actor_api import WorkerHandle
 from common.membership import DRAINING, SERVING, Member
 from common.messages import WorkerInfo
 from engine.block_hash import spec_fingerprint
@@ -115,7 +116,7 @@ class SlotStarter:
     async def _until_ready(self, slot: Slot, timeout_s: float) -> None:
         assert slot.ranks is not None, "ranks started"
         try:
-            infos = await asyncio.wait_for(asyncio.gather(*(r.ready.remote() for r in slot.ranks)), timeout_s)
+            infos = await asyncio.wait_for(asyncio.gather(*(WorkerHandle(r).ready() for r in slot.ranks)), timeout_s)
         except TimeoutError:
             raise ClusterStartError(
                 f"{slot.worker_id} was not ready within {timeout_s:.0f} s; " + self._capacity_hint()
@@ -166,7 +167,7 @@ class SlotStarter:
         assert slot.ranks is not None, "ranks found"
         try:
             infos = await asyncio.wait_for(
-                asyncio.gather(*(r.ready.remote() for r in slot.ranks)), self.controller.config.ready_timeout_s
+                asyncio.gather(*(WorkerHandle(r).ready() for r in slot.ranks)), self.controller.config.ready_timeout_s
             )
         except Exception as err:  # noqa: BLE001 - dead, slow or erroring rank: replace the instance, as at start
             await self.replace(slot, f"not ready after the controller restart: {type(err).__name__}", publish=False)
@@ -199,7 +200,7 @@ class SlotStarter:
         quiet_s = self.controller.config.controller.drain_quiet_s
         for slot in [s for s in self.controller.slots.values() if s.state == DRAINING and s.ranks]:
             try:
-                stats = await asyncio.wait_for(slot.ranks[0].stats.remote(), quiet_s)
+                stats = await asyncio.wait_for(WorkerHandle(slot.ranks[0]).stats(), quiet_s)
             except Exception:  # noqa: BLE001 - dead or slow: the health check decides; keep it draining
                 continue
             busy = stats.waiting or stats.running or stats.in_flight

@@ -20,13 +20,13 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from cluster.controller import ClusterController, controller_name
 from cluster.controller_slots import ClusterStartError  # re-exported: callers catch it here
+from common.actor_api import ControllerHandle
 from common.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
 from common.membership import Member, Membership
 
@@ -44,7 +44,7 @@ class ClusterNotFound(RuntimeError):
 class LaunchedCluster:
     config: ClusterConfig  # the running cluster's config, with this process's own router/admission sections
     model_dir: str
-    controller: Any  # the controller's actor handle
+    controller: ControllerHandle
     membership: Membership
     owns_controller: bool  # this process started it: shutdown() ends the pools
     started_ray: bool = False
@@ -63,7 +63,7 @@ class LaunchedCluster:
 
     def refresh(self, timeout_s: float = 30.0) -> Membership:
         """Fetch the controller's current membership."""
-        self.membership = ray.get(self.controller.membership.remote(), timeout=timeout_s)
+        self.membership = ray.get(self.controller.membership(), timeout=timeout_s)
         return self.membership
 
     def wait_for(self, predicate: Callable[[Membership], bool], timeout_s: float) -> Membership:
@@ -78,19 +78,19 @@ class LaunchedCluster:
                     f"{[(m.worker_id, m.epoch, m.state) for m in self.membership.members]})"
                 )
             self.membership = ray.get(
-                self.controller.watch.remote(self.membership.version, min(left_s, 5.0)), timeout=left_s + 10.0
+                self.controller.watch(self.membership.version, min(left_s, 5.0)), timeout=left_s + 10.0
             )
         return self.membership
 
     def scale(self, role: str, replicas: int) -> None:
-        ray.get(self.controller.scale.remote(role, replicas), timeout=JOIN_TIMEOUT_S)
+        ray.get(self.controller.scale(role, replicas), timeout=JOIN_TIMEOUT_S)
 
     def shutdown(self) -> None:
         if self.owns_controller:
             with contextlib.suppress(Exception):  # already gone: nothing left to stop
-                ray.get(self.controller.shutdown.remote(), timeout=30)
+                ray.get(self.controller.shutdown(), timeout=30)
             with contextlib.suppress(Exception):
-                ray.kill(self.controller, no_restart=True)
+                ray.kill(self.controller.actor, no_restart=True)
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -122,7 +122,7 @@ def launch(
         raise
     try:
         membership = _wait_ready(controller, config.ready_timeout_s, say)
-        running = ClusterConfig.from_dict(ray.get(controller.cluster_config.remote(), timeout=JOIN_TIMEOUT_S))
+        running = ClusterConfig.from_dict(ray.get(controller.cluster_config(), timeout=JOIN_TIMEOUT_S))
     except BaseException:  # a cluster this call started and that cannot serve is not left behind retrying
         LaunchedCluster(config, "", controller, Membership("", 0), owns, started_ray).shutdown()
         raise
@@ -132,23 +132,25 @@ def launch(
     return LaunchedCluster(merged, running.model_dir, controller, membership, owns, started_ray)
 
 
-def connect_controller(cluster_name: str):
+def connect_controller(cluster_name: str) -> ControllerHandle | None:
     """The running controller of `cluster_name`, or None (checked with a bounded ping)."""
     try:
-        controller = ray.get_actor(controller_name(cluster_name), namespace=RAY_NAMESPACE)
-        ray.get(controller.ping.remote(), timeout=JOIN_TIMEOUT_S)
+        controller = ControllerHandle(ray.get_actor(controller_name(cluster_name), namespace=RAY_NAMESPACE))
+        ray.get(controller.ping(), timeout=JOIN_TIMEOUT_S)
     except (ValueError, ray.exceptions.ActorDiedError):  # none, or one being removed
         return None
     return controller
 
 
-def _start_or_join(name: str, config: ClusterConfig, model_dir: str | None, given: dict | None, say):
+def _start_or_join(
+    name: str, config: ClusterConfig, model_dir: str | None, given: dict | None, say
+) -> tuple[ControllerHandle, bool]:
     controller = connect_controller(name)
     if controller is not None:
         say(f"joining the running cluster {name!r}")
         explicit = given if given is not None else _non_null(config.to_dict())
         try:
-            ray.get(controller.check_join.remote(explicit), timeout=JOIN_TIMEOUT_S)
+            ray.get(controller.check_join(explicit), timeout=JOIN_TIMEOUT_S)
         except RayTaskError as err:
             cause = getattr(err, "cause", None)
             raise (cause if isinstance(cause, ConfigError) else err) from None
@@ -170,17 +172,17 @@ def _start_or_join(name: str, config: ClusterConfig, model_dir: str | None, give
         max_concurrency=1000,
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}},
     )
-    return options.remote(name, config.to_dict(), model_dir), True
+    return ControllerHandle(options.remote(name, config.to_dict(), model_dir)), True
 
 
-def _wait_ready(controller, timeout_s: float, say) -> Membership:
+def _wait_ready(controller: ControllerHandle, timeout_s: float, say) -> Membership:
     """Until the pools serve, telling `say` how far they got every few seconds. The whole wait, the
     controller's own start included, is bounded by `timeout_s` (plus a little for the calls)."""
     deadline_s = time.monotonic() + timeout_s
     while True:
         left_s = max(deadline_s - time.monotonic(), 0.1)
         try:
-            return ray.get(controller.wait_ready.remote(min(PROGRESS_EVERY_S, left_s)), timeout=left_s + JOIN_TIMEOUT_S)
+            return ray.get(controller.wait_ready(min(PROGRESS_EVERY_S, left_s)), timeout=left_s + JOIN_TIMEOUT_S)
         except RayTaskError as err:
             cause = getattr(err, "cause", None)
             if not isinstance(cause, ClusterStartError):
@@ -190,7 +192,7 @@ def _wait_ready(controller, timeout_s: float, say) -> Membership:
         except GetTimeoutError:
             raise ClusterStartError(f"the cluster controller did not answer within {timeout_s:.0f} s") from None
         with contextlib.suppress(GetTimeoutError):
-            say(ray.get(controller.progress.remote(), timeout=JOIN_TIMEOUT_S))
+            say(ray.get(controller.progress(), timeout=JOIN_TIMEOUT_S))
 
 
 def _non_null(raw: dict) -> dict:

@@ -27,6 +27,7 @@ from collections import deque
 from typing import NamedTuple
 
 from cluster.planner import Planner, Pools
+from common.actor_api import WorkerHandle
 from common.config import ClusterConfig
 from common.traffic import Observation, TrafficCounts, TrafficWindow
 from sim.config import SimConfig
@@ -153,11 +154,7 @@ class PlannerLoop:
 
 async def _hostnames(slots) -> tuple[str, ...]:
     """The host (on KubeRay: the pod) of every rank of the slots, asked of the actors themselves."""
-    import socket
-
-    calls = [
-        rank.__ray_call__.remote(lambda _self: socket.gethostname()) for slot in slots for rank in (slot.ranks or ())
-    ]
+    calls = [WorkerHandle(rank).hostname() for slot in slots for rank in (slot.ranks or ())]
     try:
         names = await asyncio.wait_for(asyncio.gather(*calls), 10.0)
     except Exception:  # a rank already gone: KubeRay then removes nothing for it, the pod idles

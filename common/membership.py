@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.actor_api import DecodeRankHandle, PrefillHandle
 from common.messages import WorkerInfo
 
 SERVING = "serving"
@@ -36,8 +37,24 @@ class Member:
 
     @property
     def actor(self):
-        """The actor that takes this worker's calls (a decode instance's rank 0)."""
+        """The raw Ray handle of the actor that takes this worker's calls (a decode instance's rank 0).
+        Product code calls through the typed handles below (common/actor_api.py)."""
         return self.ranks[0]
+
+    @property
+    def prefill_worker(self) -> PrefillHandle:
+        """This prefill worker's typed handle (`PrefillWorkerApi`)."""
+        return PrefillHandle(self.ranks[0])
+
+    @property
+    def decode_instance(self) -> DecodeRankHandle:
+        """The typed handle of this decode instance's rank 0, which takes the instance's calls."""
+        return DecodeRankHandle(self.ranks[0])
+
+    @property
+    def decode_ranks(self) -> tuple[DecodeRankHandle, ...]:
+        """Typed handles of every rank of this decode instance, rank 0 first."""
+        return tuple(DecodeRankHandle(rank) for rank in self.ranks)
 
     @property
     def tp_size(self) -> int:

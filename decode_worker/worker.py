@@ -19,7 +19,9 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
+from common.actor_api import DecodeRankApi, DecodeRankHandle
 from common.config import ClusterConfig
 from common.membership import Membership
 from common.messages import GenerateRequest, Liveness, TokenUpdate, WorkerInfo, WorkerStats
@@ -61,7 +63,7 @@ class DecodeRank:
         self.setup: RankSetup = build_rank(self, self.config, model_dir, store_host, store_port)
         self.receiver = KVReceiver(self.setup.transport, self.setup.runner.kv_cache)
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
-        self._followers = list(followers)
+        self._followers = [DecodeRankHandle(follower) for follower in followers]
         self._leases: dict[str, float] = {}  # rank 0: reserved, not yet adopted → deadline
         # rank 0: request ids cancelled before they were reserved (a router's cleanup can overtake a
         # dead prefill worker's last reserve call) → until when a reserve for them is refused
@@ -137,7 +139,7 @@ class DecodeRank:
         deadline_s = time.time() + self.config.handoff_lease_s
         self._leases[request_id] = deadline_s
         self.receiver.expect(request_id, block_ids, deadline_s)
-        await asyncio.gather(*(f.expect.remote(request_id, block_ids, deadline_s) for f in self._followers))
+        await asyncio.gather(*(f.expect(request_id, block_ids, deadline_s) for f in self._followers))
         return HandoffTarget(
             self.instance_id, self._rank_targets(), block_ids, deadline_s, self.setup.runner.kv_cache.layout
         )
@@ -160,7 +162,7 @@ class DecodeRank:
                 tenant_salt=request.tenant,
             )
         )
-        await asyncio.gather(*(f.cancel_expected.remote(rid) for f in self._followers))
+        await asyncio.gather(*(f.cancel_expected(rid) for f in self._followers))
 
     async def cancel(self, request_id: str) -> None:
         """Abort a running request, or drop a reservation (after no rank can still write into it); a
@@ -168,7 +170,7 @@ class DecodeRank:
         self._leases.pop(request_id, None)
         self._cancelled[request_id] = time.time() + self.config.handoff_lease_s + LEASE_GRACE_S
         await asyncio.gather(
-            self.cancel_expected(request_id), *(f.cancel_expected.remote(request_id) for f in self._followers)
+            self.cancel_expected(request_id), *(f.cancel_expected(request_id) for f in self._followers)
         )
         await self._call(lambda engine: _abort_or_release(engine, request_id))
         self.outbox.forget(request_id)
@@ -290,3 +292,7 @@ def rank_peer_id(group_id: str, rank: int) -> str:
 def _abort_or_release(engine: LLMEngine, request_id: str) -> None:
     if not engine.abort_request(request_id) and engine.kv.has(request_id):
         engine.release(request_id)  # a reservation that was never adopted
+
+
+if TYPE_CHECKING:  # mypy holds the actor to its remote interface
+    _implements: type[DecodeRankApi] = DecodeRank

@@ -9,13 +9,15 @@ import math
 import random
 import time
 
+from common.actor_api import ControllerHandle
+
 RECOVERY_POLL_S = 2.0
 
 
 class Killer:
-    """`controller` is the cluster's controller actor handle; `kind` is prefill, decode or any."""
+    """`controller` is the cluster's controller; `kind` is prefill, decode or any."""
 
-    def __init__(self, controller, kind: str, every_s: float, rng: random.Random, echo=print):
+    def __init__(self, controller: ControllerHandle, kind: str, every_s: float, rng: random.Random, echo=print):
         self.controller, self.kind, self.every_s, self.rng, self.echo = controller, kind, every_s, rng, echo
         self.kills: list[dict] = []
         self._watchers: list[asyncio.Task] = []
@@ -30,7 +32,7 @@ class Killer:
             await self._kill_one()
 
     async def _kill_one(self) -> None:
-        membership = await self.controller.membership.remote()
+        membership = await self.controller.membership()
         roles = ("prefill", "decode") if self.kind == "any" else (self.kind,)
         candidates = [m for role in roles for m in membership.serving(role)]
         if not candidates:
@@ -38,7 +40,7 @@ class Killer:
             return
         victim = self.rng.choice(candidates)
         killed_s = time.monotonic()
-        if not await self.controller.kill_worker.remote(victim.worker_id):
+        if not await self.controller.kill_worker(victim.worker_id):
             return
         kill = {
             "worker_id": victim.worker_id,
@@ -53,13 +55,13 @@ class Killer:
         self._watchers.append(asyncio.ensure_future(self._until_recovered(kill, killed_s)))
 
     async def _until_recovered(self, kill: dict, killed_s: float) -> None:
-        config = await self.controller.cluster_config.remote()
+        config = await self.controller.cluster_config()
         desired = {role: config[role]["replicas"] for role in ("prefill", "decode")}
-        membership = await self.controller.membership.remote()
+        membership = await self.controller.membership()
         while not _full_strength(membership, desired, kill):
             if kill["replaced_s"] is None and _replaced(membership, kill):
                 kill["replaced_s"] = round(time.monotonic() - killed_s, 3)
-            membership = await self.controller.watch.remote(membership.version, RECOVERY_POLL_S)
+            membership = await self.controller.watch(membership.version, RECOVERY_POLL_S)
         now_s = round(time.monotonic() - killed_s, 3)
         kill["replaced_s"] = kill["replaced_s"] or now_s
         kill["recovered_s"] = now_s

@@ -1,4 +1,4 @@
-"""The decode instance as a prefill worker's hand-off session reaches it: Ray calls on its rank actors.
+"""The decode instance as a prefill worker's hand-off session reaches it: calls on its ranks' typed handles.
 
 A thin adapter (`kvtransfer.session.DecodeEndpoint`): it translates the decode side's answers into
 the session's terms (`DecodeFull`, `HandoffFailed`) and nothing else; the session decides.
@@ -18,11 +18,11 @@ class RayDecodeEndpoint(DecodeEndpoint):
     def __init__(self, decode: Member, request: GenerateRequest, first_token_id: int, owner: str, sender_peer: str):
         self.decode, self.request, self.first_token_id = decode, request, first_token_id
         self.owner, self.sender_peer = owner, sender_peer
-        self._rank_of = dict(zip(decode.peer_ids, decode.ranks, strict=True))
+        self._rank_of = dict(zip(decode.peer_ids, decode.decode_ranks, strict=True))
 
     async def reserve(self, num_tokens: int) -> HandoffTarget:
         try:
-            return await self.decode.actor.reserve.remote(self.request.request_id, num_tokens, self.owner)
+            return await self.decode.decode_instance.reserve(self.request.request_id, num_tokens, self.owner)
         except RayTaskError as err:
             cause = getattr(err, "cause", None)
             if isinstance(cause, (DecodeFull, HandoffFailed)):
@@ -30,10 +30,10 @@ class RayDecodeEndpoint(DecodeEndpoint):
             raise
 
     def announce(self, rank: RankTarget):
-        return self._rank_of[rank.peer_id].receive_kv.remote(self.sender_peer, self.request.request_id)
+        return self._rank_of[rank.peer_id].receive_kv(self.sender_peer, self.request.request_id)
 
     async def adopt(self) -> None:
-        await self.decode.actor.adopt.remote(self.request, self.first_token_id)
+        await self.decode.decode_instance.adopt(self.request, self.first_token_id)
 
     async def cancel(self) -> None:
-        await self.decode.actor.cancel.remote(self.request.request_id)
+        await self.decode.decode_instance.cancel(self.request.request_id)

@@ -174,7 +174,7 @@ class PrefixPuller:
             raise LookupError(f"{spec.holder_id} is not a live prefill worker")
         tokens = request.token_ids[: spec.num_blocks * self.block_size + 1]  # all the holder verifies
         count = await asyncio.wait_for(
-            holder.export_prefix.remote(
+            holder.export_prefix(
                 self.worker_id,
                 self.peer_id,
                 request.request_id,
@@ -262,7 +262,7 @@ class PrefixExporter:
         started_s = time.perf_counter()
         try:
             remaining_s(deadline_s)  # past it the requester gave up: announce nothing
-            announced = requester.receive_prefix.remote(self.peer_id, request_id)
+            announced = requester.receive_prefix(self.peer_id, request_id)
             peer, kv = pull_peer_id(requester_peer), self.engine.runner.kv_cache
             target = HandoffTarget(peer, (RankTarget(peer, 0, kv.num_kv_heads),), (), deadline_s)
             num_bytes = send_sequence_kv(

@@ -21,7 +21,9 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
+from common.actor_api import PrefillHandle, PrefillWorkerApi
 from common.config import ClusterConfig
 from common.kv_events import KVEventBatch, KVEventBuffer
 from common.membership import Member, Membership
@@ -289,9 +291,9 @@ class PrefillWorker:
             target,
         )
 
-    def _find_prefill(self, worker_id: str):
+    def _find_prefill(self, worker_id: str) -> PrefillHandle | None:
         member = self.membership.get(worker_id)
-        return member.actor if member is not None and member.role == "prefill" else None
+        return member.prefill_worker if member is not None and member.role == "prefill" else None
 
 
 def _start_publisher(buffer: KVEventBuffer, config: ClusterConfig, engine: LLMEngine):
@@ -303,3 +305,7 @@ def _start_publisher(buffer: KVEventBuffer, config: ClusterConfig, engine: LLMEn
 
     namespace = IndexNamespace(engine.model_config.identity, engine.config.block_size)
     return RedisIndexPublisher(buffer, config.redis_url, namespace, config.index_lease_s).start()
+
+
+if TYPE_CHECKING:  # mypy holds the actor to its remote interface
+    _implements: type[PrefillWorkerApi] = PrefillWorker

@@ -66,13 +66,13 @@ class IndexFeeder:
             await asyncio.sleep(self.interval_s)
 
     async def _pull(self, member: Member) -> None:
-        worker_id, actor = member.worker_id, member.actor
+        worker_id, worker = member.worker_id, member.prefill_worker
         cursor = await self.index.cursor(worker_id)
         since_seq = cursor[1] if cursor is not None else 0
-        batch = await asyncio.wait_for(actor.read_kv_events.remote(since_seq), self.timeout_s)
+        batch = await asyncio.wait_for(worker.read_kv_events(since_seq), self.timeout_s)
         if cursor is not None and batch.epoch != cursor[0] and since_seq:
             # A restarted worker: our cursor belongs to its old epoch; read its new epoch from the start.
-            batch = await asyncio.wait_for(actor.read_kv_events.remote(0), self.timeout_s)
+            batch = await asyncio.wait_for(worker.read_kv_events(0), self.timeout_s)
         if batch.events or batch.snapshot is not None or cursor is None or cursor[0] != batch.epoch:
             await self.index.apply(batch)
         await self.index.heartbeat(worker_id, batch.epoch)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 
+from common.actor_api import ControllerHandle
 from common.planner_config import PlannerConfig
 from common.traffic import TrafficCounts
 from router.metrics import slo_met
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class TrafficReporter:
-    def __init__(self, controller, config: PlannerConfig):
+    def __init__(self, controller: ControllerHandle, config: PlannerConfig):
         self.controller, self.config = controller, config
         self.router_id = secrets.token_hex(4)
         self.counts = TrafficCounts()
@@ -56,7 +57,7 @@ class TrafficReporter:
             await asyncio.sleep(interval_s)
             try:
                 await asyncio.wait_for(
-                    self.controller.report_traffic.remote(self.router_id, self.counts), max(interval_s, 1.0)
+                    self.controller.report_traffic(self.router_id, self.counts), max(interval_s, 1.0)
                 )
             except asyncio.CancelledError:
                 raise

@@ -62,7 +62,7 @@ class WorkerMonitor:
 
     async def _probe(self, member: Member) -> None:
         try:
-            stats = await asyncio.wait_for(member.actor.stats.remote(), self.timeout_s)
+            stats = await asyncio.wait_for(member.prefill_worker.stats(), self.timeout_s)
         except RayActorError as err:
             if (member.worker_id, member.epoch) not in self._dead:
                 log.warning("worker %s (epoch %d) is dead: %s", member.worker_id, member.epoch, type(err).__name__)

@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
 
     ray.init(address=args.ray_address, namespace=RAY_NAMESPACE, configure_logging=False, log_to_driver=False)
     controller = connect_controller(args.cluster_name)
-    membership = ray.get(controller.membership.remote(), timeout=30)
+    membership = ray.get(controller.membership(), timeout=30)
     report = {"members": [[m.worker_id, m.role, m.epoch, m.state] for m in membership.members]}
     try:
         wait_workers_clean(membership, args.wait_clean)

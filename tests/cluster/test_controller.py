@@ -200,7 +200,7 @@ def test_the_controller_dying_loses_no_request_and_restarts_no_worker(ray_sessio
     stop = threading.Event()
     try:
         before = stack.cluster.refresh()
-        controller_pid = ray.get(stack.cluster.controller.pid.remote(), timeout=10)
+        controller_pid = ray.get(stack.cluster.controller.pid(), timeout=10)
         with ThreadPoolExecutor(1) as pool:
             load = pool.submit(_stream_load, stack.target, prompts, stop)
             time.sleep(2)
@@ -209,8 +209,8 @@ def test_the_controller_dying_loses_no_request_and_restarts_no_worker(ray_sessio
             stop.set()
             outcomes = load.result(timeout=180)
         _check_outcomes(outcomes, expected)
-        after = ray.get(stack.cluster.controller.membership.remote(), timeout=60)
-        assert ray.get(stack.cluster.controller.pid.remote(), timeout=10) != controller_pid
+        after = ray.get(stack.cluster.controller.membership(), timeout=60)
+        assert ray.get(stack.cluster.controller.pid(), timeout=10) != controller_pid
         assert after.version == before.version
         assert [(m.worker_id, m.epoch) for m in after.members] == [(m.worker_id, m.epoch) for m in before.members]
         # The restarted controller still supervises: a worker killed now is replaced.

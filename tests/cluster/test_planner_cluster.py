@@ -75,7 +75,7 @@ async def _open_loop(target: str, prompts, rate_per_s: float, until, outcomes: l
 
 
 def _status(stack) -> dict:
-    return ray.get(stack.cluster.controller.planner_status.remote(), timeout=10)
+    return ray.get(stack.cluster.controller.planner_status(), timeout=10)
 
 
 def _serving(stack, role: str) -> int:
