@@ -7,7 +7,7 @@ Launches the cluster (a shrunken demo model, so that 2 cores keep up with the re
 on this process's loop as `splitserve serve` does, then runs `splitserve chaos` (loadtest/chaos.py):
 the Mooncake conversation trace replayed once fault-free and once under kills, compared request by
 request. Defaults: the 300-row slice shipped in tests/data/traces (or --trace), its 3 s buckets spread,
-prompts at one KV block per trace block, outputs scaled down to keep the replay within the box.
+prompts at one KV block per trace block, outputs scaled down to keep the replay within a small host's cores.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ and short: TTFT is from the moment a request is due to its first token (a coloca
 a step waits for it, as it would in a serving loop); a request's TPOT is its mean time per output token
 after the first; it meets the SLO when both are within it (a one-token request has no TPOT). Goodput is
 requests meeting the SLO per second of the run (first arrival to last token); attainment the share
-of requests meeting it. The ratios compare arms of the same run (the box is shared and noisy).
+of requests meeting it. The ratios compare arms of the same run (a shared host is noisy: absolute figures
+drift between runs).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Goodput vs offered load with admission `always` and `predictive`, on a small real cluster (issue 6).
+"""Goodput vs offered load with admission `always` and `predictive`, on a small real cluster.
 
     scripts/in_sandbox.sh .venv/bin/python -m benchmarks.eval_admission --out docs/perf/admission
 

@@ -44,7 +44,7 @@ def measured_runs(folder: Path) -> list[tuple[list, dict]]:
 def resimulate(report: dict, dump: str, overrides: dict[str, Any] | None = None) -> list[dict]:
     """Every row of `report` predicted again (host figures replaced by `overrides`) against its dump."""
     if "settings" not in report:
-        raise ValueError("the report has no 'settings' (written by validate_sim since stop 35): cannot rebuild it")
+        raise ValueError("the report has no 'settings' (an older validate_sim's report): cannot rebuild it")
     args = Namespace(**{key: report["settings"][key] for key in SETTINGS})
     rows = []
     for row in report["rows"]:

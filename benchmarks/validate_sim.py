@@ -9,13 +9,13 @@ profile with the engine in this process (`splitserve profile`'s code), starts ea
 one router, calibrates the profile's cluster overheads and the host's idle cores on that shape just
 before its runs (the host's streaming figures on the first shape; `--calibrate`), then per rate
 runs the bench's Poisson workload for real and simulates the very same requests. The table prints
-measured / predicted and the error of p50 and p99 TTFT and TPOT and of goodput against the issue's
+measured / predicted and the error of p50 and p99 TTFT and TPOT and of goodput against the validation
 targets (benchmarks/validate_sim_report.py, which also says what `--repeats N` adds: N runs per rate,
-pooled, and the box's noise floor, run 2 against run 1). `--dump DIR` keeps each run's requests,
+pooled, and the host's noise floor, run 2 against run 1). `--dump DIR` keeps each run's requests,
 measured (`records.jsonl`, the bench's; `run-K/` per repeat) and simulated (`sim_records.jsonl`),
 under DIR/<shape>_<rate>/.
 
-Every worker here is a process with one torch thread on this machine's cores (2 on the dev box), so
+Every worker here is a process with one torch thread on this machine's cores (2 on a small VM), so
 a 2P1D cluster's three workers ask for more cores than there are: the simulation says so
 (`SimConfig.host_cores`, `--host-cores`, default this machine's count; 0: every worker on its own
 accelerator, which the rows also report as `unshared` for comparison). Before the calibration and
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats > 1:
         for k, counts in enumerate(report["within_target_each_run"]):
             print(f"  prediction vs run {k + 1} alone: {counts}")
-        print(f"  run 2 vs run 1 (the box's noise floor): {report['within_target_noise_floor']}")
+        print(f"  run 2 vs run 1 (the host's noise floor): {report['within_target_noise_floor']}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=1)

@@ -1,7 +1,7 @@
 """The figures `benchmarks/validate_sim.py` compares, and how a row says predicted vs measured.
 
 A row compares two summaries (dicts in `loadtest.summary.Summary.to_dict()`'s shape) on p50 / p99 TTFT
-and TPOT and goodput, each against the issue's bound (15% for goodput and p50s, 30% for p99s).
+and TPOT and goodput, each against its bound (15% for goodput and p50s, 30% for p99s).
 
 With `--repeats N` every rate is measured N times (the same requests; each repeat under a tenant of
 its own, so that no repeat hits the prefix cache an earlier one filled) and a row also says:
@@ -9,7 +9,7 @@ its own, so that no repeat hits the prefix cache an earlier one filled) and a ro
   their goodputs averaged), the primary comparison;
 - `repeats`: the prediction against each run alone;
 - `noise_floor`: the second run held against the first as if it were a prediction, the same
-  bounds: how often two real runs of the same requests on this box agree within the targets, the
+  bounds: how often two real runs of the same requests on this host agree within the targets, the
   ceiling no model of the cluster can beat here.
 
 Every row also has `engine_busy`: per pool, the engines' summed step seconds and steps during the

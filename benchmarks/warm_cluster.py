@@ -8,7 +8,7 @@ from loadtest.probes import measure
 
 # Sequential requests after the warm-up rounds, before the calibration: a fresh cluster's engine steps
 # kept getting faster over its first ~150 requests (the workers' step records over successive rounds
-# of 36 probes, stop 38: prefill x1.53 -> 1.44 -> 1.35 -> 1.32 of the profile, decode batch-1 steps
+# of 36 probes: prefill x1.53 -> 1.44 -> 1.35 -> 1.32 of the profile, decode batch-1 steps
 # -7% from the first round to the second), so a calibration straight after two rounds measured a
 # colder cluster than the bench that followed it (decode steps simulated 5-10% slow on 1P1D).
 STEADY_REQUESTS, STEADY_FIRST_INDEX = 160, 900_000

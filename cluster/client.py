@@ -1,15 +1,11 @@
 """The cluster's request API: submit a request, iterate its tokens (what the router builds on).
 
-One request's lifecycle (DESIGN.md steps 4–6), every wait bounded by the request's deadline:
-1. one streaming call to the chosen prefill worker, `prefill(request, decode, owner)`: it yields
-   whether the request waits in the worker's queue (only when it does), the first token as soon as it
-   is sampled (streamed at once: TTFT), then — after its hand-off session
-   reserved blocks on the decode instance, moved the KV and had the instance adopt the sequence —
-   the hand-off's statistics;
-2. the decode instance's per-step outputs arrive through one poller per instance (this client is
-   their `owner`) and are fanned out to the requests' queues.
-Failures end the stream with `RequestFailed` naming the reason; leaving early (cancel, deadline,
-error) aborts the request on both workers.
+It carries steps 1 and 3-5 of one attempt (docs/architecture.md, "Request lifecycle"), every wait bounded by the
+request's deadline: one streaming call to the chosen prefill worker (`PrefillWorkerApi.prefill`: queue
+changes, the first token, the hand-off's figures), then the decode instance's per-step outputs, which
+one poller per instance fans out to the requests' queues. Failures end the stream with `RequestFailed`
+stating the facts (phase, lost worker); whether the request then migrates is the router's decision
+(router/migration.py). Leaving early (cancel, deadline, error) aborts the request on both workers.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -35,10 +32,21 @@ from kvtransfer.session import HandoffFailed, HandoffStats
 POLL_WAIT_S = 0.2
 
 
+class AttemptPhase(StrEnum):
+    """Where an attempt stood when it failed: waiting in the prefill worker's queue (or for its prefix
+    pull), being prefilled, in its KV hand-off, or decoding. The router's migration rules read it."""
+
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    HANDOFF = "handoff"
+    DECODE = "decode"
+
+
 class RequestFailed(RuntimeError):
     """A request could not complete. `unavailable` marks worker loss (retry-safe before the first
     token); `timed_out` its deadline passing; otherwise the request itself was refused (`field` names
-    the bad input, if any)."""
+    the bad input, if any). The facts a migration is decided on (router/migration.py): `phase`,
+    `lost_worker`, `decode_lost`."""
 
     def __init__(
         self,
@@ -56,11 +64,7 @@ class RequestFailed(RuntimeError):
         self.out_of_capacity = out_of_capacity  # a worker's KV pool is full now: retry later
         self.lost_worker = lost_worker  # (worker id, epoch) of a worker found dead on the way, if any
         self.decode_lost = decode_lost  # its hand-off found the decode instance dead or silent
-        self.migration_cause = "worker_failed"  # set by the router: which part was lost (metrics)
-        # False when the request cannot have caused the failure: a worker died while the request waited in
-        # its queue, or during its hand-off, when the prefill worker had computed it and the decode instance
-        # had not begun to (see `migration_limit`).
-        self.counts_toward_limit = True
+        self.phase = AttemptPhase.PREFILL  # set where the attempt failed (see AttemptPhase)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class TokenChunk:
     num_cached_tokens: int = 0  # first chunk: prompt tokens the prefill worker had cached (pulled included)
     pull: PullOutcome | None = None  # first chunk: the prefix pull the request asked for, if any
     prompt_logprobs: tuple | None = None  # first chunk: TokenLogprobs of prompt tokens 1.., when asked
+    text_end_chars: int | None = None  # last chunk, when a stop string ended it: where the output text ends
 
 
 class ClusterClient:
@@ -126,6 +131,7 @@ class ClusterClient:
                 first.num_cached_tokens,
                 first.pull,
                 first.prompt_logprobs,
+                first.text_end_chars,
             )
             if not first.handoff:  # done at prefill: nothing was reserved on decode
                 finished = True
@@ -160,10 +166,15 @@ class ClusterClient:
             except TimeoutError:
                 raise RequestFailed("the request's deadline passed while decoding", timed_out=True) from None
             if isinstance(update, RequestFailed):  # its decode instance failed (see _fail_instance)
+                update.phase = AttemptPhase.DECODE
                 raise update
             if update.error is not None:
-                raise RequestFailed(update.error, unavailable=True)
-            yield TokenChunk(update.token_ids, update.logprobs, update.finish_reason)
+                failed = RequestFailed(update.error, unavailable=True)
+                failed.phase = AttemptPhase.DECODE
+                raise failed
+            yield TokenChunk(
+                update.token_ids, update.logprobs, update.finish_reason, text_end_chars=update.text_end_chars
+            )
             if update.finish_reason is not None:
                 return
 
@@ -216,28 +227,26 @@ class ClusterClient:
 
 
 async def _first_token(stream: AsyncIterator[PrefillEvent], deadline_s: float, prefill: Member) -> PrefillResult:
-    """The first token from the prefill worker's stream, past its queue changes. The worker's death while
-    the request waited in its queue does not count toward the router's migration limit: only a request
-    being computed can have caused it."""
+    """The first token from the prefill worker's stream, past its queue changes (a failure says whether the
+    request was waiting in the worker's queue or being computed)."""
     what, waiting = f"prefill worker {prefill.worker_id}", False
     try:
         while isinstance(item := await _next(stream, deadline_s, what, prefill), PrefillQueue):
             waiting = item.waiting
         return item
     except RequestFailed as err:
-        err.counts_toward_limit = not (waiting and err.lost_worker is not None)
+        err.phase = AttemptPhase.QUEUED if waiting else AttemptPhase.PREFILL
         raise
 
 
 async def _handoff(
     stream: AsyncIterator[PrefillEvent], deadline_s: float, prefill: Member, decode: Member
 ) -> HandoffStats:
-    """The hand-off's outcome from the prefill worker's stream. A worker death here (either side) does not
-    count toward the router's migration limit: the request had run to its first token and no decode step."""
+    """The hand-off's outcome from the prefill worker's stream."""
     try:
         return await _next(stream, deadline_s, f"KV hand-off {prefill.worker_id} -> {decode.worker_id}", prefill)
     except RequestFailed as err:
-        err.counts_toward_limit = err.lost_worker is None and not err.decode_lost
+        err.phase = AttemptPhase.HANDOFF
         raise
 
 

@@ -5,20 +5,15 @@ the workers (each start a new epoch), health-checks them, replaces the dead, dra
 and publishes `Membership` with a version that routers follow by long-poll (`watch`). It hosts what
 the cluster shares: the rendezvous store (through its own actor, `cluster/rendezvous_host.py`), the
 cluster id, the hash spec and model identity its workers must agree on. Nothing else starts or kills
-workers; routers are stateless peers that only read membership.
+workers; routers are stateless peers that only read membership. How health checks, scaling, the
+planner and a controller restart behave: docs/architecture.md, Control plane.
 
-Health: every rank is pinged every `health_interval_s` (`ping` is answered by the worker's event loop,
-never its engine, so a busy worker is not a dead one). A dead actor (SIGKILL, node loss) fails its
-ping at once; `health_failures` pings in a row unanswered within `health_timeout_s` mean hung (it is
-killed); an engine loop that died means broken. Any of these removes the worker from membership at
-once (and its prefix-index entries, with Redis), ends all its ranks, and starts a replacement.
-
-With `planner.enabled` it also runs the online planner (cluster/planner_loop.py: why here, and how):
-routers report their traffic through `report_traffic`, and the planner calls this controller's `scale`.
-
-The controller is not a single point of failure: Ray restarts it (`max_restarts`), and the restarted
-process re-adopts the workers still alive from the record it keeps in Ray's GCS
-(`cluster/controller_state.py`), publishing the same membership and version; no worker restarts.
+Health pings go to the worker's event loop, never its engine, so a busy worker is not a dead one; a
+dead, hung (`health_failures` pings unanswered) or broken worker leaves membership at once, with all
+its ranks and its prefix-index entries, and a replacement starts. With `planner.enabled` the online
+planner runs here (cluster/planner_loop.py): routers report their traffic through `report_traffic`,
+and it scales through `scale`. Ray restarts a dead controller (`max_restarts`), which re-adopts the
+live workers from its record in Ray's GCS (`cluster/controller_state.py`); no worker restarts.
 """
 
 from __future__ import annotations

@@ -20,15 +20,16 @@ from common.planner_config import PlannerConfig
 from common.router_config import PREFIX_PULL_MODES as PREFIX_PULL_MODES
 from common.router_config import ROUTING_POLICIES as ROUTING_POLICIES
 from common.router_config import RouterConfig, check_router
-from engine.config import DTYPES, EngineConfig
-from engine.kv_quant import KV_CACHE_DTYPES
+from engine.config import EngineConfig, EngineLimits, ModelFormat
 from engine.layers.quantization import QUANTIZATIONS
 from engine.speculative.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
-class PoolConfig:
-    """One worker pool (prefill or decode): how many, how big, and each worker's engine limits."""
+class PoolConfig(EngineLimits):
+    """One worker pool (prefill or decode): how many, how big, and each worker's engine limits (the engine's
+    own keys, `engine.config.EngineLimits`: kv_cache_memory_bytes, num_kv_blocks, max_num_seqs,
+    max_num_batched_tokens, prefill_chunk_tokens)."""
 
     replicas: int = 1
     tp_size: int = 1  # decode: ranks per instance; prefill: must be 1
@@ -38,11 +39,6 @@ class PoolConfig:
     # advertise it (KubeRay: the prefill / decode worker groups). None: any node.
     ray_resource: str | None = None
     threads: int = 1  # torch intra-op threads per actor
-    kv_cache_memory_bytes: int = 1024**3
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_tokens: int = 512
     metrics_port: int | None = None  # each actor's Prometheus endpoint; None: off, 0: any free port
     # Weight quantization of this pool's workers; None: the cluster's `quantization`. (Decode steps
     # read every weight per token, prefill is compute-bound: the two may differ.)
@@ -63,19 +59,15 @@ class ControllerConfig:
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
+class ClusterConfig(ModelFormat):
+    """The cluster: the engine keys every worker shares (`engine.config.ModelFormat`: dtype, block_size,
+    kv_cache_dtype, quantization (a pool may override it), enable_prefix_caching, seed), its pools, and
+    the settings of its router, admission, controller and planner."""
+
     # Which cluster in the Ray cluster (its controller's name). None: a new cluster of its own
     # (the Python API); the command line uses "default".
     cluster_name: str | None = None
     model_dir: str | None = None  # None: the generated demo checkpoint
-    dtype: str = "auto"
-    # How KV blocks are stored (engine/kv_quant.py): cluster-wide, because blocks cross from prefill
-    # to decode (and between prefill workers) exactly as stored.
-    kv_cache_dtype: str = "auto"
-    quantization: str = "none"  # weights (engine/layers/quantization.py); a pool may override it
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    seed: int = 0
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     ray_address: str | None = None  # None: start a local Ray cluster
@@ -95,10 +87,7 @@ class ClusterConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # the controller's online planner
 
     def __post_init__(self):
-        check(self.block_size >= 1, "block_size", "must be >= 1")
-        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {sorted(DTYPES)}")
-        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}")
-        check(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {list(QUANTIZATIONS)}")
+        super().__post_init__()
         for name in ("prefill", "decode"):
             _check_pool(name, getattr(self, name))
         check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
@@ -200,11 +189,6 @@ def _check_pool(name: str, pool: PoolConfig) -> None:
     check(pool.num_gpus >= 0, f"{name}.num_gpus", "must be >= 0")
     check(pool.ray_resource is None or bool(pool.ray_resource), f"{name}.ray_resource", "must be None or non-empty")
     check(pool.threads >= 1, f"{name}.threads", "must be >= 1")
-    check(pool.kv_cache_memory_bytes > 0, f"{name}.kv_cache_memory_bytes", "must be > 0")
-    check(pool.num_kv_blocks is None or pool.num_kv_blocks >= 1, f"{name}.num_kv_blocks", "must be >= 1")
-    check(pool.max_num_seqs >= 1, f"{name}.max_num_seqs", "must be >= 1")
-    check(pool.max_num_batched_tokens >= 1, f"{name}.max_num_batched_tokens", "must be >= 1")
-    check(pool.prefill_chunk_tokens >= 1, f"{name}.prefill_chunk_tokens", "must be >= 1")
     check(
         pool.metrics_port is None or 0 <= pool.metrics_port <= 65535,
         f"{name}.metrics_port",

@@ -8,14 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key."""
-
-
-def check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
+from engine.config import ConfigError as ConfigError  # one error type for every config class, declared below
+from engine.config import check as check
 
 
 def reject_unknown(raw: dict, cls, prefix: str) -> None:

@@ -4,7 +4,8 @@ The controller (`cluster/controller.py`) is the only writer. Every change — a 
 draining or gone — makes a new `Membership` with a higher `version`; routers follow it with a
 long-poll (`ClusterView`) and route only to members that are `SERVING`. A `DRAINING` member takes no
 new requests but finishes the ones it has (routers keep streaming from it). Workers get it pushed
-too, to reach their peers (prefix pulls) and to drop transport channels of peers that left.
+too, to reach their peers (prefix pulls) and to drop transport channels of peers that left. The rest
+of the control plane: docs/architecture.md, Control plane.
 
 Worker ids are stable per pool slot ("<cluster>/prefill-0", "<cluster>/decode-1"); every start of a
 slot gets a new `epoch`, and everything that must not outlive one start (actor, transport peer ids,

@@ -63,6 +63,7 @@ class PrefillResult:
     pull: PullOutcome | None = None  # set when the request asked for a prefix pull
     # params.prompt_logprobs: TokenLogprobs of prompt tokens 1.. (a resumed request computes none: None)
     prompt_logprobs: tuple | None = None
+    text_end_chars: int | None = None  # a stop string ended it: the output text ends after this many characters
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class TokenUpdate:
     logprobs: tuple
     finish_reason: str | None = None
     error: str | None = None
+    text_end_chars: int | None = None  # a stop string ended it: the output text ends after this many characters
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,9 @@ class Outbox:
             reason = None if update.finish_reason is None else update.finish_reason.value
             if reason is not None:
                 engine.pop_finished(update.seq_id)
-            tokens.append(TokenUpdate(update.seq_id, update.new_token_ids, logprobs, reason))
+            tokens.append(
+                TokenUpdate(update.seq_id, update.new_token_ids, logprobs, reason, text_end_chars=update.text_end_chars)
+            )
         self._wake(self._add(tokens))
 
     def _add(self, updates: list[TokenUpdate]) -> tuple[asyncio.AbstractEventLoop | None, list[asyncio.Event]]:
@@ -96,6 +98,7 @@ class Outbox:
                         earlier.logprobs + update.logprobs,
                         update.finish_reason,
                         update.error or earlier.error,
+                        update.text_end_chars,
                     )
                 pending[update.request_id] = update
                 owners.add(owner)

@@ -1,11 +1,11 @@
 """One rank of a decode instance (a Ray actor). A decode instance is `tp_size` of these.
 
 Every rank holds its shard of the model and its KV heads, and receives its part of each hand-off
-(`receive_kv`, announced by the prefill worker's hand-off session). Rank 0 also runs the scheduler
-and sampler: it reserves blocks (`reserve`, called by the session once the prefill is done, so a
-request queued for prefill never holds decode memory), adopts sequences once their KV is in
-(`adopt`), continues them in a continuous batch, and collects each step's tokens for the whole batch
-into an outbox that each router drains with one `poll` call per round trip.
+(`receive_kv`). Rank 0 also runs the scheduler and sampler: it reserves blocks (`reserve`, once the
+prefill is done), adopts sequences once their KV is in (`adopt`), continues them in a continuous
+batch, and collects each step's tokens for the whole batch into an outbox that each router drains
+with one `poll` call per round trip. When each of these is called: docs/architecture.md, Request
+lifecycle and KV hand-off.
 
 Rank 0 sweeps in the background: a reservation whose KV did not arrive within its lease is dropped
 (its router is told), and requests of a router that stopped polling (its process died) are aborted,

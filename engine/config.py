@@ -1,6 +1,8 @@
 """Typed, frozen configuration: what the checkpoint says (`ModelConfig`) and how to run it (`EngineConfig`).
 
-`EngineConfig` is validated once at construction; cross-field rules live here, not in callers.
+The engine keys are declared once, here, in two groups the cluster's config reuses rather than repeats:
+`ModelFormat` (cluster-wide) and `EngineLimits` (per pool). Each group validates its own keys when built,
+and errors name the key (`ConfigError`); cross-field rules live here, not in callers.
 """
 
 from __future__ import annotations
@@ -58,68 +60,98 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
 
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the key it names (`block_size: ...`).
+    Every config class of the project raises it, and a loader of nested sections prefixes the section."""
+
+
+def check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
 @dataclass(frozen=True)
-class EngineConfig:
-    """How to run a model. `None` fields are derived from the checkpoint in `resolve()`."""
+class ModelFormat:
+    """How a model and its KV cache are stored and hashed: the keys every engine of a cluster shares
+    (a cluster declares them once, cluster-wide; blocks move between its workers exactly as stored)."""
+
+    dtype: str = "auto"  # weights and activations: auto (the checkpoint's), float32, bfloat16 or float16
+    block_size: int = 16  # tokens per KV block (the unit of the prefix cache, hand-offs and the prefix index)
+    kv_cache_dtype: str = "auto"  # how KV blocks are stored (engine/kv_quant.py): auto (the model dtype), int8, fp8
+    quantization: str = "none"  # weights (engine/layers/quantization.py): none, or int8 (weight-only)
+    enable_prefix_caching: bool = True  # reuse cached prefix blocks (a cluster caches on its prefill workers)
+    seed: int = 0  # seeds sampling where a request gives no seed of its own
+
+    def __post_init__(self):
+        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be auto or one of {sorted(DTYPES)}")
+        check(self.block_size >= 1, "block_size", "must be >= 1")
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+        )
+        check(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """One engine's limits: the keys a colocated engine and every worker of a cluster pool share."""
+
+    # The KV cache's memory per engine (per rank under tensor parallelism); num_kv_blocks, when set, wins.
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    num_kv_blocks: int | None = None  # a fixed KV pool in blocks; None: kv_cache_memory_bytes / bytes per block
+    max_num_seqs: int = 256  # sequences one engine step may run
+    max_num_batched_tokens: int = 2048  # tokens one engine step may compute
+    prefill_chunk_tokens: int = 512  # most prompt tokens one sequence computes in one step
+
+    def __post_init__(self):
+        check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be None or >= 1")
+        check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        check(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig(ModelFormat, EngineLimits):
+    """How to run a model: the shared keys (`ModelFormat`, `EngineLimits`) plus what only one engine has.
+    `None` fields are derived from the checkpoint."""
 
     model_dir: str = ""
-    role: str = "colocated"
-    dtype: str = "auto"  # auto = the checkpoint's dtype
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None → kv_cache_memory_bytes / bytes per block
-    kv_cache_memory_bytes: int = 2 * 1024**3
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_tokens: int = 512  # most prompt tokens one sequence computes in one step
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    num_threads: int | None = None
+    role: str = "colocated"  # colocated, prefill or decode
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
     tp_size: int = 1
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (engine/kv_quant.py)
-    quantization: str = "none"  # weights: one of QUANTIZATIONS (engine/layers/quantization.py)
-    quantize_lm_head: bool = False  # with `quantization`, the LM head too (measured: README)
+    quantize_lm_head: bool = False  # with `quantization`, the LM head too (its accuracy: docs/performance.md)
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where weights, KV cache and steps live
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps (engine/cuda_graphs.py)
     # Speculative decoding (engine/speculative): a SpeculativeConfig, or its plain-data form (vLLM's keys).
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
-        _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
-        _require(
-            self.dtype == "auto" or self.dtype in DTYPES,
-            f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}",
-        )
-        _require(self.block_size >= 1, "block_size must be >= 1")
-        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
-        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be > 0")
-        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
-        _require(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens must be >= 1")
-        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
-        _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
-        _require(self.tp_size >= 1, "tp_size must be >= 1")
-        _require(
-            self.kv_cache_dtype in KV_CACHE_DTYPES,
-            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
-        )
-        _require(
-            self.quantization in QUANTIZATIONS,
-            f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}",
-        )
-        _require(
-            not self.quantize_lm_head or self.quantization != "none", "quantize_lm_head needs a weight quantization"
-        )
-        _require(
+        ModelFormat.__post_init__(self)
+        EngineLimits.__post_init__(self)
+        check(self.role in ROLES, "role", f"must be one of {list(ROLES)}, got {self.role!r}")
+        check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
+        check(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        check(self.tp_size >= 1, "tp_size", "must be >= 1")
+        quantized = self.quantization != "none"
+        check(not self.quantize_lm_head or quantized, "quantize_lm_head", "needs a weight quantization")
+        check(
             _DEVICE_PATTERN.fullmatch(self.device) is not None,
-            f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
+            "device",
+            f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
         )
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
-            _require(
+            check(
                 self.role != "prefill",
-                "speculative_config: the prefill role samples one token and "
-                "hands off; speculation belongs to decode and colocated engines",
+                "speculative_config",
+                "the prefill role samples one token and hands off; speculation belongs to decode and colocated engines",
             )
 
     @property
@@ -153,16 +185,12 @@ class EngineConfig:
         limit = model.max_position_embeddings
         if self.max_model_len is None:
             return limit
-        _require(
+        check(
             self.max_model_len <= limit,
-            f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}",
+            "max_model_len",
+            f"{self.max_model_len} exceeds the model's max_position_embeddings {limit}",
         )
         return self.max_model_len
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(f"EngineConfig: {message}")
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:

@@ -85,5 +85,5 @@ def kv_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
     if kv_cache_dtype == "auto":
         return KVFormat(_NATIVE_DTYPES[model_dtype], model_dtype, None, 0)
     if kv_cache_dtype not in _FORMATS:
-        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     return _FORMATS[kv_cache_dtype]

@@ -190,7 +190,8 @@ class LLMEngine:
                 self._finish(seq, reason)
             elif chunk.num_lookahead_slots and self.spec is not None:
                 self.spec.rollback(seq, self.kv.truncate)
-            updates.append(SequenceUpdate(seq.seq_id, tuple(emitted), reason))
+            text_end_chars = None if seq.stop_text is None else len(seq.stop_text)
+            updates.append(SequenceUpdate(seq.seq_id, tuple(emitted), reason, text_end_chars))
         return updates
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, drafts: dict):

@@ -15,6 +15,9 @@ class SequenceUpdate:
     seq_id: str
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
+    # A stop string ended the sequence: its output text ends after this many characters (engine/stop_checker.py
+    # decided where; streaming fronts cut their text there instead of searching for the stop string again).
+    text_end_chars: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,23 @@
-"""The KV hand-off protocol: how one sequence's prompt KV moves from a prefill worker to the ranks of a
-decode instance, on top of any `KVTransport`.
+"""The KV hand-off wire protocol: how one sequence's prompt KV moves from a prefill worker to the ranks of
+a decode instance, on top of any `KVTransport`.
 
-Lifecycle of one hand-off (every step bounded by the lease deadline):
-1. Reservation: the decode instance allocates `block_ids` for the sequence (on every TP rank the same
-   ids) and registers an `ExpectedTransfer` naming the prefill peer, before the prefill starts.
-2. The prefill worker computes the prompt, samples the first token, pins the blocks, and for each
-   decode rank sends: a header (request id, token and block counts, the sender's KV layout), then the
-   layers with that rank's KV heads of the sequence's blocks as the engine stores them
-   (`engine.kv_storage.KVCacheStorage.export_layer`: values, and per-token scales for a quantized
-   cache; never dequantized on the way), consecutive layers packed into messages of at most
-   MESSAGE_BYTES (`layer_groups`; a layer larger than that goes alone). Every message is acknowledged
-   before the next goes (the transport's contract), so a 512-token hand-off sent a layer a message
-   paid 14 round trips; packed, the receiver still copies one message's layers into its cache while
-   the next is on the wire, and its staging stays bounded. A pair whose KV layouts differ (another kv_cache_dtype)
-   never gets here: the session compares the sender's layout with `HandoffTarget.kv_layout` right
-   after reserving, and a receiver refuses a header naming a layout other than its own.
-3. Each decode rank receives into staging buffers, copies into its reserved blocks, and sends an ack.
-4. The prefill side releases its pins after every rank's ack (or when the lease ends, whatever
-   happened). A decode rank that loses its peer frees nothing itself: it reports the failure, and the
-   instance frees the reservation and fails the request with the reason.
+The steps around it (reserve, announce, adopt) belong to `kvtransfer.session.HandoffSession`, which
+reserves the decode blocks only after the prefill is done; see docs/architecture.md, KV hand-off.
+This module owns what crosses the wire once the blocks are reserved (`HandoffTarget`: the ranks, the
+same `block_ids` on each, the lease deadline) and the prefill side holds its blocks pinned:
+
+- `send_sequence_kv`: for each decode rank a header (`HandoffHeader`: request id, token and block
+  counts, the sender's KV layout), then the layers with that rank's KV heads of the sequence's blocks
+  as the engine stores them (`engine.kv_storage.KVCacheStorage.export_layer`: values, and per-token
+  scales for a quantized cache; never dequantized on the way), consecutive layers packed into
+  messages of at most MESSAGE_BYTES (`layer_groups`; a layer larger than that goes alone). Every
+  message is acknowledged before the next goes (the transport's contract); packing keeps a 512-token
+  hand-off to a few round trips while the receiver copies one message's layers into its cache as the
+  next is on the wire, and its staging (`message_staging`) stays bounded.
+- `recv_header` / `recv_sequence_kv`: a decode rank receives into staging buffers, copies into its
+  reserved blocks and acks. It refuses a header naming a KV layout other than its own
+  (`layout_mismatch`; the session already compared layouts right after reserving). A rank that loses
+  its peer frees nothing itself: it reports the failure, and the instance frees the reservation.
 
 Both sides read and write their caches only through `KVCacheStorage` (its transfer methods and
 `layout`), never its tensors.

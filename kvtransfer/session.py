@@ -1,25 +1,16 @@
 """One sequence's KV hand-off, prefill side: the single owner of its steps, its lease and every timeout.
 
-A `HandoffSession` starts once the prefill worker sampled the sequence's first token (its KV blocks
-pinned) and runs (DESIGN.md lifecycle step 5):
-
-1. **reserve** — ask the decode instance for blocks (its reply names how it stores KV: a pair whose
-   layouts differ — another kv_cache_dtype — stops here, naming both, and drops the reservation).
-   The reservation (and its lease) starts here,
-   not when the request arrived, so a request still queued for prefill never holds decode memory. A full
-   decode pool is not a failure: the session retries with backoff until the request's own deadline;
-   meanwhile the prefill side keeps its pins, which back-pressures prefill instead of failing anyone.
-2. **announce** — every decode rank posts a receive for this sender (so no rank ever waits on an idle
-   channel: a transport timeout always means a real failure).
-3. **send** — header + the layers (packed into messages of up to 4 MiB) to every rank, then every rank's ack
-   (`kvtransfer.handoff.send_sequence_kv`), on the worker's sender thread.
-4. **release** — the prefill side's pins go, whatever happened (the blocks stay in its prefix cache).
-5. **adopt** — the decode instance adds the sequence to its running batch; tokens flow from there.
-
-Any failure after step 1 cancels the reservation on the decode side (best effort: a dead instance has
-nothing left to free, and a live one's lease frees it anyway) and raises `HandoffFailed` naming the
-step. `cancel()` (the request was aborted) stops the session at its next step the same way.
-Workers are thin adapters around it: the decode instance is reached through a `DecodeEndpoint`.
+A `HandoffSession` starts once the prefill worker has sampled the sequence's first token (its KV
+blocks pinned) and runs reserve → layout check → announce → send → ack → release → adopt; the steps,
+and why the reservation waits until the prefill is done, are in docs/architecture.md, KV hand-off.
+This module owns their order and bounds: `_reserve` asks the decode instance for blocks when the
+session starts, after the prefill, so a request queued for prefill never holds decode memory; it
+retries a full pool with backoff until the request's deadline (the prefill pins stay: back-pressure,
+not failure); every call is bounded by the request's deadline, the ack by the lease. Any failure
+after the reservation cancels it on the decode side (best effort: a live instance's lease frees it
+anyway) and raises `HandoffFailed` naming the step; `cancel()` (the request was aborted) stops the
+session at its next step the same way. Workers are thin adapters around it: the decode instance is
+reached through a `DecodeEndpoint`.
 """
 
 from __future__ import annotations

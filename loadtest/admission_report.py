@@ -6,7 +6,7 @@ Definitions:
   up, the first rate whose goodput is not at least `min_gain` (relative) above the best goodput before
   it ends the climb, and the saturation rate is the rate of that best goodput.
 - load: offered rate / saturation rate.
-- targets (issue 6): at the highest load swept (3x saturation), `predictive` keeps >= 80% of its own
+- targets: at the highest load swept (3x saturation), `predictive` keeps >= 80% of its own
   peak goodput, and has >= 3x the goodput of `always` there.
 """
 
@@ -47,7 +47,7 @@ def saturation_rate(points: Sequence[tuple[float, float]], min_gain: float = 0.1
 
 
 def targets(points: Sequence[Point]) -> dict:
-    """The issue's two figures at the highest load swept, and whether each target is met."""
+    """The two target figures at the highest load swept, and whether each target is met."""
     top_load = max(p.load for p in points)
     at_top = {p.policy: p for p in points if p.load == top_load}
     peak = max(p.goodput_per_s for p in points if p.policy == "predictive")

@@ -12,7 +12,7 @@ SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in 
   metrics), decode_step_scale is their mean step over the profile's and step what the median probe's
   time per token adds to that mean: measured, not fitted;
 - prefill_step_scale: the engine in a prefill worker shares its process (and GIL) with the worker's
-  own threads and runs slower than the profiler's engine alone (1.1-1.5x on the dev box). With the
+  own threads and runs slower than the profiler's engine alone (1.1-1.5x on a 2-core VM). With the
   prefill engines' own step timings (`prefill_steps`) it is the slope of their times against the
   profile's and prefill_step the line's fixed part (`_measured_prefill`); else, with two or more
   prompt lengths, how much faster measured TTFT grows with the prompt than simulated TTFT does (the
@@ -23,7 +23,7 @@ SDK; `fit_overheads` simulates each alone on 1P1D with the profile and sets, in 
 Route and adopt are fixed costs charged to every request, each the mean of its per-prompt-length
 medians; for route that is the intercept of the prefill scale's least-squares line. What each probe
 left beyond them becomes the jitter the simulator draws per request (`Overheads.route_jitter_s`,
-`adopt_jitter_s`): the stalls the box dealt the probes, for the simulated tails. A difference that
+`adopt_jitter_s`): the stalls the host dealt the probes, for the simulated tails. A difference that
 grows with the prompt is the prefill scale's, not an overhead's; what is left stays visible in the
 printed rows.
 With `host` (a SimConfig with host figures: benchmarks/validate_sim.py, when the simulation shares the
@@ -217,7 +217,7 @@ def _measured_prefill(bare: Profile, prefill_steps: Sequence[tuple[int, float]],
     own threads cost its engine per operator (the GIL handed back and forth), and a prefill runs as many
     operators for 32 tokens as for 512: a ratio alone (the median of time over profiled time, as this
     was) read the middle lengths and left the simulation 3-8 ms slow at 384-512 tokens and fast at
-    32-128 (stop 37's runs; lines through one cluster's probes had 0.4-2.8 ms fixed per step). One
+    32-128 (lines through one cluster's probes had 0.4-2.8 ms fixed per step). One
     length, or a fixed part below 0: the median ratio, nothing fixed. The probes run alone, so the host
     stretches none of them (its model adds no core to one busy engine)."""
     cost = bare.step_cost(1)

@@ -54,7 +54,7 @@ HOST_FIT_MAX_ROUNDS = 30
 HOST_FIT_TOLERANCE = 0.002  # relative change of the step overhead and of the streaming CPU per token
 STREAMING_FIGURES = ("host_stream_cpu_per_step_s", "host_stream_cpu_per_token_s", "host_stream_interference")
 # Fitted on every shape, streaming figures given or not: the idle cores and the overlaps' figures
-# (loadtest/overlaps.py; stop 36's run, its 1P1D fit used on every shape: the TTFTs of prompts sent
+# (loadtest/overlaps.py; a 1P1D fit used on every shape: the TTFTs of prompts sent
 # while others streamed read 10-19 ms (median) above the simulated on 2P1D and 1P2D, 0-5 ms on 1P1D).
 OVERLAP_FIGURES = ("host_prefill_interference", "host_handoff_cores")
 HOST_FIGURES = ("host_background_cores", *STREAMING_FIGURES, *OVERLAP_FIGURES)

@@ -174,6 +174,7 @@ class FirstTokenWaiters:
                 time.perf_counter() - started_s,
                 pull,
                 _prompt_logprobs(seq),
+                update.text_end_chars,
             )
             blocks = self.engine.handoff_blocks(update.seq_id) if handoff else None  # pinned until released
             loop.call_soon_threadsafe(_resolve, waiter, (result, blocks))

@@ -4,12 +4,12 @@ It owns an engine in the prefill role (batched chunked prefill under a token bud
 reuse). A router makes one call per request, `prefill(request, decode, owner)`, a streaming call
 that yields whether the request waits in the queue or for its prefix pull (`PrefillQueue`, only
 when it does), the first token (`PrefillResult`) as soon as it is sampled and then, for a sequence
-that continues on decode, the hand-off's `HandoffStats` once the decode instance adopted it. The
-hand-off itself is a `kvtransfer.session.HandoffSession` (reserve → announce → send → ack → release →
-adopt); this actor only adapts it: the engine's pins, the sender thread, the decode instance's actors.
-A request may first pull its prefix from a peer prefill worker that holds it (`export_prefix` /
-`receive_prefix`; see prefill_worker/prefix_pull.py). Callers awaiting a first token are answered
-from the engine thread by prefill_worker/first_token.py.
+that continues on decode, the hand-off's `HandoffStats` once the decode instance adopted it (the
+whole path: docs/architecture.md, Request lifecycle). The hand-off itself is a
+`kvtransfer.session.HandoffSession`; this actor only adapts it: the engine's pins, the sender
+thread, the decode instance's actors. Prefix pulls from a peer are `export_prefix` /
+`receive_prefix` (prefill_worker/prefix_pull.py). Callers awaiting a first token are answered from
+the engine thread by prefill_worker/first_token.py.
 
 Liveness (`ping`) and load (`stats`) are answered from the actor's event loop and the engine loop's
 last snapshot, never by waiting for an engine step: a busy worker never looks dead.

@@ -11,7 +11,6 @@ from typing import NamedTuple
 import grpc
 
 from cluster.client import RequestFailed
-from common.membership import Member
 from engine.errors import InvalidRequestError
 from policies.routing import NoWorkersError
 from router.service_types import DuplicateRequest, Overloaded
@@ -54,12 +53,3 @@ def status_for(error: BaseException) -> Status:
     if isinstance(error, Unauthenticated):
         return Status(grpc.StatusCode.UNAUTHENTICATED, str(error))
     return Status(grpc.StatusCode.INTERNAL, "internal router error (see the router's log)")
-
-
-def migration_cause(err: RequestFailed, prefill: Member, decode: Member) -> str:
-    """Why an attempt failed, for the migration metric: which worker was lost, or the hand-off."""
-    if err.lost_worker == (prefill.worker_id, prefill.epoch):
-        return "prefill_lost"
-    if err.lost_worker == (decode.worker_id, decode.epoch):
-        return "decode_lost"
-    return "handoff_failed" if "hand-off" in err.reason else "worker_failed"

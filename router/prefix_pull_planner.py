@@ -13,7 +13,7 @@ the prefill → decode hand-off of each request moves KV over the same transport
 the link before the first pull, and pulls add their own samples. Until enough transfers were seen,
 pull_s uses PULL_PRIOR: 20 ms for the two Ray round trips, the engine-thread
 hops and the channel, and 0.5 GB/s — what `benchmarks.bench_pull` measured for whole pulls on the
-busy 2-core dev box (a 3 MB pull took ~20 ms; raw gloo moves 2.4-3.4 GB/s on loopback), so a cold
+busy 2-core VM (a 3 MB pull took ~20 ms; raw gloo moves 2.4-3.4 GB/s on loopback), so a cold
 router errs towards recomputing yet still pulls prefixes of a few blocks of a real model.
 Mode "always" pulls whenever the holder has more (tests, benchmarks); "never" turns pulls off.
 """

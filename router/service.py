@@ -1,10 +1,11 @@
-"""The router's domain logic: admit, hash, route, stream (DESIGN.md lifecycle steps 2–3, 6).
+"""The router's domain logic: admit, hash, route, stream (docs/architecture.md, "Request lifecycle", steps 0, 1 and 6).
 
 `RouterService.generate` takes a validated `RouterRequest` and yields `RouterOutput`s. It knows
 nothing of gRPC: the servicer translates proto ↔ these types and the error interceptor turns the
 exceptions raised here (`InvalidRequestError`, `RequestFailed`, `Overloaded`, `DuplicateRequest`,
 `NoWorkersError`) into status codes. The outputs and the router's own refusals are defined in
-router/service_types.py; choosing the workers of a route, in router/worker_choice.py.
+router/service_types.py; choosing the workers of a route, in router/worker_choice.py; what a lost worker
+means for a request, in router/migration.py.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
 from policies.routing import RoutingPolicy
 from router.admission_gate import AdmissionGate
-from router.errors import migration_cause
 from router.ledger import RouteLedger
 from router.metrics import RouterMetrics, slo_met
+from router.migration import cause_of
 from router.prefix_pull_planner import PullPlanner
 from router.request_keys import route_query, timed
 from router.service_types import DuplicateRequest, Overloaded, RouteInfo, RouterOutput
@@ -115,9 +116,8 @@ class RouterService:
         self.traffic.arrived(len(request.prompt_token_ids))
         self._running.add(request.request_id)
         try:
-            async for output in self._run(
-                request, deadline_s, StreamState(request, self.tokenizer, started_s), waited_s
-            ):
+            state = StreamState(request, self.tokenizer, started_s, self.cluster.config.router.migration_limit)
+            async for output in self._run(request, deadline_s, state, waited_s):
                 yield output
         finally:
             self._running.discard(request.request_id)
@@ -125,39 +125,17 @@ class RouterService:
     async def _run(
         self, request: RouterRequest, deadline_s: float | None, state: StreamState, waited_s: float
     ) -> AsyncGenerator[RouterOutput, None]:
-        """Attempts until the request ends. A worker lost under it (dead, or its hand-off failed) is not
-        the request's failure: it **migrates** — the prompt and every token already streamed are
-        prefilled again elsewhere (prefix-cache hits where they exist, a peer pull where it pays), and
-        decoding resumes at the next token; the client sees one unbroken stream, equal to a fault-free
-        run (seeded draws depend only on the token's position). `migration_limit` bounds the migrations
-        the request may have caused: a worker lost while computing it (prefilling, or decoding); one lost
-        while it waited in the worker's queue or during its hand-off is not counted (the deadline still
-        bounds those)."""
-        limit = self.cluster.config.router.migration_limit
-        while True:
-            try:
-                async for output in self._attempt(request, deadline_s, state, waited_s):
-                    yield output
-                return
-            except RequestFailed as err:
-                if err.lost_worker is not None:  # known dead: no request routes to it again
-                    self.monitor.mark_dead(*err.lost_worker)
-                if not err.unavailable:
-                    raise
-                self.monitor.probe_soon()
-                if err.counts_toward_limit and state.counted_migrations >= limit:
-                    raise RequestFailed(
-                        f"{err.reason} (after {state.counted_migrations} migration(s), the limit)", unavailable=True
-                    ) from None
-                state.migrations += 1
-                state.counted_migrations += err.counts_toward_limit
-                self.metrics.migrated(err.migration_cause)
-                log.info("migrating %s after %d token(s): %s", request.request_id, state.num_tokens, err.reason)
+        """Attempts until the request ends: a worker lost under an attempt migrates the request to others
+        (router/migration.py decides whether, and counts); any other failure ends it."""
+        while not state.finished:
+            async for output in self._attempt(request, deadline_s, state, waited_s):
+                yield output
 
     async def _attempt(
         self, request: RouterRequest, deadline_s: float | None, state: StreamState, waited_s: float
     ) -> AsyncGenerator[RouterOutput, None]:
-        """One route of the request: from its prompt and the tokens streamed so far, to its end or a failure."""
+        """One route of the request: from its prompt and the tokens streamed so far, to its end, or to the
+        loss of a worker the request migrates after (returns); other failures raise."""
         resumed = tuple(state.token_ids)
         query = route_query(
             request.prompt_token_ids + resumed, request.tenant, self.info.model_identity, self.info.block_size
@@ -171,7 +149,7 @@ class RouterService:
         expected_blocks = (
             0 if scores_prompt else pull.num_blocks if pull is not None else decision.expected_cached_blocks
         )
-        if state.migrations == 0:  # admitted once: a migration is never refused
+        if state.migrations.total == 0:  # admitted once: a migration is never refused
             self._admission_check(request, expected_blocks * query.block_size, worker_id, decode, waited_s)
         uncached = max(query.num_prompt_tokens - expected_blocks * query.block_size, 1)
         self.ledger.book(request.request_id, worker_id, decode.worker_id, uncached, state)
@@ -210,14 +188,18 @@ class RouterService:
                     chunk.finish_reason,
                     route,
                     usage,
-                    state.migrations if last else 0,
+                    state.migrations.total if last else 0,
                     state.upstream_s + cluster_s[0] if last else None,
                     None if scored is None else tuple(zip(request.prompt_token_ids[1:], scored, strict=True)),
                 )
             self._finished(state)
         except RequestFailed as err:
-            err.migration_cause = migration_cause(err, prefill, decode)
-            raise
+            if err.lost_worker is not None:  # known dead: no request routes to it again
+                self.monitor.mark_dead(*err.lost_worker)
+            state.migrations.migrate(err)  # raises when the request must fail instead
+            self.monitor.probe_soon()
+            self.metrics.migrated(cause_of(err, prefill, decode))
+            log.info("migrating %s after %d token(s): %s", request.request_id, state.num_tokens, err.reason)
         finally:
             state.upstream_s += cluster_s[0]
             self.ledger.release(request.request_id, worker_id, decode.worker_id, uncached if first else 0)

@@ -6,6 +6,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from router.migration import Migrations
 from router.text_stream import TextStream
 from router.validation import RouterRequest
 
@@ -18,20 +19,16 @@ class Usage:
 
 
 class StreamState:
-    def __init__(self, request: RouterRequest, tokenizer, started_s: float):
+    def __init__(self, request: RouterRequest, tokenizer, started_s: float, migration_limit: int):
         self.request, self.started_s = request, started_s
         params = request.params
-        self.text = (
-            TextStream(tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
-            if request.return_text
-            else None
-        )
+        self.text = TextStream(tokenizer, params.stop, params.skip_special_tokens) if request.return_text else None
         self.token_ids: list[int] = []  # every token streamed so far (a migration resumes after them)
-        self.migrations = 0
-        self.counted_migrations = 0  # of those, the ones `router.migration_limit` counts
+        self.migrations = Migrations(migration_limit)  # attempts after the first (router/migration.py)
         self.call_tag = secrets.token_hex(3)  # this router call's, in every attempt id (see attempt_id)
         self.upstream_s = 0.0  # time spent waiting on the cluster, over the attempts that ended
         self.cached_tokens = 0
+        self.finished = False  # the last chunk (with its finish reason) arrived
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
 
@@ -40,7 +37,8 @@ class StreamState:
         """The current attempt's id on the workers, unique to this router call and attempt: a worker refuses
         an id it cancelled for a while (a hand-off that arrives after its cancel), so a client's retry of the
         request id, or a migration, must never reuse an earlier attempt's."""
-        return f"{self.request.request_id}~{self.call_tag}" + (f"m{self.migrations}" if self.migrations else "")
+        moved = self.migrations.total
+        return f"{self.request.request_id}~{self.call_tag}" + (f"m{moved}" if moved else "")
 
     @property
     def started(self) -> bool:
@@ -57,12 +55,13 @@ class StreamState:
         delta = ""
         if self.text is not None:
             delta = (
-                self.text.finish(chunk.finish_reason, chunk.token_ids)
+                self.text.finish(chunk.token_ids, chunk.text_end_chars)
                 if chunk.finish_reason
                 else self.text.push(chunk.token_ids)
             )
         usage = None
         if chunk.finish_reason:
+            self.finished = True
             usage = Usage(len(self.request.prompt_token_ids), self.num_tokens, self.cached_tokens)
         return delta, usage
 

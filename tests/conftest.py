@@ -54,7 +54,7 @@ def assert_engine_clean(engine) -> None:
         f"leaked KV blocks: {engine.num_blocks - engine.kv.num_free_blocks} still held")
 
 
-# One Ray session per test run (PLATFORM.md: init ~2.5 s, shutdown ~1.3 s), started inside the sandbox the
+# One Ray session per test run (init ~2.5 s, shutdown ~1.3 s), started inside the sandbox the
 # test runner provides, with Ray's files under a short temporary directory.
 @pytest.fixture(scope="session")
 def ray_session():

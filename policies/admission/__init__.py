@@ -1,8 +1,8 @@
-"""Admission control (DESIGN.md lifecycle step 3): admit or reject each request early, by name.
+"""Admission control: admit or reject each request early, by name (docs/architecture.md, "Routing and admission").
 
 A registry: `make_admission_policy(name, config=...)`; unknown names fail listing the known ones.
-The pieces, one concept per module: `config` (settings, SLO defaults, the shedding rule), `step_stats`
-(what workers report, and the router's own TTFT samples), `linear_fit` + `cost_model` (online
+The pieces, one concept per module: `common/admission_config.py` (settings, SLO defaults, the shedding
+rule), `step_stats` (what workers report, and the router's own TTFT samples), `linear_fit` + `cost_model` (online
 step-time and observed-TTFT models), `view` (the request and cluster snapshot a decision reads),
 `decode_projection` + `predictor` (predicted TTFT / TPOT), `base` (the policy contract), `policies`
 (always, threshold) and `predictive`.

@@ -1,4 +1,4 @@
-"""validate_sim's report on hand-checked figures: the comparison against the issue's bounds, runs
+"""validate_sim's report on hand-checked figures: the comparison against the validation bounds, runs
 pooled (one latency sample, goodput averaged) and the count of rows within target."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 controller, the controller's planner loop scaling through `scale`.
 
 The profile is synthetic and slow on purpose (4 ms per token computed, 1 ms per 1000 KV tokens a
-decode row reads), so the right answer does not depend on this box's speed: from 4.5 to 8
+decode row reads), so the right answer does not depend on the host's speed: from 4.5 to 8
 requests/s one prefill worker and one decode instance miss the SLO in the simulator and 2P2D meets
 it; below 3 requests/s 1P1D does (the test checks these facts on the pure planner first). The load
 steps up (6/s), then down (0.3/s). The planner must grow by the first round that sees the load

@@ -1,5 +1,5 @@
 """The planner's Kubernetes actuator (cluster/k8s_actuator.py): the real `kubernetes` client sends its
-JSON Patch to an HTTP server on loopback (no API server can run here, PLATFORM.md); the patch, applied
+JSON Patch to an HTTP server on loopback (the tests run no API server); the patch, applied
 to the chart's rendered RayCluster, still validates against KubeRay's CRD and scales the right group."""
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_auto_is_the_model_dtype_and_stores_values_as_they_are():
     for dtype in (torch.float32, torch.bfloat16):
         fmt = kv_format("auto", dtype)
         assert fmt.storage_dtype == dtype and not fmt.quantized
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
         kv_format("int4", torch.float32)
     assert KV_CACHE_DTYPES == ("auto", "int8", "fp8")
 

@@ -1,5 +1,5 @@
 """The admission evaluation's pure parts (`loadtest.admission_report`, `loadtest.plots`): the saturation
-finder, the issue's targets and the table, on synthetic points; no cluster."""
+finder, the targets and the table, on synthetic points; no cluster."""
 from __future__ import annotations
 
 import pytest

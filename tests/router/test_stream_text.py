@@ -1,5 +1,7 @@
 """Streamed text never shows a stop string, even when the token that completes it carries more
-characters after it (the engine stops on that token; the text must end before the stop string)."""
+characters after it. The engine's stop checker decides where the text ends (the last chunk's
+`text_end_chars`, checked against the engine in tests/router/test_generate.py); the router holds text
+back while it streams so that nothing past that point was sent."""
 from __future__ import annotations
 
 import pytest
@@ -25,23 +27,33 @@ def _long_ascii_token(tokenizer) -> tuple[int, str]:
     raise AssertionError("no token of 4+ ASCII letters in the tiny vocabulary")
 
 
-def _stream(tokenizer, stop: str, chunks) -> str:
+def _stream(tokenizer, stop: str, chunks) -> list[str]:
     request = RouterRequest("r", (1, 2), SamplingParams(max_tokens=10, stop=[stop]), 0, "", None, None, True, None)
-    state = StreamState(request, tokenizer, 0.0)
-    return "".join(state.add(chunk)[0] for chunk in chunks)
+    state = StreamState(request, tokenizer, 0.0, migration_limit=3)
+    return [state.add(chunk)[0] for chunk in chunks]
 
 
 def test_the_stop_string_is_cut_inside_the_final_token(tokenizer):
     token_id, text = _long_ascii_token(tokenizer)
     lead = tokenizer.encode("ab cd ", add_special_tokens=False)
     stop = text[1:3]  # completed by the final token, which goes on for more characters after it
-    chunks = [TokenChunk(tuple(lead), (), None), TokenChunk((token_id,), (), "stop")]
-    assert _stream(tokenizer, stop, chunks) == tokenizer.decode(lead) + text[:1]
+    expected = tokenizer.decode(lead) + text[:1]  # where the engine's stop checker cuts
+    chunks = [TokenChunk(tuple(lead), (), None), TokenChunk((token_id,), (), "stop", text_end_chars=len(expected))]
+    assert "".join(_stream(tokenizer, stop, chunks)) == expected
 
 
 def test_text_before_a_stop_string_spanning_chunks_is_shown_once(tokenizer):
     token_id, text = _long_ascii_token(tokenizer)
     lead = tokenizer.encode("hello there ", add_special_tokens=False)
     stop = tokenizer.decode(lead)[-2:] + text[:1]  # begins in the earlier chunk, completes in the last
-    chunks = [TokenChunk(tuple(lead), (), None), TokenChunk((token_id,), (), "stop")]
-    assert _stream(tokenizer, stop, chunks) == tokenizer.decode(lead)[:-2]
+    expected = tokenizer.decode(lead)[:-2]
+    chunks = [TokenChunk(tuple(lead), (), None), TokenChunk((token_id,), (), "stop", text_end_chars=len(expected))]
+    first, last = _stream(tokenizer, stop, chunks)
+    assert len(first) <= len(expected) and first + last == expected  # the stop string's start was held back
+
+
+def test_a_request_that_did_not_stop_on_a_string_gets_all_its_text(tokenizer):
+    token_id, text = _long_ascii_token(tokenizer)
+    lead = tokenizer.encode("ab cd ", add_special_tokens=False)
+    chunks = [TokenChunk(tuple(lead), (), None), TokenChunk((token_id,), (), "length")]
+    assert "".join(_stream(tokenizer, text[1:3], chunks)) == tokenizer.decode(lead) + text
