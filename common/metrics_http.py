@@ -21,6 +21,8 @@ from typing import Any, Self
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.ports import bind_error
+
 DEFAULT_HOST = "127.0.0.1"
 LabelKey = tuple[tuple[str, str], ...]  # a sample's labels, sorted by name
 
@@ -54,12 +56,18 @@ class MetricsServer:
         self.stop()
 
 
-def start_metrics_server(registry: CollectorRegistry, port: int = 0, host: str = DEFAULT_HOST) -> MetricsServer:
+def start_metrics_server(
+    registry: CollectorRegistry, port: int = 0, host: str = DEFAULT_HOST, *, key: str = "metrics_port"
+) -> MetricsServer:
     """Serves `registry` at http://host:port/metrics (any path answers) on a daemon thread.
-    Raises OSError when the address cannot be bound."""
+    Raises common.ports.PortInUse (CannotListen for other reasons; both OSErrors) naming `key`, the
+    config key the port came from, when the address cannot be bound."""
     if not 0 <= port <= 65535:
         raise ValueError(f"metrics port must be in [0, 65535], got {port}")
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as err:
+        raise bind_error(key, host, port, err) from None
     return MetricsServer(str(httpd.server_address[0]), httpd.server_port, httpd, thread)  # IPv4/6: a str already
 
 

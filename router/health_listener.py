@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from common.ports import cannot_listen
+
 
 class HealthListener:
     def __init__(self, server: grpc.aio.Server, host: str, port: int):
@@ -19,11 +21,15 @@ class HealthListener:
 
     @classmethod
     async def start(cls, health: HealthServicer, host: str, port: int) -> HealthListener:
-        server = grpc.aio.server()
+        # No SO_REUSEPORT (gRPC's default): a port another router's listener holds must fail to bind, not be shared.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # newer grpcio raises where older ones return 0
+            bound = 0
         if bound == 0:
-            raise OSError(f"router.health_port: cannot listen on {host}:{port}")
+            raise cannot_listen("router.health_port", host, port)
         await server.start()
         return cls(server, host, bound)
 

@@ -98,15 +98,6 @@ class RouterServer:
             admission=_make_admission(cluster, config),
         )
         metrics.track_inflight(lambda: service.inflight_requests)
-        exporter = None
-        if router.metrics_port is not None:
-            exporter = start_metrics_server(metrics.registry, router.metrics_port, router.host)
-            log.info("router metrics on http://%s:%d/metrics", exporter.host, exporter.port)
-        cluster.start()
-        service.monitor.start()
-        service.traffic.start()
-        if feeder is not None:
-            feeder.start()
         interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
         token = read_auth_token(router.auth_token_file)
         if token is not None:
@@ -116,30 +107,44 @@ class RouterServer:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # gRPC sets SO_REUSEPORT by default: a second router given this one's port would then share
+                # it silently (the kernel splitting connections between them) instead of failing to bind.
+                ("grpc.so_reuseport", 0),
             ],
         )
         pb_grpc.add_RouterServicer_to_server(RouterServicer(service), server)
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-        port = bind(server, router, extra_addresses)  # TLS on every address when configured
-        await server.start()
-        probes = (
-            None if router.health_port is None else await HealthListener.start(health, router.host, router.health_port)
-        )
-        for name in ("", SERVICE_NAME):
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info(
-            "router serving %s on %s:%d (policy %s%s)",
-            SERVICE_NAME,
-            router.host,
-            port,
-            router.policy,
-            ", TLS" if router.tls_cert_file else "",
-        )
-        http = None
-        if router.http_port is not None or http_uds is not None:
-            try:
+        background: list = [None, cluster, feeder, service.monitor, service.traffic, service, index]
+        exporter = http = None
+        try:
+            # gRPC and metrics bind before any background task runs (health and HTTP follow the gRPC start).
+            port = bind(server, router, extra_addresses)  # TLS on every address when configured
+            if router.metrics_port is not None:
+                exporter = start_metrics_server(
+                    metrics.registry, router.metrics_port, router.host, key="router.metrics_port"
+                )
+                log.info("router metrics on http://%s:%d/metrics", exporter.host, exporter.port)
+            cluster.start()
+            service.monitor.start()
+            service.traffic.start()
+            if feeder is not None:
+                feeder.start()
+            await server.start()
+            if router.health_port is not None:
+                background[0] = await HealthListener.start(health, router.host, router.health_port)
+            for name in ("", SERVICE_NAME):
+                await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info(
+                "router serving %s on %s:%d (policy %s%s)",
+                SERVICE_NAME,
+                router.host,
+                port,
+                router.policy,
+                ", TLS" if router.tls_cert_file else "",
+            )
+            if router.http_port is not None or http_uds is not None:
                 http = await HttpFront.start(
                     service,
                     host=router.host,
@@ -149,22 +154,13 @@ class RouterServer:
                     model_names=served_model_names(cluster.model_dir),
                     ssl_context=server_ssl_context(router),
                 )
-            except BaseException:
-                await server.stop(0)
-                if probes is not None:
-                    await probes.close()
-                raise
-            log.info("router serving the OpenAI API on %s", http.url if router.http_port is not None else http_uds)
-        return cls(
-            server,
-            service,
-            health,
-            port,
-            router.host,
-            [probes, cluster, feeder, service.monitor, service.traffic, service, index],
-            exporter,
-            http,
-        )
+                log.info("router serving the OpenAI API on %s", http.url if router.http_port is not None else http_uds)
+        except BaseException:
+            # Nothing this start began outlives it: another router (or program) keeps the port it holds,
+            # and this process's tasks, threads and listeners end here.
+            await _discard(server, exporter, background)
+            raise
+        return cls(server, service, health, port, router.host, background, exporter, http)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops taking calls, lets streams in flight end for `grace_s`, then cancels the rest."""
@@ -175,6 +171,22 @@ class RouterServer:
                 await part.close()
         if self.exporter is not None:
             self.exporter.stop()
+
+
+async def _discard(server, exporter, background: list) -> None:
+    """Stops what a failed start had begun; a failure here must not hide the one that ended the start."""
+    try:
+        await server.stop(0)
+    except Exception:
+        log.debug("stopping the gRPC server of a failed start", exc_info=True)
+    for part in background:
+        if part is not None:
+            try:
+                await part.close()
+            except Exception:
+                log.debug("closing %s of a failed start", type(part).__name__, exc_info=True)
+    if exporter is not None:
+        exporter.stop()
 
 
 async def _make_index(cluster: ClusterView, config: ClusterConfig):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import grpc
 
 from common.config import RouterConfig
+from common.ports import cannot_listen
 from router.tls import ServerTls, TlsFiles, tls_enabled
 
 
@@ -44,12 +45,22 @@ def _configuration(material: ServerTls) -> grpc.ServerCertificateConfiguration:
 def bind(server, router: RouterConfig, extra_addresses=()) -> int:
     """Binds router.host:router.port and every extra address (e.g. "unix:/path/router.sock") with the
     same security: TLS everywhere when configured, so no address is a plaintext way around it.
-    Returns the TCP port bound; raises OSError when it cannot listen."""
-    addresses = [f"{router.host}:{router.port}", *extra_addresses]
-    if server_credentials(router) is None:
-        ports = [server.add_insecure_port(a) for a in addresses]
-    else:
-        ports = [server.add_secure_port(a, server_credentials(router)) for a in addresses]
-    if ports[0] == 0:
-        raise OSError(f"cannot listen on {router.host}:{router.port}")
-    return ports[0]
+    Returns the TCP port bound; raises common.ports.PortInUse (CannotListen for other reasons) naming
+    router.port when it cannot listen there, OSError when an extra address cannot be bound."""
+    tls = server_credentials(router) is not None
+
+    def add(address: str) -> int:
+        try:
+            if tls:
+                return server.add_secure_port(address, server_credentials(router))
+            return server.add_insecure_port(address)
+        except RuntimeError:  # newer grpcio raises where older ones return 0
+            return 0
+
+    port = add(f"{router.host}:{router.port}")
+    if port == 0:
+        raise cannot_listen("router.port", router.host, router.port)
+    for address in extra_addresses:
+        if add(address) == 0:
+            raise OSError(f"cannot listen on {address}")
+    return port

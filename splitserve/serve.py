@@ -8,6 +8,7 @@
   fails within seconds when there is none.
 Every router serves gRPC on `--port` and the OpenAI-compatible HTTP API on `--http-port` (8000 unless
 given; `--http-port 0` turns it off), both on `--host`, plus unix sockets with `--uds` / `--http-uds`.
+A port that is taken (another router's, say) fails the start at once with one line naming its flag.
 Any of them joining a running cluster fails naming every pool/model key it was given that disagrees
 with the running config. A process that joined an existing Ray cluster (`--ray-address`) leaves the
 pools serving when it stops (a router pod's eviction must not take the workers); one that started
@@ -27,6 +28,7 @@ import sys
 from pathlib import Path
 
 from common.config import ClusterConfig, ConfigError
+from common.ports import CannotListen, PortInUse, check_router_ports
 
 DEFAULT_CLUSTER_NAME = "default"
 # flag → (section, key) in the config mapping; None section = top level
@@ -53,6 +55,13 @@ _ROUTER_FLAGS = {
     "health_port": ("router", "health_port"),
 }
 _COMMON_FLAGS = {"ray_address": (None, "ray_address"), "cluster_name": (None, "cluster_name")}
+# the router's listening ports: config key → the flag that sets it
+_PORT_FLAGS = {
+    "router.port": "--port",
+    "router.http_port": "--http-port",
+    "router.health_port": "--health-port",
+    "router.metrics_port": "--metrics-port",
+}
 
 
 def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool = False) -> argparse.ArgumentParser:
@@ -126,11 +135,14 @@ async def serve(
     from engine.heap import freeze_startup_heap
     from router.server import RouterServer
 
+    # A taken port fails before Ray starts or is joined: seconds, not a cluster start, and nothing to undo.
+    check_router_ports(config.router)
     loop = asyncio.get_running_loop()
     launched = await loop.run_in_executor(
         None, lambda: launch(config, given=given, join_only=join_only, on_progress=_say)
     )
-    launched.owns_controller = config.ray_address is None  # a shared Ray cluster keeps the pools (see top)
+    # A shared Ray cluster keeps the pools (see top); a controller this process joined is never its to stop.
+    launched.owns_controller = launched.owns_controller and config.ray_address is None
     server = None
     try:
         server = await RouterServer.start(
@@ -204,8 +216,27 @@ def _run(p: argparse.ArgumentParser, argv: list[str], *, join_only: bool) -> Non
     from cluster.controller_slots import ClusterStartError
     from cluster.launcher import ClusterNotFound
 
+    given: dict = {}
     try:
         config, given = build_config(args)
         asyncio.run(serve(config, given, args.uds, join_only=join_only, http_uds=args.http_uds))
     except (ConfigError, ClusterStartError, ClusterNotFound) as err:
         sys.exit(f"{p.prog}: {err}")
+    except CannotListen as err:
+        sys.exit(port_error_line(p.prog, err, args, given))
+
+
+def port_error_line(prog: str, err: CannotListen, args: argparse.Namespace, given: dict) -> str:
+    """One line for a port the router cannot listen on, naming what set it: the flag, or the config
+    file's key when the file set it and no flag did (a default is changed with the flag)."""
+    flag = _PORT_FLAGS.get(err.key)
+    if flag is None:
+        return f"{prog}: {err}"
+    section, _, key = err.key.partition(".")
+    from_flag = getattr(args, flag[2:].replace("-", "_"), None) is not None
+    name = err.key if not from_flag and key in given.get(section, {}) else flag
+    if not isinstance(err, PortInUse):
+        return f"{prog}: {name} {err.port} cannot be bound on {err.host}: {err.reason}"
+    # On the command line --http-port 0 turns the HTTP API off; everywhere else 0 asks for any free port.
+    hint = "0 to turn the HTTP API off" if name == "--http-port" else "0 for any free one"
+    return f"{prog}: {name} {err.port} is already in use on {err.host} (pick another port, or {hint})"

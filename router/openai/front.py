@@ -30,6 +30,7 @@ from contextlib import aclosing
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common.ports import bind_error
 from engine.errors import InvalidRequestError
 from router.errors import Unauthenticated
 from router.openai.choices import run_choices
@@ -67,7 +68,8 @@ class HttpFront:
         ssl_context: ssl.SSLContext | None = None,
     ) -> HttpFront:
         """Serves on host:port (0: the OS picks; None: no TCP) and/or the unix socket `uds`; HTTPS on both
-        when `ssl_context` is given (the router's TLS keys, as for gRPC)."""
+        when `ssl_context` is given (the router's TLS keys, as for gRPC). Raises common.ports.PortInUse
+        (key router.http_port) when host:port is taken."""
         front = cls(service, Context(service.limits, service.tokenizer, model_names), token)
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", front._completions)
@@ -77,12 +79,19 @@ class HttpFront:
         app.router.add_get("/metrics", front._metrics)
         front.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await front.runner.setup()
-        if port is not None:
-            await web.TCPSite(front.runner, host, port, ssl_context=ssl_context).start()
-            front.host, front.port = host, front.runner.addresses[0][1]
-        if uds is not None:
-            await web.UnixSite(front.runner, uds, ssl_context=ssl_context).start()
-            front.uds = uds
+        try:
+            if port is not None:
+                try:
+                    await web.TCPSite(front.runner, host, port, ssl_context=ssl_context).start()
+                except OSError as err:
+                    raise bind_error("router.http_port", host, port, err) from None
+                front.host, front.port = host, front.runner.addresses[0][1]
+            if uds is not None:
+                await web.UnixSite(front.runner, uds, ssl_context=ssl_context).start()
+                front.uds = uds
+        except BaseException:  # a site that did start is not left listening
+            await front.runner.cleanup()
+            raise
         front.scheme = "http" if ssl_context is None else "https"
         return front
 
