@@ -27,8 +27,10 @@ import signal
 import sys
 from pathlib import Path
 
-from common.config import ClusterConfig, ConfigError
+from common.config import ROUTING_POLICIES, ClusterConfig, ConfigError
 from common.ports import CannotListen, PortInUse, check_router_ports
+from engine.kv_quant import KV_CACHE_DTYPES
+from engine.layers.quantization import QUANTIZATIONS
 
 DEFAULT_CLUSTER_NAME = "default"
 # flag → (section, key) in the config mapping; None section = top level
@@ -79,8 +81,9 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         p.add_argument("--decode", type=int, help="decode instances")
         p.add_argument("--tp", type=int, help="tensor-parallel ranks per decode instance")
         p.add_argument("--block-size", type=int, help="tokens per KV block")
-        p.add_argument("--kv-cache-dtype", help="KV cache storage: auto (the model dtype), int8 or fp8")
-        p.add_argument("--quantization", help="weight quantization: none or int8 (weight-only, per output channel)")
+        # Choices come from the registries the config validates against: a new format needs no edit here.
+        p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="KV cache storage (auto: the model dtype)")
+        p.add_argument("--quantization", choices=QUANTIZATIONS, help="weight quantization (int8: weight-only)")
         p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
         p.add_argument(
             "--rendezvous-host", help="address workers use to reach the rendezvous store (default: its node's IP)"
@@ -93,7 +96,7 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         )
         p.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (default 8000; 0 turns it off)")
         p.add_argument("--http-uds", help="also serve the HTTP API on this unix socket path")
-        p.add_argument("--policy", help="routing policy: round_robin, prefix_hash or cache_aware")
+        p.add_argument("--policy", choices=ROUTING_POLICIES, help="routing policy (default cache_aware)")
         p.add_argument("--auth-token-file", help="require this bearer token from clients")
         p.add_argument("--metrics-port", type=int, help="Prometheus metrics port")
         p.add_argument("--tls-cert-file", help="serve TLS with this PEM certificate chain (needs --tls-key-file)")
