@@ -5,17 +5,16 @@
 
 1. Blocks: `EngineConfig.num_blocks_for` of the demo model (fp32, 12 layers x 4 KV heads x head_dim
    64, block 16) under the same `kv_cache_memory_bytes` for each dtype, i.e. what a real pool holds.
-2. Hit rate: `benchmarks.bench_prefix_routing`'s replay (real routing policy, index, block pools;
-   modelled compute) of the conversation trace through 4 prefill workers whose pools hold that many
-   blocks each; its modelled KV transfers (hand-offs, prefix pulls) move the dtype's bytes per token.
-   The auto row at 6 GiB is the routing benchmark's 16,384-block setting (6 GiB / 384 KiB a block).
+2. Hit rate: `benchmarks.bench_prefix_routing`'s replay (the simulator running the router's own routing
+   policy and prefix index over real block pools; modelled compute) of the conversation trace through 4
+   prefill workers whose pools hold that many blocks each. The auto row at 6 GiB is the routing
+   benchmark's 16,384-block setting (6 GiB / 384 KiB a block).
 Hand-off latency and bytes per dtype: `benchmarks.bench_handoff --kv-cache-dtypes auto,int8,fp8`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from dataclasses import replace
 
@@ -64,8 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
         route_argv = ["--trace", args.trace, "--blocks-per-worker", str(blocks[d])]
         if args.requests is not None:
             route_argv += ["--requests", str(args.requests)]
-        route_args, config = parse_args(route_argv)
-        config = replace(config, kv_bytes_per_token=per_token[d], prefix_pull="auto")
+        route_args, fleet = parse_args(route_argv)
         if requests is None:  # the same requests (and speed-up) for every dtype
             requests, notes = load_requests(route_args)
             print(
@@ -74,18 +72,18 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{oracle_cached_tokens(requests, 16) / notes['prompt_tokens']:.3f}"
             )
             print(
-                f"{'kv dtype':>9}{'policy':>14}{'blocks/worker':>15}{'hit rate':>10}{'x auto':>8}{'pulled':>8}"
-                f"{'queue delay s':>15}{'wall s':>8}"
+                f"{'kv dtype':>9}{'policy':>14}{'blocks/worker':>15}{'hit rate':>10}{'x auto':>8}"
+                f"{'mean TTFT s':>13}{'wall s':>8}"
             )
         for policy in args.policies.split(","):
             started_s = time.perf_counter()
-            result = asyncio.run(replay(policy, requests, config))
+            result = replay(policy, requests, replace(fleet, blocks_per_worker=blocks[d]))
             results["hit_rate"][(d, policy)] = result.hit_rate
             base = results["hit_rate"].get(("auto", policy))
             print(
                 f"{d:>9}{policy:>14}{blocks[d]:>15}{result.hit_rate:>10.3f}"
                 f"{(result.hit_rate / base if base else float('nan')):>8.2f}"
-                f"{result.pulled_tokens / max(result.prompt_tokens, 1):>8.3f}{result.mean_queue_delay_s:>15.3f}"
+                f"{result.mean_ttft_s:>13.3f}"
                 f"{time.perf_counter() - started_s:>8.1f}"
             )
     return results

@@ -1,9 +1,9 @@
-"""Prefix-cache hit rate of the routing policies on the Mooncake conversation trace (issue 5).
+"""Prefix-cache hit rate of the routing policies on the Mooncake conversation trace.
 
     python -m benchmarks.bench_prefix_routing [--trace FILE] [--requests N] [--workers 4]
         [--blocks-per-worker 16384] [--block-size 16] [--tokens-per-hash-id 64] [--max-prompt-tokens 2000]
         [--prefill-tokens-per-s 20000] [--offered-load 0.8 | --speedup S] [--spread-s 3] [--seed 0]
-        [--policies ...] [--prefix-blocks K]
+        [--policies ...]
 
 Trace to requests: the first N rows (`loadtest.trace_rows.read_trace`); each 512-token trace block
 becomes `tokens-per-hash-id` tokens, so a prompt is round(input_length * tokens_per_hash_id / 512)
@@ -14,13 +14,16 @@ hashes are the real `engine.block_hash.hash_blocks`. The trace's ~3 s arrival bu
 uniformly over `spread-s` (seeded), then time is divided by a speed-up: given, or chosen so that
 prompt tokens per second = `offered-load` x the fleet's modelled prefill rate (before any hit).
 
-Each policy replays the same requests through `benchmarks.prefill_sim` (real pools, events, index
-and policy; modelled compute). The oracle is one infinite cache (a set of block hashes) fed in
-arrival order, with the engine's rule that the last prompt token is always computed; no placement
-can beat it. A second reference, "pooled", replays the requests in arrival order through one real
-KVCacheManager holding the whole fleet's blocks with instant compute: what capacity alone allows
-when every prefix is where it is needed (LRU, so a reference rather than a bound). Hit rate = cached
-prompt tokens / prompt tokens over all requests.
+Each policy replays the same requests through the fleet simulator (`sim/`: the router's own policy
+objects, its in-process prefix index fed by the workers' real `BlockPool` events, each worker's
+prefix cache in a real `BlockPool`) on prefill workers of `blocks-per-worker` blocks that prefill one
+prompt at a time at `prefill-tokens-per-s` (modelled compute; one output token, so nothing is handed
+off). The oracle is one infinite cache (a set of block hashes) fed in arrival order, with the
+engine's rule that the last prompt token is always computed; no placement can beat it. A second
+reference, "pooled", replays the requests in arrival order through one real pool holding the whole
+fleet's blocks with instant compute: what capacity alone allows when every prefix is where it is
+needed (LRU, so a reference rather than a bound). Hit rate = cached prompt tokens / prompt tokens
+over all requests.
 
 Pool size: the default 16384 blocks a worker is where capacity stops being the whole story: on the
 conversation trace the pooled reference reaches ~88% of the oracle, against ~44% at 4096 blocks (all
@@ -30,27 +33,100 @@ policies starve there) and ~96% at 24576. State the size with every figure.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.prefill_sim import PrefillReplay, ReplayResult, SimConfig, SimRequest
 from engine.block_hash import HashNamespace, hash_blocks
-from engine.kv_cache_manager import KVCacheManager
 from loadtest import tokens
 from loadtest.plan import ModelLimits
 from loadtest.trace_rows import MOONCAKE_BLOCK_TOKENS, read_trace
+from sim import EngineLimits, ModelFacts, Profile, SimConfig, SimRequest, SimResult, StepCost, Transfer, simulate
+from sim.kv import PrefixPool
+from sim.seq import block_hashes
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake-fast25/conversation_trace.jsonl"
-POLICIES = ("round_robin", "prefix_hash", "cache_aware")
+# A 300-row slice of the Mooncake conversation trace ships with the tests; pass the full trace with --trace.
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "tests/data/traces/mooncake-fast25/conversation_trace.jsonl"
+POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
 DEMO_MAX_MODEL_LEN = 2048
 DEMO_SPECIAL_TOKEN_IDS = (0, 1, 2, 3)  # the demo tokenizer puts its specials first; prompts avoid them
 MODEL_IDENTITY = "bench-prefix-routing"
 TARGET_OF_ORACLE = 0.9
 TARGET_X_ROUND_ROBIN = 2.0
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The prefill workers a replay runs on: finite prefix caches, modelled compute."""
+
+    num_workers: int = 4
+    blocks_per_worker: int = 16_384  # 262k tokens of 16: see the module's note on sizing
+    block_size: int = 16
+    prefill_tokens_per_s: float = 20_000.0  # modelled compute rate of one worker
+
+    def __post_init__(self):
+        for name in ("num_workers", "blocks_per_worker", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+
+    @property
+    def tokens_per_worker(self) -> int:
+        return self.blocks_per_worker * self.block_size
+
+    def config(self, policy: str) -> SimConfig:
+        """One prompt at a time per worker, whole (no chunking); one decode instance that never runs."""
+        whole = max(self.tokens_per_worker, 1)
+        return SimConfig(
+            prefill=self.num_workers,
+            decode=1,
+            limits=EngineLimits(max_num_seqs=1, max_num_batched_tokens=whole, prefill_chunk_tokens=whole),
+            prefill_kv_tokens=self.tokens_per_worker,
+            cache_block_tokens=self.block_size,
+            policy=policy,
+        )
+
+    def profile(self) -> Profile:
+        """A step computes its tokens at `prefill_tokens_per_s`, nothing else costs time."""
+        per_token_s = 1 / self.prefill_tokens_per_s
+        model = ModelFacts(MODEL_IDENTITY, 0, 1, DEMO_MAX_MODEL_LEN, 1, self.block_size)
+        return Profile(
+            "measured",
+            "bench_prefix_routing: modelled prefill",
+            "none",
+            model,
+            {1: StepCost((1, 2), (per_token_s, 2 * per_token_s))},
+            {1: self.tokens_per_worker},
+            Transfer(0.0, 1e18),
+        )
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str
+    num_requests: int
+    prompt_tokens: int
+    cached_tokens: int  # found by the worker's prefix lookup when its prefill started
+    ttfts_s: tuple[float, ...]  # arrival to prefill done: queueing plus the uncached compute
+
+    @classmethod
+    def of(cls, policy: str, result: SimResult) -> PolicyResult:
+        records = result.records
+        ttfts_s = tuple(r.ttft_s for r in records if r.ttft_s is not None)
+        prompt_tokens = sum(r.prompt_tokens for r in records)
+        return cls(policy, len(records), prompt_tokens, sum(r.cached_tokens for r in records), ttfts_s)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return sum(self.ttfts_s) / len(self.ttfts_s) if self.ttfts_s else 0.0
 
 
 def load_requests(args: argparse.Namespace) -> tuple[list[SimRequest], dict]:
@@ -73,14 +149,8 @@ def load_requests(args: argparse.Namespace) -> tuple[list[SimRequest], dict]:
         n = lengths[i]
         ids = rows[i].hash_ids[: -(-n // args.tokens_per_hash_id)]  # only the blocks the prompt keeps
         token_ids = source.blocks(tokens.TRACE_BLOCK, ids, args.tokens_per_hash_id).reshape(-1)[:n]
-        requests.append(
-            SimRequest(
-                f"r{k}",
-                float(arrivals_s[k]) / speedup,
-                token_ids.astype(np.uint32),
-                tuple(hash_blocks(namespace, token_ids.tolist())),
-            )
-        )
+        keys = tuple(hash_blocks(namespace, token_ids.tolist()))
+        requests.append(SimRequest(float(arrivals_s[k]) / speedup, n, 1, keys))
     notes = {
         "rows_read": trace.rows_read,
         "rows_used": len(rows),
@@ -106,84 +176,63 @@ def oracle_cached_tokens(requests: list[SimRequest], block_size: int) -> int:
     seen: set = set()
     cached_tokens = 0
     for request in requests:
-        limit = (request.num_prompt_tokens - 1) // block_size  # the last token is always computed
+        limit = (request.prompt_tokens - 1) // block_size  # the last token is always computed
         hits = 0
-        while hits < min(limit, len(request.block_hashes)) and request.block_hashes[hits] in seen:
+        while hits < min(limit, len(request.block_keys)) and request.block_keys[hits] in seen:
             hits += 1
         cached_tokens += hits * block_size
-        seen.update(request.block_hashes)
+        seen.update(request.block_keys)
     return cached_tokens
 
 
 def pooled_cached_tokens(requests: list[SimRequest], num_blocks: int, block_size: int) -> int:
     """Cached tokens of one real pool of `num_blocks` fed in arrival order, each prefill instant."""
-    kv = KVCacheManager(num_blocks, block_size)
+    pool = PrefixPool(num_blocks, block_size)
     cached_tokens = 0
     for request in requests:
-        token_ids = request.token_ids.tolist()
-        cached = kv.find_cached_prefix(token_ids, request.block_hashes)
-        kv.allocate(request.request_id, len(token_ids), cached)
-        kv.cache_blocks(request.request_id, token_ids, request.block_hashes, len(token_ids))
-        kv.free(request.request_id)
-        cached_tokens += cached.num_tokens
-    kv.check_integrity()
+        keys = block_hashes(request.block_keys)  # the real hashes load_requests made, as they are
+        hits = pool.match(keys, request.prompt_tokens)
+        table = pool.take(hits, -(-request.prompt_tokens // block_size))
+        pool.mark(table, keys, len(hits), len(table))
+        pool.release(table)
+        cached_tokens += len(hits) * block_size
+    pool.check_integrity()
     return cached_tokens
 
 
-async def replay(
-    policy: str, requests: list[SimRequest], config: SimConfig, prefix_blocks: int | None = None
-) -> ReplayResult:
-    run = PrefillReplay(policy, config, prefix_blocks)
-    result = await run.run(requests)
-    await run.check_integrity()
-    return result
+def replay(policy: str, requests: list[SimRequest], fleet: Fleet) -> PolicyResult:
+    return PolicyResult.of(policy, simulate(fleet.config(policy), fleet.profile(), requests))
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float] | tuple[float, ...], q: float) -> float:
     """Nearest rank, as the trace README's statistics use."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
 
 
-def print_report(results: list[ReplayResult], references: dict[str, float], notes: dict, config: SimConfig) -> None:
-    """The setup, the table (references first, then the policies), the lookup latency and the targets."""
+def print_report(results: list[PolicyResult], references: dict[str, float], notes: dict, fleet: Fleet) -> None:
+    """The setup, the table (references first, then the policies) and the targets."""
     print(
         f"rows read {notes['rows_read']}, used {notes['rows_used']}, clipped to {notes['max_prompt_tokens']} "
         f"tokens {notes['rows_clipped']}, dropped {sum(notes['rows_dropped'].values())} "
         f"{notes['rows_dropped'] or ''}"
     )
     print(
-        f"{config.num_workers} workers x {config.blocks_per_worker} blocks of {config.block_size} tokens "
-        f"({config.blocks_per_worker * config.block_size} tokens each); modelled prefill "
-        f"{config.prefill_tokens_per_s:g} tokens/s per worker; speed-up {notes['speedup']:.2f} "
-        f"(replay span {notes['span_s']:.1f} s, {notes['prompt_tokens']} prompt tokens); "
-        f"ring prefix blocks {notes['prefix_blocks'] or 'default'}; prefix pulls {config.prefix_pull}"
+        f"{fleet.num_workers} workers x {fleet.blocks_per_worker} blocks of {fleet.block_size} tokens "
+        f"({fleet.tokens_per_worker} tokens each); modelled prefill {fleet.prefill_tokens_per_s:g} tokens/s "
+        f"per worker; speed-up {notes['speedup']:.2f} (replay span {notes['span_s']:.1f} s, "
+        f"{notes['prompt_tokens']} prompt tokens)"
     )
     by_name = {r.policy: r for r in results}
     baseline, oracle_rate = by_name.get("round_robin"), references["oracle (infinite cache)"]
-    print(
-        "policy | hit rate | % of oracle | x round_robin | of which pulled | load imbalance | "
-        "mean queue delay s | routed away"
-    )
-    print("--- | ---: | ---: | ---: | ---: | ---: | ---: | ---:")
+    print("policy | hit rate | % of oracle | x round_robin | mean TTFT s | p99 TTFT s")
+    print("--- | ---: | ---: | ---: | ---: | ---:")
     for name, rate in references.items():
-        print(f"{name} | {rate:.3f} | {_percent(rate, oracle_rate)} | {_ratio(rate, baseline)} | - | - | - | -")
+        print(f"{name} | {rate:.3f} | {_percent(rate, oracle_rate)} | {_ratio(rate, baseline)} | - | -")
     for r in results:
-        pulled = r.pulled_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         print(
             f"{r.policy} | {r.hit_rate:.3f} | {_percent(r.hit_rate, oracle_rate)} | {_ratio(r.hit_rate, baseline)} | "
-            f"{pulled:.3f} | {r.load_imbalance:.2f} | {r.mean_queue_delay_s:.3f} | {r.routed_away_rate:.3f}"
-        )
-    print(
-        "(routed away: share of prompt tokens the index showed cached on a worker other than the chosen one; "
-        "pulled: share served by a prefix pull from that worker)"
-    )
-    aware = by_name.get("cache_aware")
-    if aware is not None and aware.match_latencies_us:
-        print(
-            f"index match latency (cache_aware, {len(aware.match_latencies_us)} lookups): "
-            f"p50 {percentile(aware.match_latencies_us, 0.5):.1f} us, "
-            f"p99 {percentile(aware.match_latencies_us, 0.99):.1f} us"
+            f"{r.mean_ttft_s:.3f} | {percentile(r.ttfts_s, 0.99):.3f}"
         )
     for line in target_lines(by_name, oracle_rate):
         print(line)
@@ -193,11 +242,11 @@ def _percent(rate: float, oracle_rate: float) -> str:
     return f"{100 * rate / oracle_rate:.1f}" if oracle_rate else "-"
 
 
-def _ratio(rate: float, baseline: ReplayResult | None) -> str:
+def _ratio(rate: float, baseline: PolicyResult | None) -> str:
     return f"{rate / baseline.hit_rate:.2f}" if baseline is not None and baseline.hit_rate else "-"
 
 
-def target_lines(by_name: dict[str, ReplayResult], oracle_rate: float) -> list[str]:
+def target_lines(by_name: dict[str, PolicyResult], oracle_rate: float) -> list[str]:
     aware, baseline = by_name.get("cache_aware"), by_name.get("round_robin")
     if aware is None or baseline is None:
         return ["targets: need both cache_aware and round_robin"]
@@ -215,17 +264,17 @@ def target_lines(by_name: dict[str, ReplayResult], oracle_rate: float) -> list[s
     ]
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Fleet]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake JSON Lines trace")
     p.add_argument("--requests", type=int, default=None, help="replay the first N rows (default: all)")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--blocks-per-worker", type=int, default=SimConfig.blocks_per_worker)
+    p.add_argument("--blocks-per-worker", type=int, default=Fleet.blocks_per_worker)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tokens-per-hash-id", type=int, default=64, help="tokens standing for one 512-token trace block")
     p.add_argument("--max-prompt-tokens", type=int, default=2000, help="clip longer prompts to this")
     p.add_argument("--vocab-size", type=int, default=4000)
-    p.add_argument("--prefill-tokens-per-s", type=float, default=SimConfig.prefill_tokens_per_s)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=Fleet.prefill_tokens_per_s)
     p.add_argument(
         "--offered-load",
         type=float,
@@ -241,25 +290,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SimConfig]:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    p.add_argument(
-        "--prefix-pull",
-        default="auto",
-        choices=("never", "auto", "always"),
-        help="peer-to-peer prefix pulls for cache_aware (router.prefix_pull); pulled tokens count "
-        "as hits, as the engine counts them, and are shown in their own column",
-    )
-    p.add_argument(
-        "--prefix-blocks",
-        type=int,
-        default=None,
-        help="key prefix_hash's ring (and cache_aware's tie-break) on K leading blocks (default: the policy's own)",
-    )
     args = p.parse_args(argv)
     _validate(p, args)
-    config = SimConfig(
-        args.workers, args.blocks_per_worker, args.block_size, args.prefill_tokens_per_s, prefix_pull=args.prefix_pull
-    )
-    return args, config
+    return args, Fleet(args.workers, args.blocks_per_worker, args.block_size, args.prefill_tokens_per_s)
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -273,25 +306,23 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--max-prompt-tokens must be in [1, {DEMO_MAX_MODEL_LEN}) (max_model_len)")
     if args.blocks_per_worker * args.block_size < args.max_prompt_tokens:
         p.error("--blocks-per-worker x --block-size must hold the longest (clipped) prompt")
-    if args.prefix_blocks is not None and args.prefix_blocks < 1:
-        p.error("--prefix-blocks must be >= 1")
     if not (args.offered_load > 0 and (args.speedup is None or args.speedup > 0) and args.spread_s >= 0):
         p.error("--offered-load and --speedup must be > 0, --spread-s >= 0")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, config = parse_args(argv)
+    args, fleet = parse_args(argv)
     started_s = time.perf_counter()
     requests, notes = load_requests(args)
     prompt_tokens = max(notes["prompt_tokens"], 1)
-    fleet_blocks = config.num_workers * config.blocks_per_worker
+    fleet_blocks = fleet.num_workers * fleet.blocks_per_worker
     references = {
-        "oracle (infinite cache)": oracle_cached_tokens(requests, config.block_size) / prompt_tokens,
-        f"pooled ({fleet_blocks} blocks, one LRU)": pooled_cached_tokens(requests, fleet_blocks, config.block_size)
+        "oracle (infinite cache)": oracle_cached_tokens(requests, fleet.block_size) / prompt_tokens,
+        f"pooled ({fleet_blocks} blocks, one LRU)": pooled_cached_tokens(requests, fleet_blocks, fleet.block_size)
         / prompt_tokens,
     }
-    results = [asyncio.run(replay(policy, requests, config, args.prefix_blocks)) for policy in args.policies]
-    print_report(results, references, {**notes, "prefix_blocks": args.prefix_blocks}, config)
+    results = [replay(policy, requests, fleet) for policy in args.policies]
+    print_report(results, references, notes, fleet)
     print(f"wall time {time.perf_counter() - started_s:.1f} s")
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from common.config_parsing import check
 
-ROUTING_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
+ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
 # When the chosen prefill worker holds less of a prompt's prefix than another worker does, it can pull
 # the difference from that holder: "auto" when the estimated transfer is faster than recomputing,
 # "always" whenever there is a difference (benchmarks, tests), "never".

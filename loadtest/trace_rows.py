@@ -1,6 +1,6 @@
 """Reading request traces: Mooncake FAST'25 JSON Lines and the Azure LLM inference CSV (2023 layout).
 
-Formats (see shared/traces/README.md):
+Formats (see tests/data/traces/README.md):
 - mooncake: one JSON object a line with `timestamp` (ms from the trace's start), `input_length`,
   `output_length`, `hash_ids` (ids of the prompt's 512-token blocks, equal id = equal prefix block;
   `len(hash_ids) == ceil(input_length / 512)`).

@@ -1,5 +1,7 @@
 """The fleet simulator: a discrete-event model of a splitserve cluster (see sim/simulator.py),
-and the hardware profiles it runs on."""
+and the hardware profiles it runs on. It routes with the router's own policy objects
+(`policies.routing`) over the real in-process prefix index (`prefix_index.memory`), fed by the
+simulated workers' real `BlockPool` events (sim/router.py)."""
 
 from sim.config import Fault, SimConfig
 from sim.profile import ModelFacts, Overheads, Profile, Transfer

@@ -3,8 +3,9 @@
 Pools mirror `ClusterConfig` (common/config.py): `prefill` workers and `decode` instances of `tp`
 ranks each, or `colocated` workers doing both (the baseline disaggregation is compared against), and
 each worker's engine limits. The router part mirrors `router.*` and the bench's client: the routing
-policy, admission, the router's concurrency limit, the client's concurrency cap, and the SLO every
-request is judged against (as `splitserve bench --ttft-ms/--tpot-ms` sends it). `host_cores` says
+policy (a name of the router's policy registry, `policies.routing.make_policy`, whose objects the
+simulator runs), admission, the router's concurrency limit, the client's concurrency cap, and the SLO
+every request is judged against (as `splitserve bench --ttft-ms/--tpot-ms` sends it). `host_cores` says
 the workers share one host's CPU cores (a test cluster on one machine, sim/contention.py);
 by default every worker has its own accelerator, as in a real fleet.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from sim.worker import EngineLimits
 
-POLICIES = ("cache_aware", "round_robin", "least_loaded")
+POLICIES = ("cache_aware", "round_robin", "least_loaded", "prefix_hash")  # policies.routing registry names
 ADMISSIONS = ("always", "ttft")
 
 

@@ -46,9 +46,7 @@ class FaultHandler:
         worker = pool[fault.index]
         worker.dead = True
         self.dead.add((pool_name, fault.index))
-        sim.router.set_alive(fault.role, fault.index, False)
-        if pool_name == "front":
-            sim.router.index.drop_worker(fault.index, list(sim.router.index.holders))
+        sim.router.set_alive(fault.role, fault.index, False)  # a dead prefill worker leaves the index too
         touched = [s for s in sim.active if self._touched(s, pool_name, fault.index)]
         for seq in sorted(touched, key=lambda s: s.index):  # a fixed order keeps runs deterministic
             emitted = worker.emitted_by(seq, sim.now_s) if seq.stage == "decode" else seq.emitted
@@ -83,11 +81,9 @@ class FaultHandler:
     def migrate(self, seq: SimSeq, emitted: int) -> None:
         """Routes the request again from its prompt and the tokens it streamed (or fails it)."""
         sim = self.sim
-        if seq.estimate_tokens:
-            sim.router.queued.add(seq.prefill_worker, -seq.estimate_tokens)
-            seq.estimate_tokens = 0
+        sim.release(seq)
         if sim.decode and seq.decode_worker >= 0:
-            sim.router.inflight.add(seq.decode_worker, -1)
+            sim.router.decode_inflight.add(seq.decode_worker, -1)
             seq.decode_worker = -1
         seq.emitted = emitted
         if emitted >= seq.output:  # its last token was out before the fault

@@ -3,10 +3,10 @@
 `PrefixPool` (prefill and colocated workers) keeps a worker's prefix cache in a real
 `engine.block_pool.BlockPool`: hits revive cached blocks, allocation evicts in LRU order, blocks
 released after a hand-off stay cached until evicted, and every stored / removed block is a real KV
-event (the simulated router's prefix index follows them). A simulated block holds `block_tokens`
+event (the router's real prefix index follows them, sim/router.py). A simulated block holds `block_tokens`
 tokens, which may be coarser than the engine's 16 (a Mooncake trace only knows 512-token blocks;
-16-token blocks would cost 32x the bookkeeping for no more information). Keys are the request's
-`block_keys`: any hashable that stands for a chained block hash (equal key = equal prefix).
+16-token blocks would cost 32x the bookkeeping for no more information). Keys are the block hashes
+of the request's `block_keys` (`sim.seq.block_hashes`: equal key = equal prefix).
 As the engine's `KVCacheManager`: a prompt never hits its last token (at least one is computed), and
 `can_take` counts revived free cached blocks against free capacity.
 
@@ -15,8 +15,9 @@ As the engine's `KVCacheManager`: a prompt never hits its last token (at least o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 
+from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, KVCacheEvent
 
 
@@ -43,14 +44,13 @@ class PrefixPool:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def match(self, keys: Sequence[Hashable], prompt_tokens: int) -> list[int]:
+    def match(self, keys: Sequence[BlockHash], prompt_tokens: int) -> list[int]:
         """Block ids of the longest cached run of leading blocks (never the whole prompt)."""
         if not self.caching:
             return []
         hits = []
         for key in keys[: max(prompt_tokens - 1, 0) // self.block_tokens]:
-            # The engine's pool only hashes and compares keys; the simulator's are its own (not BlockHash).
-            block_id = self.pool.lookup(key)  # type: ignore[arg-type]
+            block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -65,12 +65,12 @@ class PrefixPool:
         self.pool.acquire(hits)
         return list(hits) + self.pool.allocate(total_blocks - len(hits))
 
-    def mark(self, table: Sequence[int], keys: Sequence[Hashable], first: int, upto: int) -> None:
+    def mark(self, table: Sequence[int], keys: Sequence[BlockHash], first: int, upto: int) -> None:
         """Registers blocks [first, upto) of a table under their keys (they are full and computed)."""
         if not self.caching:
             return
         for i in range(first, min(upto, len(keys))):
-            self.pool.mark_cached(table[i], keys[i], (), parent_hash=keys[i - 1] if i else None)  # type: ignore[arg-type]  # as in match
+            self.pool.mark_cached(table[i], keys[i], (), parent_hash=keys[i - 1] if i else None)
 
     def release(self, table: Sequence[int]) -> None:
         """Tail first, as the engine frees a sequence: its last blocks are evicted first."""

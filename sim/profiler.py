@@ -161,8 +161,8 @@ def _set_chunk(engine: LLMEngine, tokens: int) -> None:
 
 def _wait_for_device(engine: LLMEngine) -> None:
     """A step that samples nothing (a prompt's chunk short of its end) returns with its GPU work still
-    queued; the next timed step would wait for it. Stop 33's first H200 profile timed a 16-token chunk
-    after 16,384 tokens at 143 ms this way: the 16,384-token prefill before it, not the chunk."""
+    queued; the next timed step would wait for it. Timed without this wait, a 16-token chunk after 16,384
+    tokens reads 143 ms on an H200: the 16,384-token prefill before it, not the chunk."""
     device = engine.runner.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)

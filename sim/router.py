@@ -1,28 +1,42 @@
-"""The simulated router: routing policies, its load ledger and prefix index, admission.
+"""The simulated router: the router's own routing policy objects over its ledger and prefix index.
 
-It models router/ (which `cluster/` may not import: the simulator serves the controller's planner):
-- the ledger (router/ledger.py): per prefill worker, uncached prompt tokens routed there and not
-  prefilled yet; per decode instance, requests in flight from routing to their end;
-- the prefix index (prefix_index/): which worker holds which block, fed by the workers'
-  real BlockPool events (at once: the real index lags by up to one 50 ms poll);
-- `cache_aware` (policies/routing/cache_aware.py): cost = queued uncached tokens + the prompt's tokens
-  the worker does not hold, lowest wins, ties to the longer cached prefix, then the lower index (the
-  real policy breaks the last tie in prefix-hash ring order); `least_loaded`: the same without the
-  cache; `round_robin`; decode instances: fewest requests in flight (router/worker_choice.py `_pick`);
-- admission `always`, or `ttft`: refuse a request whose predicted TTFT on its worker (queued tokens
-  plus its own at the profile's prefill rate) exceeds the SLO, as `predictive` does for TTFT.
-tests/cluster/test_sim_router.py holds `cache_aware` here to the router's own policy on the same loads and
-holdings (cost and cached blocks), and to a brute-force walk of every worker.
-Everything is O(log workers) per request except the walk over holders of the prompt's blocks (see
-`choose_prefill` for what keeps that short on large fleets).
+- the policy: `policies.routing.make_policy(name, index)`, the objects the router builds; their async
+  `choose` is driven synchronously (`sim.drive.run_now`): the in-process index never waits;
+- the ledger (router/ledger.py), here as plain counters: per prefill worker, requests in flight
+  (booked at routing, released at their end or migration) and uncached prompt tokens routed there and
+  not prefilled yet, the `WorkerLoad`s the policy reads; per decode instance, requests in flight from
+  routing to their end;
+- the prefix index: the real `prefix_index.memory.InProcessPrefixIndex`, leases on the simulated clock,
+  fed each prefill worker's real `BlockPool` events through a real `KVEventBuffer`, as the router's
+  index feeder pulls them (a batch since the cursor, applied, the lease refreshed). The simulator pulls
+  before every routing choice, where the router polls every 50 ms (its index may lag by that much); a
+  worker that dies leaves the index at once, as the feeder drops a member that left, and its
+  replacement starts a new epoch. Live workers' leases are refreshed every half lease (`heartbeat`).
+Worker ids are "prefill-<i>", so the policy's last tie-break (`cache_aware` and `prefix_hash`: the
+prompt's ring order; `least_loaded`, `round_robin`: the id) is the router's. Decode instances: the
+fewest requests in flight, ties to the lower index (router/worker_choice.py).
+The ledger's counters and the `WorkerLoad` list change in O(1) per booking; the policy itself is
+O(workers) per choice (`cache_aware` scores every worker).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from engine.block_pool import BlockRemoved, BlockStored
+from common.kv_events import KVEventBuffer
+from engine.block_hash import BlockHash
+from engine.block_pool import KVCacheEvent
+from policies.routing import RouteQuery, WorkerLoad, make_policy
+from prefix_index.memory import InProcessPrefixIndex
+from sim.drive import run_now
+
+INDEX_LEASE_S = 30.0  # ClusterConfig.index_lease_s's default
+# Events a worker's buffer keeps (the workers keep 65,536): a read walks the buffer, and the simulator
+# reads before every choice. A worker that emitted more since the last read is read as a snapshot of
+# its cache instead, which leaves the index as the events would have.
+FEED_CAPACITY = 4096
 
 
 class LeastHeap:
@@ -55,83 +69,114 @@ class LeastHeap:
         return None
 
 
-class PrefixIndex:
-    """block key -> prefill workers holding it; `on_event(worker)` is a BlockPool event sink."""
+@dataclass(eq=False)
+class _Feed:
+    """One prefill worker's start: its event buffer and what the index applied of it."""
 
-    def __init__(self):
-        self.holders: dict[Hashable, set[int]] = {}
+    buffer: KVEventBuffer
+    live: bool = True
+    cursor: int = 0  # the last sequence number applied
+    fed_s: float = 0.0  # when its lease was last refreshed
 
-    def on_event(self, worker: int):
-        def apply(event) -> None:
-            if isinstance(event, BlockStored):
-                for key in event.block_hashes:
-                    self.holders.setdefault(key, set()).add(worker)
-            elif isinstance(event, BlockRemoved):
-                for key in event.block_hashes:
-                    held = self.holders.get(key)
-                    if held is not None:
-                        held.discard(worker)
-                        if not held:
-                            del self.holders[key]
-
-        return apply
-
-    def drop_worker(self, worker: int, keys) -> None:
-        self.on_event(worker)(BlockRemoved(tuple(keys)))
-
-    def levels(self, keys: Sequence[Hashable]) -> list[tuple[int, set[int]]]:
-        """(d, the workers holding the first d blocks of `keys`) for d = 1, 2, ... while any does. The
-        sets are the index's own or fresh intersections: read them, never change them."""
-        found: list[tuple[int, set[int]]] = []
-        current: set[int] | None = None
-        for depth, key in enumerate(keys, start=1):
-            held = self.holders.get(key)
-            current = held if current is None else (current & held if held else None)
-            if not current:
-                break
-            found.append((depth, current))
-        return found
+    def append(self, event: KVCacheEvent) -> None:
+        if self.live:  # a dead worker's pool may still release blocks: the index no longer follows it
+            self.buffer.append(event)
 
 
 class SimRouter:
-    def __init__(self, policy: str, num_prefill: int, num_decode: int, block_tokens: int):
-        self.policy, self.block_tokens = policy, block_tokens
-        self.queued = LeastHeap(num_prefill)  # uncached prompt tokens awaiting a first token
-        self.inflight = LeastHeap(num_decode)  # requests in flight per decode instance
-        self.index = PrefixIndex()
-        self._turn = 0
+    def __init__(self, policy: str, num_prefill: int, num_decode: int, block_tokens: int, clock: Callable[[], float]):
+        self.block_tokens, self.clock = block_tokens, clock
+        self.ids = [f"prefill-{i}" for i in range(num_prefill)]
+        self._index_of = {worker_id: i for i, worker_id in enumerate(self.ids)}
+        self.queued = [0] * num_prefill  # uncached prompt tokens awaiting a first token
+        self.inflight = [0] * num_prefill  # requests booked, not ended
+        self.alive = [True] * num_prefill
+        self._loads = [WorkerLoad(worker_id, 0, 0) for worker_id in self.ids]
+        self._dead = 0
+        self.decode_inflight = LeastHeap(num_decode)  # requests in flight per decode instance
+        self.index = InProcessPrefixIndex(INDEX_LEASE_S, clock)
+        self.policy = make_policy(policy, self.index)
+        self._feeds: list[_Feed | None] = [None] * num_prefill
+        self._dirty: set[int] = set()  # workers with events the index has not applied
 
+    # ---- the index feed ---------------------------------------------------------------------------
+    def on_event(self, worker: int) -> Callable[[KVCacheEvent], None]:
+        """The BlockPool event sink of a new start of prefill worker `worker` (a new epoch)."""
+        old = self._feeds[worker]
+        epoch = 1 if old is None else old.buffer.epoch + 1
+        feed = _Feed(KVEventBuffer(self.ids[worker], capacity=FEED_CAPACITY, epoch=epoch))
+        self._feeds[worker] = feed
+
+        def sink(event: KVCacheEvent) -> None:
+            feed.append(event)
+            self._dirty.add(worker)
+
+        return sink
+
+    def pull(self) -> None:
+        """Applies every worker's new events, as the feeder's next poll would."""
+        for worker in sorted(self._dirty):
+            feed = self._feeds[worker]
+            if feed is None or not feed.live:
+                continue
+            while feed.cursor < feed.buffer.last_seq:  # a read returns at most 8,192 events
+                batch = feed.buffer.read_since(feed.cursor)
+                run_now(self.index.apply(batch))
+                feed.cursor, feed.fed_s = batch.last_seq, self.clock()
+        self._dirty.clear()
+
+    def heartbeat(self) -> None:
+        """Refreshes the lease of every live worker not fed for half a lease (the feeder's heartbeats)."""
+        self.pull()
+        now_s = self.clock()
+        for worker, feed in enumerate(self._feeds):
+            if feed is not None and feed.live and feed.cursor and now_s - feed.fed_s >= INDEX_LEASE_S / 2:
+                run_now(self.index.heartbeat(self.ids[worker], feed.buffer.epoch))
+                feed.fed_s = now_s
+
+    # ---- membership -------------------------------------------------------------------------------
     def set_alive(self, role: str, index: int, alive: bool) -> None:
-        (self.queued if role != "decode" else self.inflight).set_alive(index, alive)
+        if role == "decode":
+            self.decode_inflight.set_alive(index, alive)
+            return
+        if self.alive[index] != alive:
+            self._dead += -1 if alive else 1
+        self.alive[index] = alive
+        feed = self._feeds[index]
+        if not alive and feed is not None:
+            feed.live = False
+            self._dirty.discard(index)
+            run_now(self.index.remove_worker(self.ids[index]))
 
-    def choose_prefill(self, keys: Sequence[Hashable], prompt_tokens: int) -> tuple[int, int] | None:
-        """(worker, the uncached tokens booked on its queue), None when no worker serves."""
-        least = self.queued.least()
-        if least is None:
+    # ---- the ledger -------------------------------------------------------------------------------
+    def book(self, worker: int, uncached: int) -> None:
+        self.queued[worker] += uncached
+        self.inflight[worker] += 1
+        self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
+
+    def first_token(self, worker: int, uncached: int) -> None:
+        self.queued[worker] -= uncached
+        self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
+
+    def release(self, worker: int, queued: int) -> None:
+        """Ends a booking; `queued`: what is still queued of it (0 once its first token came)."""
+        self.queued[worker] -= queued
+        self.inflight[worker] -= 1
+        self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
+
+    # ---- choices ----------------------------------------------------------------------------------
+    def choose_prefill(
+        self, keys: Sequence[BlockHash], prompt_tokens: int, prompt_key: bytes
+    ) -> tuple[int, int] | None:
+        """(worker, the uncached tokens the router books on its queue), None when no worker serves."""
+        loads = self._loads if not self._dead else [w for w, ok in zip(self._loads, self.alive, strict=True) if ok]
+        if not loads:
             return None
-        if self.policy == "round_robin":
-            serving = [i for i, ok in enumerate(self.queued.alive) if ok]
-            worker = serving[self._turn % len(serving)]
-            self._turn += 1
-            return worker, prompt_tokens
-        queued, alive = self.queued.values, self.queued.alive
-        best = (queued[least] + prompt_tokens, 0, least)
-        if self.policy == "cache_aware" and keys:
-            # Each worker at every depth it holds: a shallower depth never beats its deepest, so the least
-            # (cost, -blocks, worker) is the policy's. Deepest first; a level whose cost cannot go below
-            # the least-queued worker's is skipped, and one that worker holds costs its queue: fleets of
-            # thousands of workers all hold a popular first block, and a scan of them cost ~1 ms a request.
-            floor = queued[least]
-            for blocks, holders in reversed(self.index.levels(keys)):
-                uncached = max(prompt_tokens - blocks * self.block_tokens, 1)
-                if (floor + uncached, -blocks) > best[:2]:
-                    continue
-                if least in holders:
-                    best = min(best, (floor + uncached, -blocks, least))
-                else:
-                    best = min([best, *((queued[w] + uncached, -blocks, w) for w in holders if alive[w])])
-        _, neg_blocks, worker = best
-        return worker, max(prompt_tokens + neg_blocks * self.block_tokens, 1)
+        self.pull()
+        query = RouteQuery(tuple(keys), prompt_tokens, self.block_tokens, prompt_key)
+        decision = run_now(self.policy.choose(query, loads))
+        uncached = max(prompt_tokens - decision.expected_cached_blocks * self.block_tokens, 1)
+        return self._index_of[decision.worker_id], uncached
 
     def choose_decode(self) -> int | None:
-        return self.inflight.least()
+        return self.decode_inflight.least()

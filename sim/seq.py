@@ -8,10 +8,12 @@ mutable state inside a run, counters as in the engine (engine/sequence.py): `com
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.block_hash import BLOCK_HASH_BYTES, BlockHash
 from sim.result import SimRecord
 
 
@@ -20,7 +22,8 @@ class SimRequest(NamedTuple):
     prompt_tokens: int
     output_tokens: int  # tokens it generates (as the bench forces them: min = max, EOS ignored)
     # Identities of its prompt's full cache blocks, in order (see sim/kv.py): equal leading
-    # keys mean an equal prefix. Empty: nothing to share.
+    # keys mean an equal prefix. Chained block hashes, or any hashable standing for one (the
+    # simulator digests it: `block_hashes`). Empty: nothing to share.
     block_keys: tuple[Hashable, ...] = ()
 
 
@@ -30,7 +33,7 @@ class SimSeq:
     arrival_s: float
     prompt: int  # tokens to prefill in this attempt: the prompt, plus what was streamed before a migration
     output: int  # total output tokens
-    keys: tuple = ()  # block keys of the prompt's full cache blocks
+    keys: tuple = ()  # block hashes of the prompt's full cache blocks (`block_hashes` of its keys)
     prompt_tokens: int = 0  # the request's own prompt (`prompt` grows by what a migration carries over)
     stage: str = "new"  # new, routing, prefill, pinned (first token out, KV not moved yet), adopting, decode, done
     send_s: float = 0.0
@@ -48,6 +51,7 @@ class SimSeq:
     prefill_worker: int = -1
     decode_worker: int = -1
     estimate_tokens: int = 0  # what the router booked on the prefill worker's queue
+    booked: bool = False  # the router's ledger counts it on `prefill_worker` (from routing to its end)
     migrations: int = 0
     status: str = "pending"  # pending, ok, rejected, failed
     wake_s: float = 0.0  # sent to an idle cluster: the wake-up its first routing waits (Overheads.wake_s)
@@ -85,13 +89,27 @@ def shared_keys(requests: Sequence[SimRequest]) -> set:
     return shared
 
 
-def useful_keys(keys: tuple, shared: set | None) -> tuple:
-    """The keys up to the last one another request shares. Registering the rest in the cache would
-    change no hit and no eviction (cached or not, a free block sits in the same LRU queue): dropping
-    them only saves work. Kept whole when faults run (a migrated request hits its own blocks)."""
+def useful_keys(keys: tuple, shared: set | None, keep: int = 0) -> tuple:
+    """The keys up to the last one another request shares, and at least the first `keep` (the
+    `prefix_hash` ring is keyed on the prompt's leading blocks, shared or not). Registering the rest in
+    the cache would change no hit and no eviction (cached or not, a free block sits in the same LRU
+    queue): dropping them only saves work. Kept whole when faults run (a migrated request hits its own
+    blocks)."""
     if shared is None:
         return tuple(keys)
     end = len(keys)
-    while end and keys[end - 1] not in shared:
+    while end > keep and keys[end - 1] not in shared:
         end -= 1
     return tuple(keys[:end])
+
+
+def block_hashes(keys: Sequence[Hashable]) -> tuple[BlockHash, ...]:
+    """The block hashes the keys stand for, as the prefix index takes them (16 bytes each): a key that is
+    one already is kept (`loadtest.sim_workload` keys prompts by their real chained hashes), any other
+    is digested from its repr (equal keys, equal hashes; a trace's (hash id, block) pairs)."""
+    return tuple(
+        BlockHash(key)
+        if type(key) is bytes and len(key) == BLOCK_HASH_BYTES
+        else BlockHash(hashlib.blake2b(repr(key).encode(), digest_size=BLOCK_HASH_BYTES).digest())
+        for key in keys
+    )

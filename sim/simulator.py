@@ -1,15 +1,19 @@
 """The discrete-event model of a whole cluster: `simulate(config, profile, requests) -> SimResult`.
 
-Why it lives in `cluster/` (DESIGN.md puts simulators in benchmarks/): the controller's online
-planner (cluster/planner/) asks it which pool sizes meet the SLO, and the product may not import
-benchmarks. It imports only downward: the engine's real `BlockPool` and `cluster/sim`'s own models
-of the router and the engine's scheduling. Workloads reach it as plain `SimRequest` lists (the
-generators of `splitserve bench` live above it, in loadtest/, and feed it from there).
+Why it is part of the product (beside the workers, not in benchmarks/): the controller's online
+planner (cluster/planner.py) asks it which pool sizes meet the SLO, and the product may not import
+benchmarks. It imports only downward, and runs the router's own parts where they exist: the routing
+policy objects (`policies.routing`), the in-process prefix index (`prefix_index.memory`) fed by the
+workers' real `BlockPool` events (sim/router.py), and the engine's `BlockPool`; what it models is the
+engine's scheduling and step times (sim/worker.py), the hand-offs and the cluster's overheads.
+Workloads reach it as plain `SimRequest` lists (the generators of `splitserve bench` live above it,
+in loadtest/, and feed it from there).
 
 A request's life, as in the cluster (README "A request through the disaggregated cluster"):
 1. the client sends it at its arrival (or later, under the client's concurrency cap);
 2. the router refuses it (its concurrency limit, admission) or routes it: a prefill worker by the
-   policy, the decode instance with the fewest requests in flight; after `route` it is queued there
+   router's policy object (`SimConfig.policy`, `policies.routing.make_policy`), the decode instance
+   with the fewest requests in flight; after `route` it is queued there
    (a request that finds nothing in flight waits the idle wake-up too, `Overheads.wake_s`);
 3. the prefill worker's batched chunked prefill (sim/worker.py) reaches its prompt's end:
    the first token reaches the client `first_token` later;
@@ -32,16 +36,17 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from policies.routing.prefix_hash import DEFAULT_PREFIX_BLOCKS
 from sim.config import SimConfig
 from sim.contention import SharedHost, host_share
-from sim.events import ARRIVE, ENQUEUE, FAULT, RESTART, WORKER
+from sim.events import ARRIVE, ENQUEUE, FAULT, HEARTBEAT, RESTART, WORKER
 from sim.faults import FaultHandler
 from sim.handoff import HandOffs
 from sim.kv import BlockCounter, PrefixPool
 from sim.profile import Profile
 from sim.result import SimResult
-from sim.router import SimRouter
-from sim.seq import SimRequest, SimSeq, shared_keys, useful_keys
+from sim.router import INDEX_LEASE_S, SimRouter
+from sim.seq import SimRequest, SimSeq, block_hashes, shared_keys, useful_keys
 from sim.worker import SimWorker
 
 
@@ -56,7 +61,10 @@ class Simulation:
         self.over = profile.overheads
         self.host = None if config.host_cores is None else SharedHost(host_share(config, profile.threads_per_worker))
         prefill_pool = config.colocated or config.prefill
-        self.router = SimRouter(config.policy, prefill_pool, max(config.decode, 1), self.block_tokens)
+        self.now_s = 0.0
+        self.router = SimRouter(
+            config.policy, prefill_pool, max(config.decode, 1), self.block_tokens, clock=lambda: self.now_s
+        )
         self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
         self.decode = [self.new_worker("decode", i) for i in range(config.decode)]
         self.handoffs = HandOffs(self, prefill_pool, config.decode)
@@ -68,7 +76,6 @@ class Simulation:
         self.idle_since_s = 0.0  # when the router last had no request in flight
         self._events: list = []
         self._order = 0
-        self.now_s = 0.0
 
     def new_worker(self, role: str, index: int) -> SimWorker:
         profile, config = self.profile, self.config
@@ -86,7 +93,7 @@ class Simulation:
                 tokens // self.block_tokens,
                 self.block_tokens,
                 config.enable_prefix_caching,
-                self.router.index.on_event(index),
+                self.router.on_event(index),
             )
         worker = SimWorker(index, role, cost, config.limits, kv)
         worker.stretch = self.host.stretch_of(role) if self.host is not None else 1.0
@@ -96,14 +103,24 @@ class Simulation:
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         started = time.perf_counter()
         shared = None if self.config.faults else shared_keys(requests)
+        # The ring of `prefix_hash` (and `cache_aware`'s tie-break) is keyed on the leading blocks: kept.
         seqs = [
-            SimSeq(i, r.arrival_s, r.prompt_tokens, r.output_tokens, useful_keys(r.block_keys, shared), r.prompt_tokens)
+            SimSeq(
+                i,
+                r.arrival_s,
+                r.prompt_tokens,
+                r.output_tokens,
+                block_hashes(useful_keys(r.block_keys, shared, DEFAULT_PREFIX_BLOCKS)),
+                r.prompt_tokens,
+            )
             for i, r in enumerate(requests)
         ]
         for seq in seqs:
             self.push(seq.arrival_s, ARRIVE, seq)
         for fault in self.config.faults:
             self.push(fault.time_s, FAULT, fault)
+        if self._events:
+            self.push(INDEX_LEASE_S / 2, HEARTBEAT, None)
         handlers = (
             self._on_worker,
             self.handoffs.on_done,
@@ -113,6 +130,7 @@ class Simulation:
             self.faults.on_fault,
             self._on_arrive,
             self.handoffs.on_start,
+            self._on_heartbeat,
         )
         events = 0
         while self._events:
@@ -124,6 +142,12 @@ class Simulation:
     def push(self, time_s: float, kind: int, payload, tag=None) -> None:
         self._order += 1
         heapq.heappush(self._events, (time_s, kind, self._order, payload, tag))
+
+    def _on_heartbeat(self, *_) -> None:
+        """The index feeder's heartbeats keep live workers' leases; they go on while anything else is due."""
+        self.router.heartbeat()
+        if self._events:
+            self.push(self.now_s + INDEX_LEASE_S / 2, HEARTBEAT, None)
 
     def restart_later(self, key: tuple[str, int]) -> None:
         self.push(self.now_s + self.config.restart_s, RESTART, key)
@@ -159,42 +183,49 @@ class Simulation:
     def _send(self, seq: SimSeq) -> None:
         seq.send_s = self.now_s
         self.open_streams += 1
-        if self.router_streams >= self.config.routers * self.config.router_max_requests or not self._admit(seq):
+        if self.router_streams >= self.config.routers * self.config.router_max_requests:
+            self.end(seq, "rejected")
+            return
+        choice = self._choose(seq)  # as the router: the route first, then admission on it
+        if not self._admit(choice):
             self.end(seq, "rejected")
             return
         if self.router_streams == 0:
             seq.wake_s = self.over.wake_s(self.now_s - self.idle_since_s)
         self.router_streams += 1
         self.active.add(seq)
-        self.route(seq)
+        self._book(seq, choice)
 
-    def _admit(self, seq: SimSeq) -> bool:
-        if self.config.admission == "always":
-            return True
-        choice = self.router.choose_prefill(seq.keys, seq.prompt)
-        if choice is None:
+    def _choose(self, seq: SimSeq) -> tuple[int, int] | None:
+        return self.router.choose_prefill(seq.keys, seq.prompt, b"sim-request-%d" % seq.index)
+
+    def _admit(self, choice: tuple[int, int] | None) -> bool:
+        if self.config.admission == "always" or choice is None:
             return True
         worker, uncached = choice
         cost = self.front[worker].cost
         chunk = self.config.limits.prefill_chunk_tokens
         rate = chunk / cost.seconds(chunk, 1, chunk * (chunk + 1) / 2)  # tokens per second, one chunk a step
-        queued = self.router.queued.values[worker] + uncached
+        queued = self.router.queued[worker] + uncached
         slo_s = self.config.ttft_slo_s
         assert slo_s is not None, "SimConfig: ttft admission needs ttft_slo_s"
         return queued / rate + self.over.route_s + self.over.first_token_s <= slo_s
 
     def route(self, seq: SimSeq) -> None:
         """Books the request on a prefill worker (and decode instance) and queues it there."""
-        choice = self.router.choose_prefill(seq.keys, seq.prompt)
+        self._book(seq, self._choose(seq))
+
+    def _book(self, seq: SimSeq, choice: tuple[int, int] | None) -> None:
         decode = self.router.choose_decode() if self.decode else 0
         if choice is None or decode is None:
             self.faults.wait_for_workers(seq)
             return
         seq.prefill_worker, seq.estimate_tokens = choice
-        self.router.queued.add(seq.prefill_worker, seq.estimate_tokens)
+        self.router.book(seq.prefill_worker, seq.estimate_tokens)
+        seq.booked = True
         if self.decode:
             seq.decode_worker = decode
-            self.router.inflight.add(decode, 1)
+            self.router.decode_inflight.add(decode, 1)
         seq.stage = "routing"
         wake_s = seq.wake_s if seq.migrations == 0 else 0.0
         route_s = max(self.over.route_s + self.over.jitter_s(self.over.route_jitter_s, seq.index), 0.0)
@@ -219,12 +250,19 @@ class Simulation:
             if self.router_streams == 0:
                 self.idle_since_s = self.now_s
             self.active.discard(seq)
+            self.release(seq)
             if seq.decode_worker >= 0 and self.decode:
-                self.router.inflight.add(seq.decode_worker, -1)
+                self.router.decode_inflight.add(seq.decode_worker, -1)
         seq.status, seq.stage = status, "done"
         self.open_streams -= 1
         if self.client_queue:
             self._send(self.client_queue.popleft())
+
+    def release(self, seq: SimSeq) -> None:
+        """Ends the request's booking on its prefill worker (its end, or a migration)."""
+        if seq.booked:
+            self.router.release(seq.prefill_worker, seq.estimate_tokens)
+            seq.booked, seq.estimate_tokens = False, 0
 
     # ---- workers ----------------------------------------------------------------------------------
     def _on_worker(self, worker: SimWorker, version: int) -> None:
@@ -242,7 +280,7 @@ class Simulation:
         seq.emitted += 1
         if seq.first_token_s is None:
             seq.first_token_s = self.now_s + self.over.first_token_s
-        self.router.queued.add(seq.prefill_worker, -seq.estimate_tokens)
+        self.router.first_token(seq.prefill_worker, seq.estimate_tokens)
         seq.estimate_tokens = 0
         if seq.decode_left == 0:  # done at prefill: nothing is handed off
             worker.release_prefill(seq)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.config import ClusterConfig
+from common.router_config import ROUTING_POLICIES
 from engine.speculative.config import SpeculativeConfig
 from tests.scripts import load_script
 
@@ -129,7 +130,7 @@ def test_descriptions_come_from_the_source_comments():
     assert rows["router.health_port"].description.startswith("A plaintext port serving only the standard gRPC")
     assert rows["router.health_port"].description.endswith("None: health is served on `port` only.")
     # a constant of choices named in a comment is spelled out
-    assert "(round_robin, prefix_hash, cache_aware)" in rows["router.policy"].description
+    assert f"({', '.join(ROUTING_POLICIES)})" in rows["router.policy"].description
 
 
 def test_check_names_the_difference(tmp_path):

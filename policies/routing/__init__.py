@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from policies.routing.base import NoWorkersError, RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad
 from policies.routing.cache_aware import CacheAwarePolicy
+from policies.routing.least_loaded import LeastLoadedPolicy
 from policies.routing.prefix_hash import PrefixHashPolicy
 from policies.routing.round_robin import RoundRobinPolicy
 
 POLICIES = {
     "round_robin": lambda index: RoundRobinPolicy(),
+    "least_loaded": lambda index: LeastLoadedPolicy(),
     "prefix_hash": lambda index: PrefixHashPolicy(),
     "cache_aware": lambda index: CacheAwarePolicy(index),
 }
@@ -24,6 +26,7 @@ def make_policy(name: str, index=None) -> RoutingPolicy:
 __all__ = [
     "POLICIES",
     "CacheAwarePolicy",
+    "LeastLoadedPolicy",
     "NoWorkersError",
     "PrefixHashPolicy",
     "RoundRobinPolicy",

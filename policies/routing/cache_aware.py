@@ -35,8 +35,8 @@ class CacheAwarePolicy(RoutingPolicy):
     async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
         require_workers(workers)
         if not query.block_hashes:  # nothing cacheable: the least loaded, ties in ring order
-            rank = {worker_id: i for i, worker_id in enumerate(self.fallback.preference(query, workers))}
-            return min(self._score(query, w, 0, rank[w.worker_id]) for w in workers)[-1]
+            _, tied = self._least_cost(query, workers, {})
+            return RouteDecision(self.fallback.first_in_ring(query, workers, tied), 0)
         try:
             matches = await self.index.match(query.block_hashes)
         except Exception as err:  # noqa: BLE001 - an unreachable index degrades routing, never the request
@@ -47,18 +47,42 @@ class CacheAwarePolicy(RoutingPolicy):
             return self.fallback.choose_now(query, workers)
         self._degraded = False
         cached_blocks = {m.worker_id: m.num_blocks for m in matches}
-        rank = {worker_id: i for i, worker_id in enumerate(self.fallback.preference(query, workers))}
-        decision = min(self._score(query, w, cached_blocks.get(w.worker_id, 0), rank[w.worker_id]) for w in workers)[-1]
+        blocks, tied = self._least_cost(query, workers, cached_blocks)
+        decision = RouteDecision(self.fallback.first_in_ring(query, workers, tied), blocks)
         # The best holder among these workers (ties: ring order), named so the chosen one can pull from it.
-        holder = min(workers, key=lambda w: (-cached_blocks.get(w.worker_id, 0), rank[w.worker_id]))
-        if cached_blocks.get(holder.worker_id, 0) == 0:
+        members = {w.worker_id for w in workers} if matches else set()
+        held = {m.worker_id: m.num_blocks for m in matches if m.worker_id in members and m.num_blocks > 0}
+        if not held:
             return decision
-        return decision._replace(holder_id=holder.worker_id, holder_blocks=cached_blocks[holder.worker_id])
+        most = max(held.values())
+        holder_id = self.fallback.first_in_ring(query, workers, {w for w, n in held.items() if n == most})
+        return decision._replace(holder_id=holder_id, holder_blocks=most)
 
     @staticmethod
-    def _score(query: RouteQuery, worker: WorkerLoad, blocks: int, ring_rank: int) -> tuple:
+    def _least_cost(
+        query: RouteQuery, workers: Sequence[WorkerLoad], cached_blocks: dict[str, int]
+    ) -> tuple[int, set[str]]:
+        """(cached blocks, ids) of the workers at the least (cost, -cached blocks): the ring breaks their tie.
+
+        A worker holding nothing costs its queue plus the whole prompt, so among those only the least
+        queued count; holders are scored one by one. Only the tied workers are ranked on the ring
+        afterwards: a full ring order of a large fleet costs more than scoring it.
+        """
         # A hit never covers the whole prompt: the last token is always computed (it yields the first
         # output token), so the uncached count is at least one.
-        uncached = max(query.num_prompt_tokens - blocks * query.block_size, 1)
-        cost = worker.queued_prompt_tokens + uncached
-        return (cost, -blocks, ring_rank, RouteDecision(worker.worker_id, blocks))
+        prompt, size = query.num_prompt_tokens, query.block_size
+        least_queued = min(w.queued_prompt_tokens for w in workers)
+        best = (least_queued + max(prompt, 1), 0)
+        holders = []
+        if cached_blocks:
+            for w in workers:
+                blocks = cached_blocks.get(w.worker_id, 0)
+                if blocks:
+                    holders.append((w.queued_prompt_tokens + max(prompt - blocks * size, 1), -blocks, w.worker_id))
+        if holders:
+            best = min(best, min(holders)[:2])
+        if best[1]:
+            return -best[1], {w for cost, neg_blocks, w in holders if (cost, neg_blocks) == best}
+        return 0, {
+            w.worker_id for w in workers if w.queued_prompt_tokens == least_queued and w.worker_id not in cached_blocks
+        }

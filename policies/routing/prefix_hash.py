@@ -116,6 +116,13 @@ class PrefixHashPolicy(RoutingPolicy):
         """The workers in this prompt's ring order (see HashRing.preference)."""
         return self._ring_for(workers).preference(prefix_key(query, self.prefix_blocks))
 
+    def first_in_ring(self, query: RouteQuery, workers: Sequence[WorkerLoad], among: set[str]) -> str:
+        """The first of `among` (ids of some of `workers`) in this prompt's ring order: what ranking all
+        of `workers` by `preference` and taking the best of `among` gives, without ranking the rest."""
+        if len(among) == 1:
+            return next(iter(among))
+        return next(w for w in self._ring_for(workers).walk(prefix_key(query, self.prefix_blocks)) if w in among)
+
     def _ring_for(self, workers: Sequence[WorkerLoad]) -> HashRing:
         ids = frozenset(w.worker_id for w in workers)
         if self._ring is None or self._ring.worker_ids != ids:  # membership changed: rebuild (cheap)

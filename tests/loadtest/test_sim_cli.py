@@ -121,8 +121,8 @@ def test_plan_says_when_trace_rows_did_not_fit_the_model(measured, tmp_path, cap
 
 def test_a_gpu_profile_reaches_long_contexts_by_default():
     """On a GPU the decode points and the prefill chunks' earlier context go to 16,384 tokens unless told
-    otherwise (stop 31's first H200 profile stopped decode at 1,024 and fitted the KV-reading term at 0;
-    stop 33's, with prefill after at most 1,024 tokens, fitted the attention-pair term at 0); a CPU keeps
+    otherwise (a profile that stops decode at 1,024 fits the KV-reading term at 0 on an H200, and one with
+    prefill after at most 1,024 tokens fits the attention-pair term at 0); a CPU keeps
     its short grid."""
     from loadtest.profile_cli import GPU_DECODE_CONTEXTS, GPU_PREFILL_STARTS, _grid, build_parser
 

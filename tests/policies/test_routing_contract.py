@@ -9,7 +9,7 @@ from common.kv_events import KVEventBatch
 from prefix_index.memory import InProcessPrefixIndex
 from engine.block_hash import HashNamespace, hash_blocks
 from engine.block_pool import BlockStored
-from policies.routing import POLICIES, NoWorkersError, RouteQuery, WorkerLoad, make_policy
+from policies.routing import POLICIES, NoWorkersError, RouteDecision, RouteQuery, WorkerLoad, make_policy
 from policies.routing.cache_aware import CacheAwarePolicy
 from policies.routing.prefix_hash import PrefixHashPolicy
 
@@ -146,3 +146,43 @@ def test_cache_aware_cold_prefixes_follow_the_ring_so_routers_agree():
         assert picks == {choose(ring, q, workers)}
         preference = ring.preference(q, workers)
         assert sorted(preference) == ["a", "b", "c", "d"] and preference[0] == choose(ring, q, workers).worker_id
+
+
+def test_least_loaded_takes_the_fewest_queued_tokens_then_requests_then_the_smallest_id():
+    policy = make_policy("least_loaded", InProcessPrefixIndex(lease_s=30))
+    q = query(list(range(12)))
+    fewest_tokens = [WorkerLoad("a", 0, 50), WorkerLoad("b", 9, 40), WorkerLoad("c", 1, 45)]
+    assert choose(policy, q, fewest_tokens) == ("b", 0, None, 0)
+    fewest_requests = [WorkerLoad("a", 2, 40), WorkerLoad("c", 1, 40), WorkerLoad("b", 1, 40)]
+    assert choose(policy, q, fewest_requests) == ("b", 0, None, 0)
+    assert choose(policy, q, [WorkerLoad("b", 0, 0), WorkerLoad("a", 0, 0)]).worker_id == "a"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_cache_aware_equals_ranking_every_worker_in_ring_order(seed):
+    """The choice and the holder are the least (cost, -cached blocks, ring rank) and (-cached blocks, ring
+    rank) over all workers, as defined, however the policy avoids ranking them all."""
+    import random
+
+    rng = random.Random(seed)
+    index = InProcessPrefixIndex(lease_s=30)
+    prompt = list(range(seed * 100, seed * 100 + rng.choice([3, 4, 9, 20, 24])))
+    ids = [f"w{i}" for i in range(rng.choice([1, 2, 5, 40]))]
+    for worker_id in ids:
+        held = rng.randint(0, len(prompt) // 4)
+        if held and rng.random() < 0.7:
+            asyncio.run(stored(index, worker_id, prompt[: held * 4]))
+    workers = [WorkerLoad(w, rng.randint(0, 3), rng.choice([0, 0, 4, 8, rng.randint(0, 40)])) for w in ids]
+    q = query(prompt)
+    cached = {m.worker_id: m.num_blocks for m in asyncio.run(index.match(q.block_hashes))}
+    rank = {w: i for i, w in enumerate(PrefixHashPolicy().preference(q, workers))}
+
+    def cost(w):
+        return w.queued_prompt_tokens + max(len(prompt) - cached.get(w.worker_id, 0) * 4, 1)
+
+    best = min(workers, key=lambda w: (cost(w), -cached.get(w.worker_id, 0), rank[w.worker_id]))
+    holder = min(workers, key=lambda w: (-cached.get(w.worker_id, 0), rank[w.worker_id]))
+    expected = RouteDecision(best.worker_id, cached.get(best.worker_id, 0))
+    if cached.get(holder.worker_id, 0):
+        expected = expected._replace(holder_id=holder.worker_id, holder_blocks=cached[holder.worker_id])
+    assert choose(CacheAwarePolicy(index), q, workers) == expected

@@ -141,8 +141,10 @@ def test_tensor_parallel_decode_uses_its_own_step_cost():
 
 @pytest.mark.parametrize("policy, cached", [("cache_aware", 96), ("least_loaded", 96), ("round_robin", 0)])
 def test_routing_policies_on_two_prefill_workers(policy, cached):
-    # Both idle when r1 comes: cache_aware and least_loaded keep worker 0 (its cache hits; ties to the
-    # lower index), round_robin sends it to worker 1, whose cache is empty.
+    # r0 finds both idle: cache_aware sends it to the first of the two in its prompt's ring order,
+    # least_loaded and round_robin to prefill-0 (the smaller id). Both are idle again when r1 comes:
+    # cache_aware follows r0 (cost 4 tokens against 100), least_loaded keeps prefill-0 (its cache hits),
+    # round_robin sends it to prefill-1, whose cache is empty.
     keys = tuple(range(6))
     config = SimConfig(prefill=2, policy=policy)
     result = simulate(config, linear_profile(), [SimRequest(0.0, 100, 3, keys), SimRequest(1.0, 100, 3, keys)])

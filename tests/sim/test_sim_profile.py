@@ -152,7 +152,7 @@ def test_sim_config_errors_name_the_key(kwargs, key):
 def test_a_prefill_point_waits_for_the_device_before_its_timed_chunk(checkpoint, monkeypatch):
     """A step that samples nothing (a prompt's chunk short of its end) returns with its GPU work still
     queued: the profiler waits for the device after each point's untimed earlier chunk, before timing
-    the chunk after it (stop 33's first long H200 profile timed the earlier 16,384-token chunk instead)."""
+    the chunk after it (without the wait, a long H200 profile times the earlier 16,384-token chunk instead)."""
     from sim import profiler
     from tests.factories import TinySpec
 

@@ -1,21 +1,20 @@
 """The simulator against a real `splitserve bench` run, in CI: 1P1D at one rate (benchmarks/validate_sim.py,
-the full validation, runs 3 shapes x 3 rates and is the README's table).
+the full validation, runs 3 shapes x 3 rates: docs/performance.md has its table).
 
 In one test, on the tiny test model: the engine's profile measured in this process (the quick grid),
 the cluster's overheads calibrated against the running 1P1D cluster, then one Poisson bench run for
 real and the simulation of the very same requests. Asserted: goodput within 30%, under an SLO
-(TTFT 200 ms, TPOT 60 ms) loose enough that this box's contention does not decide it (10-15x the tiny
+(TTFT 200 ms, TPOT 60 ms) loose enough that a shared 2-core machine's contention does not decide it (10-15x the tiny
 model's p50s here, 2-3x the p99s measured at a load average of 14) and tight enough to matter: the
 same simulation with every cost 20x dearer (engine steps, cluster overheads, hand-off) must miss the
 measured goodput by more than the bound, so an order-of-magnitude modelling error fails the check
-instead of hiding under a loose SLO. That is all a CI check can promise on this box: contention moves
-the measured tail latencies by up to ~10x, so a tighter SLO would fail whenever the box is busy.
+instead of hiding under a loose SLO. That is all a CI check can promise on such a machine: contention moves
+the measured tail latencies by up to ~10x, so a tighter SLO would fail whenever the machine is busy.
 
-Why goodput and why 30% (the issue's target for the full validation is 15%): this box has 2 cores
-shared with other jobs, and the profile times one engine alone, so every latency figure carries
-CPU the simulator models only on average (the README's validation section, calibrated and with the
-host's streaming CPU measured, meets the targets in 27 of 45 cells on a quiet box; its tails run
-31-46% low where they miss). Goodput (requests meeting the SLO per second) is what the planner
+Why goodput and why 30% (the full validation's target is 15%): a CI machine has 2 cores shared with
+other jobs, and the profile times one engine alone, so every latency figure carries CPU the simulator
+models only on average (the full validation, calibrated and with the host's streaming CPU measured,
+misses some cells; docs/performance.md has its current count). Goodput (requests meeting the SLO per second) is what the planner
 sizes pools by, and at a rate the cluster can serve it stays near the offered rate on both sides
 unless the model of step costs, batching or hand-off is grossly wrong — a profile off by 20x, a
 hand-off charged per token instead of per byte, batches never formed: those push the predicted
