@@ -15,10 +15,12 @@ EXTRAS := test,dev,plot,bench
 TORCH_PIN := $(shell grep -E '^torch==' requirements.txt)
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
-# A second, minimal venv with only what the client SDK needs: the SDK test runs in it.
+# A second, minimal venv holding the client SDK installed from sdk/ (grpcio and protobuf, nothing else): the SDK
+# test runs in it. Rebuilt when the lock, the SDK's build file or its source change (their hash names the stamp).
 SDK_VENV := .venv-sdk
-SDK_PINS := $(shell grep -E '^(grpcio|protobuf)==' requirements.txt | tr '\n' ' ')
-SDK_STAMP := $(SDK_VENV)/.installed-$(REQ_HASH)
+SDK_HASH := $(shell cat requirements.txt sdk/pyproject.toml $(sort $(wildcard splitserve_client/*.py \
+	splitserve_client/protocol/*)) | sha1sum | cut -c1-12)
+SDK_STAMP := $(SDK_VENV)/.installed-$(SDK_HASH)
 # A third venv holding exactly the lower bounds of the runtime dependencies: tests/test_lower_bounds.py
 # serves a request from it, so the bounds in pyproject.toml are a tested claim.
 LOWER_VENV := .venv-lower
@@ -39,10 +41,11 @@ $(STAMP): requirements.txt pyproject.toml
 
 sdk-venv: $(SDK_STAMP)
 
-$(SDK_STAMP): requirements.txt
+$(SDK_STAMP):
 	rm -rf $(SDK_VENV)
 	$(PYTHON) -m venv $(SDK_VENV)
-	$(SDK_VENV)/bin/python -m pip install -q $(SDK_PINS)
+	$(SDK_VENV)/bin/python -m pip install -q -c requirements.txt ./sdk
+	rm -rf sdk/build sdk/*.egg-info
 	touch $@
 
 lower-venv: $(LOWER_STAMP)

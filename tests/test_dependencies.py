@@ -131,3 +131,15 @@ def test_the_version_is_written_once():
                           cwd=REPO, timeout=30, check=True)
     assert done.stdout.startswith(f"splitserve {splitserve.__version__} (Python ")
     assert "torch " in done.stdout and "grpcio " in done.stdout
+
+
+def test_the_sdk_distribution_matches_the_release():
+    """sdk/pyproject.toml builds the client SDK alone: the release's version and the server's bounds on the
+    two packages it needs."""
+    sdk = tomllib.loads((REPO / "sdk/pyproject.toml").read_text())["project"]
+    assert sdk["version"] == splitserve.__version__
+    runtime = {canonicalize_name(Requirement(r).name): str(Requirement(r).specifier)
+               for r in PYPROJECT["project"]["dependencies"]}
+    needs = {canonicalize_name(Requirement(r).name): str(Requirement(r).specifier) for r in sdk["dependencies"]}
+    assert set(needs) == {"grpcio", "protobuf"}
+    assert all(runtime[name] == spec for name, spec in needs.items()), (needs, runtime)
