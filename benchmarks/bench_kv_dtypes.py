@@ -1,14 +1,16 @@
 """KV cache dtypes at equal memory: blocks per pool, and prefix-cache hit rate on the Mooncake replay.
 
     python -m benchmarks.bench_kv_dtypes [--kv-cache-dtypes auto,int8,fp8] [--memory-gib 6]
-        [--requests N] [--trace FILE] [--policies cache_aware]
+        [--requests N] [--trace FILE] [--policies cache_aware] [--prefix-pull auto|always|never]
 
 1. Blocks: `EngineConfig.num_blocks_for` of the demo model (fp32, 12 layers x 4 KV heads x head_dim
    64, block 16) under the same `kv_cache_memory_bytes` for each dtype, i.e. what a real pool holds.
 2. Hit rate: `benchmarks.bench_prefix_routing`'s replay (the simulator running the router's own routing
    policy and prefix index over real block pools; modelled compute) of the conversation trace through 4
-   prefill workers whose pools hold that many blocks each. The auto row at 6 GiB is the routing
-   benchmark's 16,384-block setting (6 GiB / 384 KiB a block).
+   prefill workers whose pools hold that many blocks each, with the router's prefix pulls
+   (`--prefix-pull`, auto by default); its modelled KV transfers (hand-offs, pulls) move the dtype's
+   bytes per token, and `pulled` is the share of prompt tokens pulled. The auto row at 6 GiB is the
+   routing benchmark's 16,384-block setting (6 GiB / 384 KiB a block).
 Hand-off latency and bytes per dtype: `benchmarks.bench_handoff --kv-cache-dtypes auto,int8,fp8`.
 """
 
@@ -20,7 +22,14 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.bench_prefix_routing import DEFAULT_TRACE, load_requests, oracle_cached_tokens, parse_args, replay
+from benchmarks.bench_prefix_routing import (
+    DEFAULT_TRACE,
+    PULL_MODES,
+    load_requests,
+    oracle_cached_tokens,
+    parse_args,
+    replay,
+)
 from engine.config import EngineConfig, ModelConfig, RopeConfig
 from engine.kv_quant import kv_format
 
@@ -42,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=None, help="replay the first N trace rows (default: all)")
     parser.add_argument("--trace", default=str(DEFAULT_TRACE))
     parser.add_argument("--policies", default="cache_aware", help="comma-separated routing policies")
+    parser.add_argument("--prefix-pull", default="auto", choices=PULL_MODES, help="router.prefix_pull of the replays")
     args = parser.parse_args(argv)
     memory = int(args.memory_gib * 2**30)
     dtypes = args.kv_cache_dtypes.split(",")
@@ -72,18 +82,19 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{oracle_cached_tokens(requests, 16) / notes['prompt_tokens']:.3f}"
             )
             print(
-                f"{'kv dtype':>9}{'policy':>14}{'blocks/worker':>15}{'hit rate':>10}{'x auto':>8}"
+                f"{'kv dtype':>9}{'policy':>14}{'blocks/worker':>15}{'hit rate':>10}{'x auto':>8}{'pulled':>8}"
                 f"{'mean TTFT s':>13}{'wall s':>8}"
             )
         for policy in args.policies.split(","):
             started_s = time.perf_counter()
-            result = replay(policy, requests, replace(fleet, blocks_per_worker=blocks[d]))
+            dtype_fleet = replace(fleet, blocks_per_worker=blocks[d], kv_bytes_per_token=per_token[d])
+            result = replay(policy, requests, dtype_fleet, args.prefix_pull)
             results["hit_rate"][(d, policy)] = result.hit_rate
             base = results["hit_rate"].get(("auto", policy))
             print(
                 f"{d:>9}{policy:>14}{blocks[d]:>15}{result.hit_rate:>10.3f}"
                 f"{(result.hit_rate / base if base else float('nan')):>8.2f}"
-                f"{result.mean_ttft_s:>13.3f}"
+                f"{result.pulled_rate:>8.3f}{result.mean_ttft_s:>13.3f}"
                 f"{time.perf_counter() - started_s:>8.1f}"
             )
     return results

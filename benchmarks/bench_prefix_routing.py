@@ -3,7 +3,7 @@
     python -m benchmarks.bench_prefix_routing [--trace FILE] [--requests N] [--workers 4]
         [--blocks-per-worker 16384] [--block-size 16] [--tokens-per-hash-id 64] [--max-prompt-tokens 2000]
         [--prefill-tokens-per-s 20000] [--offered-load 0.8 | --speedup S] [--spread-s 3] [--seed 0]
-        [--policies ...]
+        [--policies ...] [--prefix-pull auto|always|never]
 
 Trace to requests: the first N rows (`loadtest.trace_rows.read_trace`); each 512-token trace block
 becomes `tokens-per-hash-id` tokens, so a prompt is round(input_length * tokens_per_hash_id / 512)
@@ -16,14 +16,19 @@ prompt tokens per second = `offered-load` x the fleet's modelled prefill rate (b
 
 Each policy replays the same requests through the fleet simulator (`sim/`: the router's own policy
 objects, its in-process prefix index fed by the workers' real `BlockPool` events, each worker's
-prefix cache in a real `BlockPool`) on prefill workers of `blocks-per-worker` blocks that prefill one
-prompt at a time at `prefill-tokens-per-s` (modelled compute; one output token, so nothing is handed
-off). The oracle is one infinite cache (a set of block hashes) fed in arrival order, with the
-engine's rule that the last prompt token is always computed; no placement can beat it. A second
-reference, "pooled", replays the requests in arrival order through one real pool holding the whole
-fleet's blocks with instant compute: what capacity alone allows when every prefix is where it is
-needed (LRU, so a reference rather than a bound). Hit rate = cached prompt tokens / prompt tokens
-over all requests.
+prefix cache in a real `BlockPool`) on prefill workers of `blocks-per-worker` blocks that prefill
+one prompt at a time at `prefill-tokens-per-s` (modelled compute), then hand the prompt's KV off
+over the modelled link below to one decode instance for a second output token. One more arm,
+"cache_aware with pulls", adds the router's prefix pulls (`--prefix-pull`, the router's
+`PullPlanner` in that mode): the chosen worker copies the prefix a busier worker holds instead of
+recomputing it, over a modelled link (demo-model KV, 24,576 bytes per token, at 2.5 GB/s after 5 ms:
+in proportion to the modelled prefill rate); a pulled token counts as a hit, as the engine counts
+it, and the share of prompt tokens pulled is reported beside the table. The oracle is one infinite
+cache (a set of block hashes) fed in arrival order, with the engine's rule that the last prompt
+token is always computed; no placement can beat it. A second reference, "pooled", replays the
+requests in arrival order through one real pool holding the whole fleet's blocks with instant
+compute: what capacity alone allows when every prefix is where it is needed (LRU, so a reference
+rather than a bound). Hit rate = cached prompt tokens / prompt tokens over all requests.
 
 Pool size: the default 16384 blocks a worker is where capacity stops being the whole story: on the
 conversation trace the pooled reference reaches ~88% of the oracle, against ~44% at 4096 blocks (all
@@ -51,6 +56,11 @@ from sim.seq import block_hashes
 # A 300-row slice of the Mooncake conversation trace ships with the tests; pass the full trace with --trace.
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "tests/data/traces/mooncake-fast25/conversation_trace.jsonl"
 POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
+# Two output tokens: the prompt's KV is handed off to decode, as a served conversation's is, so the
+# router's pull planner learns the link from hand-offs (its first token, the TTFT, is the prefill's).
+OUTPUT_TOKENS = 2
+PULL_ARM = "cache_aware with pulls"
+PULL_MODES = ("auto", "always", "never")
 DEMO_MAX_MODEL_LEN = 2048
 DEMO_SPECIAL_TOKEN_IDS = (0, 1, 2, 3)  # the demo tokenizer puts its specials first; prompts avoid them
 MODEL_IDENTITY = "bench-prefix-routing"
@@ -66,20 +76,27 @@ class Fleet:
     blocks_per_worker: int = 16_384  # 262k tokens of 16: see the module's note on sizing
     block_size: int = 16
     prefill_tokens_per_s: float = 20_000.0  # modelled compute rate of one worker
+    # The modelled KV link prefix pulls move blocks over: see the module's note.
+    kv_bytes_per_token: int = 24_576
+    pull_latency_s: float = 0.005
+    pull_bytes_per_s: float = 2.5e9
 
     def __post_init__(self):
-        for name in ("num_workers", "blocks_per_worker", "block_size"):
+        for name in ("num_workers", "blocks_per_worker", "block_size", "kv_bytes_per_token"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.prefill_tokens_per_s > 0:
-            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+        for name in ("prefill_tokens_per_s", "pull_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.pull_latency_s >= 0:
+            raise ValueError(f"pull_latency_s must be >= 0, got {self.pull_latency_s}")
 
     @property
     def tokens_per_worker(self) -> int:
         return self.blocks_per_worker * self.block_size
 
-    def config(self, policy: str) -> SimConfig:
-        """One prompt at a time per worker, whole (no chunking); one decode instance that never runs."""
+    def config(self, policy: str, prefix_pull: str = "never") -> SimConfig:
+        """One prompt at a time per worker, whole (no chunking); one decode instance for the second token."""
         whole = max(self.tokens_per_worker, 1)
         return SimConfig(
             prefill=self.num_workers,
@@ -88,12 +105,14 @@ class Fleet:
             prefill_kv_tokens=self.tokens_per_worker,
             cache_block_tokens=self.block_size,
             policy=policy,
+            prefix_pull=prefix_pull,
         )
 
     def profile(self) -> Profile:
-        """A step computes its tokens at `prefill_tokens_per_s`, nothing else costs time."""
+        """A step computes its tokens at `prefill_tokens_per_s`; a prefix pull takes the modelled link's
+        time; nothing else costs time."""
         per_token_s = 1 / self.prefill_tokens_per_s
-        model = ModelFacts(MODEL_IDENTITY, 0, 1, DEMO_MAX_MODEL_LEN, 1, self.block_size)
+        model = ModelFacts(MODEL_IDENTITY, 0, self.kv_bytes_per_token, DEMO_MAX_MODEL_LEN, 1, self.block_size)
         return Profile(
             "measured",
             "bench_prefix_routing: modelled prefill",
@@ -101,7 +120,7 @@ class Fleet:
             model,
             {1: StepCost((1, 2), (per_token_s, 2 * per_token_s))},
             {1: self.tokens_per_worker},
-            Transfer(0.0, 1e18),
+            Transfer(self.pull_latency_s, self.pull_bytes_per_s),
         )
 
 
@@ -110,19 +129,33 @@ class PolicyResult:
     policy: str
     num_requests: int
     prompt_tokens: int
-    cached_tokens: int  # found by the worker's prefix lookup when its prefill started
-    ttfts_s: tuple[float, ...]  # arrival to prefill done: queueing plus the uncached compute
+    cached_tokens: int  # found by the worker's prefix lookup when its prefill started (pulled ones included)
+    ttfts_s: tuple[float, ...]  # arrival to prefill done: queueing, the pull's wait, the uncached compute
+    pulled_tokens: int = 0  # of cached_tokens, those a prefix pull brought
+    pulled_requests: int = 0  # requests that pulled a prefix
 
     @classmethod
     def of(cls, policy: str, result: SimResult) -> PolicyResult:
         records = result.records
         ttfts_s = tuple(r.ttft_s for r in records if r.ttft_s is not None)
         prompt_tokens = sum(r.prompt_tokens for r in records)
-        return cls(policy, len(records), prompt_tokens, sum(r.cached_tokens for r in records), ttfts_s)
+        return cls(
+            policy,
+            len(records),
+            prompt_tokens,
+            sum(r.cached_tokens for r in records),
+            ttfts_s,
+            sum(r.pulled_tokens for r in records),
+            sum(r.pulled_tokens > 0 for r in records),
+        )
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def pulled_rate(self) -> float:
+        return self.pulled_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def mean_ttft_s(self) -> float:
@@ -150,7 +183,7 @@ def load_requests(args: argparse.Namespace) -> tuple[list[SimRequest], dict]:
         ids = rows[i].hash_ids[: -(-n // args.tokens_per_hash_id)]  # only the blocks the prompt keeps
         token_ids = source.blocks(tokens.TRACE_BLOCK, ids, args.tokens_per_hash_id).reshape(-1)[:n]
         keys = tuple(hash_blocks(namespace, token_ids.tolist()))
-        requests.append(SimRequest(float(arrivals_s[k]) / speedup, n, 1, keys))
+        requests.append(SimRequest(float(arrivals_s[k]) / speedup, n, OUTPUT_TOKENS, keys))
     notes = {
         "rows_read": trace.rows_read,
         "rows_used": len(rows),
@@ -200,8 +233,10 @@ def pooled_cached_tokens(requests: list[SimRequest], num_blocks: int, block_size
     return cached_tokens
 
 
-def replay(policy: str, requests: list[SimRequest], fleet: Fleet) -> PolicyResult:
-    return PolicyResult.of(policy, simulate(fleet.config(policy), fleet.profile(), requests))
+def replay(policy: str, requests: list[SimRequest], fleet: Fleet, prefix_pull: str = "never") -> PolicyResult:
+    """One arm: `policy` routing, with prefix pulls in mode `prefix_pull` (the name then says so)."""
+    name = policy if prefix_pull == "never" else f"{policy} with pulls"
+    return PolicyResult.of(name, simulate(fleet.config(policy, prefix_pull), fleet.profile(), requests))
 
 
 def percentile(values: list[float] | tuple[float, ...], q: float) -> float:
@@ -234,6 +269,14 @@ def print_report(results: list[PolicyResult], references: dict[str, float], note
             f"{r.policy} | {r.hit_rate:.3f} | {_percent(r.hit_rate, oracle_rate)} | {_ratio(r.hit_rate, baseline)} | "
             f"{r.mean_ttft_s:.3f} | {percentile(r.ttfts_s, 0.99):.3f}"
         )
+    pulled = by_name.get(PULL_ARM)
+    if pulled is not None:
+        print(
+            f"{PULL_ARM} ({notes['prefix_pull']}): pulls served {pulled.pulled_rate:.3f} of prompt tokens "
+            f"({pulled.pulled_requests} of {pulled.num_requests} requests pulled); modelled link "
+            f"{fleet.pull_latency_s * 1e3:g} ms + {fleet.kv_bytes_per_token} bytes per token at "
+            f"{fleet.pull_bytes_per_s / 1e9:g} GB/s"
+        )
     for line in target_lines(by_name, oracle_rate):
         print(line)
 
@@ -247,20 +290,20 @@ def _ratio(rate: float, baseline: PolicyResult | None) -> str:
 
 
 def target_lines(by_name: dict[str, PolicyResult], oracle_rate: float) -> list[str]:
+    """One line per target, judging cache_aware without pulls and, when that arm ran, with them."""
     aware, baseline = by_name.get("cache_aware"), by_name.get("round_robin")
     if aware is None or baseline is None:
         return ["targets: need both cache_aware and round_robin"]
-    of_oracle = aware.hit_rate / oracle_rate if oracle_rate else 0.0
-    x_rr = aware.hit_rate / baseline.hit_rate if baseline.hit_rate else math.inf
+    arms = [("no pulls", aware)] + ([("with pulls", by_name[PULL_ARM])] if PULL_ARM in by_name else [])
+    of_oracle, x_rr = [], []
+    for label, r in arms:
+        share = r.hit_rate / oracle_rate if oracle_rate else 0.0
+        times = r.hit_rate / baseline.hit_rate if baseline.hit_rate else math.inf
+        of_oracle.append(f"{label} {share:.1%} -> {'met' if share >= TARGET_OF_ORACLE else 'NOT met'}")
+        x_rr.append(f"{label} {times:.2f}x -> {'met' if times >= TARGET_X_ROUND_ROBIN else 'NOT met'}")
     return [
-        (
-            f"target cache_aware >= {TARGET_OF_ORACLE:.0%} of oracle: {of_oracle:.1%} -> "
-            f"{'met' if of_oracle >= TARGET_OF_ORACLE else 'NOT met'}"
-        ),
-        (
-            f"target cache_aware >= {TARGET_X_ROUND_ROBIN:g}x round_robin: {x_rr:.2f}x -> "
-            f"{'met' if x_rr >= TARGET_X_ROUND_ROBIN else 'NOT met'}"
-        ),
+        f"target cache_aware >= {TARGET_OF_ORACLE:.0%} of oracle: " + "; ".join(of_oracle),
+        f"target cache_aware >= {TARGET_X_ROUND_ROBIN:g}x round_robin: " + "; ".join(x_rr),
     ]
 
 
@@ -290,6 +333,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Fleet]:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument(
+        "--prefix-pull",
+        default="auto",
+        choices=PULL_MODES,
+        help=f'mode of the "{PULL_ARM}" arm (router.prefix_pull; replayed when cache_aware is; never: no such arm)',
+    )
     args = p.parse_args(argv)
     _validate(p, args)
     return args, Fleet(args.workers, args.blocks_per_worker, args.block_size, args.prefill_tokens_per_s)
@@ -322,7 +371,9 @@ def main(argv: list[str] | None = None) -> None:
         / prompt_tokens,
     }
     results = [replay(policy, requests, fleet) for policy in args.policies]
-    print_report(results, references, notes, fleet)
+    if args.prefix_pull != "never" and "cache_aware" in args.policies:
+        results.append(replay("cache_aware", requests, fleet, args.prefix_pull))
+    print_report(results, references, {**notes, "prefix_pull": args.prefix_pull}, fleet)
     print(f"wall time {time.perf_counter() - started_s:.1f} s")
 
 

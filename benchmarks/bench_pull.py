@@ -7,7 +7,7 @@ computes a prompt with that prefix; then worker 1 gets, alternating, `--repeats`
   recompute: a fresh prompt of the same length, computed in full;
 and the time to the first token as the prefill worker reports it (queue + pull + compute) is compared
 (median, same run). Also printed: the pull alone (ms, GB/s) and what the router's prior would have
-estimated for it (router/prefix_pull_planner.py PULL_PRIOR); the router refits it from real pulls.
+estimated for it (policies/prefix_pull.py PULL_PRIOR); the router refits it from real pulls.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cluster.launcher import launch
 from common.config import ClusterConfig, PoolConfig
 from common.messages import GenerateRequest, PrefixPull
 from engine import SamplingParams
-from router.prefix_pull_planner import PULL_PRIOR
+from policies.prefix_pull import PULL_PRIOR
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 TAIL_TOKENS = 16

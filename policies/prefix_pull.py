@@ -16,6 +16,8 @@ hops and the channel, and 0.5 GB/s — what `benchmarks.bench_pull` measured for
 busy 2-core VM (a 3 MB pull took ~20 ms; raw gloo moves 2.4-3.4 GB/s on loopback), so a cold
 router errs towards recomputing yet still pulls prefixes of a few blocks of a real model.
 Mode "always" pulls whenever the holder has more (tests, benchmarks); "never" turns pulls off.
+It lives below the router so that the fleet simulator (sim/) runs the same decisions, fed by its own
+modelled steps and transfers.
 """
 
 from __future__ import annotations

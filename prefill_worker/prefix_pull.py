@@ -2,7 +2,7 @@
 
 When the router sends a request to a worker other than the one holding the longest cached prefix
 (the holder is busier), it may ask the chosen worker to pull that prefix from the holder over the
-KV transport instead of recomputing it (`router/prefix_pull_planner.py` decides: estimated transfer
+KV transport instead of recomputing it (`policies/prefix_pull.py` decides: estimated transfer
 time below estimated recompute time). The blocks are bit copies of KV the holder computed for the
 same tokens under the same hash namespace (model, block size, tenant), verified token by token on
 the holder exactly as a local prefix hit is.

@@ -20,12 +20,12 @@ from common.membership import ROLES, Membership
 from common.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
+from policies.prefix_pull import PullPlanner
 from policies.routing import RoutingPolicy
 from router.admission_gate import AdmissionGate
 from router.ledger import RouteLedger
 from router.metrics import RouterMetrics, slo_met
 from router.migration import cause_of
-from router.prefix_pull_planner import PullPlanner
 from router.request_keys import route_query, timed
 from router.service_types import DuplicateRequest, Overloaded, RouteInfo, RouterOutput
 from router.stream_state import StreamState

@@ -4,10 +4,12 @@ Pools mirror `ClusterConfig` (common/config.py): `prefill` workers and `decode` 
 ranks each, or `colocated` workers doing both (the baseline disaggregation is compared against), and
 each worker's engine limits. The router part mirrors `router.*` and the bench's client: the routing
 policy (a name of the router's policy registry, `policies.routing.make_policy`, whose objects the
-simulator runs), admission, the router's concurrency limit, the client's concurrency cap, and the SLO
-every request is judged against (as `splitserve bench --ttft-ms/--tpot-ms` sends it). `host_cores` says
-the workers share one host's CPU cores (a test cluster on one machine, sim/contention.py);
-by default every worker has its own accelerator, as in a real fleet.
+simulator runs), prefix pulls between prefill workers (`router.prefix_pull`'s modes, decided by the
+router's own `policies.prefix_pull.PullPlanner`), admission, the router's concurrency limit, the
+client's concurrency cap, and the SLO every request is judged against (as `splitserve bench
+--ttft-ms/--tpot-ms` sends it). `host_cores` says the workers share one host's CPU cores (a test
+cluster on one machine, sim/contention.py); by default every worker has its own accelerator, as in a
+real fleet.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from policies.prefix_pull import MODES as PREFIX_PULL_MODES
 from sim.worker import EngineLimits
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded", "prefix_hash")  # policies.routing registry names
@@ -43,6 +46,10 @@ class SimConfig:
     cache_block_tokens: int | None = None  # prefix-cache granularity; None: the model's block size
     enable_prefix_caching: bool = True
     policy: str = "cache_aware"
+    # Pulls of a cached prefix from a worker holding more of it (auto, always, never); the KV moves at
+    # the profile's `transfer` rate. Off by default, where the router defaults to auto: a plan's
+    # figures then never count on pulls.
+    prefix_pull: str = "never"
     admission: str = "always"
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
@@ -77,6 +84,7 @@ class SimConfig:
         for key in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_tokens"):
             _check(getattr(self.limits, key) >= 1, f"limits.{key}", "must be >= 1")
         _check(self.policy in POLICIES, "policy", f"must be one of {list(POLICIES)}")
+        _check(self.prefix_pull in PREFIX_PULL_MODES, "prefix_pull", f"must be one of {list(PREFIX_PULL_MODES)}")
         _check(self.admission in ADMISSIONS, "admission", f"must be one of {list(ADMISSIONS)}")
         for key in ("ttft_slo_s", "tpot_slo_s"):
             value = getattr(self, key)

@@ -76,7 +76,11 @@ class FaultHandler:
             prefill.release_prefill(seq)
             if prefill.kick(sim.now_s):
                 sim.schedule(prefill)
-        seq.table, seq.decode_blocks = [], 0
+        if seq.pull_table:  # pulled, never admitted: the pull served no prefill
+            seq.pulled = 0
+            if dead_pool != "front":
+                sim.front[seq.prefill_worker].drop_pull(seq)
+        seq.table, seq.decode_blocks, seq.pull_table = [], 0, []
 
     def migrate(self, seq: SimSeq, emitted: int) -> None:
         """Routes the request again from its prompt and the tokens it streamed (or fails it)."""

@@ -44,7 +44,10 @@ class HandOffs:
         while waiting and instance.reserve(waiting[0], sim.block_tokens):
             seq = waiting.popleft()
             start_s = max(sim.now_s, self.sender_free_s[seq.prefill_worker])
-            end_s = start_s + sim.profile.transfer.seconds(seq.prompt * sim.profile.model.kv_bytes_per_token)
+            num_bytes = seq.prompt * sim.profile.model.kv_bytes_per_token
+            end_s = start_s + sim.profile.transfer.seconds(num_bytes)
+            if sim.learns_costs:  # the router's pull planner learns the link from every hand-off
+                sim.router.planner.observe_transfer(num_bytes, end_s - start_s)
             self.sender_free_s[seq.prefill_worker] = end_s
             self.seconds += end_s - start_s
             if self.counted and start_s > sim.now_s:

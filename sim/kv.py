@@ -8,7 +8,10 @@ tokens, which may be coarser than the engine's 16 (a Mooncake trace only knows 5
 16-token blocks would cost 32x the bookkeeping for no more information). Keys are the block hashes
 of the request's `block_keys` (`sim.seq.block_hashes`: equal key = equal prefix).
 As the engine's `KVCacheManager`: a prompt never hits its last token (at least one is computed), and
-`can_take` counts revived free cached blocks against free capacity.
+`can_take` counts revived free cached blocks against free capacity. `pull` is a prefix pull between
+two pools (prefill_worker/prefix_pull.py): the requester reserves the blocks it lacks, the holder
+pins the leading blocks it still has, and the requester registers them as cached (BlockStored events)
+and keeps the whole prefix pinned until its request is admitted.
 
 `BlockCounter` (decode instances, which keep no prefix cache) only counts blocks.
 """
@@ -75,6 +78,21 @@ class PrefixPool:
     def release(self, table: Sequence[int]) -> None:
         """Tail first, as the engine frees a sequence: its last blocks are evicted first."""
         self.pool.release(reversed(table))
+
+    def pull(self, holder: PrefixPool, keys: Sequence[BlockHash], prompt_tokens: int) -> tuple[list[int], int]:
+        """Copies the leading blocks of `keys` that `holder` holds beyond the local ones into this pool.
+        Returns the table pinning the prefix here (release it once the request holds it) and the number
+        of blocks copied; ([], 0) when the holder has no more, or this pool has no room for them."""
+        local = self.match(keys, prompt_tokens)
+        held = holder.match(keys, prompt_tokens)
+        if len(held) <= len(local) or not self.can_take(local, len(held)):
+            return [], 0
+        # The holder pins what it sends and lets it go after: those blocks become its most recently used.
+        holder.pool.acquire(held)
+        holder.release(held)
+        table = self.take(local, len(held))
+        self.mark(table, keys, len(local), len(held))
+        return table, len(held) - len(local)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

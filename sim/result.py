@@ -27,6 +27,7 @@ class SimRecord(NamedTuple):
     last_token_s: float | None
     status: str  # ok, rejected, failed
     migrations: int = 0
+    pulled_tokens: int = 0  # of cached_tokens, those a prefix pull brought from another worker
 
     @property
     def ok(self) -> bool:

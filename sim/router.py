@@ -12,6 +12,10 @@
   before every routing choice, where the router polls every 50 ms (its index may lag by that much); a
   worker that dies leaves the index at once, as the feeder drops a member that left, and its
   replacement starts a new epoch. Live workers' leases are refreshed every half lease (`heartbeat`).
+- the prefix-pull planner: the router's own `policies.prefix_pull.PullPlanner` (`SimConfig.prefix_pull`),
+  asked after each choice whether the chosen worker pulls the prefix the index shows on a better
+  holder; its models learn from the simulated prefill steps and KV transfers (hand-offs and pulls), as
+  the router's learn from the workers' reports;
 Worker ids are "prefill-<i>", so the policy's last tie-break (`cache_aware` and `prefix_hash`: the
 prompt's ring order; `least_loaded`, `round_robin`: the id) is the router's. Decode instances: the
 fewest requests in flight, ties to the lower index (router/worker_choice.py).
@@ -24,10 +28,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from common.kv_events import KVEventBuffer
+from common.messages import PrefixPull
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
+from policies.prefix_pull import PullPlanner
 from policies.routing import RouteQuery, WorkerLoad, make_policy
 from prefix_index.memory import InProcessPrefixIndex
 from sim.drive import run_now
@@ -37,6 +44,12 @@ INDEX_LEASE_S = 30.0  # ClusterConfig.index_lease_s's default
 # reads before every choice. A worker that emitted more since the last read is read as a snapshot of
 # its cache instead, which leaves the index as the events would have.
 FEED_CAPACITY = 4096
+
+
+class PrefillChoice(NamedTuple):
+    worker: int
+    uncached: int  # the tokens the router books on the worker's queue: what it expects to be computed
+    pull: PrefixPull | None = None  # the prefix the worker is to pull first, if any
 
 
 class LeastHeap:
@@ -84,10 +97,21 @@ class _Feed:
 
 
 class SimRouter:
-    def __init__(self, policy: str, num_prefill: int, num_decode: int, block_tokens: int, clock: Callable[[], float]):
+    def __init__(
+        self,
+        policy: str,
+        num_prefill: int,
+        num_decode: int,
+        block_tokens: int,
+        clock: Callable[[], float],
+        prefix_pull: str = "never",
+        kv_bytes_per_token: int = 0,
+    ):
         self.block_tokens, self.clock = block_tokens, clock
         self.ids = [f"prefill-{i}" for i in range(num_prefill)]
-        self._index_of = {worker_id: i for i, worker_id in enumerate(self.ids)}
+        self.index_of = {worker_id: i for i, worker_id in enumerate(self.ids)}
+        self.healthy = set(self.ids)
+        self.planner = PullPlanner(prefix_pull, kv_bytes_per_token)
         self.queued = [0] * num_prefill  # uncached prompt tokens awaiting a first token
         self.inflight = [0] * num_prefill  # requests booked, not ended
         self.alive = [True] * num_prefill
@@ -142,6 +166,10 @@ class SimRouter:
         if self.alive[index] != alive:
             self._dead += -1 if alive else 1
         self.alive[index] = alive
+        if alive:
+            self.healthy.add(self.ids[index])
+        else:
+            self.healthy.discard(self.ids[index])
         feed = self._feeds[index]
         if not alive and feed is not None:
             feed.live = False
@@ -165,18 +193,19 @@ class SimRouter:
         self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
 
     # ---- choices ----------------------------------------------------------------------------------
-    def choose_prefill(
-        self, keys: Sequence[BlockHash], prompt_tokens: int, prompt_key: bytes
-    ) -> tuple[int, int] | None:
-        """(worker, the uncached tokens the router books on its queue), None when no worker serves."""
+    def choose_prefill(self, keys: Sequence[BlockHash], prompt_tokens: int, prompt_key: bytes) -> PrefillChoice | None:
+        """The prefill worker, what the router books on it, and its pull; None when no worker serves."""
         loads = self._loads if not self._dead else [w for w, ok in zip(self._loads, self.alive, strict=True) if ok]
         if not loads:
             return None
         self.pull()
         query = RouteQuery(tuple(keys), prompt_tokens, self.block_tokens, prompt_key)
         decision = run_now(self.policy.choose(query, loads))
-        uncached = max(prompt_tokens - decision.expected_cached_blocks * self.block_tokens, 1)
-        return self._index_of[decision.worker_id], uncached
+        pull = self.planner.plan(query, decision, self.healthy)
+        # As router/service.py: with a pull the router expects the pulled prefix cached.
+        expected = decision.expected_cached_blocks if pull is None else pull.num_blocks
+        uncached = max(prompt_tokens - expected * self.block_tokens, 1)
+        return PrefillChoice(self.index_of[decision.worker_id], uncached, pull)
 
     def choose_decode(self) -> int | None:
         return self.decode_inflight.least()

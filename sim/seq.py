@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from common.messages import PrefixPull
 from engine.block_hash import BLOCK_HASH_BYTES, BlockHash
 from sim.result import SimRecord
 
@@ -39,7 +40,11 @@ class SimSeq:
     send_s: float = 0.0
     emitted: int = 0  # output tokens produced so far (all attempts)
     computed: int = 0  # prefill progress of this attempt
-    cached: int = 0  # prompt tokens found in the prefix cache (first attempt)
+    cached: int = 0  # prompt tokens found in the prefix cache (first attempt), pulled ones included
+    pulled: int = 0  # of those, prompt tokens a prefix pull brought (first attempt)
+    pull: PrefixPull | None = None  # the pull the router asked of this attempt's prefill worker
+    pull_table: list[int] = field(default_factory=list)  # the pulled prefix's blocks, pinned until admitted
+    pull_ready_s: float = 0.0  # when the pulled KV has arrived: the engine cannot admit it before
     table: list[int] = field(default_factory=list)  # prefill / colocated worker's blocks
     registered: int = 0  # leading blocks of `table` already marked cached
     decode_blocks: int = 0
@@ -74,6 +79,7 @@ class SimSeq:
             self.last_token_s,
             status,
             self.migrations,
+            self.pulled,
         )
 
 

@@ -15,6 +15,11 @@ A request's life, as in the cluster (README "A request through the disaggregated
    router's policy object (`SimConfig.policy`, `policies.routing.make_policy`), the decode instance
    with the fewest requests in flight; after `route` it is queued there
    (a request that finds nothing in flight waits the idle wake-up too, `Overheads.wake_s`);
+   with `SimConfig.prefix_pull` on, the router's `PullPlanner` may ask the prefill worker to pull the
+   prompt's prefix from a worker holding more of it: as the request reaches the worker, the blocks the
+   holder still holds are copied into the worker's pool (cached, pinned until the request is
+   admitted) and the request cannot be admitted before the KV's modelled transfer (`Profile.transfer`)
+   has ended; pulled tokens count as cached, as the engine counts them;
 3. the prefill worker's batched chunked prefill (sim/worker.py) reaches its prompt's end:
    the first token reaches the client `first_token` later;
 4. hand-off (sim/handoff.py): blocks for its context are reserved on the decode instance (a
@@ -36,16 +41,18 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from common.messages import PullOutcome
+from policies.admission import PrefillStep
 from policies.routing.prefix_hash import DEFAULT_PREFIX_BLOCKS
 from sim.config import SimConfig
 from sim.contention import SharedHost, host_share
-from sim.events import ARRIVE, ENQUEUE, FAULT, HEARTBEAT, RESTART, WORKER
+from sim.events import ARRIVE, ENQUEUE, FAULT, HEARTBEAT, PULL_DONE, RESTART, WORKER
 from sim.faults import FaultHandler
 from sim.handoff import HandOffs
 from sim.kv import BlockCounter, PrefixPool
 from sim.profile import Profile
 from sim.result import SimResult
-from sim.router import INDEX_LEASE_S, SimRouter
+from sim.router import INDEX_LEASE_S, PrefillChoice, SimRouter
 from sim.seq import SimRequest, SimSeq, block_hashes, shared_keys, useful_keys
 from sim.worker import SimWorker
 
@@ -63,8 +70,15 @@ class Simulation:
         prefill_pool = config.colocated or config.prefill
         self.now_s = 0.0
         self.router = SimRouter(
-            config.policy, prefill_pool, max(config.decode, 1), self.block_tokens, clock=lambda: self.now_s
+            config.policy,
+            prefill_pool,
+            max(config.decode, 1),
+            self.block_tokens,
+            clock=lambda: self.now_s,
+            prefix_pull=config.prefix_pull,
+            kv_bytes_per_token=profile.model.kv_bytes_per_token,
         )
+        self.learns_costs = config.prefix_pull == "auto"  # only the planner's auto mode reads its models
         self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
         self.decode = [self.new_worker("decode", i) for i in range(config.decode)]
         self.handoffs = HandOffs(self, prefill_pool, config.decode)
@@ -131,6 +145,7 @@ class Simulation:
             self._on_arrive,
             self.handoffs.on_start,
             self._on_heartbeat,
+            self._on_pull_done,
         )
         events = 0
         while self._events:
@@ -196,13 +211,13 @@ class Simulation:
         self.active.add(seq)
         self._book(seq, choice)
 
-    def _choose(self, seq: SimSeq) -> tuple[int, int] | None:
+    def _choose(self, seq: SimSeq) -> PrefillChoice | None:
         return self.router.choose_prefill(seq.keys, seq.prompt, b"sim-request-%d" % seq.index)
 
-    def _admit(self, choice: tuple[int, int] | None) -> bool:
+    def _admit(self, choice: PrefillChoice | None) -> bool:
         if self.config.admission == "always" or choice is None:
             return True
-        worker, uncached = choice
+        worker, uncached, _ = choice
         cost = self.front[worker].cost
         chunk = self.config.limits.prefill_chunk_tokens
         rate = chunk / cost.seconds(chunk, 1, chunk * (chunk + 1) / 2)  # tokens per second, one chunk a step
@@ -215,12 +230,12 @@ class Simulation:
         """Books the request on a prefill worker (and decode instance) and queues it there."""
         self._book(seq, self._choose(seq))
 
-    def _book(self, seq: SimSeq, choice: tuple[int, int] | None) -> None:
+    def _book(self, seq: SimSeq, choice: PrefillChoice | None) -> None:
         decode = self.router.choose_decode() if self.decode else 0
         if choice is None or decode is None:
             self.faults.wait_for_workers(seq)
             return
-        seq.prefill_worker, seq.estimate_tokens = choice
+        seq.prefill_worker, seq.estimate_tokens, seq.pull = choice
         self.router.book(seq.prefill_worker, seq.estimate_tokens)
         seq.booked = True
         if self.decode:
@@ -236,7 +251,33 @@ class Simulation:
             return
         seq.stage = "prefill"
         worker = self.front[seq.prefill_worker]
+        seq.pull_ready_s = 0.0
+        if seq.pull is not None:
+            self._start_pull(seq, worker)
         if worker.submit(seq, self.now_s):
+            self.schedule(worker)
+
+    def _start_pull(self, seq: SimSeq, worker: SimWorker) -> None:
+        """The worker pulls the prefix the router asked for from its holder (a dead holder sends nothing)."""
+        assert seq.pull is not None
+        holder = self.front[self.router.index_of[seq.pull.holder_id]]
+        pulled = 0 if self.faults.is_dead(holder) else worker.pull_prefix(seq, holder, seq.pull.num_blocks)
+        if not pulled:
+            return
+        num_bytes = pulled * self.block_tokens * self.profile.model.kv_bytes_per_token
+        transfer_s = self.profile.transfer.seconds(num_bytes)
+        seq.pull_ready_s = self.now_s + transfer_s
+        if seq.migrations == 0:
+            seq.pulled = pulled * self.block_tokens
+        self.push(seq.pull_ready_s, PULL_DONE, seq, (seq.migrations, PullOutcome(pulled, num_bytes, transfer_s)))
+
+    def _on_pull_done(self, seq: SimSeq, tag: tuple[int, PullOutcome]) -> None:
+        attempt, outcome = tag
+        if attempt != seq.migrations:  # its worker died meanwhile: the request was routed again
+            return
+        self.router.planner.observe_pull(outcome)  # as the router learns it, with the first token's reply
+        worker = self.front[seq.prefill_worker]
+        if worker.pull_done(self.now_s):
             self.schedule(worker)
 
     def finish(self, seq: SimSeq) -> None:
@@ -268,6 +309,11 @@ class Simulation:
     def _on_worker(self, worker: SimWorker, version: int) -> None:
         if version != worker.version or self.faults.is_dead(worker):
             return
+        run = worker.run
+        if self.learns_costs and run is not None and run.chunks and not run.batch and worker.role != "decode":
+            # The prefill model learns the steps the worker reports (pure prefill steps, as a prefill worker's).
+            tokens = sum(new for _, new in run.chunks)
+            self.router.planner.prefill_cost.observe(PrefillStep(tokens, (run.end_s() - run.start_s) / run.steps))
         completed, finished = worker.finish_run()
         for seq in completed:
             self._first_token(worker, seq)

@@ -4,7 +4,9 @@ The rules are the engine's (engine/scheduler.py), with one role each (prefill, d
 - a step first gives every decoding sequence one token, then every prefilling sequence (arrival
   order) up to `prefill_chunk_tokens` of its uncomputed prompt, all within `max_num_batched_tokens`;
 - while budget is left and fewer than `max_num_seqs` run, waiting sequences are admitted FCFS, each
-  starting after its cached prefix (a real `BlockPool` lookup, sim/kv.py);
+  starting after its cached prefix (a real `BlockPool` lookup, sim/kv.py); a sequence whose prefix
+  pull has not arrived yet is not admitted, nor anything behind it (its start waits for the pull only
+  if it did not wait that long in the queue anyway);
 - prefill: a sequence whose prompt is computed yields its first token at the end of that step and
   leaves, its blocks pinned until its hand-off releases them; decode: adopted sequences join at the
   next step; colocated: the first token's sequence goes on decoding in the same batch.
@@ -98,6 +100,10 @@ class SimWorker:
     def submit(self, seq: SimSeq, now_s: float) -> bool:
         """A prompt to prefill; True when the run's end moved (the caller reschedules)."""
         self.waiting.append(seq)
+        return self._wake(now_s, self.run is not None and self.run.cuttable)
+
+    def pull_done(self, now_s: float) -> bool:
+        """A waiting sequence's pulled prefix arrived: it may be admitted at the next step boundary."""
         return self._wake(now_s, self.run is not None and self.run.cuttable)
 
     def adopt(self, seq: SimSeq, now_s: float) -> bool:
@@ -222,9 +228,12 @@ class SimWorker:
             chunks.append((seq, new))
             budget -= new
         running = len(self.prefilling) + batch
-        self.blocked = False
+        self.blocked = pulling = False
         while self.waiting and budget > 0 and running < limits.max_num_seqs:
             seq = self.waiting[0]
+            if seq.pull_ready_s > now_s:  # its pull's end cuts the run (`pull_done`) to admit it
+                pulling = True
+                break
             if not self._admit(seq):
                 self.blocked = True
                 break
@@ -240,7 +249,8 @@ class SimWorker:
             now_s,
             chunks,
             batch,
-            cuttable=self.role == "decode" or (not self.waiting and budget > 0 and running < limits.max_num_seqs),
+            cuttable=self.role == "decode"
+            or ((not self.waiting or pulling) and budget > 0 and running < limits.max_num_seqs),
         )
 
     def _run(self, now_s: float, chunks: list, batch: int, cuttable: bool) -> Run:
@@ -264,11 +274,26 @@ class SimWorker:
         if not pool.can_take(hits, total):
             return False
         seq.table = pool.take(hits, total)
+        if seq.pull_table:  # the sequence holds its pulled prefix itself now
+            pool.release(seq.pull_table)
+            seq.pull_table = []
         seq.registered = len(hits)
         seq.computed = len(hits) * pool.block_tokens
         if seq.migrations == 0:
             seq.cached = seq.computed
         return True
+
+    def pull_prefix(self, seq: SimSeq, holder: SimWorker, num_blocks: int) -> int:
+        """A prefix pull from `holder` as the sequence arrives here: the blocks it copied (0: none)."""
+        pool: PrefixPool = self.kv
+        seq.pull_table, pulled = pool.pull(holder.kv, seq.keys[:num_blocks], seq.prompt)
+        return pulled
+
+    def drop_pull(self, seq: SimSeq) -> None:
+        """The sequence left before it was admitted (a fault): its pulled prefix is no longer pinned."""
+        if seq.pull_table:
+            self.kv.release(seq.pull_table)
+            seq.pull_table = []
 
     def _register(self, seq: SimSeq) -> None:
         full = seq.computed // self.kv.block_tokens

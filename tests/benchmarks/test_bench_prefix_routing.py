@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.bench_prefix_routing import (
     DEFAULT_TRACE,
     POLICIES,
@@ -99,6 +101,23 @@ def test_a_busy_holder_makes_cache_aware_route_away():
     # Holder costs 8, 16, 24 (a tie with 24 elsewhere: the longer prefix wins), then 32 > 24: b3 goes to the
     # idle worker, which computes all 24 tokens.
     assert result.cached_tokens == 3 * 16
+
+
+def test_with_pulls_the_worker_routed_away_pulls_the_busy_holders_prefix():
+    prefix = list(range(500, 516))
+    requests = [request(0.0, prefix + [1, 2])]
+    for i in range(4):
+        requests.append(request(1.0 + 0.0001 * i, prefix + list(range(600 + 10 * i, 608 + 10 * i))))
+    fleet = Fleet(num_workers=2, blocks_per_worker=64, block_size=BLOCK_SIZE, prefill_tokens_per_s=100.0)
+    result = replay("cache_aware", requests, fleet, prefix_pull="always")
+    assert result.policy == "cache_aware with pulls"
+    # As without pulls, b3 goes to the idle worker; it pulls the holder's 4 blocks (the prefix; 5 blocks
+    # of its 24 tokens could come from cache) and computes only its 8 own tokens: 16 more cached tokens.
+    assert result.cached_tokens == 4 * 16
+    assert (result.pulled_tokens, result.pulled_requests) == (16, 1)
+    # b3 waits for the pull (5 ms + 16 tokens x 24,576 bytes at 2.5 GB/s), then computes 8 tokens at 100/s.
+    assert result.ttfts_s[4] == pytest.approx(0.005 + 16 * 24_576 / 2.5e9 + 8 / 100.0, rel=1e-9)
+    assert replay("cache_aware", requests, fleet).ttfts_s[4] == pytest.approx(24 / 100.0, rel=1e-9)
 
 
 SHIPPED_SLICE = Path(__file__).resolve().parents[1] / "data/traces/mooncake-fast25/conversation_trace.jsonl"

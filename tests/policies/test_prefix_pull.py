@@ -1,11 +1,12 @@
 """The prefix-pull decision: exact choices from the prior, from fitted models, and every reason not to pull."""
+
 from __future__ import annotations
 
 import pytest
 
 from common.messages import PrefixPull, PullOutcome, WorkerStats
 from engine.step_log import StepRecord
-from router.prefix_pull_planner import PullPlanner
+from policies.prefix_pull import PullPlanner
 from policies.routing import RouteDecision, RouteQuery
 
 BLOCK = 16

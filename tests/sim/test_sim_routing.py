@@ -66,9 +66,10 @@ def test_the_simulated_choice_is_the_policys_on_the_same_index_and_loads():
         assert got == (
             int(expected.worker_id.split("-")[1]),
             max(prompt_tokens - expected.expected_cached_blocks * sim.router.block_tokens, 1),
+            None,  # prefix pulls are off by default
         )
         return got
 
     sim.router.choose_prefill = spy  # type: ignore[method-assign]
     sim.run(requests)
-    assert len(seen) == 30 and any(uncached < 300 for _, uncached in seen)
+    assert len(seen) == 30 and any(uncached < 300 for _, uncached, _ in seen)
