@@ -66,6 +66,10 @@ _PORT_FLAGS = {
 }
 
 
+def _one_of(names) -> str:
+    return ", ".join(names)
+
+
 def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, help="YAML cluster config (flags override it)")
@@ -81,9 +85,10 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         p.add_argument("--decode", type=int, help="decode instances")
         p.add_argument("--tp", type=int, help="tensor-parallel ranks per decode instance")
         p.add_argument("--block-size", type=int, help="tokens per KV block")
-        # Choices come from the registries the config validates against: a new format needs no edit here.
-        p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="KV cache storage (auto: the model dtype)")
-        p.add_argument("--quantization", choices=QUANTIZATIONS, help="weight quantization (int8: weight-only)")
+        # The values come from the registries the config validates against (the one check, in the config:
+        # its error names the key): a new format needs no edit here.
+        p.add_argument("--kv-cache-dtype", help=f"KV cache storage: {_one_of(KV_CACHE_DTYPES)} (auto: the model dtype)")
+        p.add_argument("--quantization", help=f"weight quantization: {_one_of(QUANTIZATIONS)} (int8: weight-only)")
         p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
         p.add_argument(
             "--rendezvous-host", help="address workers use to reach the rendezvous store (default: its node's IP)"
@@ -96,7 +101,7 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         )
         p.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (default 8000; 0 turns it off)")
         p.add_argument("--http-uds", help="also serve the HTTP API on this unix socket path")
-        p.add_argument("--policy", choices=ROUTING_POLICIES, help="routing policy (default cache_aware)")
+        p.add_argument("--policy", help=f"routing policy: {_one_of(ROUTING_POLICIES)} (default cache_aware)")
         p.add_argument("--auth-token-file", help="require this bearer token from clients")
         p.add_argument("--metrics-port", type=int, help="Prometheus metrics port")
         p.add_argument("--tls-cert-file", help="serve TLS with this PEM certificate chain (needs --tls-key-file)")

@@ -2,6 +2,7 @@
 prints every metric for every configuration, and its figures mean what they say."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import bench_quant_accuracy as accuracy
@@ -18,13 +19,17 @@ def test_compare_and_agreement_lengths_are_exact():
     assert accuracy.agreement_lengths([[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [4, 5, 6]]) == [2, 3]
 
 
-def test_accuracy_report_through_the_cli(checkpoint, capsys):
+def test_accuracy_report_through_the_cli(checkpoint, capfd):
+    """`splitserve bench-engine --accuracy` runs the benchmark script as its own program (the product imports
+    no benchmark code): its report reaches this process's stdout, and its exit status is the command's."""
     from splitserve.cli import main
 
     model_dir = checkpoint(TinySpec(weight_std=0.02))
-    main(["bench-engine", "--accuracy", "--model", str(model_dir), "--prompts", "3", "--min-prompt", "4",
-          "--max-prompt", "20", "--max-tokens", "6", "--threads", "1"])
-    out = capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["bench-engine", "--accuracy", "--model", str(model_dir), "--prompts", "3", "--min-prompt", "4",
+              "--max-prompt", "20", "--max-tokens", "6", "--threads", "1"])
+    assert done.value.code == 0
+    out = capfd.readouterr().out
     for name in accuracy.CONFIGS:
         assert name in out
     for column in ("mean|dlogit|", "max|dlogit|", "top-1", "KL mean", "greedy agree"):

@@ -1,5 +1,7 @@
-"""Admission in the live router: builds the admission policy's `ClusterView` from what the router
-knows, and keeps the cost models fitted from the workers' reported engine steps.
+"""The admission gate: builds the admission policy's `ClusterView` from what the router knows, and
+keeps the cost models fitted from the workers' reported engine steps. The router owns one
+(router/service.py); the fleet simulator owns one too and feeds it the same figures from its
+simulated workers (sim/admission.py), so both decide with the same objects.
 
 What the view holds, and where it comes from:
 * the chosen prefill worker's queued uncached tokens and in-flight requests — the router's own count;
@@ -12,6 +14,8 @@ What the view holds, and where it comes from:
   covers what engine steps do not show (Ray and router overhead, a prefill pool held by hand-offs);
   the predictor takes the larger of its prediction and the step models' (`admission.predictor`).
 The decision is made after routing and before any worker is touched; a rejection costs no block.
+`decide` takes the router's request (duck-typed: `AdmissionRequest.from_router_request` reads it);
+`decide_request` takes an `AdmissionRequest` built by the caller (the simulator's).
 """
 
 from __future__ import annotations
@@ -91,7 +95,41 @@ class AdmissionGate:
         decode_blocks_total: int,
         waited_s: float = 0.0,
     ) -> AdmissionDecision:
-        view = ClusterView(
+        """`request`: anything with the fields `AdmissionRequest.from_router_request` reads."""
+        cached = min(expected_cached_tokens, len(request.prompt_token_ids))
+        return self.decide_request(
+            AdmissionRequest.from_router_request(request, cached, waited_s),
+            prefill,
+            decode_id,
+            decode_running,
+            blocks_free,
+            decode_blocks_total,
+        )
+
+    def decide_request(
+        self,
+        request: AdmissionRequest,
+        prefill: WorkerLoad,
+        decode_id: str,
+        decode_running: list[RunningRequest],
+        blocks_free: int,
+        decode_blocks_total: int,
+    ) -> AdmissionDecision:
+        """The policy's decision on `request` routed to `prefill` and the decode instance `decode_id`."""
+        return self.policy.decide(
+            request, self.view(prefill, decode_id, decode_running, blocks_free, decode_blocks_total)
+        )
+
+    def view(
+        self,
+        prefill: WorkerLoad,
+        decode_id: str,
+        decode_running: list[RunningRequest],
+        blocks_free: int,
+        decode_blocks_total: int,
+    ) -> ClusterView:
+        """The policy's view: the chosen workers, the current fits and the pool constants."""
+        return ClusterView(
             (prefill,),
             (DecodeInstanceView(decode_id, tuple(decode_running), blocks_free, decode_blocks_total),),
             self.prefill_cost.fit(),
@@ -102,5 +140,3 @@ class AdmissionGate:
             self.prefill_step_budget_tokens,
             self.ttft_cost.fit(),
         )
-        cached = min(expected_cached_tokens, len(request.prompt_token_ids))
-        return self.policy.decide(AdmissionRequest.from_router_request(request, cached, waited_s), view)

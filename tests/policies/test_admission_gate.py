@@ -6,7 +6,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from policies.admission import AdmissionConfig, Cause, ObservedTtftFit
-from router.admission_gate import AdmissionGate
+from policies.admission.gate import AdmissionGate
 from policies.routing.base import WorkerLoad
 from router.validation import RouterRequest
 
@@ -57,3 +57,15 @@ def test_hand_offs_feed_the_transfer_model():
         g.observe_handoff(HandoffStats(num_bytes, 0.002 + num_bytes * 1e-9))
     assert g.transfer_cost.num_samples == 3
     assert g.transfer_cost.fit().time_s(3_000_000) == pytest.approx(0.005, rel=1e-6)
+
+
+def test_decide_request_takes_an_admission_request_as_decide_builds_it():
+    from policies.admission import AdmissionRequest
+
+    g = gate()
+    for tokens_through, ttft_s in ((440, 0.128), (880, 0.216)):
+        g.observe_ttft(tokens_through, ttft_s)
+    built = AdmissionRequest(300, 0, 4, None, None, 0)
+    for queued in (1000, 3000):
+        direct = g.decide_request(built, WorkerLoad("p0", 3, queued), "d0", [], 100, 100)
+        assert direct == decide(g, queued)
