@@ -1,5 +1,6 @@
 """Flags `splitserve simulate` and `splitserve plan` share: the profile, the workload (the bench's own
-flags, `loadtest.cli`), the SLO, and what each worker and the router are configured with.
+flags, `loadtest.cli`), the SLO, and what each worker and the router are configured with (the
+router's routing and admission policies, by their registry names).
 
 `--cache-block-tokens auto` keys the prefix cache on a Mooncake trace's own blocks (512 tokens times
 the prompt scale: finer blocks would hold no more information and cost more bookkeeping), else on
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 
+from common.admission_config import AdmissionConfig
 from loadtest.cli import add_workload_flags
 from loadtest.sim_workload import limits_of, repeat_trace, sim_requests
 from loadtest.trace import TraceSpec
@@ -37,7 +41,18 @@ def add_sim_flags(parser: argparse.ArgumentParser) -> None:
         "prefixes of its own (a synthetic longer trace; default 1)",
     )
     g.add_argument("--policy", choices=POLICIES, default="cache_aware")
-    g.add_argument("--admission", choices=ADMISSIONS, default="always")
+    g.add_argument(
+        "--admission",
+        choices=ADMISSIONS,
+        default="always",
+        help="the router's admission policy (policies.admission; default always)",
+    )
+    g.add_argument(
+        "--admission-config",
+        metavar="FILE",
+        help="a JSON file with the admission section's settings (common/admission_config.py); "
+        "its policy, if given, must be --admission's",
+    )
     g.add_argument(
         "--max-concurrency",
         type=int,
@@ -80,6 +95,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[Profile, list, dict, SimConfi
         enable_prefix_caching=not args.no_prefix_caching,
         policy=args.policy,
         admission=args.admission,
+        admission_config=_admission_config(args.admission, args.admission_config),
         ttft_slo_s=None if args.ttft_ms is None else args.ttft_ms / 1e3,
         tpot_slo_s=None if args.tpot_ms is None else args.tpot_ms / 1e3,
         max_concurrency=args.max_concurrency,
@@ -91,6 +107,15 @@ def load_inputs(args: argparse.Namespace) -> tuple[Profile, list, dict, SimConfi
 
 def with_pools(base: SimConfig, prefill: int, decode: int, tp: int = 1, colocated: int = 0) -> SimConfig:
     return dataclasses.replace(base, prefill=prefill, decode=decode, tp=tp, colocated=colocated)
+
+
+def _admission_config(policy: str, path: str | None) -> AdmissionConfig | None:
+    if path is None:
+        return None
+    raw = json.loads(Path(path).read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"--admission-config {path}: must hold a JSON object")
+    return AdmissionConfig.from_dict({"policy": policy, **raw})
 
 
 def _cache_block_tokens(text: str, spec, profile: Profile) -> int:

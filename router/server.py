@@ -26,8 +26,8 @@ from cluster.cluster_view import ClusterView
 from cluster.launcher import LaunchedCluster
 from common.config import ClusterConfig, ConfigError
 from common.metrics_http import start_metrics_server
+from policies.admission.gate import AdmissionGate
 from policies.routing import make_policy
-from router.admission_gate import AdmissionGate
 from router.health_listener import HealthListener
 from router.index_feeder import IndexFeeder
 from router.interceptors import AuthInterceptor, ErrorInterceptor

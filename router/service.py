@@ -20,9 +20,9 @@ from common.membership import ROLES, Membership
 from common.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
+from policies.admission.gate import AdmissionGate
 from policies.prefix_pull import PullPlanner
 from policies.routing import RoutingPolicy
-from router.admission_gate import AdmissionGate
 from router.ledger import RouteLedger
 from router.metrics import RouterMetrics, slo_met
 from router.migration import cause_of

@@ -1,7 +1,9 @@
 """The fleet simulator: a discrete-event model of a splitserve cluster (see sim/simulator.py),
-and the hardware profiles it runs on. It routes with the router's own policy objects
+and the hardware profiles it runs on. It runs the router's own policy objects: routing
 (`policies.routing`) over the real in-process prefix index (`prefix_index.memory`), fed by the
-simulated workers' real `BlockPool` events (sim/router.py)."""
+simulated workers' real `BlockPool` events, and prefix pulls (`policies.prefix_pull`) (sim/router.py);
+admission (`policies.admission` through its `AdmissionGate`), fed the simulated workers' step reports
+(sim/admission.py)."""
 
 from sim.config import Fault, SimConfig
 from sim.profile import ModelFacts, Overheads, Profile, Transfer

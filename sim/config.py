@@ -5,11 +5,12 @@ ranks each, or `colocated` workers doing both (the baseline disaggregation is co
 each worker's engine limits. The router part mirrors `router.*` and the bench's client: the routing
 policy (a name of the router's policy registry, `policies.routing.make_policy`, whose objects the
 simulator runs), prefix pulls between prefill workers (`router.prefix_pull`'s modes, decided by the
-router's own `policies.prefix_pull.PullPlanner`), admission, the router's concurrency limit, the
-client's concurrency cap, and the SLO every request is judged against (as `splitserve bench
---ttft-ms/--tpot-ms` sends it). `host_cores` says the workers share one host's CPU cores (a test
-cluster on one machine, sim/contention.py); by default every worker has its own accelerator, as in a
-real fleet.
+router's own `policies.prefix_pull.PullPlanner`), admission (a name of `policies.admission`'s registry
+and its `AdmissionConfig`, run through the router's own `AdmissionGate`: sim/admission.py), the
+router's concurrency limit, the client's concurrency cap, and the SLO every request carries and is
+judged against (as `splitserve bench --ttft-ms/--tpot-ms` sends it). `host_cores` says the workers
+share one host's CPU cores (a test cluster on one machine, sim/contention.py); by default every worker
+has its own accelerator, as in a real fleet.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from common.admission_config import ADMISSION_POLICIES, AdmissionConfig
 from policies.prefix_pull import MODES as PREFIX_PULL_MODES
 from sim.worker import EngineLimits
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded", "prefix_hash")  # policies.routing registry names
-ADMISSIONS = ("always", "ttft")
+ADMISSIONS = ADMISSION_POLICIES  # policies.admission registry names
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class SimConfig:
     # figures then never count on pulls.
     prefix_pull: str = "never"
     admission: str = "always"
+    # The admission policy's settings; None: `AdmissionConfig(policy=admission)`. Its policy is `admission`.
+    admission_config: AdmissionConfig | None = None
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     max_concurrency: int | None = None  # the client's open streams at most (bench --max-concurrency)
@@ -89,7 +93,11 @@ class SimConfig:
         for key in ("ttft_slo_s", "tpot_slo_s"):
             value = getattr(self, key)
             _check(value is None or (value > 0 and math.isfinite(value)), key, "must be None or a number > 0")
-        _check(self.admission != "ttft" or self.ttft_slo_s is not None, "admission", "ttft needs ttft_slo_s")
+        _check(
+            self.admission_config is None or self.admission_config.policy == self.admission,
+            "admission_config",
+            f"its policy must be admission ({self.admission!r})",
+        )
         _check(self.router_max_requests >= 1, "router_max_requests", "must be >= 1")
         _check(self.routers >= 1, "routers", "must be >= 1")
         _check(self.migration_limit >= 0, "migration_limit", "must be >= 0")

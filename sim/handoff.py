@@ -67,6 +67,9 @@ class HandOffs:
         if attempt != seq.migrations:  # it migrated meanwhile: this transfer failed
             self.over(seq, attempt)
             return
+        if sim.admission is not None:  # the finished hand-off the workers report (its transfer alone)
+            num_bytes = seq.prompt * sim.profile.model.kv_bytes_per_token
+            sim.admission.observe_transfer(num_bytes, sim.profile.transfer.seconds(num_bytes))
         prefill = sim.front[seq.prefill_worker]
         prefill.release_prefill(seq)
         if prefill.kick(sim.now_s):

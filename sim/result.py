@@ -28,6 +28,9 @@ class SimRecord(NamedTuple):
     status: str  # ok, rejected, failed
     migrations: int = 0
     pulled_tokens: int = 0  # of cached_tokens, those a prefix pull brought from another worker
+    # rejected: why; "concurrency" (the router's concurrency limit) or the admission policy's cause
+    # (`policies.admission.Cause`: queued_tokens, running_requests, kv_usage, kv_blocks, ttft, tpot)
+    refusal: str = ""
 
     @property
     def ok(self) -> bool:

@@ -15,7 +15,8 @@
 - the prefix-pull planner: the router's own `policies.prefix_pull.PullPlanner` (`SimConfig.prefix_pull`),
   asked after each choice whether the chosen worker pulls the prefix the index shows on a better
   holder; its models learn from the simulated prefill steps and KV transfers (hand-offs and pulls), as
-  the router's learn from the workers' reports;
+  the router's learn from the workers' reports (with admission on, it reads the admission gate's prefill
+  model, as the router's does);
 Worker ids are "prefill-<i>", so the policy's last tie-break (`cache_aware` and `prefix_hash`: the
 prompt's ring order; `least_loaded`, `round_robin`: the id) is the router's. Decode instances: the
 fewest requests in flight, ties to the lower index (router/worker_choice.py).
@@ -34,6 +35,7 @@ from common.kv_events import KVEventBuffer
 from common.messages import PrefixPull
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
+from policies.admission import PrefillCostModel
 from policies.prefix_pull import PullPlanner
 from policies.routing import RouteQuery, WorkerLoad, make_policy
 from prefix_index.memory import InProcessPrefixIndex
@@ -106,12 +108,13 @@ class SimRouter:
         clock: Callable[[], float],
         prefix_pull: str = "never",
         kv_bytes_per_token: int = 0,
+        prefill_cost: PrefillCostModel | None = None,
     ):
         self.block_tokens, self.clock = block_tokens, clock
         self.ids = [f"prefill-{i}" for i in range(num_prefill)]
         self.index_of = {worker_id: i for i, worker_id in enumerate(self.ids)}
         self.healthy = set(self.ids)
-        self.planner = PullPlanner(prefix_pull, kv_bytes_per_token)
+        self.planner = PullPlanner(prefix_pull, kv_bytes_per_token, prefill_cost)
         self.queued = [0] * num_prefill  # uncached prompt tokens awaiting a first token
         self.inflight = [0] * num_prefill  # requests booked, not ended
         self.alive = [True] * num_prefill
@@ -181,6 +184,10 @@ class SimRouter:
         self.queued[worker] += uncached
         self.inflight[worker] += 1
         self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
+
+    def load(self, worker: int) -> WorkerLoad:
+        """The worker's load as the routing policy saw it (admission reads the same figures)."""
+        return self._loads[worker]
 
     def first_token(self, worker: int, uncached: int) -> None:
         self.queued[worker] -= uncached

@@ -59,6 +59,8 @@ class SimSeq:
     booked: bool = False  # the router's ledger counts it on `prefill_worker` (from routing to its end)
     migrations: int = 0
     status: str = "pending"  # pending, ok, rejected, failed
+    refusal: str = ""  # rejected: why (the router's concurrency limit, or the admission policy's cause)
+    tokens_through: int = 0  # admitted: uncached tokens queued on its prefill worker then, its own included
     wake_s: float = 0.0  # sent to an idle cluster: the wake-up its first routing waits (Overheads.wake_s)
 
     @property
@@ -80,6 +82,7 @@ class SimSeq:
             status,
             self.migrations,
             self.pulled,
+            self.refusal,
         )
 
 

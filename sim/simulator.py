@@ -4,16 +4,20 @@ Why it is part of the product (beside the workers, not in benchmarks/): the cont
 planner (cluster/planner.py) asks it which pool sizes meet the SLO, and the product may not import
 benchmarks. It imports only downward, and runs the router's own parts where they exist: the routing
 policy objects (`policies.routing`), the in-process prefix index (`prefix_index.memory`) fed by the
-workers' real `BlockPool` events (sim/router.py), and the engine's `BlockPool`; what it models is the
-engine's scheduling and step times (sim/worker.py), the hand-offs and the cluster's overheads.
+workers' real `BlockPool` events and the prefix-pull planner (sim/router.py), the admission gate and
+policy objects (`policies.admission`) fed the workers' simulated step reports (sim/admission.py), and
+the engine's `BlockPool`; what it models is the engine's scheduling and step times (sim/worker.py),
+the hand-offs and the cluster's overheads.
 Workloads reach it as plain `SimRequest` lists (the generators of `splitserve bench` live above it,
 in loadtest/, and feed it from there).
 
 A request's life, as in the cluster (README "A request through the disaggregated cluster"):
 1. the client sends it at its arrival (or later, under the client's concurrency cap);
-2. the router refuses it (its concurrency limit, admission) or routes it: a prefill worker by the
-   router's policy object (`SimConfig.policy`, `policies.routing.make_policy`), the decode instance
-   with the fewest requests in flight; after `route` it is queued there
+2. the router refuses it for its concurrency limit, or routes it: a prefill worker by the router's
+   policy object (`SimConfig.policy`, `policies.routing.make_policy`), the decode instance with the
+   fewest requests in flight; then the router's admission policy (`SimConfig.admission`, through the
+   router's `AdmissionGate`) admits it on that route or refuses it with its cause (`SimRecord.refusal`);
+   after `route` it is queued there
    (a request that finds nothing in flight waits the idle wake-up too, `Overheads.wake_s`);
    with `SimConfig.prefix_pull` on, the router's `PullPlanner` may ask the prefill worker to pull the
    prompt's prefix from a worker holding more of it: as the request reaches the worker, the blocks the
@@ -44,6 +48,7 @@ from collections.abc import Sequence
 from common.messages import PullOutcome
 from policies.admission import PrefillStep
 from policies.routing.prefix_hash import DEFAULT_PREFIX_BLOCKS
+from sim.admission import SimAdmission, admission_config
 from sim.config import SimConfig
 from sim.contention import SharedHost, host_share
 from sim.events import ARRIVE, ENQUEUE, FAULT, HEARTBEAT, PULL_DONE, RESTART, WORKER
@@ -69,6 +74,22 @@ class Simulation:
         self.host = None if config.host_cores is None else SharedHost(host_share(config, profile.threads_per_worker))
         prefill_pool = config.colocated or config.prefill
         self.now_s = 0.0
+        admission = admission_config(config.admission, config.admission_config)
+        # As router/server.py: `always` needs no gate (nothing to decide, no model to feed).
+        self.admission = (
+            None
+            if admission.policy == "always"
+            else SimAdmission(
+                admission,
+                config.ttft_slo_s,
+                config.tpot_slo_s,
+                profile.model.kv_bytes_per_token,
+                self.block_tokens,
+                config.limits.max_num_batched_tokens,
+                config.decode or config.colocated,
+                colocated=bool(config.colocated),
+            )
+        )
         self.router = SimRouter(
             config.policy,
             prefill_pool,
@@ -77,6 +98,8 @@ class Simulation:
             clock=lambda: self.now_s,
             prefix_pull=config.prefix_pull,
             kv_bytes_per_token=profile.model.kv_bytes_per_token,
+            # As router/service.py: with admission on, the planner reads the gate's prefill model.
+            prefill_cost=None if self.admission is None else self.admission.gate.prefill_cost,
         )
         self.learns_costs = config.prefix_pull == "auto"  # only the planner's auto mode reads its models
         self.front = [self.new_worker("colocated" if config.colocated else "prefill", i) for i in range(prefill_pool)]
@@ -199,11 +222,12 @@ class Simulation:
         seq.send_s = self.now_s
         self.open_streams += 1
         if self.router_streams >= self.config.routers * self.config.router_max_requests:
-            self.end(seq, "rejected")
+            self.refuse(seq, "concurrency")
             return
         choice = self._choose(seq)  # as the router: the route first, then admission on it
-        if not self._admit(choice):
-            self.end(seq, "rejected")
+        refusal = self._admit(seq, choice)
+        if refusal is not None:
+            self.refuse(seq, refusal)
             return
         if self.router_streams == 0:
             seq.wake_s = self.over.wake_s(self.now_s - self.idle_since_s)
@@ -211,20 +235,25 @@ class Simulation:
         self.active.add(seq)
         self._book(seq, choice)
 
+    def refuse(self, seq: SimSeq, cause: str) -> None:
+        seq.refusal = cause
+        self.end(seq, "rejected")
+
     def _choose(self, seq: SimSeq) -> PrefillChoice | None:
         return self.router.choose_prefill(seq.keys, seq.prompt, b"sim-request-%d" % seq.index)
 
-    def _admit(self, choice: PrefillChoice | None) -> bool:
-        if self.config.admission == "always" or choice is None:
-            return True
-        worker, uncached, _ = choice
-        cost = self.front[worker].cost
-        chunk = self.config.limits.prefill_chunk_tokens
-        rate = chunk / cost.seconds(chunk, 1, chunk * (chunk + 1) / 2)  # tokens per second, one chunk a step
-        queued = self.router.queued[worker] + uncached
-        slo_s = self.config.ttft_slo_s
-        assert slo_s is not None, "SimConfig: ttft admission needs ttft_slo_s"
-        return queued / rate + self.over.route_s + self.over.first_token_s <= slo_s
+    def _admit(self, seq: SimSeq, choice: PrefillChoice | None) -> str | None:
+        """The admission policy's cause when it refuses the request on its route, else None. Without a
+        worker to route to the router decides nothing yet: the request waits for one (sim/faults.py)."""
+        if self.admission is None or choice is None:
+            return None
+        decode = self.router.choose_decode() if self.decode else choice.worker  # colocated: the worker itself
+        if decode is None:
+            return None
+        instance = self.decode[decode] if self.decode else self.front[decode]
+        load = self.router.load(choice.worker)
+        decision = self.admission.decide(seq, choice.uncached, load, decode, instance, self.now_s)
+        return None if decision.admit else str(decision.cause)
 
     def route(self, seq: SimSeq) -> None:
         """Books the request on a prefill worker (and decode instance) and queues it there."""
@@ -241,6 +270,8 @@ class Simulation:
         if self.decode:
             seq.decode_worker = decode
             self.router.decode_inflight.add(decode, 1)
+        if self.admission is not None:
+            self.admission.routed(seq)
         seq.stage = "routing"
         wake_s = seq.wake_s if seq.migrations == 0 else 0.0
         route_s = max(self.over.route_s + self.over.jitter_s(self.over.route_jitter_s, seq.index), 0.0)
@@ -301,6 +332,8 @@ class Simulation:
 
     def release(self, seq: SimSeq) -> None:
         """Ends the request's booking on its prefill worker (its end, or a migration)."""
+        if self.admission is not None:
+            self.admission.left(seq)
         if seq.booked:
             self.router.release(seq.prefill_worker, seq.estimate_tokens)
             seq.booked, seq.estimate_tokens = False, 0
@@ -310,7 +343,9 @@ class Simulation:
         if version != worker.version or self.faults.is_dead(worker):
             return
         run = worker.run
-        if self.learns_costs and run is not None and run.chunks and not run.batch and worker.role != "decode":
+        if self.admission is not None and run is not None:  # the steps the worker reports
+            self.admission.observe_run(worker, run, worker.context_tokens)
+        elif self.learns_costs and run is not None and run.chunks and not run.batch and worker.role != "decode":
             # The prefill model learns the steps the worker reports (pure prefill steps, as a prefill worker's).
             tokens = sum(new for _, new in run.chunks)
             self.router.planner.prefill_cost.observe(PrefillStep(tokens, (run.end_s() - run.start_s) / run.steps))

@@ -137,3 +137,23 @@ def test_a_gpu_profile_reaches_long_contexts_by_default():
     assert grid().starts == (0, 256, 1024)
     with pytest.raises(ValueError, match="--prefill-starts"):
         grid("--prefill-starts", "-1")
+
+
+def test_simulate_runs_the_routers_admission_policy(tmp_path, capsys):
+    # threshold with max_queued_prompt_tokens = 1: a request routed while another's prompt is still queued on
+    # its one prefill worker is refused. 40 requests at once (a rate far above what one worker prefills).
+    profile, settings = tmp_path / "h100.json", tmp_path / "admission.json"
+    splitserve(["profile", "--roofline", "--model", "llama-3.2-1b", "--gpu", "h100", "--out", str(profile)])
+    settings.write_text(json.dumps({"max_queued_prompt_tokens": 1}))
+    runs = {}
+    for policy, extra in (("always", []), ("threshold", ["--admission-config", str(settings)])):
+        out = tmp_path / f"{policy}.json"
+        splitserve(["simulate", "--profile", str(profile), "--workload", "poisson", "--rate", "100000",
+                    "--num-requests", "40", "--ttft-ms", "5000", "--admission", policy, *extra, "--json", str(out)])
+        runs[policy] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert runs["always"]["rejection_rate"] == 0
+    assert 0 < runs["threshold"]["rejection_rate"] < 1
+    with pytest.raises(SystemExit):
+        splitserve(["simulate", "--profile", str(profile), "--workload", "poisson", "--num-requests", "4",
+                    "--admission", "ttft"])

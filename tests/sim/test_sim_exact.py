@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from policies.admission import AdmissionConfig
 from sim import Fault, SimConfig, SimRequest, simulate
 from sim.worker import EngineLimits
 from tests.sim.sim_factories import linear_cost, linear_profile
@@ -106,19 +107,42 @@ def test_a_lone_pool_waits_for_the_replacement():
     assert record.status == "ok" and record.last_token_s == approx(0.1095 + 0.00202 + 0.00602 + 0.00808)
 
 
-def test_ttft_admission_refuses_what_cannot_make_the_slo():
-    # Prefill rate: 512 tokens per dense(512) = 6.12 ms. r0: 100 queued tokens -> 1.2 ms, admitted.
-    # r1 at the same instant: 100 + 200 queued -> 3.59 ms > 3 ms, refused.
-    config = SimConfig(admission="ttft", ttft_slo_s=0.003)
-    result = simulate(config, linear_profile(), [SimRequest(0.0, 100, 3), SimRequest(0.0, 200, 3)])
-    assert [r.status for r in result.records] == ["ok", "rejected"]
-    assert result.summary().slo_attainment == 0.5
+def test_threshold_admission_refuses_on_the_queue_the_route_sees():
+    # `threshold` judges the load already on the routed workers, never the request's own size: the
+    # prefill worker's uncached tokens queued (booked at routing, released at the first token) against
+    # max_queued_prompt_tokens = 250, with one prefill worker. At t = 0: r0 (100 tokens) sees 0 queued,
+    # admitted (queue 100); r1 (200) sees 100 < 250, admitted (queue 300); r2 (50) sees 300 >= 250,
+    # refused for queued_tokens. r3 (100) at 1 s finds r0 and r1 long done (both prompts are one 300-token
+    # step: first tokens at dense(300) = 4 ms), the queue empty: admitted, and alone its TTFT is
+    # dense(100) = 2 ms. 3 of 4 requests complete (no SLO set: completed is met).
+    requests = [SimRequest(0.0, 100, 3), SimRequest(0.0, 200, 3), SimRequest(0.0, 50, 3), SimRequest(1.0, 100, 3)]
+    admission = AdmissionConfig(policy="threshold", max_queued_prompt_tokens=250)
+    config = SimConfig(admission="threshold", admission_config=admission)
+    result = simulate(config, linear_profile(), requests)
+    assert [r.status for r in result.records] == ["ok", "ok", "rejected", "ok"]
+    assert [r.refusal for r in result.records] == ["", "", "queued_tokens", ""]
+    assert [r.first_token_s for r in result.records[:2]] == [approx(0.004), approx(0.004)]
+    assert result.records[3].ttft_s == approx(0.002)
+    assert result.summary().slo_attainment == 0.75
+
+
+def test_threshold_admission_counts_the_decode_streams_the_router_has_routed():
+    # max_running_requests = 2: the decode instance's streams are every request routed there and not
+    # ended, before its first token too (the router's ledger). At t = 0 r0 sees 0 streams, r1 sees 1,
+    # r2 sees 2 >= 2: refused for running_requests. r3 at 1 s sees none (r0 and r1 ended by
+    # 4 + 6 + 2 x 1.01 ms, at most 15 ms): admitted.
+    requests = [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 3), SimRequest(1.0, 100, 3)]
+    config = SimConfig(admission="threshold", admission_config=AdmissionConfig("threshold", max_running_requests=2))
+    result = simulate(config, linear_profile(), requests)
+    assert [r.status for r in result.records] == ["ok", "ok", "rejected", "ok"]
+    assert result.records[2].refusal == "running_requests"
 
 
 def test_router_limit_and_client_concurrency():
     requests = [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 3)]
     limited = simulate(SimConfig(router_max_requests=1), linear_profile(), requests)
     assert [r.status for r in limited.records] == ["ok", "rejected"]
+    assert [r.refusal for r in limited.records] == ["", "concurrency"]
     # Two routers, each with that limit: both requests are served, each as if alone on its prefill worker.
     shared = simulate(SimConfig(prefill=2, router_max_requests=1, routers=2), linear_profile(), requests)
     assert [r.status for r in shared.records] == ["ok", "ok"]

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from policies.admission import AdmissionConfig
 from sim import SimConfig
 from sim.profile import Profile
 from sim.roofline import roofline_profile
@@ -139,7 +140,8 @@ def test_roofline_profiles_are_labelled_and_ordered():
         ({"colocated": 1}, "colocated"),
         ({"tp": 3}, "tp"),
         ({"policy": "nearest"}, "policy"),
-        ({"admission": "ttft"}, "admission"),
+        ({"admission": "slo"}, "admission"),
+        ({"admission": "threshold", "admission_config": AdmissionConfig("predictive")}, "admission_config"),
         ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
         ({"decode_kv_tokens": 0}, "decode_kv_tokens"),
     ],
