@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import socket
 import subprocess
 import sys
@@ -62,16 +63,45 @@ def _assert_serving(server) -> None:
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def _tasks() -> set[asyncio.Task]:
-    return {task for task in asyncio.all_tasks() if task is not asyncio.current_task()}
+# Set in the failing start's context: every task it (or a task it started) creates inherits it, while the
+# first router's own tasks on the same loop (long-polls, probes it keeps starting) do not.
+_IN_FAILED_START: contextvars.ContextVar[bool] = contextvars.ContextVar("in_failed_start", default=False)
 
 
-def _assert_nothing_left(loop, tasks_before: set, threads_before: set) -> None:
-    """No task on the router loop and no thread is left from a failed start (cancelled tasks end within
-    a few loop turns)."""
+def _start_recording_tasks(loop) -> list[asyncio.Task]:
+    """From now on, tasks created on `loop` from the failed start's context are listed in the returned list."""
+    created: list[asyncio.Task] = []
+
+    def factory(event_loop, coro, **kwargs):
+        task = asyncio.Task(coro, loop=event_loop, **kwargs)
+        if _IN_FAILED_START.get():  # the factory runs in the creating code's context
+            created.append(task)
+        return task
+
+    async def install() -> None:
+        asyncio.get_running_loop().set_task_factory(factory)
+
+    loop.call(install())
+    return created
+
+
+def _stop_recording_tasks(loop) -> None:
+    async def uninstall() -> None:
+        asyncio.get_running_loop().set_task_factory(None)
+
+    loop.call(uninstall())
+
+
+async def _failed_start(cluster, config):
+    _IN_FAILED_START.set(True)
+    await RouterServer.start(cluster, config)
+
+
+def _assert_nothing_left(created: list[asyncio.Task], threads_before: set) -> None:
+    """No task the failed start created and no thread is left (cancelled tasks end within a few loop turns)."""
     deadline_s = time.monotonic() + 10
     while True:
-        tasks = {task for task in loop.call(_tasks()) - tasks_before if not task.done()}
+        tasks = [task for task in created if not task.done()]
         threads = {t for t in threading.enumerate() if t.is_alive()} - threads_before
         if not tasks and not threads:
             return
@@ -85,13 +115,19 @@ def test_a_second_router_on_a_taken_port_fails_naming_it_and_the_first_serves_on
     # The second router asks for one of the first's ports; every other port is the OS's pick (metrics
     # and health too, so that the failing start has begun all its other listeners when it hits it).
     second = router_config(**{"metrics_port": 0, "health_port": 0, key: taken})
-    tasks_before = router_stack.loop.call(_tasks())
+    loop = router_stack.loop
     threads_before = set(threading.enumerate())
-    with pytest.raises(PortInUse) as caught:
-        router_stack.loop.call(RouterServer.start(router_stack.cluster, second))
-    assert (caught.value.key, caught.value.host, caught.value.port) == (f"router.{key}", "127.0.0.1", taken)
-    assert str(caught.value) == f"router.{key}: cannot listen on 127.0.0.1:{taken}: already in use"
-    _assert_nothing_left(router_stack.loop, tasks_before, threads_before)
+    created = _start_recording_tasks(loop)
+    try:
+        with pytest.raises(PortInUse) as caught:
+            loop.call(_failed_start(router_stack.cluster, second))
+        assert (caught.value.key, caught.value.host, caught.value.port) == (f"router.{key}", "127.0.0.1", taken)
+        assert str(caught.value) == f"router.{key}: cannot listen on 127.0.0.1:{taken}: already in use"
+        if key in ("http_port", "health_port"):  # these bind after the background loops have started
+            assert created, "the failed start's tasks are recorded"
+        _assert_nothing_left(created, threads_before)
+    finally:
+        _stop_recording_tasks(loop)
     _assert_serving(first)
     assert _ports(first)[key] == taken
 
