@@ -58,13 +58,14 @@ class RequestFailed(RuntimeError):
         out_of_capacity: bool = False,
         lost_worker: tuple[str, int] | None = None,
         decode_lost: bool = False,
+        phase: AttemptPhase = AttemptPhase.PREFILL,
     ):
         super().__init__(reason)
         self.reason, self.unavailable, self.field, self.timed_out = reason, unavailable, field, timed_out
         self.out_of_capacity = out_of_capacity  # a worker's KV pool is full now: retry later
         self.lost_worker = lost_worker  # (worker id, epoch) of a worker found dead on the way, if any
         self.decode_lost = decode_lost  # its hand-off found the decode instance dead or silent
-        self.phase = AttemptPhase.PREFILL  # set where the attempt failed (see AttemptPhase)
+        self.phase = phase  # where the attempt failed (the client corrects it on the way out: see AttemptPhase)
 
 
 @dataclass(frozen=True)
@@ -169,9 +170,7 @@ class ClusterClient:
                 update.phase = AttemptPhase.DECODE
                 raise update
             if update.error is not None:
-                failed = RequestFailed(update.error, unavailable=True)
-                failed.phase = AttemptPhase.DECODE
-                raise failed
+                raise RequestFailed(update.error, unavailable=True, phase=AttemptPhase.DECODE)
             yield TokenChunk(
                 update.token_ids, update.logprobs, update.finish_reason, text_end_chars=update.text_end_chars
             )

@@ -217,12 +217,10 @@ class RouterService:
         running = self.ledger.running_on(decode.worker_id)
         load = self.ledger.prefill_load(worker_id)
         total = decode.info.num_blocks
-        # The monitor's figure is up to a probe interval old; what this router reserved since is exact.
-        held = sum(-(-(r.context_tokens + 1) // self.info.block_size) for r in running)
-        stats = self.monitor.stats.get(decode.worker_id)
-        free = min(stats.num_free_blocks if stats is not None else total, total - held)
+        stats = self.monitor.stats.get(decode.worker_id)  # up to a probe interval old: the gate corrects it
+        reported_free = stats.num_free_blocks if stats is not None else total
         verdict = self.admission.decide(
-            request, cached_tokens, load, decode.worker_id, running, max(free, 0), total, waited_s
+            request, cached_tokens, load, decode.worker_id, running, reported_free, total, waited_s
         )
         if not verdict.admit:
             self.metrics.rejected(str(verdict.cause))

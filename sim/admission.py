@@ -15,8 +15,8 @@ router feeds it, from the simulated cluster.
 - the decision (`decide`), after routing as in router/service.py: the chosen prefill worker's
   `WorkerLoad` (the figures the routing policy saw), the chosen decode instance's streams as the
   router's ledger lists them (every request routed there and not ended, with the tokens streamed so
-  far: 0 before its first token), and its free KV blocks: the instance's own count, or fewer when
-  the streams' contexts already need more (the router's own estimate).
+  far: 0 before its first token), and its free KV blocks as the instance counts them (the gate lowers them
+  to what the streams routed there leave, as in the router).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ class SimAdmission:
         self.gate = AdmissionGate(config, kv_bytes_per_token, block_tokens, prefill_step_budget_tokens)
         self.ttft_ms = None if ttft_slo_s is None else ttft_slo_s * 1e3
         self.tpot_ms = None if tpot_slo_s is None else tpot_slo_s * 1e3
-        self.block_tokens = block_tokens
         self.window = config.cost_window_steps
         self.colocated = colocated
         self.on_decode: list[dict[SimSeq, None]] = [{} for _ in range(num_decode)]  # the ledger's streams
@@ -104,11 +103,10 @@ class SimAdmission:
         request = AdmissionRequest(seq.prompt, seq.prompt - uncached, seq.output, self.ttft_ms, self.tpot_ms, 0)
         running = list(self.running(self.on_decode[decode], instance, now_s))
         counter: BlockCounter | PrefixPool = instance.kv
-        total = counter.num_blocks
-        held = sum(-(-(r.context_tokens + 1) // self.block_tokens) for r in running)
-        free = min(counter.num_free_blocks, total - held)
         instance_id = f"{instance.role}-{decode}"
-        decision = self.gate.decide_request(request, load, instance_id, running, max(free, 0), total)
+        decision = self.gate.decide_request(
+            request, load, instance_id, running, counter.num_free_blocks, counter.num_blocks
+        )
         if decision.admit:
             seq.tokens_through = load.queued_prompt_tokens + uncached
         return decision

@@ -91,7 +91,7 @@ class AdmissionGate:
         prefill: WorkerLoad,
         decode_id: str,
         decode_running: list[RunningRequest],
-        blocks_free: int,
+        blocks_reported_free: int,
         decode_blocks_total: int,
         waited_s: float = 0.0,
     ) -> AdmissionDecision:
@@ -102,7 +102,7 @@ class AdmissionGate:
             prefill,
             decode_id,
             decode_running,
-            blocks_free,
+            blocks_reported_free,
             decode_blocks_total,
         )
 
@@ -112,12 +112,12 @@ class AdmissionGate:
         prefill: WorkerLoad,
         decode_id: str,
         decode_running: list[RunningRequest],
-        blocks_free: int,
+        blocks_reported_free: int,
         decode_blocks_total: int,
     ) -> AdmissionDecision:
         """The policy's decision on `request` routed to `prefill` and the decode instance `decode_id`."""
         return self.policy.decide(
-            request, self.view(prefill, decode_id, decode_running, blocks_free, decode_blocks_total)
+            request, self.view(prefill, decode_id, decode_running, blocks_reported_free, decode_blocks_total)
         )
 
     def view(
@@ -125,10 +125,14 @@ class AdmissionGate:
         prefill: WorkerLoad,
         decode_id: str,
         decode_running: list[RunningRequest],
-        blocks_free: int,
+        blocks_reported_free: int,
         decode_blocks_total: int,
     ) -> ClusterView:
-        """The policy's view: the chosen workers, the current fits and the pool constants."""
+        """The policy's view: the chosen workers, the current fits and the pool constants. The decode
+        instance's free blocks are its reported count (up to a probe interval old), or fewer when the
+        requests routed there since already need more: what the caller placed there is exact."""
+        held = sum(-(-(r.context_tokens + 1) // self.block_size) for r in decode_running)
+        blocks_free = max(min(blocks_reported_free, decode_blocks_total - held), 0)
         return ClusterView(
             (prefill,),
             (DecodeInstanceView(decode_id, tuple(decode_running), blocks_free, decode_blocks_total),),
