@@ -24,7 +24,10 @@ PRODUCT = tuple(PYPROJECT["tool"]["importlinter"]["root_packages"])
 IMPORT_NAMES = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "grpcio-reflection": "grpc_reflection",
                 "grpcio-tools": "grpc_tools", "protobuf": "google.protobuf", "pyyaml": "yaml",
                 "prometheus-client": "prometheus_client", "helm-python-sdk": "helm_python",
-                "kubernetes-validate": "kubernetes_validate"}
+                "kubernetes-validate": "kubernetes_validate", "huggingface-hub": "huggingface_hub",
+                "opentelemetry-api": "opentelemetry", "opentelemetry-sdk": "opentelemetry.sdk",
+                "opentelemetry-exporter-otlp-proto-grpc": "opentelemetry.exporter.otlp.proto.grpc",
+                "opentelemetry-proto": "opentelemetry.proto"}
 # Declared but never imported, on purpose: (distribution, why).
 NOT_IMPORTED = {"hiredis": "redis-py's C reply parser, used by redis-py when present",
                 "pytest-timeout": "a pytest plugin: the suite's per-test timeout (pyproject [tool.pytest])",
