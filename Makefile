@@ -73,6 +73,7 @@ lock:
 
 test-deps: sdk-venv lower-venv
 	@command -v redis-server >/dev/null 2>&1 || scripts/install_redis.sh
+	@command -v promtool >/dev/null 2>&1 || scripts/install_prometheus.sh
 
 # The router serves inside the loopback sandbox on unix sockets in .run/; a forwarder outside it makes
 # 127.0.0.1:50051 (gRPC) and 127.0.0.1:8000 (OpenAI HTTP) reach them from other shells (scripts/run_local.sh).
@@ -82,7 +83,7 @@ run: setup
 # Lint (ruff: rules and format), type-check (mypy) and check the layering (import-linter) of the product packages
 # and benchmarks; the rules and the
 # paths mypy checks are in pyproject.toml. `make test` runs it first, so CI does.
-LINT_PATHS := engine kvtransfer splitserve_client common prefix_index policies sim prefill_worker decode_worker cluster router \
+LINT_PATHS := engine kvtransfer splitserve_client common prefix_index kv_store policies sim prefill_worker decode_worker cluster router \
 	loadtest splitserve benchmarks
 
 lint: setup

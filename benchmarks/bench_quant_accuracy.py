@@ -12,6 +12,9 @@ goes through a decode step over the paged cache, as in generation) and compared 
 - greedy-sequence agreement: the configuration generating on its own, the length of its common
   prefix with the reference continuation (mean over prompts, and how many match in full).
 
+`int4-weights` rounds the checkpoint to group-wise int4 at load; `int4-rtn-g64`, `int4-gptq-g64` and
+`int4-awq-g64` first write a quantized copy with `splitserve quantize` (groups of 64, calibrated on the
+shipped corpus) and serve it with `quantization: int4`, so the three quantizers compare on one grid.
 `bf16-weights` (the checkpoint run in bfloat16) is printed as a yardstick: what the precision every
 serving engine uses by default costs on the same checkpoint. Targets are printed beside the figures;
 nothing is clipped or hidden.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import tempfile
 from typing import Any
 
 import torch
@@ -40,6 +44,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model_config
 from engine.sampling_params import SamplingParams
 from engine.teacher_forcing import teacher_forced_logits
+from splitserve.quantize import main as quantize_main
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "int8-kv": {"kv_cache_dtype": "int8"},
@@ -48,7 +53,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "int8-weights+lm-head": {"quantization": "int8", "quantize_lm_head": True},
     "int8-weights+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
     "bf16-weights": {"dtype": "bfloat16"},
+    "int4-weights": {"quantization": "int4"},
+    # Checkpoints written by `splitserve quantize` (calibrated on the shipped corpus), served as int4.
+    "int4-rtn-g64": {"quantize": ["--method", "rtn", "--bits", "4", "--group-size", "64", "--asym"]},
+    "int4-gptq-g64": {"quantize": ["--method", "gptq", "--bits", "4", "--group-size", "64", "--asym"]},
+    "int4-awq-g64": {"quantize": ["--method", "awq", "--bits", "4", "--group-size", "64"]},
 }
+QUANTIZED_CHECKPOINT_ENGINE = {"quantization": "int4"}
 TOP1_TARGET = 0.99
 
 
@@ -92,8 +103,15 @@ def evaluate(model_dir: str, config_names: list[str], prompts: list[list[int]], 
     expected = torch.cat(teacher_forced_logits(reference, prompts, continuations))
     del reference
     report = {}
+    scratch = tempfile.TemporaryDirectory()
     for name in config_names:
-        engine = LLMEngine(EngineConfig(**engine_args, **CONFIGS[name]))
+        settings = dict(CONFIGS[name])
+        flags = settings.pop("quantize", None)
+        if flags is not None:
+            served = f"{scratch.name}/{name}"
+            quantize_main([model_dir, served, *flags])
+            settings = {"model_dir": served, **QUANTIZED_CHECKPOINT_ENGINE}
+        engine = LLMEngine(EngineConfig(**{**engine_args, **settings}))
         row = compare(expected, torch.cat(teacher_forced_logits(engine, prompts, continuations)).float())
         lengths = agreement_lengths(continuations, greedy(engine, prompts, max_tokens))
         row.update(
@@ -101,6 +119,7 @@ def evaluate(model_dir: str, config_names: list[str], prompts: list[list[int]], 
         )
         report[name] = row
         del engine
+    scratch.cleanup()
     return report
 
 

@@ -3,9 +3,9 @@
 `python -m benchmarks.bench_quant_throughput [--model DIR] [--batch-sizes 1,8,32] [--threads N]`.
 For each batch size B (max_num_seqs), B requests (prompt lengths uniform in [--min-prompt,
 --max-prompt], `--output` tokens each, EOS ignored, greedy) run through one `LLMEngine` per
-configuration: fp32, int8 weights, int8 weights and LM head, int8 KV, fp8 KV, int8 weights + int8 KV
-(`--configs`). Engine steps are timed one by one: decode tok/s = tokens of steps that only decode /
-their time; output tok/s = all output tokens / wall time (prefill included). Configurations alternate
+configuration: fp32, int8 weights, int8 weights and LM head, int8 KV, fp8 KV, int8 weights + int8 KV,
+group-wise int4 weights (`--configs`). Engine steps are timed one by one: decode tok/s = tokens of steps
+that only decode / their time; output tok/s = all output tokens / wall time (prefill included). Configurations alternate
 order per round (`--rounds`) and the median is kept, so drift on a shared machine hits every
 configuration alike.
 """
@@ -34,6 +34,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "int8-kv": {"kv_cache_dtype": "int8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "int8-weights+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "int4-weights": {"quantization": "int4"},
 }
 
 

@@ -6,6 +6,9 @@ the prefix-index feeder, the router's own bookkeeping) about every new version. 
 (dead, draining) stops receiving new requests within one watch round trip; requests already on it
 keep their own handles. When the controller restarts, pending watches are retried by Ray and the
 restarted controller answers with the same version, so nothing moves.
+The watch asks for deltas (`watch_delta`): the controller answers with what changed since the view's
+version, or with the whole membership when it no longer holds that version; either brings the view to
+the current version in one round trip (common/membership.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import ray
 
 from cluster.launcher import LaunchedCluster
 from common.config import ClusterConfig
-from common.membership import Member, Membership
+from common.membership import Member, Membership, MembershipDelta
 
 log = logging.getLogger(__name__)
 WATCH_S = 5.0  # one long-poll's wait at the controller
@@ -33,6 +36,8 @@ class ClusterView:
         self.model_dir = launched.model_dir
         self.membership: Membership = launched.membership
         self.listeners: list[Callable[[Membership, Membership], None]] = []  # (old, new)
+        # called each time the controller stops answering watches (it is restarting, or gone)
+        self.outage_listeners: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
         # The long-poll in flight (cancelled on close: the controller may outlive us).
         self._watch: ray.ObjectRef | None = None
@@ -84,18 +89,21 @@ class ClusterView:
         failing = False
         while True:
             try:
-                self._watch = self.controller.watch(self.membership.version, WATCH_S)
-                membership = await asyncio.wait_for(self._watch, WATCH_S + WATCH_SLACK_S)
+                known = self.membership
+                self._watch = self.controller.watch_delta(known.cluster_id, known.version, WATCH_S)
+                answer = await asyncio.wait_for(self._watch, WATCH_S + WATCH_SLACK_S)
                 failing = False
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - controller restarting or gone: keep the last membership, retry
                 if not failing:
                     log.warning("cannot watch the cluster controller: %s", type(err).__name__)
+                    for listener in self.outage_listeners:
+                        listener()
                 failing = True
                 await asyncio.sleep(RETRY_S)
                 continue
-            self.apply(membership)
+            self.apply(follow(self.membership, answer))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -104,3 +112,14 @@ class ClusterView:
         if self._watch is not None:
             ray.cancel(self._watch)
             self._watch = None
+
+
+def follow(view: Membership, answer: Membership | MembershipDelta) -> Membership:
+    """The view after a watch answer: a delta applied to the version it is from, or the whole membership
+    (a delta from another version, possible only after a concurrent apply, changes nothing: the next
+    watch asks again from the view's version)."""
+    if isinstance(answer, Membership):
+        return answer
+    if answer.cluster_id == view.cluster_id and answer.base_version == view.version:
+        return answer.apply(view)
+    return view

@@ -19,7 +19,6 @@ live workers from its record in Ray's GCS (`cluster/controller_state.py`); no wo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -31,10 +30,11 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from cluster.controller_slots import Slot, SlotStarter
 from cluster.controller_state import ControllerState
+from cluster.membership_feed import MembershipFeed
 from cluster.planner_loop import PlannerLoop
 from common.actor_api import ControllerApi, WorkerHandle
 from common.config import ClusterConfig, ConfigError, config_conflicts
-from common.membership import DRAINING, ROLES, SERVING, Member, Membership
+from common.membership import DRAINING, ROLES, SERVING, Member, Membership, MembershipDelta
 from common.messages import Liveness
 from common.traffic import TrafficCounts
 
@@ -58,8 +58,7 @@ class ClusterController:
         self.config = ClusterConfig.from_dict(state.config)
         self.slots: dict[str, Slot] = {}
         self.starter = SlotStarter(self)
-        self._membership = Membership(state.cluster_id, state.version)
-        self._changed = asyncio.get_running_loop().create_future()
+        self._feed = MembershipFeed(Membership(state.cluster_id, state.version))
         self._ready = asyncio.Event()  # set once re-adoption (or the first reconcile) is done
         self._stopping = False
         self.planner: PlannerLoop | None = None
@@ -70,16 +69,19 @@ class ClusterController:
     # ---- API ---------------------------------------------------------------------------------------
     async def membership(self) -> Membership:
         await self._ready.wait()
-        return self._membership
+        return self._feed.current
 
     async def watch(self, known_version: int, timeout_s: float) -> Membership:
         """The membership once its version differs from `known_version`, or the current one after
         `timeout_s` (long-poll: routers call it in a loop)."""
         await asyncio.wait_for(self._ready.wait(), timeout_s)
-        if self._membership.version == known_version:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._changed), timeout_s)
-        return self._membership
+        return await self._feed.watch(known_version, timeout_s)
+
+    async def watch_delta(self, cluster_id: str, known_version: int, timeout_s: float) -> Membership | MembershipDelta:
+        """As `watch`, answered as the change from the watcher's version when the controller still has
+        it (cluster/membership_feed.py): what routers follow, so a fleet's watchers cost little."""
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        return await self._feed.watch_delta(cluster_id, known_version, timeout_s)
 
     async def wait_ready(self, timeout_s: float) -> Membership:
         """Returns once every desired worker is serving; raises ClusterStartError (naming what could not
@@ -87,7 +89,7 @@ class ClusterController:
         deadline_s = time.monotonic() + timeout_s
         while time.monotonic() < deadline_s:
             if self._at_strength():
-                return self._membership
+                return self._feed.current
             await asyncio.sleep(0.05)
         raise self.starter.start_error(timeout_s)
 
@@ -168,7 +170,7 @@ class ClusterController:
     async def _supervise(self) -> None:
         try:  # nothing is published until this is done: a restarted controller resumes the same version
             adopted_all = await self.starter.adopt_recorded()
-            self._membership = Membership(self.state.cluster_id, self.state.version, self._members())
+            self._feed.restore(Membership(self.state.cluster_id, self.state.version, self._members()))
             self._ready.set()
             if not adopted_all:
                 self._publish(force=True)
@@ -271,16 +273,15 @@ class ClusterController:
         if not self._ready.is_set():
             return  # still re-adopting: the membership is published once, whole, afterwards
         members = self._members()
-        if not force and _same(members, self._membership.members):
+        if not force and _same(members, self._feed.current.members):
             return
         self.state.version += 1
         self.state.save()
-        self._membership = Membership(self.state.cluster_id, self.state.version, members)
-        self._changed.set_result(None)
-        self._changed = asyncio.get_running_loop().create_future()
+        membership = Membership(self.state.cluster_id, self.state.version, members)
+        self._feed.publish(membership)
         for member in members:  # workers follow too: peers for prefix pulls, channels to close
             for rank in member.ranks:
-                WorkerHandle(rank).set_membership(self._membership)
+                WorkerHandle(rank).set_membership(membership)
 
 
 def _same(a: tuple[Member, ...], b: tuple[Member, ...]) -> bool:

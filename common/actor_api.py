@@ -38,7 +38,7 @@ from kvtransfer.handoff import HandoffTarget
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from common.membership import Member, Membership
+    from common.membership import Member, Membership, MembershipDelta
 
 # What a prefill worker's `prefill` stream yields, in order: queue changes, the first token, and (when
 # the sequence continues on a decode instance) the hand-off's figures.
@@ -66,6 +66,10 @@ class WorkerApi(Protocol):
 
     async def check_integrity(self) -> dict:
         """The block pool's integrity check and what it still holds (tests, operators)."""
+        ...
+
+    async def kv_tier_stats(self) -> dict[str, dict[str, int]]:
+        """Counters of the worker's KV tiers (kv_store/): per tier and for the worker; {} without tiers."""
         ...
 
     async def debug_signal(self, signum: int) -> None:
@@ -157,6 +161,10 @@ class ControllerApi(Protocol):
         """Long-poll: the membership once its version differs from `known_version`, else after the timeout."""
         ...
 
+    async def watch_delta(self, cluster_id: str, known_version: int, timeout_s: float) -> Membership | MembershipDelta:
+        """As `watch`, answered as a `MembershipDelta` from `known_version` when the controller still has it."""
+        ...
+
     async def wait_ready(self, timeout_s: float) -> Membership:
         """Returns once every desired worker serves; raises naming what could not start."""
         ...
@@ -218,6 +226,9 @@ class WorkerHandle(_Handle):
 
     def check_integrity(self) -> ObjectRef[dict]:
         return self.actor.check_integrity.remote()
+
+    def kv_tier_stats(self) -> ObjectRef[dict[str, dict[str, int]]]:
+        return self.actor.kv_tier_stats.remote()
 
     def debug_signal(self, signum: int) -> ObjectRef[None]:
         return self.actor.debug_signal.remote(signum)
@@ -295,6 +306,11 @@ class ControllerHandle(_Handle):
 
     def watch(self, known_version: int, timeout_s: float) -> ObjectRef[Membership]:
         return self.actor.watch.remote(known_version, timeout_s)
+
+    def watch_delta(
+        self, cluster_id: str, known_version: int, timeout_s: float
+    ) -> ObjectRef[Membership | MembershipDelta]:
+        return self.actor.watch_delta.remote(cluster_id, known_version, timeout_s)
 
     def wait_ready(self, timeout_s: float) -> ObjectRef[Membership]:
         return self.actor.wait_ready.remote(timeout_s)

@@ -16,7 +16,9 @@ from typing import Any
 
 from common.admission_config import AdmissionConfig
 from common.config_parsing import ConfigError, build, check, reject_unknown
+from common.kv_store_config import KVStoreConfig, check_kv_store
 from common.planner_config import PlannerConfig
+from common.redis_url import parse_redis_url
 from common.router_config import PREFIX_PULL_MODES as PREFIX_PULL_MODES
 from common.router_config import ROUTING_POLICIES as ROUTING_POLICIES
 from common.router_config import RouterConfig, check_router
@@ -45,6 +47,9 @@ class PoolConfig(EngineLimits):
     quantization: str | None = None
     # Decode pool only: speculative decoding (engine/speculative/config.py, vLLM's keys); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Mixture-of-experts models under tp_size > 1: split whole experts across the ranks (expert
+    # parallelism); false: every rank holds a slice of every expert (engine/layers/fused_moe.py).
+    expert_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,14 @@ class ClusterConfig(ModelFormat):
     # Which cluster in the Ray cluster (its controller's name). None: a new cluster of its own
     # (the Python API); the command line uses "default".
     cluster_name: str | None = None
-    model_dir: str | None = None  # None: the generated demo checkpoint
+    # A checkpoint folder, or a Hub id (ORG/NAME) in the local Hugging Face cache (HF_HOME /
+    # HF_HUB_CACHE; never downloaded at start). None: the generated demo checkpoint.
+    model_dir: str | None = None
+    model_revision: str | None = None  # the Hub id's branch, tag or commit; None: main
+    # The names the OpenAI API lists in /v1/models and accepts as `model` (responses carry the first).
+    # None: the Hub id, or the checkpoint folder's name and path.
+    served_model_name: list[str] | None = None
+    max_model_len: int | None = None  # longest sequence (prompt + output) served; None: the model's limit
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     ray_address: str | None = None  # None: start a local Ray cluster
@@ -79,12 +91,18 @@ class ClusterConfig(ModelFormat):
     handoff_lease_s: float = 30.0  # a reservation/transfer not finished by then is abandoned
     request_timeout_s: float = 600.0  # longest any single request may take end to end
     router: RouterConfig = field(default_factory=RouterConfig)
-    redis_url: str | None = None  # global prefix index; None: the router's in-process index
+    # global prefix index: redis://, rediss://, unix://, or a Redis Cluster as redis+cluster://HOST:PORT[,HOST:PORT...];
+    # None: the router's in-process index
+    redis_url: str | None = None
     index_lease_s: float = 30.0  # a worker's prefix-index entries expire this long after its last heartbeat
     prefix_pull_timeout_s: float = 5.0  # a prefix pull not done by then is abandoned (the prompt is computed)
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)  # KV tiers beyond the pools (kv_store/)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # router admission control
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)  # the controller's online planner
+    # An OpenTelemetry collector's OTLP/gRPC address (http://host:4317) every process exports trace spans
+    # to. None: tracing off (no span is made).
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -97,12 +115,29 @@ class ClusterConfig(ModelFormat):
             "speculative decoding runs on the decode pool (prefill samples one token and hands off)",
         )
         check(self.decode.tp_size in (1, 2, 4, 8), "decode.tp_size", "must be 1, 2, 4 or 8")
+        check(
+            self.served_model_name is None
+            or (
+                isinstance(self.served_model_name, list | tuple)
+                and len(self.served_model_name) > 0
+                and all(isinstance(name, str) and name for name in self.served_model_name)
+            ),
+            "served_model_name",
+            "must be None or a non-empty list of non-empty names",
+        )
+        check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be None or >= 2")
+        check(self.model_revision is None or bool(self.model_revision), "model_revision", "must be None or non-empty")
         check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
         check(self.handoff_lease_s > 0, "handoff_lease_s", "must be > 0")
         check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         check(self.ray_num_cpus is None or self.ray_num_cpus >= 1, "ray_num_cpus", "must be >= 1")
         check(self.index_lease_s > 0, "index_lease_s", "must be > 0")
         check(self.prefix_pull_timeout_s > 0, "prefix_pull_timeout_s", "must be > 0")
+        check(
+            self.otlp_traces_endpoint is None or bool(self.otlp_traces_endpoint.strip()),
+            "otlp_traces_endpoint",
+            "must be None or a collector address such as http://otel-collector:4317",
+        )
         check(
             self.rendezvous_host is None or bool(self.rendezvous_host),
             "rendezvous_host",
@@ -114,12 +149,13 @@ class ClusterConfig(ModelFormat):
             "must be 1-64 letters, digits, '.', '_' or '-'",
         )
         _check_controller(self.controller)
-        check(
-            self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
-            "redis_url",
-            "must start with redis://, rediss:// or unix://",
-        )
+        if self.redis_url is not None:
+            try:
+                parse_redis_url(self.redis_url, "redis_url")
+            except ValueError as err:  # its message already starts with the key
+                raise ConfigError(str(err)) from None
         check_router(self.router)
+        check_kv_store(self.kv_store)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterConfig:
@@ -168,12 +204,21 @@ class ClusterConfig(ModelFormat):
             max_num_seqs=pool.max_num_seqs,
             max_num_batched_tokens=pool.max_num_batched_tokens,
             prefill_chunk_tokens=pool.prefill_chunk_tokens,
-            enable_prefix_caching=self.enable_prefix_caching and role == "prefill",
+            # decode instances hash their blocks only to store them (kv_store.write_decode_blocks)
+            enable_prefix_caching=self.enable_prefix_caching and (role == "prefill" or self.decode_stores_blocks),
             seed=self.seed,
             num_threads=pool.threads,
             tp_size=pool.tp_size,
+            expert_parallel=pool.expert_parallel,
+            max_model_len=self.max_model_len,
             speculative_config=pool.speculative_config if role == "decode" else None,
         )
+
+    @property
+    def decode_stores_blocks(self) -> bool:
+        """Whether decode instances write their sequences' blocks to the shared store as they fill (a
+        TP=1 instance: a rank of a larger one holds only its heads, which no prefill worker reads)."""
+        return self.kv_store.url is not None and self.kv_store.write_decode_blocks and self.decode.tp_size == 1
 
     @property
     def num_cpus_needed(self) -> float:
@@ -224,6 +269,7 @@ _SECTIONS = {
     "router": RouterConfig,
     "controller": ControllerConfig,
     "planner": PlannerConfig,
+    "kv_store": KVStoreConfig,
 }
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # What a cluster's controller owns: a command joining a running cluster may not ask for other values.

@@ -10,6 +10,12 @@ of the control plane: docs/architecture.md, Control plane.
 Worker ids are stable per pool slot ("<cluster>/prefill-0", "<cluster>/decode-1"); every start of a
 slot gets a new `epoch`, and everything that must not outlive one start (actor, transport peer ids,
 tensor-parallel group, prefix-index entries) is keyed by it.
+
+Watchers at fleet size (hundreds of routers) are sent `MembershipDelta`s: what changed between the
+version a watcher holds and the current one (members that joined or changed, ids that left), so a
+watch answer grows with the change, not with the fleet. A delta applies only to the exact version it
+was computed from; a watcher too far behind (older than the controller's history) gets the whole
+`Membership` instead. Either way one answer brings the watcher to the current version.
 """
 
 from __future__ import annotations
@@ -89,3 +95,45 @@ class Membership:
 
     def peer_ids(self) -> frozenset[str]:
         return frozenset(peer for m in self.members for peer in m.peer_ids)
+
+
+def member_order(member: Member) -> tuple[int, int, str]:
+    """The controller's publication order: role (prefill first), then the pool slot (the id's number)."""
+    _, _, tail = member.worker_id.rpartition("-")
+    return (ROLES.index(member.role), int(tail) if tail.isdigit() else -1, member.worker_id)
+
+
+def same_member(a: Member, b: Member) -> bool:
+    """The same start of the same worker in the same state (what a change of membership is made of)."""
+    return (a.worker_id, a.epoch, a.state, a.restarts) == (b.worker_id, b.epoch, b.state, b.restarts)
+
+
+@dataclass(frozen=True)
+class MembershipDelta:
+    """`version` as a change of `base_version`: members that joined or changed, ids that left."""
+
+    cluster_id: str
+    base_version: int
+    version: int
+    upserts: tuple[Member, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    def apply(self, base: Membership) -> Membership:
+        """The membership at `version`; ValueError when `base` is not the version this delta is from."""
+        if base.cluster_id != self.cluster_id or base.version != self.base_version:
+            raise ValueError(
+                f"delta {self.base_version}->{self.version} of {self.cluster_id} applied to "
+                f"version {base.version} of {base.cluster_id}"
+            )
+        gone = set(self.removed) | {m.worker_id for m in self.upserts}
+        kept = [m for m in base.members if m.worker_id not in gone]
+        return Membership(self.cluster_id, self.version, tuple(sorted([*kept, *self.upserts], key=member_order)))
+
+
+def membership_delta(old: Membership, new: Membership) -> MembershipDelta:
+    """What turns `old` into `new` (same cluster): the members new or changed, and the ids gone."""
+    before = {m.worker_id: m for m in old.members}
+    after = {m.worker_id for m in new.members}
+    upserts = tuple(m for m in new.members if m.worker_id not in before or not same_member(before[m.worker_id], m))
+    removed = tuple(w for w in before if w not in after)
+    return MembershipDelta(new.cluster_id, old.version, new.version, upserts, removed)

@@ -31,6 +31,16 @@ class PullOutcome:
 
 
 @dataclass(frozen=True)
+class TraceContext:
+    """Where a request's trace continues in another process (common/tracing.py): the W3C trace context of
+    the span that sent it, and the client's request id (a worker sees only the attempt's id)."""
+
+    traceparent: str
+    request_id: str
+    tracestate: str = ""
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -41,6 +51,7 @@ class GenerateRequest:
     deadline_s: float | None = None  # time.time() by which the request must be done; None: no bound
     # Tokens the request already streamed (a migrated request resumes after them; they count as output).
     output_token_ids: tuple[int, ...] = ()
+    trace_context: TraceContext | None = None  # set only while tracing is on
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -120,10 +131,22 @@ class WorkerStats:
     in_flight: int = 0  # prefill: hand-offs in progress; decode: reservations whose KV has not arrived
     metrics_port: int | None = None  # the worker's Prometheus endpoint, when it has one
     spec: SpecCounters | None = None  # decode with speculative decoding: its cumulative counters
+    kv_tiers: tuple[KVTierStatus, ...] = ()  # its KV tiers beyond the pool (kv_store/), upper first
 
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class KVTierStatus:
+    """One KV tier of a worker (kv_store/), counted since the worker started."""
+
+    tier: str  # "host", "disk" or "redis"
+    used_bytes: int
+    capacity_bytes: int  # 0: bounded by the store itself
+    hits: int
+    misses: int
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,9 @@ worker can share one dashboard without relabelling; other labels are small fixed
 | splitserve_worker_{waiting,running}_requests | gauge | |
 | splitserve_worker_prompt_tokens_total | counter | |
 | splitserve_worker_prefix_cache_hit_tokens_total | counter | |
+| splitserve_worker_request_queue_time_seconds | histogram | |
+| splitserve_worker_preemptions_total | counter | |
+| splitserve_worker_handoffs_in_flight | gauge | |
 | splitserve_worker_steps_total | counter | phase (prefill, decode) |
 | splitserve_worker_step_tokens_total | counter | phase |
 | splitserve_worker_step_duration_seconds | histogram | phase |
@@ -20,6 +23,12 @@ worker can share one dashboard without relabelling; other labels are small fixed
 | splitserve_worker_spec_accepted_tokens_total | counter | |
 | splitserve_worker_spec_verify_steps_total | counter | |
 | splitserve_worker_spec_engine_steps_total | counter | switch (on, off) |
+| splitserve_build_info | gauge (1) | version, python_version, component |
+
+With a `model_name`, every sample also carries `model_name` (common/metric_identity.py), as vLLM's do.
+Queue time is a prefill worker's: from a request's arrival to the first step that schedules it (a
+prefix pull's wait included). `handoffs_in_flight` is, on a prefill worker, hand-offs in progress; on a
+decode instance, reservations whose KV has not arrived yet.
 
 Derived figures: KV usage = kv_used_blocks / kv_capacity_blocks; prefix hit rate =
 rate(prefix_cache_hit_tokens_total) / rate(prompt_tokens_total); throughput =
@@ -35,19 +44,24 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from common.metric_identity import ModelRegistry, add_build_info
 from common.metrics_http import histogram_totals, plain, sample_values
 from engine.speculative.counters import SpecCounters
 
 NAMESPACE, SUBSYSTEM = "splitserve", "worker"
 ROLES = ("prefill", "decode")
 PHASES = ("prefill", "decode")
-DIRECTIONS = ("send", "recv", "pull_out", "pull_in")  # pull_*: prefix blocks between prefill workers
+# pull_*: prefix blocks between prefill workers; store_in: blocks fetched from the KV tiers (kv_store/)
+DIRECTIONS = ("send", "recv", "pull_out", "pull_in", "store_in")
+ROLE_DIRECTIONS = {"prefill": ("send", "pull_out", "pull_in"), "decode": ("recv",)}
 PULL_RESULTS = ("pulled", "skipped", "failed")
 HANDOFF_RESULTS = ("ok", "failed", "aborted")
 SPEC_SWITCH = ("on", "off")
 # An engine step: ~1 ms (a small decode batch on a GPU) to seconds (a long chunked prefill on a CPU).
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # One sequence's KV: sub-millisecond over NVLink, seconds over gloo/TCP for long prompts.
+# Waiting for a prefill slot: nothing on an idle worker, minutes behind a long queue.
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _IDENTITY = ("worker", "role")  # the first labels of every series; dropped again in snapshot()
 
@@ -62,9 +76,14 @@ class WorkerMetrics:
     """One worker's metrics in a registry of its own (`registry`). Thread-safe: the engine thread,
     the KV sender/receiver threads and the actor's event loop may all update it."""
 
-    def __init__(self, worker_id: str, role: str, registry: CollectorRegistry | None = None):
+    def __init__(
+        self, worker_id: str, role: str, registry: CollectorRegistry | None = None, model_name: str | None = None
+    ):
         self.worker_id, self.role = worker_id, _check(role, ROLES, "role")
-        self.registry = registry if registry is not None else CollectorRegistry()
+        if registry is None:
+            registry = ModelRegistry(model_name) if model_name is not None else CollectorRegistry()
+        self.registry = registry
+        add_build_info(self.registry, f"{role}_worker")
         self._kv_capacity = self._gauge("kv_capacity_blocks", "KV blocks in the worker's pool.")
         self._kv_used = self._gauge("kv_used_blocks", "KV blocks held by sequences, reservations or pins.")
         self._waiting = self._gauge("waiting_requests", "Requests waiting in the worker's scheduler.")
@@ -74,6 +93,20 @@ class WorkerMetrics:
         )
         self._hits = self._counter(
             "prefix_cache_hit_tokens_total", "Of those, tokens found in the local prefix cache (not computed)."
+        )
+        self._queue_s = self._histogram(
+            "request_queue_time_seconds",
+            "Time from a request's arrival to the first engine step that schedules it.",
+            (),
+            QUEUE_BUCKETS_S,
+        )
+        self._queue_s.labels(worker_id, role)  # exported (empty) before the first request
+        self._preemptions = self._counter(
+            "preemptions_total", "Sequences preempted (their KV freed, recomputed later) to make room."
+        )
+        self._preemptions_seen = 0
+        self._handoffs_in_flight = self._gauge(
+            "handoffs_in_flight", "Prefill: hand-offs in progress; decode: reservations whose KV has not arrived."
         )
         self._steps = self._counter("steps_total", "Engine steps run.", ("phase",))
         self._step_tokens = self._counter("step_tokens_total", "Tokens computed by engine steps.", ("phase",))
@@ -89,6 +122,13 @@ class WorkerMetrics:
             ("direction",),
             TRANSFER_BUCKETS_S,
         )
+        # The series this role can have exist from the start (rates read 0, and the first increase shows).
+        for phase in (role,):
+            for metric in (self._steps, self._step_tokens, self._step_s):
+                metric.labels(worker_id, role, phase)
+        for direction in ROLE_DIRECTIONS[role]:
+            self._transfer_bytes.labels(worker_id, role, direction)
+            self._transfer_s.labels(worker_id, role, direction)
         self._handoffs = self._counter("handoffs_total", "KV hand-offs ended, by result.", ("result",))
         for result in HANDOFF_RESULTS:  # every series exists from the start, so rate(failed) is 0, not absent
             self._handoffs.labels(worker_id, role, result)
@@ -120,6 +160,18 @@ class WorkerMetrics:
         self._running.labels(self.worker_id, self.role).set(running)
         self._kv_used.labels(self.worker_id, self.role).set(kv_used_blocks)
         self._kv_capacity.labels(self.worker_id, self.role).set(kv_capacity_blocks)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        """A request waited `seconds` before its first engine step."""
+        self._queue_s.labels(self.worker_id, self.role).observe(seconds)
+
+    def set_preemptions(self, total: int) -> None:
+        """The scheduler's cumulative preemption count; the counter catches up."""
+        self._preemptions.labels(self.worker_id, self.role).inc(max(total - self._preemptions_seen, 0))
+        self._preemptions_seen = max(total, self._preemptions_seen)
+
+    def set_handoffs_in_flight(self, count: int) -> None:
+        self._handoffs_in_flight.labels(self.worker_id, self.role).set(count)
 
     def observe_prompt(self, context_tokens: int, cached_tokens: int) -> None:
         """A prefilled context's length (a migrated request's includes the tokens it already streamed) and
@@ -178,6 +230,9 @@ class WorkerMetrics:
             "running_requests": value(self._running),
             "prompt_tokens_total": value(self._prompt, "_total"),
             "prefix_cache_hit_tokens_total": value(self._hits, "_total"),
+            "request_queue_time_seconds": histogram_totals(self._queue_s, skip),
+            "preemptions_total": value(self._preemptions, "_total"),
+            "handoffs_in_flight": value(self._handoffs_in_flight),
             "steps_total": value(self._steps, "_total"),
             "step_tokens_total": value(self._step_tokens, "_total"),
             "step_duration_seconds": histogram_totals(self._step_s, skip),

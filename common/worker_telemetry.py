@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from common.config import ClusterConfig
 from common.messages import WorkerStats
+from common.metric_identity import served_model_name
 from common.metrics_http import start_metrics_server
 from common.worker_metrics import WorkerMetrics
 from engine.engine_loop import EngineLoop
@@ -14,10 +15,11 @@ RECENT_STEPS = 64  # per stats() call; the router polls about once a second
 
 
 class WorkerTelemetry:
-    def __init__(self, worker_id: str, role: str, config: ClusterConfig):
+    def __init__(self, worker_id: str, role: str, config: ClusterConfig, model_dir: str | None = None):
         pool = config.prefill if role == "prefill" else config.decode
         self.role = role
-        self.metrics = WorkerMetrics(worker_id, role)
+        model_name = served_model_name(model_dir, config.served_model_name) if model_dir is not None else None
+        self.metrics = WorkerMetrics(worker_id, role, model_name=model_name)
         # Bound like the router (loopback unless the deployment opens it): one endpoint per actor.
         self.exporter = (
             start_metrics_server(self.metrics.registry, pool.metrics_port, config.router.host)
@@ -36,6 +38,8 @@ class WorkerTelemetry:
         self.metrics.set_load(load.waiting, load.running, load.num_blocks - load.num_free_blocks, load.num_blocks)
         if load.spec is not None:
             self.metrics.set_speculation(load.spec)
+        self.metrics.set_preemptions(loop.engine.scheduler.num_preemptions)
+        self.metrics.set_handoffs_in_flight(in_flight)
         return WorkerStats(
             load.waiting,
             load.running,

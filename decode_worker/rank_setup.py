@@ -33,7 +33,7 @@ def build_rank(owner, config: ClusterConfig, model_dir: str, store_host: str, st
     engine_cfg = config.engine_config("decode", model_dir)
     transport = TorchDistTransport(owner.peer_id, store_host, store_port)
     if config.decode.tp_size == 1:
-        engine = LLMEngine(engine_cfg)
+        engine = LLMEngine(engine_cfg, on_kv_event=owner.on_kv_event)
         loop = EngineLoop(
             engine,
             lambda updates: owner.outbox.push_step(engine, updates),

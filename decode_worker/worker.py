@@ -16,11 +16,13 @@ for an engine step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from common import tracing
 from common.actor_api import DecodeRankApi, DecodeRankHandle
 from common.config import ClusterConfig
 from common.membership import Membership
@@ -28,10 +30,14 @@ from common.messages import GenerateRequest, Liveness, TokenUpdate, WorkerInfo, 
 from common.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
+from decode_worker.trace import DecodeSpans
 from engine.block_hash import spec_fingerprint
+from engine.block_pool import KVCacheEvent
 from engine.engine_loop import EngineLoop
 from engine.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
+from kv_store.metrics import KVTierCollector
+from kv_store.worker_tiers import WorkerKVTiers
 from kvtransfer.handoff import HandoffTarget, RankTarget
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.session import DecodeFull, HandoffFailed
@@ -59,8 +65,17 @@ class DecodeRank:
         self.group_id = f"{instance_id}@{epoch}"  # this start's id: its TP group and transport ids
         self.peer_id = rank_peer_id(self.group_id, rank)
         self.outbox = Outbox()
-        self.telemetry = WorkerTelemetry(instance_id, "decode", self.config) if rank == 0 else None
+        self.telemetry = WorkerTelemetry(instance_id, "decode", self.config, model_dir) if rank == 0 else None
+        if rank == 0:  # the instance's spans are rank 0's (it adopts and streams for all ranks)
+            tracing.configure(self.config.otlp_traces_endpoint, "splitserve-decode")
+        self.spans = DecodeSpans(instance_id)
+        self.kv_tiers: WorkerKVTiers | None = None  # set below when this instance stores its blocks
         self.setup: RankSetup = build_rank(self, self.config, model_dir, store_host, store_port)
+        if self.config.decode_stores_blocks and self.setup.loop is not None:
+            engine = self.setup.loop.engine
+            self.kv_tiers = WorkerKVTiers(self.config.kv_store, engine.runner.kv_cache, engine.kv, only_missing=True)
+            if self.telemetry is not None:
+                self.telemetry.metrics.registry.register(KVTierCollector(instance_id, "decode", self.kv_tiers))
         self.receiver = KVReceiver(self.setup.transport, self.setup.runner.kv_cache)
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
         self._followers = [DecodeRankHandle(follower) for follower in followers]
@@ -163,6 +178,7 @@ class DecodeRank:
             )
         )
         await asyncio.gather(*(f.cancel_expected(rid) for f in self._followers))
+        self.spans.adopted(request)
 
     async def cancel(self, request_id: str) -> None:
         """Abort a running request, or drop a reservation (after no rank can still write into it); a
@@ -174,10 +190,13 @@ class DecodeRank:
         )
         await self._call(lambda engine: _abort_or_release(engine, request_id))
         self.outbox.forget(request_id)
+        self.spans.cancelled(request_id)
 
     async def poll(self, owner: str, max_wait_s: float) -> list[TokenUpdate]:
         """Everything produced for `owner`'s requests since its last poll, waiting up to `max_wait_s`."""
-        return await self.outbox.drain(owner, max_wait_s)
+        updates = await self.outbox.drain(owner, max_wait_s)
+        self.spans.delivered(updates)
+        return updates
 
     async def check_integrity(self) -> dict:
         """Rank 0: the block pool's integrity check and what it still holds. Ranks > 0 hold no pool of
@@ -203,7 +222,8 @@ class DecodeRank:
         """Rank 0: load, recent engine steps and reservations waiting for their KV (see WorkerTelemetry)."""
         if self.telemetry is None:
             raise RuntimeError(f"{self.peer_id}: only rank 0 keeps statistics")
-        return self.telemetry.stats(self._loop, len(self._leases))
+        stats = self.telemetry.stats(self._loop, len(self._leases))
+        return stats if self.kv_tiers is None else dataclasses.replace(stats, kv_tiers=self.kv_tiers.status())
 
     async def debug_signal(self, signum: int) -> None:
         """Fault injection (chaos, tests): send `signum` to this actor's own process (SIGKILL: no cleanup)."""
@@ -217,7 +237,18 @@ class DecodeRank:
         """Fault injection for tests: stall each KV receive by `seconds`."""
         self.receiver.delay_s = seconds
 
+    def on_kv_event(self, event: KVCacheEvent) -> None:
+        """Engine thread (TP=1): a block of a running sequence filled; the KV tiers get a copy."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.on_kv_event(event)
+
+    async def kv_tier_stats(self) -> dict[str, dict[str, int]]:
+        """Counters of this instance's KV tiers (blocks written for migrations); {} without them."""
+        return {} if self.kv_tiers is None else self.kv_tiers.stats()
+
     def shutdown(self) -> None:
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self.telemetry is not None:

@@ -25,16 +25,65 @@ _DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn only (HF's names): the ramp between interpolated and extrapolated frequencies, and the
+    # attention factor scaling cos/sin (None: derived from factor, mscale and mscale_all_dim).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward block, as the checkpoint's config describes it
+    (engine/models/moe.py computes the routing its `routing` names, exactly as that HF family does)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert
+    routing: str  # a name in engine/models/moe.py ROUTERS
+    norm_topk_prob: bool  # renormalize the chosen experts' weights to sum to 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it (DeepSeek)
+    num_groups: int = 1  # grouped routing (DeepSeek): experts in n_group groups, topk_group of them kept
+    topk_groups: int = 1
+    shared_intermediate_size: int = 0  # the always-on shared expert's width; 0: none
+    shared_expert_gate: bool = False  # the shared expert's output is scaled by sigmoid(x·g) (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (intermediate_size wide) instead
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds one latent vector per token and
+    layer, `kv_lora_rank + qk_rope_head_dim` wide, shared by every head (engine/models/mla.py)."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q is projected directly from the hidden state
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rotary dimensions are laid out in interleaved pairs (DeepSeek's weights)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the checkpoint's config.json says, in the engine's own names."""
+    """What the checkpoint's config.json says, in the engine's own names. `num_kv_heads` and
+    `head_dim` describe the KV cache: with MLA one latent "head" of `mla.latent_dim`, stored once
+    (`kv_planes` 1) instead of as K and V."""
 
     architecture: str
     vocab_size: int
@@ -54,10 +103,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     identity: str = ""  # stable id of the checkpoint (arch + digest of config.json); seeds block hashes
+    moe: MoEConfig | None = None  # None: every layer's feed-forward block is dense
+    mla: MLAConfig | None = None  # None: grouped-query attention with per-head K/V
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_planes(self) -> int:
+        """Tensors the KV cache stores per token, layer and head: K and V (2), or MLA's latent (1)."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions RoPE rotates per head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
 
 class ConfigError(ValueError):
@@ -78,7 +139,7 @@ class ModelFormat:
     dtype: str = "auto"  # weights and activations: auto (the checkpoint's), float32, bfloat16 or float16
     block_size: int = 16  # tokens per KV block (the unit of the prefix cache, hand-offs and the prefix index)
     kv_cache_dtype: str = "auto"  # how KV blocks are stored (engine/kv_quant.py): auto (the model dtype), int8, fp8
-    quantization: str = "none"  # weights (engine/layers/quantization.py): none, or int8 (weight-only)
+    quantization: str = "none"  # weights (engine/layers/quantization.py): none, int8 (per channel) or int4 (group-wise)
     enable_prefix_caching: bool = True  # reuse cached prefix blocks (a cluster caches on its prefill workers)
     seed: int = 0  # seeds sampling where a request gives no seed of its own
 
@@ -126,6 +187,9 @@ class EngineConfig(ModelFormat, EngineLimits):
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     tp_size: int = 1
+    # Under tensor parallelism, MoE layers split whole experts across the ranks (expert parallelism);
+    # false: every rank holds a slice of every expert (engine/layers/fused_moe.py).
+    expert_parallel: bool = True
     quantize_lm_head: bool = False  # with `quantization`, the LM head too (its accuracy: docs/performance.md)
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where weights, KV cache and steps live
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps (engine/cuda_graphs.py)
@@ -170,11 +234,14 @@ class EngineConfig(ModelFormat, EngineLimits):
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         # The real bytes of the format (scales included): a quantized pool holds more blocks.
-        bytes_per_token = self.kv_format(model).bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim)
-        block_bytes = bytes_per_token * self.block_size // self.tp_size
+        bytes_per_token = self.kv_format(model).bytes_per_token(
+            model.num_layers, model.num_kv_heads, model.head_dim, model.kv_planes
+        )
+        # MLA's latent is replicated on every rank, not split by head.
+        block_bytes = bytes_per_token * self.block_size // (1 if model.mla is not None else self.tp_size)
         if draft is not None:
             block_bytes += self.block_size * self.kv_format(draft).bytes_per_token(
-                draft.num_layers, draft.num_kv_heads, draft.head_dim
+                draft.num_layers, draft.num_kv_heads, draft.head_dim, draft.kv_planes
             )
         by_memory = max(1, self.kv_cache_memory_bytes // block_bytes)
         # More than every sequence at full length (twice over, for the prefix cache) is never used.

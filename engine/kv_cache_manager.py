@@ -69,6 +69,10 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> tuple[int, ...]:
         return tuple(self._tables[seq_id])
 
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block registered under `block_hash` (in use or free), or None; valid until the pool changes."""
+        return self._pool.lookup(block_hash)
+
     def find_cached_prefix(self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> CachedPrefix:
         """Longest run of leading full blocks that are cached and hold exactly these tokens.
 

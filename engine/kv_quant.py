@@ -41,10 +41,10 @@ class KVFormat:
     def scale_bytes(self) -> int:
         return 4 if self.quantized else 0
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """KV bytes of one token over all layers, K and V, scales included."""
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, planes: int = 2) -> int:
+        """KV bytes of one token over all layers, K and V (`planes` 2) or MLA's latent (1), scales included."""
         element_bytes = torch.empty((), dtype=self.storage_dtype).element_size()
-        return 2 * num_layers * num_kv_heads * (head_dim * element_bytes + self.scale_bytes)
+        return planes * num_layers * num_kv_heads * (head_dim * element_bytes + self.scale_bytes)
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [..., head_dim] → (values in storage dtype, fp32 scales [...] or None)."""

@@ -1,14 +1,16 @@
 """The paged KV cache's storage on one rank: values and (for quantized formats) scales, in one object.
 
-Layout: values `[num_layers, 2 (K/V), kv_heads, num_blocks, block_size, head_dim]` in the format's
-storage dtype; scales `[num_layers, 2, kv_heads, num_blocks, block_size]` fp32 (one per token and KV
-head), or None. Heads lead so one KV head's blocks are contiguous: a decode TP rank receives whole
+Layout: values `[num_layers, planes, kv_heads, num_blocks, block_size, head_dim]` in the format's
+storage dtype; scales `[num_layers, planes, kv_heads, num_blocks, block_size]` fp32 (one per token and KV
+head), or None. `planes` is 2 (K and V) for per-head attention; MLA stores one latent vector per token
+(`planes` 1, one "head" of `kv_lora_rank + qk_rope_head_dim`), read through `latent(i)`.
+Heads lead so one KV head's blocks are contiguous: a decode TP rank receives whole
 head slices. Attention reads it through `layer(i)`; everything that moves KV between processes
 (kvtransfer, prefill and decode workers) uses only the transfer methods below, never the tensors, so
 the blocks and their scales travel as stored: no dequantize, no requantize.
 
-Per-layer transfer message: `[values [2, heads, blocks, block_size, head_dim]]`, plus
-`scales [2, heads, blocks, block_size]` for quantized formats. `layout` names the format and shape, so
+Per-layer transfer message: `[values [planes, heads, blocks, block_size, head_dim]]`, plus
+`scales [planes, heads, blocks, block_size]` for quantized formats. `layout` names the format and shape, so
 two sides can compare before any byte moves.
 """
 
@@ -43,6 +45,32 @@ class LayerKV(NamedTuple):
                 scales.view(heads, blocks * block_size).index_copy_(1, slot_mapping, scale.transpose(0, 1))
 
 
+class LatentKV(NamedTuple):
+    """One layer's MLA cache: latent values `[num_blocks, block_size, latent_dim]` and their scales
+    `[num_blocks, block_size]` (None when the format has none)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor | None
+    fmt: KVFormat
+
+    def write(self, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new latents `[tokens, latent_dim]` (quantized as the format says)."""
+        values, scale = self.fmt.quantize(latent)
+        blocks, block_size, dim = self.values.shape
+        _wide(self.values.view(blocks * block_size, dim)).index_copy_(0, slot_mapping, _wide(values))
+        if self.scales is not None and scale is not None:
+            self.scales.view(-1).index_copy_(0, slot_mapping, scale)
+
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The latents at `slots` (any shape) as `[*slots.shape, latent_dim]` in `dtype`, dequantized."""
+        blocks, block_size, dim = self.values.shape
+        flat = slots.reshape(-1)
+        values = _bytes(self.values.view(blocks * block_size, dim)).index_select(0, flat)
+        values = values.view(self.fmt.storage_dtype)
+        scales = None if self.scales is None else self.scales.view(-1).index_select(0, flat)
+        return self.fmt.dequantize(values, scales, dtype).view(*slots.shape, dim)
+
+
 class KVCacheStorage:
     def __init__(
         self,
@@ -53,16 +81,18 @@ class KVCacheStorage:
         block_size: int,
         head_dim: int,
         device: torch.device | str = "cpu",
+        planes: int = 2,
     ):
         self.fmt = fmt
         self.num_layers, self.num_kv_heads, self.num_blocks = num_layers, num_kv_heads, num_blocks
-        self.block_size, self.head_dim = block_size, head_dim
-        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size)
+        self.block_size, self.head_dim, self.planes = block_size, head_dim, planes
+        shape = (num_layers, planes, num_kv_heads, num_blocks, block_size)
         self.values = torch.zeros(*shape, head_dim, dtype=fmt.storage_dtype, device=device)
         self.scales = torch.zeros(shape, dtype=torch.float32, device=device) if fmt.quantized else None
 
     def layer(self, index: int) -> LayerKV:
         scales = self.scales
+        assert self.planes == 2, "an MLA cache is read through latent()"
         return LayerKV(
             self.values[index, 0],
             self.values[index, 1],
@@ -71,11 +101,16 @@ class KVCacheStorage:
             self.fmt,
         )
 
+    def latent(self, index: int) -> LatentKV:
+        assert self.planes == 1 and self.num_kv_heads == 1, "a K/V cache is read through layer()"
+        scales = self.scales
+        return LatentKV(self.values[index, 0, 0], None if scales is None else scales[index, 0, 0], self.fmt)
+
     # ---- sizes and identity ---------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> int:
-        """This rank's KV bytes for one token (all layers, K and V, scales included)."""
-        return self.fmt.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
+        """This rank's KV bytes for one token (all layers, K and V or the latent, scales included)."""
+        return self.fmt.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.planes)
 
     @property
     def bytes_per_block(self) -> int:
@@ -85,8 +120,9 @@ class KVCacheStorage:
     def layout(self) -> str:
         """What both ends of a KV transfer must agree on, in words: format, block size, head_dim,
         layers. (KV heads are not in it: a decode TP rank holds a slice of the sender's heads.)"""
+        kind = "" if self.planes == 2 else "mla latent "
         return (
-            f"kv {self.fmt.describe()}, block_size {self.block_size}, head_dim {self.head_dim}, "
+            f"{kind}kv {self.fmt.describe()}, block_size {self.block_size}, head_dim {self.head_dim}, "
             f"layers {self.num_layers}"
         )
 
@@ -102,7 +138,7 @@ class KVCacheStorage:
 
     def staging(self, num_blocks: int) -> list[torch.Tensor]:
         """Empty tensors one received layer fills (this rank's heads; a message carries one or more layers)."""
-        shape = (2, self.num_kv_heads, num_blocks, self.block_size)
+        shape = (self.planes, self.num_kv_heads, num_blocks, self.block_size)
         out = [torch.empty(*shape, self.head_dim, dtype=self.fmt.storage_dtype, device=self.values.device)]
         if self.scales is not None:
             out.append(torch.empty(shape, dtype=torch.float32, device=self.values.device))

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
+from engine.model_source import resolve_model
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -18,15 +19,19 @@ from engine.tokenizer import load_tokenizer
 
 
 class LLM:
-    """A colocated engine in this process. `model=None` serves the generated demo checkpoint.
-    `engine_args` are EngineConfig's fields, e.g. `speculative_config={"method": "ngram",
-    "num_speculative_tokens": 4}` or `{"model": DRAFT_DIR, "num_speculative_tokens": 4}`."""
+    """A colocated engine in this process. `model`: a checkpoint folder, or a Hub id (`ORG/NAME`, at
+    `revision`) in the local Hugging Face cache (engine/model_source.py); None serves the generated
+    demo checkpoint. `engine_args` are EngineConfig's fields, e.g. `speculative_config={"method":
+    "ngram", "num_speculative_tokens": 4}` or `{"model": DRAFT_DIR, "num_speculative_tokens": 4}`."""
 
-    def __init__(self, model: str | Path | None = None, *, progress: bool = True, **engine_args):
+    def __init__(
+        self, model: str | Path | None = None, *, revision: str | None = None, progress: bool = True, **engine_args
+    ):
         if model is None:
             from engine.demo_model import ensure_demo_model
 
             model = ensure_demo_model()
+        model = resolve_model(str(model), revision)
         self.config = EngineConfig(model_dir=str(model), **engine_args)
         self.engine = LLMEngine(self.config, progress=progress)
         self._tokenizer = None

@@ -3,12 +3,16 @@
 Supported architectures are a registry (`ARCHITECTURES`); anything else fails naming what is known.
 Single-file and sharded (`model.safetensors.index.json`) checkpoints load the same way: every tensor is
 routed to the parameter that owns it, whose `weight_loader` keeps this rank's tensor-parallel slice.
+Mixture-of-experts checkpoints store one tensor per expert and projection; each is routed to its slot
+of the layer's fused expert tensors (engine/layers/fused_moe.py `expert_target`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,24 +21,114 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.config import EngineConfig, ModelConfig, RopeConfig, resolve_dtype
+from engine.config import EngineConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig, resolve_dtype
 from engine.errors import UnsupportedModelError
+from engine.layers.fused_moe import expert_target
 from engine.models.decoder import PACKED_WEIGHTS, DecoderForCausalLM
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
+from engine.quantization import checkpoint_format
+from engine.quantization.assembly import WeightAssembler
+
+
+def _num_experts(raw: dict) -> int:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if raw.get(key):
+            return int(raw[key])
+    raise UnsupportedModelError("MoE config has no num_experts / num_local_experts / n_routed_experts")
+
+
+def _mixtral_moe(raw: dict) -> MoEConfig:
+    return MoEConfig(_num_experts(raw), raw["num_experts_per_tok"], raw["intermediate_size"], "softmax", True)
+
+
+def _qwen_moe(raw: dict) -> MoEConfig:
+    # HF: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
+    step = raw.get("decoder_sparse_step") or 1
+    only = set(raw.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(raw["num_hidden_layers"]) if i in only or (i + 1) % step)
+    shared = raw.get("shared_expert_intermediate_size") or 0
+    return MoEConfig(
+        _num_experts(raw),
+        raw["num_experts_per_tok"],
+        raw["moe_intermediate_size"],
+        "softmax",
+        bool(raw.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared,
+        shared_expert_gate=bool(shared),
+        dense_layers=dense,
+    )
+
+
+_DEEPSEEK_V2_ROUTING = {"greedy": "softmax", "group_limited_greedy": "softmax_group_limited"}
+
+
+def _deepseek_moe(raw: dict, routing: str, norm_topk_prob: bool) -> MoEConfig:
+    return MoEConfig(
+        _num_experts(raw),
+        raw["num_experts_per_tok"],
+        raw["moe_intermediate_size"],
+        routing,
+        norm_topk_prob,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        num_groups=raw.get("n_group") or 1,
+        topk_groups=raw.get("topk_group") or 1,
+        shared_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
+        dense_layers=tuple(range(raw.get("first_k_dense_replace") or 0)),
+    )
+
+
+def _deepseek_v2_moe(raw: dict) -> MoEConfig:
+    method = raw.get("topk_method", "greedy")
+    if method not in _DEEPSEEK_V2_ROUTING:
+        raise UnsupportedModelError(f"DeepseekV2: topk_method {method!r}; supported: {sorted(_DEEPSEEK_V2_ROUTING)}")
+    return _deepseek_moe(raw, _DEEPSEEK_V2_ROUTING[method], False)  # HF's V2 never renormalizes
+
+
+def _deepseek_v3_moe(raw: dict) -> MoEConfig:
+    return _deepseek_moe(raw, "sigmoid_grouped", bool(raw.get("norm_topk_prob", True)))
+
+
+def _mla(raw: dict) -> MLAConfig:
+    return MLAConfig(
+        kv_lora_rank=raw["kv_lora_rank"],
+        q_lora_rank=raw.get("q_lora_rank"),
+        qk_nope_head_dim=raw["qk_nope_head_dim"],
+        qk_rope_head_dim=raw["qk_rope_head_dim"],
+        v_head_dim=raw["v_head_dim"],
+        # V2 rotates interleaved pairs (as complex numbers); V3 by config (its weights: interleaved).
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+    )
 
 
 @dataclass(frozen=True)
 class ArchitectureTraits:
     qkv_bias: bool | None  # None: read `attention_bias` from the config
     qk_norm: bool
+    moe: Callable[[dict], MoEConfig] | None = None  # reads the MoE block's config; None: dense
+    mla: bool = False  # multi-head latent attention (engine/models/mla.py)
+    # Checkpoint name fragments renamed at load to the engine's module names (HF's differ by family).
+    renames: tuple[tuple[str, str], ...] = ()
 
 
+_DEEPSEEK_RENAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 ARCHITECTURES = {
     "LlamaForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=False),
     "MistralForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=False),
     "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=True),
+    "MixtralForCausalLM": ArchitectureTraits(
+        qkv_bias=None, qk_norm=False, moe=_mixtral_moe, renames=((".block_sparse_moe.", ".mlp."),)
+    ),
+    "Qwen2MoeForCausalLM": ArchitectureTraits(qkv_bias=True, qk_norm=False, moe=_qwen_moe),
+    "Qwen3MoeForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=True, moe=_qwen_moe),
+    "DeepseekV2ForCausalLM": ArchitectureTraits(
+        qkv_bias=None, qk_norm=False, moe=_deepseek_v2_moe, mla=True, renames=_DEEPSEEK_RENAMES
+    ),
+    "DeepseekV3ForCausalLM": ArchitectureTraits(
+        qkv_bias=None, qk_norm=False, moe=_deepseek_v3_moe, mla=True, renames=_DEEPSEEK_RENAMES
+    ),
 }
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 IDENTITY_SAMPLE_BYTES = 1 << 20  # weight bytes per shard folded into the model identity
 
 
@@ -49,6 +143,7 @@ def load_model_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig
     if raw.get("attention_bias") and traits.qkv_bias is None:
         raise UnsupportedModelError(f"{arch}: attention_bias=true is not supported")
     num_heads = raw["num_attention_heads"]
+    mla = _mla(raw) if traits.mla else None
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -56,8 +151,9 @@ def load_model_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig
         intermediate_size=raw["intermediate_size"],
         num_layers=raw["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        # MLA's cache: one latent "head" per token (engine/models/mla.py).
+        num_kv_heads=1 if mla is not None else raw.get("num_key_value_heads") or num_heads,
+        head_dim=mla.latent_dim if mla is not None else raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=_max_positions(raw),
         rope=_rope_config(raw),
@@ -67,7 +163,9 @@ def load_model_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig
         dtype=resolve_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         eos_token_ids=_eos_ids(raw, model_dir),
         bos_token_id=raw.get("bos_token_id"),
-        identity=_identity(arch, config_path, model_dir),
+        identity=_identity(arch, config_path, model_dir) + _quantization_label(raw),
+        moe=traits.moe(raw) if traits.moe is not None else None,
+        mla=mla,
     )
 
 
@@ -87,11 +185,22 @@ def load_model(
     progress: bool = False,
 ) -> DecoderForCausalLM:
     with torch.device("cpu"):
-        model = DecoderForCausalLM(model_cfg, max_positions, tp, engine_cfg.quantization, engine_cfg.quantize_lm_head)
+        model = DecoderForCausalLM(
+            model_cfg,
+            max_positions,
+            tp,
+            engine_cfg.quantization,
+            engine_cfg.quantize_lm_head,
+            engine_cfg.expert_parallel,
+        )
+    renames = ARCHITECTURES[model_cfg.architecture].renames
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _weight_files(Path(engine_cfg.model_dir))
-    total = sum(len(_tensor_names(path)) for path in files)
+    names = [name for path in files for name in _tensor_names(path)]
+    fmt = checkpoint_format(json.loads((Path(engine_cfg.model_dir) / "config.json").read_text()))
+    assembler = WeightAssembler(fmt, names)  # pre-quantized layers arrive as their dequantized weight
+    total = len(names)
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
         for path in files:
             with safe_open(path, framework="pt") as handle:
@@ -99,7 +208,8 @@ def load_model(
                     bar.update()
                     if _skipped(name, model_cfg):
                         continue
-                    loaded.add(_load_tensor(params, name, handle.get_tensor(name)))
+                    for target, tensor in assembler.feed(name, handle.get_tensor(name)):
+                        loaded.add(_load_tensor(params, _renamed(target, renames), tensor))
     if model_cfg.tie_word_embeddings and not model.lm_head_shares_embedding:  # a quantized copy of the embedding
         head: Any = model.lm_head.weight  # a Parameter its LinearMethod gave a weight_loader (undeclared)
         head.weight_loader(head, model.model.embed_tokens.weight.to(getattr(head, "load_dtype", head.dtype)))
@@ -110,11 +220,24 @@ def load_model(
     return model.eval()
 
 
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        name = name.replace(old, new)
+    return name
+
+
 def _load_tensor(params: dict, name: str, tensor: torch.Tensor) -> str:
+    expert = expert_target(name)
+    if expert is not None:
+        target, expert_shard = expert
+        param = _param(params, target, name)
+        param.weight_loader(param, tensor.to(_load_dtype(param)), expert_shard)
+        return target
     for fragment, (fused, shard_id) in PACKED_WEIGHTS.items():
-        if f".{fragment}." in name:
-            target = name.replace(f".{fragment}.", f".{fused}.")
-            param = _param(params, target, name)
+        target = name.replace(f".{fragment}.", f".{fused}.")
+        # A fragment only packs where the model has the fused parameter (MLA's q_proj stays itself).
+        if f".{fragment}." in name and target in params:
+            param = params[target]
             param.weight_loader(param, tensor.to(_load_dtype(param)), shard_id)
             return target
     param = _param(params, name, name)
@@ -134,8 +257,14 @@ def _load_dtype(param) -> torch.dtype:
 
 
 def _skipped(name: str, cfg: ModelConfig) -> bool:
-    # Old checkpoints carry RoPE buffers; tied checkpoints may carry a copy of the embedding.
-    return "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+    # Old checkpoints carry RoPE buffers; tied checkpoints may carry a copy of the embedding; DeepSeek-V3
+    # checkpoints carry their multi-token-prediction layers past num_hidden_layers (unused here).
+    layer = _LAYER_INDEX.match(name)
+    return (
+        "rotary_emb.inv_freq" in name
+        or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+        or (layer is not None and int(layer[1]) >= cfg.num_layers)
+    )
 
 
 def _param(params: dict, target: str, source: str):
@@ -163,8 +292,19 @@ def _rope_config(raw: dict) -> RopeConfig:
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     fields = {
         k: params[k]
-        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if k in params
+        for k in (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+            "truncate",
+        )
+        if params.get(k) is not None
     }
     return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
 
@@ -214,6 +354,11 @@ def _identity(arch: str, config_path: Path, model_dir: Path) -> str:
         with open(path, "rb") as handle:
             digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
     return f"{arch}/{digest.hexdigest()}"
+
+
+def _quantization_label(raw: dict) -> str:
+    fmt = checkpoint_format(raw)  # fails here, at config time, naming an unsupported quant_method
+    return "" if fmt is None else f"/{fmt.label}"
 
 
 def _require_file(model_dir: Path, name: str) -> Path:

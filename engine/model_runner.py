@@ -201,7 +201,9 @@ class ModelRunner:
         self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress).to(self.device)
         # cast: nn.ModuleList's items are typed as plain Modules.
         kv_heads = cast(Attention, self.model.model.layers[0].self_attn).num_kv_heads
-        use_graphs = self.device.type == "cuda" and engine_cfg.cuda_graphs
+        # MLA attends over its latent cache in PyTorch (engine/models/mla.py): no paged kernel, no graphs.
+        paged_kernels = model_cfg.mla is None
+        use_graphs = self.device.type == "cuda" and engine_cfg.cuda_graphs and paged_kernels
         # With graphs, one more block than the pool owns: the scratch block padding rows write to.
         self.kv_cache = KVCacheStorage(
             engine_cfg.kv_format(model_cfg),
@@ -211,12 +213,15 @@ class ModelRunner:
             self.block_size,
             model_cfg.head_dim,
             self.device,
+            model_cfg.kv_planes,
         )
         # A kernel reads the paged cache in place: on CPU the C kernel (fp32 models; other dtypes take
         # the PyTorch path), on CUDA the Triton kernel (every dtype and KV format).
         # On CUDA the Triton prefill kernel takes unquantized caches (quantized ones keep the PyTorch path).
         self.prefill_rows_per_tile = 0
-        if self.device.type == "cuda":
+        if not paged_kernels:
+            self.native_decode = False
+        elif self.device.type == "cuda":
             self.native_decode = True
             if not self.kv_cache.fmt.quantized:
                 self.prefill_rows_per_tile = prefill_rows_per_tile(model_cfg.torch_dtype)

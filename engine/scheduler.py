@@ -92,6 +92,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self.num_preemptions = 0  # since start; a worker exports it as a counter
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -151,6 +152,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.reset_for_recompute()

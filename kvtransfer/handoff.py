@@ -123,7 +123,7 @@ def layout_mismatch(sender: str, receiver: str, sender_layout: str, receiver_lay
         return None
     return (
         f"KV layout mismatch: {sender} stores [{sender_layout}], {receiver} stores [{receiver_layout}]; "
-        "blocks move as stored, so both sides need the same kv_cache_dtype"
+        "blocks move as stored, so both sides need the same model (per-head K/V or MLA's latent) and kv_cache_dtype"
     )
 
 

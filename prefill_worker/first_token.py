@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 
+from common import tracing
 from common.messages import PrefillQueue, PrefillResult, PullOutcome
 from common.worker_metrics import WorkerMetrics
 from engine.errors import InvalidRequestError
@@ -46,6 +47,8 @@ class FirstTokenWaiters:
         self._markers: dict[str, asyncio.Queue] = {}  # request id → its PrefillQueue markers (caller's loop)
         self._scheduled: set[str] = set()  # awaited requests a step has scheduled (engine thread)
         self._told_waiting: set[str] = set()  # awaited requests told they wait and not yet that they run
+        # tracing on: request id → (time.time_ns(), tokens) of each prefill chunk scheduled (engine thread)
+        self.chunks: dict[str, list[tuple[int, int]]] = {}
         engine.on_scheduled = self.on_scheduled
 
     def expect(self, request_id: str) -> asyncio.Future:
@@ -92,6 +95,7 @@ class FirstTokenWaiters:
         return request_id in self._waiters
 
     def forget(self, request_id: str) -> None:
+        self.chunks.pop(request_id, None)
         self._waiters.pop(request_id, None)
         self._started_s.pop(request_id, None)
         self.pulls.pop(request_id, None)
@@ -113,10 +117,16 @@ class FirstTokenWaiters:
     def on_scheduled(self, chunks: Seq[ScheduledChunk]) -> None:
         """Before a step runs: awaited requests it schedules for the first time; those told they wait
         learn that they are being computed."""
+        traced = tracing.enabled()
         for chunk in chunks:
             rid = chunk.seq.seq_id
+            if traced and rid in self._waiters:
+                self.chunks.setdefault(rid, []).append((time.time_ns(), chunk.num_new_tokens))
             if rid in self._waiters and rid not in self._scheduled:
                 self._scheduled.add(rid)
+                started_s = self._started_s.get(rid)
+                if started_s is not None:
+                    self.metrics.observe_queue_time(time.perf_counter() - started_s)
                 if rid in self._told_waiting:
                     self._told_waiting.discard(rid)
                     self._tell(rid, waiting=False)

@@ -18,11 +18,13 @@ last snapshot, never by waiting for an engine step: a busy worker never looks de
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from common import tracing
 from common.actor_api import PrefillHandle, PrefillWorkerApi
 from common.config import ClusterConfig
 from common.kv_events import KVEventBatch, KVEventBuffer
@@ -30,10 +32,13 @@ from common.membership import Member, Membership
 from common.messages import GenerateRequest, Liveness, PrefillResult, WorkerInfo, WorkerStats
 from common.worker_telemetry import WorkerTelemetry
 from engine.block_hash import spec_fingerprint
+from engine.block_pool import KVCacheEvent
 from engine.engine_loop import EngineLoop
 from engine.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from engine.step_updates import Handoff
+from kv_store.metrics import KVTierCollector
+from kv_store.worker_tiers import WorkerKVTiers
 from kvtransfer.handoff import HandoffTarget, send_sequence_kv
 from kvtransfer.session import HandoffFailed, HandoffSession, HandoffStats, KVSender
 from kvtransfer.torch_dist import TorchDistTransport
@@ -41,6 +46,8 @@ from prefill_worker.decode_endpoint import RayDecodeEndpoint
 from prefill_worker.first_token import FirstTokenWaiters
 from prefill_worker.first_token import RequestAborted as RequestAborted
 from prefill_worker.prefix_pull import PrefixExporter, PrefixPuller, pull_peer_id, pull_table_id
+from prefill_worker.store_fetch import StoreFetcher
+from prefill_worker.trace import PrefillTrace
 
 
 class PrefillWorker:
@@ -50,9 +57,10 @@ class PrefillWorker:
         self.peer_id = f"{worker_id}@{epoch}"  # transport id of this start: never reused by a later one
         self.request_timeout_s = cluster_config.request_timeout_s
         self.kv_events = KVEventBuffer(worker_id)  # read by prefix indexers, off the engine thread
-        self.engine = LLMEngine(cluster_config.engine_config("prefill", model_dir), on_kv_event=self.kv_events.append)
+        self.engine = LLMEngine(cluster_config.engine_config("prefill", model_dir), on_kv_event=self._on_kv_event)
         self.index_publisher = _start_publisher(self.kv_events, cluster_config, self.engine)
-        self.telemetry = WorkerTelemetry(worker_id, "prefill", cluster_config)
+        self.telemetry = WorkerTelemetry(worker_id, "prefill", cluster_config, model_dir)
+        tracing.configure(cluster_config.otlp_traces_endpoint, "splitserve-prefill")
         self.transport = TorchDistTransport(self.peer_id, store_host, store_port)
         self.first_tokens = FirstTokenWaiters(self.engine, self.telemetry.metrics)
         self._sessions: dict[str, HandoffSession | None] = {}  # first token out, hand-off not over yet
@@ -83,6 +91,11 @@ class PrefillWorker:
             cluster_config.prefix_pull_timeout_s,
             self.telemetry.metrics,
         )
+        self.store_fetcher: StoreFetcher | None = None
+        if cluster_config.kv_store.enabled:  # KV tiers beyond the pool: write cached blocks, fetch missing ones
+            tiers = WorkerKVTiers(cluster_config.kv_store, self.engine.runner.kv_cache, self.engine.kv)
+            self.store_fetcher = StoreFetcher(tiers, self.loop.call, self.telemetry.metrics)
+            self.telemetry.metrics.registry.register(KVTierCollector(worker_id, "prefill", tiers))
         freeze_startup_heap()  # this actor's process is ours: later full collections skip the startup heap
 
     async def ready(self) -> WorkerInfo:
@@ -126,39 +139,53 @@ class PrefillWorker:
         rid = request.request_id
         self._sessions[rid] = None
         waiter = None
+        trace = PrefillTrace.start(request, self.worker_id)
         try:
             if request.prefix_pull is not None:  # pulling is waiting, not computing: a death now is not its doing
                 yield self.first_tokens.waiting_for_pull(rid)
-            waiter = await self._enqueue(request)
+            waiter = await self._enqueue(request, trace)
             async for change in self.first_tokens.queue_changes(rid, waiter):
                 yield change  # PrefillQueue: waiting in this worker's queue, or being computed now
             result, handoff = await waiter
+            trace.computed(result, self.first_tokens.chunks.pop(rid, []))
             yield result
             if handoff is None:
                 return
             if decode is None:  # prefill-only use (benchmarks): nothing to send
                 self.loop.call(lambda engine: engine.release(rid))
                 return
-            stats = await self._hand_off(request, result, handoff, decode, owner)
+            stats = await self._hand_off(trace.handing_off(request, decode.worker_id), result, handoff, decode, owner)
+            trace.handed_off(stats)
             if stats is not None:
                 yield stats
+        except BaseException as err:
+            trace.failed(err)
+            raise
         finally:
+            trace.end()
             self._sessions.pop(rid, None)
             self.first_tokens.drop_markers(rid)  # a stream closed before it read them leaves them
             if waiter is None:  # left before its request reached the engine: nothing else forgets it
                 self.first_tokens.forget(rid)
 
-    async def _enqueue(self, request: GenerateRequest) -> asyncio.Future:
+    async def _enqueue(self, request: GenerateRequest, trace: PrefillTrace) -> asyncio.Future:
         """Adds the request to the engine (after its prefix pull, if any); the future of its first
         token: (PrefillResult, the hand-off's pinned blocks or None)."""
         rid = request.request_id
         waiter = self.first_tokens.expect(rid)
         try:
             if request.prefix_pull is not None:
-                self.first_tokens.pulls[rid] = await self.puller.pull(request)
+                with trace.pulling(request.prefix_pull):
+                    self.first_tokens.pulls[rid] = await self.puller.pull(request)
                 if not self.first_tokens.is_waiting(rid):  # aborted while pulling: the waiter already failed
                     self.loop.call(lambda engine: engine.release(pull_table_id(rid)))
                     return waiter
+            elif self.store_fetcher is not None:
+                await self.store_fetcher.fetch(request)
+                if not self.first_tokens.is_waiting(rid):  # aborted while fetching
+                    self.loop.call(lambda engine: engine.release(pull_table_id(rid)))
+                    return waiter
+            trace.enqueued()
             await asyncio.wrap_future(
                 self.loop.call(
                     lambda engine: engine.add_request(
@@ -261,7 +288,10 @@ class PrefillWorker:
     async def stats(self) -> WorkerStats:
         """Load and recent engine steps (see WorkerTelemetry), hand-offs in flight."""
         in_flight = sum(session is not None for session in self._sessions.values())
-        return self.telemetry.stats(self.loop, in_flight)
+        stats = self.telemetry.stats(self.loop, in_flight)
+        if self.store_fetcher is None:
+            return stats
+        return dataclasses.replace(stats, kv_tiers=self.store_fetcher.tiers.status())
 
     async def debug_signal(self, signum: int) -> None:
         """Fault injection (chaos, tests): send `signum` to this actor's own process (SIGKILL: no cleanup)."""
@@ -271,14 +301,26 @@ class PrefillWorker:
         """Fault injection for tests: sleep `seconds` before each engine step."""
         self.loop.step_delay_s = seconds
 
+    async def kv_tier_stats(self) -> dict[str, dict[str, int]]:
+        """Per KV tier (host, redis) and for the worker: blocks stored, fetched, refused; hits, bytes."""
+        return {} if self.store_fetcher is None else self.store_fetcher.tiers.stats()
+
     def shutdown(self) -> None:
         if self.index_publisher is not None:
             self.index_publisher.stop()
+        if self.store_fetcher is not None:
+            self.store_fetcher.close()
         self.telemetry.close()
         self.loop.stop()
         self._sender.shutdown(wait=False, cancel_futures=True)
         self.puller.close()
         self.transport.close()
+
+    def _on_kv_event(self, event: KVCacheEvent) -> None:
+        """Engine thread: the index learns of the block; the KV tiers get a copy of a newly cached one."""
+        self.kv_events.append(event)
+        if self.store_fetcher is not None:
+            self.store_fetcher.tiers.on_kv_event(event)
 
     # ---- sender thread ----------------------------------------------------------------------------
     def _send_kv(self, handoff: Handoff, target: HandoffTarget) -> int:

@@ -71,12 +71,62 @@ class IndexNamespace:
         """Prefix of every Redis key of this namespace.
 
         The identity is digested (model names may hold any character) and wrapped in a hash tag:
-        all keys of a namespace share one Redis Cluster slot, as multi-key scripts there would need
-        (standalone Redis is what is supported and tested today).
+        all keys of a namespace share one slot, as the standalone index's multi-key scripts need. The
+        Redis Cluster index (redis_cluster_index.py) keys by block instead, to spread over the shards.
         """
         raw = "\0".join((self.model_identity, str(self.block_size), self.hash_spec)).encode("utf-8")
         digest = hashlib.blake2b(raw, digest_size=10).hexdigest()
         return f"splitserve:pi:v{KEY_SCHEMA_VERSION}:{{{digest}}}"
+
+
+class HolderLevels(ABC):
+    """The holders of a prompt's leading blocks grouped by depth: what `match` says, without listing it.
+
+    A hot prefix (a system prompt every worker caches) makes `match` list the whole fleet; a policy that
+    walks depths from the deepest and stops early (policies/routing/cache_aware.py) reads only the few
+    deep holders and asks about single workers. Valid until the index next changes: read it at once.
+    """
+
+    @property
+    @abstractmethod
+    def depths(self) -> Sequence[int]:
+        """The distinct numbers of leading blocks (>= 1) some live worker holds, deepest first."""
+
+    @abstractmethod
+    def count(self, num_blocks: int) -> int:
+        """How many workers hold exactly `num_blocks` leading blocks (`num_blocks` in `depths`)."""
+
+    @abstractmethod
+    def members(self, num_blocks: int) -> list[str]:
+        """The workers holding exactly `num_blocks` leading blocks (any order)."""
+
+    @abstractmethod
+    def blocks_of(self, worker_id: str) -> int:
+        """How many leading blocks the worker holds (0 when none, or unknown)."""
+
+
+class MatchLevels(HolderLevels):
+    """Holder levels built from a `match` list (indexes without a cheaper structure)."""
+
+    def __init__(self, matches: Sequence[PrefixMatch]):
+        self._blocks = {m.worker_id: m.num_blocks for m in matches}
+        self._by_depth: dict[int, list[str]] = {}
+        for m in matches:
+            self._by_depth.setdefault(m.num_blocks, []).append(m.worker_id)
+        self._depths = sorted(self._by_depth, reverse=True)
+
+    @property
+    def depths(self) -> Sequence[int]:
+        return self._depths
+
+    def count(self, num_blocks: int) -> int:
+        return len(self._by_depth.get(num_blocks, ()))
+
+    def members(self, num_blocks: int) -> list[str]:
+        return list(self._by_depth.get(num_blocks, ()))
+
+    def blocks_of(self, worker_id: str) -> int:
+        return self._blocks.get(worker_id, 0)
 
 
 class PrefixIndex(ABC):
@@ -104,6 +154,11 @@ class PrefixIndex(ABC):
         Sorted by num_blocks descending, then worker_id. Empty when nobody holds block 0.
         Raises PrefixIndexUnavailable when a remote index cannot answer in time.
         """
+
+    async def holder_levels(self, block_hashes: Sequence[BlockHash]) -> HolderLevels:
+        """`match`'s answer grouped by depth (same holders, same counts); indexes override it when they
+        can answer without listing every holder. Raises what `match` raises."""
+        return MatchLevels(await self.match(block_hashes))
 
     @abstractmethod
     async def num_entries(self) -> int:

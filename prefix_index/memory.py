@@ -12,6 +12,7 @@ clock (tests advance a fake one instead of sleeping).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,15 @@ from dataclasses import dataclass, field
 from common.kv_events import KVEventBatch
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockStored, IntegrityError
-from prefix_index.base import PrefixIndex, PrefixMatch, check_batch, check_hashes, check_worker, sort_matches
+from prefix_index.base import (
+    HolderLevels,
+    PrefixIndex,
+    PrefixMatch,
+    check_batch,
+    check_hashes,
+    check_worker,
+    sort_matches,
+)
 
 
 @dataclass
@@ -42,6 +51,7 @@ class InProcessPrefixIndex(PrefixIndex):
         self._workers: dict[str, _Worker] = {}
         self._holders: dict[BlockHash, int] = {}  # bit `slot` set: that worker holds the block
         self._slot_owner: dict[int, str] = {}
+        self._earliest_deadline_s = math.inf  # no worker's deadline is earlier (see _reap)
 
     async def apply(self, batch: KVEventBatch) -> None:
         check_batch(batch)
@@ -67,7 +77,7 @@ class InProcessPrefixIndex(PrefixIndex):
                 if seq > base_seq:
                     self._apply_event(worker, event)
         worker.last_seq = batch.last_seq
-        worker.deadline_s = self._clock() + self.lease_s
+        self._extend(worker)
 
     async def heartbeat(self, worker_id: str, epoch: int) -> None:
         check_worker(worker_id, epoch)
@@ -78,7 +88,7 @@ class InProcessPrefixIndex(PrefixIndex):
         if worker.epoch < epoch:
             self._forget(worker_id)  # restarted: its old blocks are gone; its next batch re-registers it
             return
-        worker.deadline_s = self._clock() + self.lease_s
+        self._extend(worker)
 
     async def match(self, block_hashes: Sequence[BlockHash]) -> list[PrefixMatch]:
         check_hashes(block_hashes)
@@ -96,6 +106,24 @@ class InProcessPrefixIndex(PrefixIndex):
                     break
         counts.update(dict.fromkeys(self._owners(following), len(block_hashes)))
         return sort_matches(counts)
+
+    async def holder_levels(self, block_hashes: Sequence[BlockHash]) -> HolderLevels:
+        """The chain of ANDs of `match`, kept as one holder mask per depth: nothing is listed until asked."""
+        check_hashes(block_hashes)
+        self._reap()
+        exact: list[tuple[int, int]] = []  # (depth, mask of the workers holding exactly that many blocks)
+        following = self._holders.get(block_hashes[0], 0) if block_hashes else 0
+        for position, block_hash in enumerate(block_hashes):
+            if not following:
+                break
+            still = following & self._holders.get(block_hash, 0)
+            if still != following:
+                exact.append((position, following & ~still))
+                following = still
+        if following:
+            exact.append((len(block_hashes), following))
+        exact.reverse()
+        return _MaskLevels(exact, self)
 
     async def num_entries(self) -> int:
         self._reap()
@@ -187,10 +215,58 @@ class InProcessPrefixIndex(PrefixIndex):
         else:  # empty masks would pile up for every block ever seen
             self._holders.pop(block_hash, None)
 
+    def _extend(self, worker: _Worker) -> None:
+        worker.deadline_s = self._clock() + self.lease_s
+        self._earliest_deadline_s = min(self._earliest_deadline_s, worker.deadline_s)
+
     def _reap(self) -> None:
+        # `_earliest_deadline_s` bounds every deadline from below (each new deadline lowers it if earlier;
+        # refreshed ones only move later): until the clock passes it nobody can have expired, and calls
+        # skip the scan over all workers.
         now_s = self._clock()
+        if now_s < self._earliest_deadline_s:
+            return
         for worker_id in [w for w, state in self._workers.items() if state.deadline_s <= now_s]:
             self._forget(worker_id)
+        self._earliest_deadline_s = min((w.deadline_s for w in self._workers.values()), default=math.inf)
+
+
+class _MaskLevels(HolderLevels):
+    """Holder levels as the index's slot masks; `blocks_of` bisects the cumulative masks (holders of at
+    least each depth, growing as depth falls)."""
+
+    def __init__(self, exact: list[tuple[int, int]], index: InProcessPrefixIndex):
+        self._depths = [depth for depth, _ in exact]
+        self._exact = dict(exact)
+        self._index = index
+        self._at_least: list[int] = []
+        union = 0
+        for _, mask in exact:
+            union |= mask
+            self._at_least.append(union)
+
+    @property
+    def depths(self) -> Sequence[int]:
+        return self._depths
+
+    def count(self, num_blocks: int) -> int:
+        return self._exact.get(num_blocks, 0).bit_count()
+
+    def members(self, num_blocks: int) -> list[str]:
+        return self._index._owners(self._exact.get(num_blocks, 0))
+
+    def blocks_of(self, worker_id: str) -> int:
+        worker = self._index._workers.get(worker_id)
+        if worker is None or not self._at_least or not self._at_least[-1] >> worker.slot & 1:
+            return 0
+        low, high = 0, len(self._at_least) - 1  # the first cumulative mask holding the bit
+        while low < high:
+            middle = (low + high) // 2
+            if self._at_least[middle] >> worker.slot & 1:
+                high = middle
+            else:
+                low = middle + 1
+        return self._depths[low]
 
 
 def _require(ok: bool, message: str) -> None:

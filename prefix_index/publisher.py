@@ -22,8 +22,8 @@ import time
 from urllib.parse import urlsplit
 
 from common.kv_events import KVEventBuffer
-from prefix_index.base import IndexNamespace, PrefixIndexUnavailable
-from prefix_index.redis_index import RedisPrefixIndex
+from prefix_index.base import IndexNamespace, PrefixIndex, PrefixIndexUnavailable
+from prefix_index.connect import make_redis_index
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class RedisIndexPublisher:
 
     async def _main(self) -> None:
         url, namespace, lease_s, timeout_s = self._index_args
-        index = RedisPrefixIndex(url, namespace, lease_s, timeout_s=timeout_s)
+        index = make_redis_index(url, namespace, lease_s, timeout_s=timeout_s)
         delay_s, outage_since = self.interval_s, None
         try:
             while not self._stopping.is_set():
@@ -119,7 +119,7 @@ class RedisIndexPublisher:
         finally:
             await index.close()
 
-    async def _sync(self, index: RedisPrefixIndex) -> None:
+    async def _sync(self, index: PrefixIndex) -> None:
         """Bring Redis up to the buffer: from Redis's cursor for this worker, or from a snapshot."""
         buffer = self.buffer
         cursor = await index.cursor(buffer.worker_id)

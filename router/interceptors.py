@@ -1,4 +1,5 @@
-"""The router's two server interceptors: bearer-token auth, and exceptions → status codes.
+"""The router's server interceptors: bearer-token auth, exceptions → status codes, and the access log (with
+the caller's trace context: router/access_log.py).
 
 The error interceptor is the only place a domain exception becomes a gRPC status: servicer methods
 just raise. It wraps unary and server-streaming handlers alike; the status's field name and
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 import grpc
 
+from common import logs, tracing
 from router.errors import Status, Unauthenticated, status_for
 from router.metrics import RouterMetrics
 from splitserve_client.sdk_types import FIELD_KEY, RETRY_AFTER_KEY
@@ -92,6 +95,60 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             log.error("unexpected error in a router call", exc_info=err)
         self.metrics.observe_request(status.outcome)
         await abort_with(context, status)
+
+
+class AccessLogInterceptor(grpc.aio.ServerInterceptor):
+    """One access-log line per call (health checks aside), the request id on every line logged meanwhile, and
+    the caller's `traceparent` metadata as the parent of the call's spans. Outermost: it sees the final status."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_METHODS):
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _logged_unary(method, handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _logged_stream(method, handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+def _logged_unary(path: str, method):
+    async def call(request, context):
+        started_s, metadata = time.perf_counter(), dict(context.invocation_metadata() or ())
+        record, token = logs.begin_request(metadata.get("x-request-id"))
+        try:
+            with tracing.remote_parent(metadata):
+                return await method(request, context)
+        finally:
+            logs.end_request(token)
+            logs.log_access("grpc", "POST", path, _code_name(context), time.perf_counter() - started_s, record)
+
+    return call
+
+
+def _logged_stream(path: str, method):
+    async def call(request, context):
+        started_s, metadata = time.perf_counter(), dict(context.invocation_metadata() or ())
+        record, token = logs.begin_request(metadata.get("x-request-id"))
+        try:
+            with tracing.remote_parent(metadata):
+                async for response in method(request, context):
+                    yield response
+        finally:
+            logs.end_request(token)
+            logs.log_access("grpc", "POST", path, _code_name(context), time.perf_counter() - started_s, record)
+
+    return call
+
+
+def _code_name(context) -> str:
+    code = context.code()
+    return "OK" if code is None else getattr(code, "name", str(code))
 
 
 async def abort_with(context, status: Status) -> None:

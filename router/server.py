@@ -24,13 +24,14 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.cluster_view import ClusterView
 from cluster.launcher import LaunchedCluster
+from common import tracing
 from common.config import ClusterConfig, ConfigError
 from common.metrics_http import start_metrics_server
 from policies.admission.gate import AdmissionGate
 from policies.routing import make_policy
 from router.health_listener import HealthListener
 from router.index_feeder import IndexFeeder
-from router.interceptors import AuthInterceptor, ErrorInterceptor
+from router.interceptors import AccessLogInterceptor, AuthInterceptor, ErrorInterceptor
 from router.metrics import RouterMetrics
 from router.openai import HttpFront
 from router.service import RouterService
@@ -84,10 +85,11 @@ class RouterServer:
         the OpenAI-compatible HTTP API on router.host:router.http_port and/or the unix socket `http_uds`, for
         the cluster `launched` joined; follows its membership from then on."""
         router = config.router
+        tracing.configure(config.otlp_traces_endpoint, "splitserve-router")
         load_server_tls(router)  # unusable TLS files fail here, before anything starts
         cluster = ClusterView(launched)
         index, feeder = await _make_index(cluster, config)
-        metrics = RouterMetrics()
+        metrics = RouterMetrics(model_name=served_model_names(cluster.model_dir, cluster.config.served_model_name)[0])
         service = RouterService(
             cluster,
             make_policy(router.policy, index),
@@ -98,10 +100,11 @@ class RouterServer:
             admission=_make_admission(cluster, config),
         )
         metrics.track_inflight(lambda: service.inflight_requests)
-        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(metrics)]
+        cluster.outage_listeners.append(metrics.controller_outage)
+        interceptors: list[grpc.aio.ServerInterceptor] = [AccessLogInterceptor(), ErrorInterceptor(metrics)]
         token = read_auth_token(router.auth_token_file)
         if token is not None:
-            interceptors.insert(0, AuthInterceptor(token))
+            interceptors.insert(1, AuthInterceptor(token))
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -151,7 +154,7 @@ class RouterServer:
                     port=router.http_port,
                     uds=http_uds,
                     token=token,
-                    model_names=served_model_names(cluster.model_dir),
+                    model_names=served_model_names(cluster.model_dir, cluster.config.served_model_name),
                     ssl_context=server_ssl_context(router),
                 )
                 log.info("router serving the OpenAI API on %s", http.url if router.http_port is not None else http_uds)
@@ -223,10 +226,10 @@ def _load_tokenizer(cluster: ClusterView):
     return load_tokenizer(cluster.model_dir)
 
 
-def served_model_names(model_dir) -> tuple[str, ...]:
-    """The names the OpenAI API answers to: the checkpoint folder's name (the one responses carry), and
-    the path it was served from."""
-    return (Path(model_dir).name, str(model_dir))
+def served_model_names(model_dir, served: list[str] | None = None) -> tuple[str, ...]:
+    """The names the OpenAI API answers to: `served_model_name` when set (the first is the one responses
+    carry), else the checkpoint folder's name and the path it was served from."""
+    return tuple(served) if served else (Path(model_dir).name, str(model_dir))
 
 
 def read_auth_token(path: str | None) -> str | None:

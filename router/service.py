@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 
 from cluster.client import ClusterClient, RequestFailed
 from cluster.cluster_view import ClusterView
+from common import logs, tracing
 from common.membership import ROLES, Membership
 from common.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
@@ -112,27 +113,59 @@ class RouterService:
         """Streams one request (deadline_s: time.monotonic; waited_s: how long ago its client sent it, as
         far as the router can tell). Raises the exceptions named above. TTFT counts from the client's send."""
         started_s = time.perf_counter() - waited_s
-        self._admit(request)
-        self.traffic.arrived(len(request.prompt_token_ids))
-        self._running.add(request.request_id)
+        logs.set_request_id(request.request_id)
+        # Not the current span across the yields below: each span names its parent (tracing's docstring).
+        root = tracing.start(
+            "splitserve.request",
+            kind="server",
+            request_id=request.request_id,
+            prompt_tokens=len(request.prompt_token_ids),
+            priority=request.priority,
+        )
+        trace = tracing.context_of(root, request.request_id)
+        state, error = None, None
         try:
+            self._admit(request)
+            self.traffic.arrived(len(request.prompt_token_ids))
+            self._running.add(request.request_id)
             state = StreamState(request, self.tokenizer, started_s, self.cluster.config.router.migration_limit)
-            async for output in self._run(request, deadline_s, state, waited_s):
+            async for output in self._run(request, deadline_s, state, waited_s, trace):
                 yield output
+        except BaseException as err:
+            error = type(err).__name__
+            raise
         finally:
             self._running.discard(request.request_id)
+            if root is not None:
+                migrations = state.migrations.total if state is not None else 0
+                tracing.end(root, error, output_tokens=state.num_tokens if state else 0, migrations=migrations)
 
     async def _run(
-        self, request: RouterRequest, deadline_s: float | None, state: StreamState, waited_s: float
+        self,
+        request: RouterRequest,
+        deadline_s: float | None,
+        state: StreamState,
+        waited_s: float,
+        trace: tracing.TraceContext | None = None,
     ) -> AsyncGenerator[RouterOutput, None]:
         """Attempts until the request ends: a worker lost under an attempt migrates the request to others
         (router/migration.py decides whether, and counts); any other failure ends it."""
         while not state.finished:
-            async for output in self._attempt(request, deadline_s, state, waited_s):
-                yield output
+            attempt = tracing.start(
+                "splitserve.attempt", trace, attempt=state.migrations.total, resumed_tokens=state.num_tokens
+            )
+            error = None
+            try:
+                async for output in self._attempt(request, deadline_s, state, waited_s, attempt):
+                    yield output
+            except BaseException as err:
+                error = type(err).__name__
+                raise
+            finally:
+                tracing.end(attempt, error if error is not None or state.finished else "migrated")
 
     async def _attempt(
-        self, request: RouterRequest, deadline_s: float | None, state: StreamState, waited_s: float
+        self, request: RouterRequest, deadline_s: float | None, state: StreamState, waited_s: float, span=None
     ) -> AsyncGenerator[RouterOutput, None]:
         """One route of the request: from its prompt and the tokens streamed so far, to its end, or to the
         loss of a worker the request migrates after (returns); other failures raise."""
@@ -140,8 +173,19 @@ class RouterService:
         query = route_query(
             request.prompt_token_ids + resumed, request.tenant, self.info.model_identity, self.info.block_size
         )
-        prefill, decode, decision = await self.chooser.choose(query, deadline_s)
+        trace = tracing.context_of(span, request.request_id)
+        with tracing.span("splitserve.route", trace, policy=self.policy.name) as route_span:
+            prefill, decode, decision = await self.chooser.choose(query, deadline_s)
+            if route_span is not None:
+                tracing.annotate(route_span, prefill_worker=prefill.worker_id, decode_worker=decode.worker_id)
         worker_id = prefill.worker_id
+        log.debug(
+            "routing %s to %s and %s (attempt %d)",
+            request.request_id,
+            worker_id,
+            decode.worker_id,
+            state.migrations.total,
+        )
         healthy = [h.worker_id for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
         # Prompt logprobs need every prompt position computed: no cache hit is read, so none is pulled.
         scores_prompt = request.params.prompt_logprobs is not None and not resumed
@@ -150,7 +194,8 @@ class RouterService:
             0 if scores_prompt else pull.num_blocks if pull is not None else decision.expected_cached_blocks
         )
         if state.migrations.total == 0:  # admitted once: a migration is never refused
-            self._admission_check(request, expected_blocks * query.block_size, worker_id, decode, waited_s)
+            with tracing.span("splitserve.admission", trace):
+                self._admission_check(request, expected_blocks * query.block_size, worker_id, decode, waited_s)
         uncached = max(query.num_prompt_tokens - expected_blocks * query.block_size, 1)
         self.ledger.book(request.request_id, worker_id, decode.worker_id, uncached, state)
         cluster_s, first = [0.0], True
@@ -165,6 +210,7 @@ class RouterService:
                 request.tenant,
                 pull,
                 output_token_ids=resumed,
+                trace_context=trace,
             )
             async for chunk in timed(self.client.generate(cluster_request, prefill, decode, deadline_s), cluster_s):
                 if first:
@@ -178,7 +224,10 @@ class RouterService:
                 )
                 first = False
                 scored = chunk.prompt_logprobs
+                previous_s = state.last_token_s
                 delta, usage = state.add(chunk)
+                if previous_s is not None and state.last_token_s is not None:
+                    self.metrics.observe_itl(state.last_token_s - previous_s, len(chunk.token_ids), request.priority)
                 last = chunk.finish_reason is not None
                 yield RouterOutput(
                     request.request_id,
@@ -198,7 +247,9 @@ class RouterService:
                 self.monitor.mark_dead(*err.lost_worker)
             state.migrations.migrate(err)  # raises when the request must fail instead
             self.monitor.probe_soon()
-            self.metrics.migrated(cause_of(err, prefill, decode))
+            cause = cause_of(err, prefill, decode)
+            self.metrics.migrated(cause)
+            tracing.event(span, "migrate", cause=str(cause), reason=err.reason, streamed_tokens=state.num_tokens)
             log.info("migrating %s after %d token(s): %s", request.request_id, state.num_tokens, err.reason)
         finally:
             state.upstream_s += cluster_s[0]
@@ -240,6 +291,15 @@ class RouterService:
         met = slo_met(ttft_s, state.tpot_s, request.ttft_ms, request.tpot_ms)
         metrics.observe_request("ok", met_slo=met, duration_s=state.duration_s, priority=request.priority)
         metrics.prompt_tokens(len(request.prompt_token_ids), state.cached_tokens)
+        metrics.generation_tokens(state.num_tokens)
+        logs.count_tokens(len(request.prompt_token_ids), state.num_tokens)
+        default = self.cluster.config.admission.slo_for(request.priority)
+        metrics.observe_slo(
+            ttft_s,
+            state.tpot_s,
+            request.ttft_ms if request.ttft_ms is not None else default.ttft_ms,
+            request.tpot_ms if request.tpot_ms is not None else default.tpot_ms,
+        )
         self.traffic.finished(state.num_tokens, ttft_s, state.tpot_s)
 
     def _admit(self, request: RouterRequest) -> None:

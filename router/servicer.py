@@ -5,6 +5,8 @@ No decisions are made here and no status codes are chosen here (that is the erro
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.block_hash import spec_fingerprint
 from router.request_keys import deadline_from_remaining
 from router.service import RouterService
@@ -73,6 +75,7 @@ def _worker(member, monitor, loads) -> pb.WorkerStatus:
         epoch=member.epoch,
         restarts=member.restarts,
         state=member.state,
+        kv_tiers=[pb.KVTierStatus(**dataclasses.asdict(tier)) for tier in stats.kv_tiers] if stats else [],
         **_speculation(stats),
     )
 

@@ -96,6 +96,7 @@ class WorkerMonitor:
                 stats.running if stats else 0,
                 stats.kv_usage if stats else 0.0,
                 healthy=self.is_healthy(member.worker_id),
+                epoch=member.epoch,
             )
 
     async def close(self) -> None:

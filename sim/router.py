@@ -7,8 +7,8 @@
   not prefilled yet, the `WorkerLoad`s the policy reads; per decode instance, requests in flight from
   routing to their end;
 - the prefix index: the real `prefix_index.memory.InProcessPrefixIndex`, leases on the simulated clock,
-  fed each prefill worker's real `BlockPool` events through a real `KVEventBuffer`, as the router's
-  index feeder pulls them (a batch since the cursor, applied, the lease refreshed). The simulator pulls
+  fed each prefill worker's real `BlockPool` events as the router's index feeder pulls them from the
+  worker's `KVEventBuffer` (a numbered batch since the cursor, applied, the lease refreshed). The simulator pulls
   before every routing choice, where the router polls every 50 ms (its index may lag by that much); a
   worker that dies leaves the index at once, as the feeder drops a member that left, and its
   replacement starts a new epoch. Live workers' leases are refreshed every half lease (`heartbeat`).
@@ -20,32 +20,28 @@
 Worker ids are "prefill-<i>", so the policy's last tie-break (`cache_aware` and `prefix_hash`: the
 prompt's ring order; `least_loaded`, `round_robin`: the id) is the router's. Decode instances: the
 fewest requests in flight, ties to the lower index (router/worker_choice.py).
-The ledger's counters and the `WorkerLoad` list change in O(1) per booking; the policy itself is
-O(workers) per choice (`cache_aware` scores every worker).
+The ledger's counters change in O(1) per booking and keep the live workers' loads in a `LoadBook`
+(load order), which the policies walk instead of scanning the fleet (policies/routing/load_book.py).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from common.kv_events import KVEventBuffer
+from common.kv_events import KVEventBatch
 from common.messages import PrefixPull
 from engine.block_hash import BlockHash
 from engine.block_pool import KVCacheEvent
 from policies.admission import PrefillCostModel
 from policies.prefix_pull import PullPlanner
-from policies.routing import RouteQuery, WorkerLoad, make_policy
+from policies.routing import LoadBook, RouteQuery, WorkerLoad, make_policy
 from prefix_index.memory import InProcessPrefixIndex
 from sim.drive import run_now
 
 INDEX_LEASE_S = 30.0  # ClusterConfig.index_lease_s's default
-# Events a worker's buffer keeps (the workers keep 65,536): a read walks the buffer, and the simulator
-# reads before every choice. A worker that emitted more since the last read is read as a snapshot of
-# its cache instead, which leaves the index as the events would have.
-FEED_CAPACITY = 4096
 
 
 class PrefillChoice(NamedTuple):
@@ -86,16 +82,22 @@ class LeastHeap:
 
 @dataclass(eq=False)
 class _Feed:
-    """One prefill worker's start: its event buffer and what the index applied of it."""
+    """One prefill worker's start: its events not yet applied, and what the index applied of it.
 
-    buffer: KVEventBuffer
+    The worker's `KVEventBuffer` would hand the feeder these same events, numbered from the cursor (or,
+    past its capacity, a snapshot that leaves the index the same); the simulator reads before every
+    choice, so it keeps the pending events as they are and applies them as one batch."""
+
+    worker_id: str
+    epoch: int
     live: bool = True
     cursor: int = 0  # the last sequence number applied
     fed_s: float = 0.0  # when its lease was last refreshed
+    pending: list[KVCacheEvent] = field(default_factory=list)
 
     def append(self, event: KVCacheEvent) -> None:
         if self.live:  # a dead worker's pool may still release blocks: the index no longer follows it
-            self.buffer.append(event)
+            self.pending.append(event)
 
 
 class SimRouter:
@@ -119,7 +121,7 @@ class SimRouter:
         self.inflight = [0] * num_prefill  # requests booked, not ended
         self.alive = [True] * num_prefill
         self._loads = [WorkerLoad(worker_id, 0, 0) for worker_id in self.ids]
-        self._dead = 0
+        self._book = LoadBook(self._loads)  # the live workers' loads, in load order (what the policy reads)
         self.decode_inflight = LeastHeap(num_decode)  # requests in flight per decode instance
         self.index = InProcessPrefixIndex(INDEX_LEASE_S, clock)
         self.policy = make_policy(policy, self.index)
@@ -130,8 +132,8 @@ class SimRouter:
     def on_event(self, worker: int) -> Callable[[KVCacheEvent], None]:
         """The BlockPool event sink of a new start of prefill worker `worker` (a new epoch)."""
         old = self._feeds[worker]
-        epoch = 1 if old is None else old.buffer.epoch + 1
-        feed = _Feed(KVEventBuffer(self.ids[worker], capacity=FEED_CAPACITY, epoch=epoch))
+        epoch = 1 if old is None else old.epoch + 1
+        feed = _Feed(self.ids[worker], epoch)
         self._feeds[worker] = feed
 
         def sink(event: KVCacheEvent) -> None:
@@ -146,10 +148,12 @@ class SimRouter:
             feed = self._feeds[worker]
             if feed is None or not feed.live:
                 continue
-            while feed.cursor < feed.buffer.last_seq:  # a read returns at most 8,192 events
-                batch = feed.buffer.read_since(feed.cursor)
-                run_now(self.index.apply(batch))
-                feed.cursor, feed.fed_s = batch.last_seq, self.clock()
+            if feed.pending:
+                last_seq = feed.cursor + len(feed.pending)
+                events = tuple(enumerate(feed.pending, feed.cursor + 1))
+                run_now(self.index.apply(KVEventBatch(feed.worker_id, feed.epoch, last_seq, events)))
+                feed.cursor, feed.fed_s = last_seq, self.clock()
+                feed.pending.clear()
         self._dirty.clear()
 
     def heartbeat(self) -> None:
@@ -158,7 +162,7 @@ class SimRouter:
         now_s = self.clock()
         for worker, feed in enumerate(self._feeds):
             if feed is not None and feed.live and feed.cursor and now_s - feed.fed_s >= INDEX_LEASE_S / 2:
-                run_now(self.index.heartbeat(self.ids[worker], feed.buffer.epoch))
+                run_now(self.index.heartbeat(self.ids[worker], feed.epoch))
                 feed.fed_s = now_s
 
     # ---- membership -------------------------------------------------------------------------------
@@ -166,13 +170,13 @@ class SimRouter:
         if role == "decode":
             self.decode_inflight.set_alive(index, alive)
             return
-        if self.alive[index] != alive:
-            self._dead += -1 if alive else 1
         self.alive[index] = alive
         if alive:
             self.healthy.add(self.ids[index])
+            self._book.set(self._loads[index])
         else:
             self.healthy.discard(self.ids[index])
+            self._book.remove(self.ids[index])
         feed = self._feeds[index]
         if not alive and feed is not None:
             feed.live = False
@@ -183,7 +187,7 @@ class SimRouter:
     def book(self, worker: int, uncached: int) -> None:
         self.queued[worker] += uncached
         self.inflight[worker] += 1
-        self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
+        self._set_load(worker)
 
     def load(self, worker: int) -> WorkerLoad:
         """The worker's load as the routing policy saw it (admission reads the same figures)."""
@@ -191,23 +195,27 @@ class SimRouter:
 
     def first_token(self, worker: int, uncached: int) -> None:
         self.queued[worker] -= uncached
-        self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
+        self._set_load(worker)
 
     def release(self, worker: int, queued: int) -> None:
         """Ends a booking; `queued`: what is still queued of it (0 once its first token came)."""
         self.queued[worker] -= queued
         self.inflight[worker] -= 1
-        self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
+        self._set_load(worker)
+
+    def _set_load(self, worker: int) -> None:
+        load = self._loads[worker] = WorkerLoad(self.ids[worker], self.inflight[worker], self.queued[worker])
+        if self.alive[worker]:
+            self._book.set(load)
 
     # ---- choices ----------------------------------------------------------------------------------
     def choose_prefill(self, keys: Sequence[BlockHash], prompt_tokens: int, prompt_key: bytes) -> PrefillChoice | None:
         """The prefill worker, what the router books on it, and its pull; None when no worker serves."""
-        loads = self._loads if not self._dead else [w for w, ok in zip(self._loads, self.alive, strict=True) if ok]
-        if not loads:
+        if not self._book:
             return None
         self.pull()
         query = RouteQuery(tuple(keys), prompt_tokens, self.block_tokens, prompt_key)
-        decision = run_now(self.policy.choose(query, loads))
+        decision = run_now(self.policy.choose(query, self._book))
         pull = self.planner.plan(query, decision, self.healthy)
         # As router/service.py: with a pull the router expects the pulled prefix cached.
         expected = decision.expected_cached_blocks if pull is None else pull.num_blocks

@@ -64,6 +64,12 @@ def _profile(argv: list[str]) -> None:
     main(argv)
 
 
+def _quantize(argv: list[str]) -> None:
+    from splitserve.quantize import main
+
+    main(argv)
+
+
 def _offline(argv: list[str]) -> None:
     from engine.demo import main
 
@@ -124,6 +130,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
     "plan": (_plan, "size the prefill / decode pools (and TP) for a workload at an SLO, by simulation"),
     "simulate": (_simulate, "simulate a bench workload on a cluster of a given shape, from a profile"),
     "offline": (_offline, "generate offline with the in-process engine and print timings"),
+    "quantize": (_quantize, "write a GPTQ / AWQ / round-to-nearest quantized copy of a checkpoint"),
 }
 
 

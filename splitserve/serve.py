@@ -22,20 +22,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from pathlib import Path
 
 from common.config import ROUTING_POLICIES, ClusterConfig, ConfigError
+from common.logs import FORMATS, LEVELS, configure_logging
 from common.ports import CannotListen, PortInUse, check_router_ports
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
+from engine.model_source import resolve_model
 
 DEFAULT_CLUSTER_NAME = "default"
 # flag → (section, key) in the config mapping; None section = top level
 _POOL_FLAGS = {
     "model": (None, "model_dir"),
+    "revision": (None, "model_revision"),
+    "served_model_name": (None, "served_model_name"),
+    "max_model_len": (None, "max_model_len"),
     "block_size": (None, "block_size"),
     "redis_url": (None, "redis_url"),
     "rendezvous_host": (None, "rendezvous_host"),
@@ -56,7 +60,11 @@ _ROUTER_FLAGS = {
     "tls_client_ca_file": ("router", "tls_client_ca_file"),
     "health_port": ("router", "health_port"),
 }
-_COMMON_FLAGS = {"ray_address": (None, "ray_address"), "cluster_name": (None, "cluster_name")}
+_COMMON_FLAGS = {
+    "ray_address": (None, "ray_address"),
+    "cluster_name": (None, "cluster_name"),
+    "otlp_traces_endpoint": (None, "otlp_traces_endpoint"),
+}
 # the router's listening ports: config key → the flag that sets it
 _PORT_FLAGS = {
     "router.port": "--port",
@@ -79,8 +87,24 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         help="join this Ray cluster" + ("" if need_ray else " (default: start a local one)"),
     )
     p.add_argument("--cluster-name", help=f"which cluster in the Ray cluster (default {DEFAULT_CLUSTER_NAME})")
+    p.add_argument("--log-level", choices=LEVELS, default="info", help="log lines at this level and above")
+    p.add_argument("--log-format", choices=FORMATS, default="text", help="text lines, or one JSON object a line")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        help="export request traces to this OpenTelemetry collector (OTLP/gRPC, e.g. http://collector:4317)",
+    )
     if pools:
-        p.add_argument("--model", help="HF checkpoint directory (default: the demo model)")
+        p.add_argument(
+            "--model", help="HF checkpoint folder, or a Hub id ORG/NAME in the local HF cache (default: the demo model)"
+        )
+        p.add_argument("--revision", help="the Hub id's branch, tag or commit (default main)")
+        p.add_argument(
+            "--served-model-name",
+            nargs="+",
+            metavar="NAME",
+            help="names /v1/models lists and requests may use (default: the Hub id, or the folder's name and path)",
+        )
+        p.add_argument("--max-model-len", type=int, help="longest sequence served (default: the model's limit)")
         p.add_argument("--prefill", type=int, help="prefill workers")
         p.add_argument("--decode", type=int, help="decode instances")
         p.add_argument("--tp", type=int, help="tensor-parallel ranks per decode instance")
@@ -132,7 +156,22 @@ def build_config(args: argparse.Namespace) -> tuple[ClusterConfig, dict]:
     if getattr(args, "http_port", None) is not None:  # on the command line 0 means off (in a config file: null)
         raw.setdefault("router", {})["http_port"] = args.http_port or None
     raw.setdefault("cluster_name", DEFAULT_CLUSTER_NAME)
+    ClusterConfig.from_dict(raw)  # types and values first: a bad key fails before any lookup
+    _resolve_model(raw)
     return ClusterConfig.from_dict(raw), raw
+
+
+def _resolve_model(raw: dict) -> None:
+    """A Hub id becomes its cached snapshot folder, which every process of the cluster reads (a shared
+    cache volume mounts at the same path everywhere), and, unless names were given, the name the
+    OpenAI API serves it under."""
+    model = raw.get("model_dir")
+    if model is None:
+        return
+    folder = str(resolve_model(model, raw.get("model_revision")))
+    if folder != model:
+        raw["model_dir"] = folder
+        raw.setdefault("served_model_name", [model])
 
 
 async def serve(
@@ -201,8 +240,8 @@ def router_main(argv: list[str]) -> None:
 
 def controller_main(argv: list[str]) -> None:
     """Starts (or checks) the controller, waits for its pools, returns: they live on in the Ray cluster."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser("splitserve controller", router=False, need_ray=True).parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
     from cluster.controller_slots import ClusterStartError
     from cluster.launcher import launch
 
@@ -219,8 +258,8 @@ def controller_main(argv: list[str]) -> None:
 
 
 def _run(p: argparse.ArgumentParser, argv: list[str], *, join_only: bool) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = p.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
     from cluster.controller_slots import ClusterStartError
     from cluster.launcher import ClusterNotFound
 

@@ -100,11 +100,23 @@ def status_main(argv: list[str]) -> None:
             f"{w['healthy']!s:<8} {w['inflight_requests']:>8} {w['waiting']:>8} {w['running']:>8} "
             f"{w['kv_usage']:>6.1%}"
         )
+        for tier in w.get("kv_tiers", ()):
+            print(f"  kv tier {_tier_line(tier)}")
     hit = status.cached_prompt_tokens_total / max(status.prompt_tokens_total, 1)
     print(
         f"prefix hit rate {hit:.1%} ({status.cached_prompt_tokens_total}/{status.prompt_tokens_total} prompt "
         f"tokens), index entries {status.index_entries}, requests {json.dumps(status.requests_total)}"
     )
+
+
+def _tier_line(tier: dict) -> str:
+    """One KV tier of a worker: its size (a shared store's is its own) and hit rate since the worker started."""
+    lookups = tier["hits"] + tier["misses"]
+    rate = f"{tier['hits'] / lookups:.1%}" if lookups else "-"
+    size = (
+        f"{tier['used_bytes'] / 2**20:.1f}/{tier['capacity_bytes'] / 2**20:.1f} MiB" if tier["capacity_bytes"] else "-"
+    )
+    return f"{tier['tier']:<6} size {size:<20} hits {tier['hits']}/{lookups} ({rate})"
 
 
 def health_main(argv: list[str]) -> None:

@@ -220,8 +220,17 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
     )
 
 
+def _plain(value):
+    """A proto field's value as plain data: repeated messages become a tuple of dicts."""
+    if hasattr(value, "DESCRIPTOR"):
+        return {f.name: getattr(value, f.name) for f in value.DESCRIPTOR.fields}
+    if isinstance(value, str | bytes | int | float | bool):
+        return value
+    return tuple(_plain(item) for item in value)
+
+
 def status_from_proto(msg: pb.ClusterStatus) -> ClusterStatus:
-    workers = tuple({f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields} for w in msg.workers)
+    workers = tuple({f.name: _plain(getattr(w, f.name)) for f in w.DESCRIPTOR.fields} for w in msg.workers)
     return ClusterStatus(
         workers,
         msg.inflight_requests,

@@ -39,8 +39,7 @@ class RedisServer:
             raise RuntimeError(f"redis-server already running on port {self.port}")
         log = self.workdir / "redis.log"
         self._proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--logfile", str(log), "--daemonize", "no"],
+            [*self._command(), "--logfile", str(log)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while not self.ping():
@@ -50,6 +49,10 @@ class RedisServer:
                 raise RuntimeError(f"redis-server did not answer PING on port {self.port}:\n{text}")
             time.sleep(0.01)
         return self
+
+    def _command(self) -> list[str]:
+        return [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.workdir), "--daemonize", "no"]
 
     def ping(self, timeout_s: float = 0.2) -> bool:
         try:

@@ -6,7 +6,8 @@ into a cache directory keyed by its content hash (`$SPLITSERVE_KERNEL_DIR`, defa
 the engine uses its PyTorch path; `SPLITSERVE_ATTENTION=torch` forces that path for attention.
 Kernels: `paged_decode_attention.c` (decode attention over fp32 / int8 / fp8 caches) and
 `int8_linear.c` / `fp32_linear.c` (skinny matmuls for a few rows, int8 or fp32 weights, both from
-`skinny_linear.h`); `widen.h` is their shared int8 / fp8 → fp32 widening.
+`skinny_linear.h`); `int4_linear.c` (the same for group-wise int4 weights); `widen.h` is their shared
+int8 / fp8 → fp32 widening.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SIGNATURES = {
     "paged_decode_attention": [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float, _I64],
     "int8_linear": [_PTR] * 4 + [_I64] * 4,
     "fp32_linear": [_PTR] * 4 + [_I64] * 4,
+    "int4_linear": [_PTR] * 5 + [_I64] * 5,
 }
 _lock = threading.Lock()
 _kernels: dict[str, object] = {}  # memo: name → function or None

@@ -10,6 +10,11 @@ knows about number formats. A tiny registry (`QUANTIZATIONS`) names the methods:
   checkpoint. The scale of a row is taken over the full checkpoint row before the layer keeps its
   shard, so a row-parallel rank's slice is exactly the single-rank int8 weights' slice and tensor
   parallelism changes only the summation order. Activations stay in the model dtype.
+- `int4`: weight-only, group-wise, asymmetric: 4-bit values with an fp32 scale and zero point per group
+  of consecutive input features (engine/layers/int4_matmul.py). A GPTQ or AWQ checkpoint's layers
+  keep their own integers, scales, zero points and group size exactly (engine/quantization/); any other
+  checkpoint is rounded to nearest at load, in groups of INT4_GROUP_SIZE (or the largest of 64 and 32
+  that divides the layer's inputs). Under tensor parallelism a row-parallel shard must hold whole groups.
 """
 
 from __future__ import annotations
@@ -17,8 +22,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.errors import UnsupportedModelError
 from engine.layers.dense_matmul import dense_linear
+from engine.layers.int4_matmul import BLOCK, int4_matmul, pack_int4
 from engine.layers.int8_matmul import int8_matmul
+from engine.quantization.base import GroupQuantized
+from engine.quantization.rtn import rtn_quantize
+
+INT4_GROUP_SIZE = 128  # inputs per group when rounding an unquantized checkpoint at load
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -75,7 +86,59 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return values, scale
 
 
-QUANTIZATIONS: dict[str, type[LinearMethod]] = {"none": Unquantized, "int8": Int8WeightOnly}
+class Int4GroupWise(LinearMethod):
+    """`weight` uint8 [out, in / 2] (two values a byte, int4_matmul's layout), `weight_scale` and
+    `weight_zero` fp32 [out, groups]. Their group count is the checkpoint's, so the scale tensors take
+    their shape at load; the layer's own loader keeps this rank's shard of all three."""
+
+    def create_weights(self, layer, output_size, input_size, dtype):
+        if input_size % BLOCK:
+            raise UnsupportedModelError(f"int4 weights need a multiple of {BLOCK} input features, got {input_size}")
+        layer.weight = _param(output_size, input_size // 2, dtype=torch.uint8)
+        layer.weight_scale = _param(output_size, 0, dtype=torch.float32)
+        layer.weight_zero = _param(output_size, 0, dtype=torch.float32)
+        layer.weight.load_dtype = torch.float32
+        layer.weight.weight_loader = lambda param, loaded, shard_id=None: self._load(
+            layer, loaded, shard_id, input_size
+        )
+        layer.weight_scale.filled_by = layer.weight_zero.filled_by = "weight"
+
+    @staticmethod
+    def _load(layer, loaded: torch.Tensor, shard_id, input_size_local: int) -> None:
+        form = getattr(loaded, "group_quantized", None) or _round_at_load(loaded)
+        if form.bits != 4 or not form.contiguous:
+            why = f"{form.bits}-bit" if form.bits != 4 else "act-order groups (g_idx) that are not consecutive inputs"
+            raise UnsupportedModelError(
+                f"layer {form.name}: int4 weights cannot hold {why}; serve it with quantization none"
+            )
+        if input_size_local % form.group_size:
+            raise UnsupportedModelError(
+                f"layer {form.name}: a tensor-parallel shard of {input_size_local} input features would split its "
+                f"groups of {form.group_size}"
+            )
+        groups_local = input_size_local // form.group_size
+        for param in (layer.weight_scale, layer.weight_zero):
+            if param.shape[1] != groups_local:
+                param.data = torch.zeros(param.shape[0], groups_local)
+        layer.weight_loader(layer.weight, pack_int4(form.values), shard_id)
+        layer.weight_loader(layer.weight_scale, form.scales.t().contiguous(), shard_id)
+        layer.weight_loader(layer.weight_zero, form.zeros.t().contiguous(), shard_id)
+
+    def apply(self, layer, x, bias=None):
+        y = int4_matmul(x, layer.weight, layer.weight_scale, layer.weight_zero)
+        return y if bias is None else y + bias
+
+
+def _round_at_load(weight: torch.Tensor) -> GroupQuantized:
+    in_features = weight.shape[1]
+    group_size = next((g for g in (INT4_GROUP_SIZE, 64, 32) if in_features % g == 0), None)
+    if group_size is None:
+        raise UnsupportedModelError(f"int4 weights need a multiple of 32 input features, got {in_features}")
+    values, scales, zeros = rtn_quantize(weight, 4, group_size, sym=False)
+    return GroupQuantized("(rounded at load)", values, scales, zeros.float(), group_size, 4, True)
+
+
+QUANTIZATIONS: dict[str, type[LinearMethod]] = {"none": Unquantized, "int8": Int8WeightOnly, "int4": Int4GroupWise}
 
 
 def linear_method(name: str) -> LinearMethod:

@@ -24,7 +24,43 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scaled(inv_freq, rope)
-    raise UnsupportedModelError(f"rope type {rope.rope_type!r} is not supported (default, linear, llama3)")
+    if rope.rope_type == "yarn":
+        return _yarn_scaled(inv_freq, rope, head_dim)
+    raise UnsupportedModelError(f"rope type {rope.rope_type!r} is not supported (default, linear, llama3, yarn)")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by: 1, or YaRN's attention factor (as HF derives it)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    # Dimensions rotating fewer than beta_slow times over the original context are interpolated (slowed
+    # by `factor`), those rotating more than beta_fast times kept, a linear ramp between (HF's YaRN).
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (inv_freq / rope.factor) * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -50,8 +86,10 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = attention_factor(rope)
+        cos, sin = (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for a step's positions, `[tokens, 1, head_dim]`; gathered once, used by every layer."""

@@ -1,7 +1,10 @@
-"""The decoder-only transformer shared by the supported families (Llama, Qwen2, Mistral, Qwen3).
+"""The decoder-only transformer shared by the supported families (Llama, Qwen2, Mistral, Qwen3, and the
+mixture-of-experts / latent-attention ones: Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V2/V3).
 
 They differ only in switches taken from the checkpoint config: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), tied embeddings, RoPE scaling. Tokens of a step are flattened to `[num_tokens, hidden]`
+(Qwen3), tied embeddings, RoPE scaling; the attention of a layer is grouped-query (`Attention`) or
+latent (engine/models/mla.py, when the config has `mla`), its feed-forward block dense or a mixture
+of experts (engine/models/moe.py, when the config has `moe`). Tokens of a step are flattened to `[num_tokens, hidden]`
 (no padding); attention reads/writes the paged cache through `engine.attention`.
 
 Module names mirror HF's so checkpoint tensors map by name; `PACKED_WEIGHTS` says which HF tensors
@@ -11,16 +14,17 @@ were fused into which of our parameters.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.kv_storage import KVCacheStorage, LayerKV
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from engine.kv_storage import KVCacheStorage
+from engine.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.quantization import linear_method
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.mla import MLAttention
+from engine.models.moe import feed_forward
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 
 # HF tensor name fragment → (our fused parameter fragment, shard id)
@@ -57,8 +61,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(self, rope, hidden, cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        """`rope`: this step's (cos, sin) rows from `RotaryEmbedding.lookup`."""
+    def forward(self, rope, hidden, kv_cache: KVCacheStorage, index: int, meta: AttentionMetadata) -> torch.Tensor:
+        """`rope`: this step's (cos, sin) rows from `RotaryEmbedding.lookup`; reads layer `index` of the cache."""
+        cache = kv_cache.layer(index)
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -71,45 +76,40 @@ class Attention(nn.Module):
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, quantization: str):
-        super().__init__()
-        dtype = cfg.torch_dtype
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [size, size], False, dtype, tp, linear_method(quantization)
-        )
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, tp, linear_method(quantization))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused kernel instead of two (engine/kernels/triton_fused.py)
-            from engine.kernels.triton_fused import silu_mul
-
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+# A layer's attention, by whether the config has MLA.
+ATTENTIONS: dict[bool, type[Attention | MLAttention]] = {False: Attention, True: MLAttention}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, quantization: str):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallelGroup, quantization: str, expert_parallel: bool):
         super().__init__()
-        self.self_attn = Attention(cfg, tp, quantization)
-        self.mlp = MLP(cfg, tp, quantization)
+        self.index = index
+        self.self_attn = ATTENTIONS[cfg.mla is not None](cfg, tp, quantization)
+        self.mlp = feed_forward(cfg, index, tp, quantization, expert_parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
 
-    def forward(self, rope, hidden, cache: LayerKV, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), cache, meta)
+    def forward(self, rope, hidden, kv_cache: KVCacheStorage, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, self.index, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallelGroup, quantization: str):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        tp: TensorParallelGroup,
+        quantization: str,
+        expert_parallel: bool = True,
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, quantization) for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim, max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, index, tp, quantization, expert_parallel) for index in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
 
 
@@ -118,7 +118,8 @@ class DecoderForCausalLM(nn.Module):
 
     `quantization` (engine/layers/quantization.py) applies to every linear layer of the decoder and,
     with `quantize_lm_head`, to the LM head (a tied head then gets its own quantized copy of the
-    embedding, which stays in the model dtype for lookups)."""
+    embedding, which stays in the model dtype for lookups). `expert_parallel`: under TP, MoE layers
+    split whole experts across the ranks instead of every expert's features (engine/layers/fused_moe.py)."""
 
     def __init__(
         self,
@@ -127,10 +128,11 @@ class DecoderForCausalLM(nn.Module):
         tp: TensorParallelGroup = SINGLE_RANK,
         quantization: str = "none",
         quantize_lm_head: bool = False,
+        expert_parallel: bool = True,
     ):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions, tp, quantization)
+        self.model = DecoderModel(cfg, max_positions, tp, quantization, expert_parallel)
         self.lm_head = ReplicatedLinear(
             cfg.hidden_size,
             cfg.vocab_size,
@@ -147,8 +149,8 @@ class DecoderForCausalLM(nn.Module):
         """kv_cache: this rank's paged cache (its KV heads)."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.lookup(positions, hidden.dtype)
-        for index, layer in enumerate(self.model.layers):
-            hidden = layer(rope, hidden, kv_cache.layer(index), meta)
+        for layer in self.model.layers:
+            hidden = layer(rope, hidden, kv_cache, meta)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from policies.routing.base import NoWorkersError, RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad
 from policies.routing.cache_aware import CacheAwarePolicy
 from policies.routing.least_loaded import LeastLoadedPolicy
+from policies.routing.load_book import LoadBook
 from policies.routing.prefix_hash import PrefixHashPolicy
 from policies.routing.round_robin import RoundRobinPolicy
 
@@ -27,6 +28,7 @@ __all__ = [
     "POLICIES",
     "CacheAwarePolicy",
     "LeastLoadedPolicy",
+    "LoadBook",
     "NoWorkersError",
     "PrefixHashPolicy",
     "RoundRobinPolicy",

@@ -10,17 +10,33 @@ than the recompute elsewhere. Ties go to the longer cached prefix, then to the p
 spread over the workers instead of piling onto the lowest id.
 The prefix comes from a `PrefixIndex` (in-process by default, Redis when configured); if the index
 cannot answer, the choice falls back to `prefix_hash` for that request (no client-visible error).
+
+How the least cost is found without scoring every worker (the choice is exactly the least (cost,
+-cached blocks, ring rank) over all workers; `ExhaustiveCacheAwarePolicy` computes it by definition and
+the tests compare the two): the index answers with holder levels (`PrefixIndex.holder_levels`: the
+workers holding exactly n leading blocks, for each n, deepest first), and the loads come as a
+`LoadBook` (workers in load order). A worker holding n blocks costs at least the least queue of the
+fleet plus the prompt minus n blocks, so levels are walked from the deepest and the walk stops at the
+first level whose bound cannot beat the best found (a shallower level only costs more). Within a
+level, a few holders are scored one by one; a large one (a system prompt everyone holds) is searched
+in load order, where its first member is its least queued. Workers holding nothing come last, the same
+way. Ties are ranked on the ring only among the tied workers (`PrefixHashPolicy.first_in_ring`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from policies.routing.base import RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad, require_workers
-from policies.routing.prefix_hash import PrefixHashPolicy
+from policies.routing.load_book import LoadBook, as_book
+from policies.routing.prefix_hash import FEW_TIED, PrefixHashPolicy
+from prefix_index.base import HolderLevels, MatchLevels
 
 log = logging.getLogger(__name__)
+
+_NO_HOLDERS = MatchLevels(())
+LOAD_WALK_STEPS = 64  # workers a level's search in load order passes before it lists the level instead
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -35,10 +51,9 @@ class CacheAwarePolicy(RoutingPolicy):
     async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
         require_workers(workers)
         if not query.block_hashes:  # nothing cacheable: the least loaded, ties in ring order
-            _, tied = self._least_cost(query, workers, {})
-            return RouteDecision(self.fallback.first_in_ring(query, workers, tied), 0)
+            return self._decide(query, workers, _NO_HOLDERS)
         try:
-            matches = await self.index.match(query.block_hashes)
+            levels = await self._holder_levels(query)
         except Exception as err:  # noqa: BLE001 - an unreachable index degrades routing, never the request
             self.index_failures += 1
             if not self._degraded:
@@ -46,43 +61,128 @@ class CacheAwarePolicy(RoutingPolicy):
             self._degraded = True
             return self.fallback.choose_now(query, workers)
         self._degraded = False
-        cached_blocks = {m.worker_id: m.num_blocks for m in matches}
-        blocks, tied = self._least_cost(query, workers, cached_blocks)
-        decision = RouteDecision(self.fallback.first_in_ring(query, workers, tied), blocks)
-        # The best holder among these workers (ties: ring order), named so the chosen one can pull from it.
-        members = {w.worker_id for w in workers} if matches else set()
-        held = {m.worker_id: m.num_blocks for m in matches if m.worker_id in members and m.num_blocks > 0}
-        if not held:
+        return self._decide(query, workers, levels)
+
+    async def _holder_levels(self, query: RouteQuery) -> HolderLevels:
+        return await self.index.holder_levels(query.block_hashes)
+
+    def _decide(self, query: RouteQuery, workers: Sequence[WorkerLoad], levels: HolderLevels) -> RouteDecision:
+        book = as_book(workers)
+        blocks, queued = self._least_cost(query, book, levels)
+        decision = RouteDecision(self._first_tied(query, book, levels, blocks, queued), blocks)
+        holder = self._best_holder(query, book, levels)
+        if holder is None:
             return decision
-        most = max(held.values())
-        holder_id = self.fallback.first_in_ring(query, workers, {w for w, n in held.items() if n == most})
-        return decision._replace(holder_id=holder_id, holder_blocks=most)
+        return decision._replace(holder_id=holder[0], holder_blocks=holder[1])
 
     @staticmethod
-    def _least_cost(
-        query: RouteQuery, workers: Sequence[WorkerLoad], cached_blocks: dict[str, int]
-    ) -> tuple[int, set[str]]:
-        """(cached blocks, ids) of the workers at the least (cost, -cached blocks): the ring breaks their tie.
-
-        A worker holding nothing costs its queue plus the whole prompt, so among those only the least
-        queued count; holders are scored one by one. Only the tied workers are ranked on the ring
-        afterwards: a full ring order of a large fleet costs more than scoring it.
-        """
+    def _least_cost(query: RouteQuery, book: LoadBook, levels: HolderLevels) -> tuple[int, int]:
+        """(cached blocks, queued tokens) of the least (cost, -cached blocks) over the book's workers."""
         # A hit never covers the whole prompt: the last token is always computed (it yields the first
         # output token), so the uncached count is at least one.
         prompt, size = query.num_prompt_tokens, query.block_size
-        least_queued = min(w.queued_prompt_tokens for w in workers)
-        best = (least_queued + max(prompt, 1), 0)
-        holders = []
-        if cached_blocks:
-            for w in workers:
-                blocks = cached_blocks.get(w.worker_id, 0)
-                if blocks:
-                    holders.append((w.queued_prompt_tokens + max(prompt - blocks * size, 1), -blocks, w.worker_id))
-        if holders:
-            best = min(best, min(holders)[:2])
-        if best[1]:
-            return -best[1], {w for cost, neg_blocks, w in holders if (cost, neg_blocks) == best}
-        return 0, {
-            w.worker_id for w in workers if w.queued_prompt_tokens == least_queued and w.worker_id not in cached_blocks
+        floor_queued = book.min_queued()
+        best: tuple[int, int, int] | None = None  # (cost, -blocks, queued)
+        for blocks in (*levels.depths, 0):
+            uncached = max(prompt - blocks * size, 1)
+            if best is not None and floor_queued + uncached >= best[0]:
+                break  # this level and every shallower one cost at least the best found
+            queued = _least_queued_at(book, levels, blocks, None if best is None else best[0] - uncached)
+            if queued is not None and (best is None or (queued + uncached, -blocks) < best[:2]):
+                best = (queued + uncached, -blocks, queued)
+        assert best is not None, "a non-empty book has a least-cost worker"
+        return -best[1], best[2]
+
+    def _first_tied(self, query: RouteQuery, book: LoadBook, levels: HolderLevels, blocks: int, queued: int) -> str:
+        """The first in ring order of the workers holding `blocks` blocks with `queued` tokens queued."""
+
+        def tied(worker_id: str) -> bool:
+            load = book.get(worker_id)
+            return load is not None and load.queued_prompt_tokens == queued and levels.blocks_of(worker_id) == blocks
+
+        # A small tie is listed from whichever side is small (the workers with that queue, or the level)
+        # and ranked directly; a large one (an idle fleet, a prefix everyone holds) meets a member within
+        # a few steps of the ring, and the walk's first member is the answer by definition.
+        if book.count_queued(queued) <= FEW_TIED:
+            among = {w for w in book.with_queued(queued) if levels.blocks_of(w) == blocks}
+        elif blocks and levels.count(blocks) <= FEW_TIED:
+            among = {w for w in levels.members(blocks) if tied(w)}
+        elif (found := self.fallback.first_in_ring_where(query, book, tied, limit=FEW_TIED)) is not None:
+            return found
+        else:
+            among = set()
+            for worker_id in book.with_queued(queued):
+                if levels.blocks_of(worker_id) == blocks:
+                    among.add(worker_id)
+                    if len(among) > FEW_TIED:
+                        found = self.fallback.first_in_ring_where(query, book, tied)
+                        assert found is not None, "the tied worker exists"
+                        return found
+        return self.fallback.first_in_ring(query, book, among)
+
+    def _best_holder(self, query: RouteQuery, book: LoadBook, levels: HolderLevels) -> tuple[str, int] | None:
+        """The worker of the book holding the most leading blocks (ties: ring order), and how many."""
+        for blocks in levels.depths:
+            if levels.count(blocks) <= FEW_TIED:
+                among = {w for w in levels.members(blocks) if book.has(w)}
+                if among:
+                    return self.fallback.first_in_ring(query, book, among), blocks
+                continue
+            found = self.fallback.first_in_ring_where(query, book, _holding(levels, blocks))
+            if found is not None:
+                return found, blocks
+        return None
+
+
+def _holding(levels: HolderLevels, blocks: int) -> Callable[[str], bool]:
+    return lambda worker_id: levels.blocks_of(worker_id) == blocks
+
+
+def _least_queued_at(book: LoadBook, levels: HolderLevels, blocks: int, below: int | None) -> int | None:
+    """The least queued tokens of a worker holding exactly `blocks` blocks (0: none), None when there
+    is none or none queues less than `below`."""
+    if blocks and levels.count(blocks) <= FEW_TIED:
+        return _least_listed(book, levels, blocks, below)
+    # The first member met in load order is the level's least queued. The walk passes the less loaded
+    # workers of other levels first: past LOAD_WALK_STEPS of them a holder level is listed instead.
+    for steps, load in enumerate(book.ascending()):
+        if below is not None and load.queued_prompt_tokens >= below:
+            return None
+        if levels.blocks_of(load.worker_id) == blocks:
+            return load.queued_prompt_tokens
+        if blocks and steps >= LOAD_WALK_STEPS:
+            return _least_listed(book, levels, blocks, below)
+    return None
+
+
+def _least_listed(book: LoadBook, levels: HolderLevels, blocks: int, below: int | None) -> int | None:
+    """`_least_queued_at` by listing the level's members."""
+    queues = [load.queued_prompt_tokens for w in levels.members(blocks) if (load := book.get(w)) is not None]
+    least = min(queues, default=None)
+    return least if least is not None and (below is None or least < below) else None
+
+
+class ExhaustiveCacheAwarePolicy(CacheAwarePolicy):
+    """`cache_aware` by its definition: every worker scored (the reference the tests and the routing
+    benchmark compare the walk above with). It reads the index's full `match` list, as a policy that
+    scores every worker needs."""
+
+    async def _holder_levels(self, query: RouteQuery) -> HolderLevels:
+        return MatchLevels(await self.index.match(query.block_hashes))
+
+    def _decide(self, query: RouteQuery, workers: Sequence[WorkerLoad], levels: HolderLevels) -> RouteDecision:
+        prompt, size = query.num_prompt_tokens, query.block_size
+        cached = {w.worker_id: levels.blocks_of(w.worker_id) for w in workers}
+        key = {
+            w.worker_id: (w.queued_prompt_tokens + max(prompt - cached[w.worker_id] * size, 1), -cached[w.worker_id])
+            for w in workers
         }
+        best = min(key.values())
+        decision = RouteDecision(
+            self.fallback.first_in_ring(query, workers, {w for w, k in key.items() if k == best}), -best[1]
+        )
+        most = max(cached.values())
+        if not most:
+            return decision
+        holder = self.fallback.first_in_ring(query, workers, {w for w, n in cached.items() if n == most})
+        return decision._replace(holder_id=holder, holder_blocks=most)

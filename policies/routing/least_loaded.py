@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from policies.routing.base import RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad, least_loaded, require_workers
+from policies.routing.load_book import LoadBook
 
 
 class LeastLoadedPolicy(RoutingPolicy):
@@ -17,4 +18,6 @@ class LeastLoadedPolicy(RoutingPolicy):
 
     async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
         require_workers(workers)
-        return RouteDecision(least_loaded(workers).worker_id, 0)
+        # A LoadBook keeps its workers in load order: its least is read, not searched for.
+        least = workers.least() if isinstance(workers, LoadBook) else least_loaded(workers)
+        return RouteDecision(least.worker_id, 0)

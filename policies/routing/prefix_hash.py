@@ -21,15 +21,23 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from policies.routing.base import RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad, require_workers
+from policies.routing.load_book import LoadBook
 
 DEFAULT_PREFIX_BLOCKS = 2
 DEFAULT_VIRTUAL_NODES = 128
 DEFAULT_LOAD_FACTOR = 1.25  # the paper's choice: few moved keys, no worker far above the mean
 DEFAULT_SLACK_TOKENS = 4096  # about two prefill steps of the default 2048-token budget
+
+
+_RING_SIZE = 1 << 64
+# A tie among at most this many workers is ranked by their own points; a larger one by walking the ring
+# until a member is met (about members / fleet of the ring's points): the cheaper of the two either way.
+FEW_TIED = 32
 
 
 def ring_point(data: bytes) -> int:
@@ -48,6 +56,9 @@ class HashRing:
         self.points = [p for p, _ in points]
         self.owners = [w for _, w in points]
         self.worker_ids = frozenset(worker_ids)
+        self._own_points: dict[str, list[int]] = {}  # each worker's points, sorted
+        for point, worker_id in points:
+            self._own_points.setdefault(worker_id, []).append(point)
 
     def owner(self, key: bytes) -> str:
         index = bisect.bisect(self.points, ring_point(key)) % len(self.points)
@@ -68,6 +79,19 @@ class HashRing:
 
     def preference(self, key: bytes) -> list[str]:
         return list(self.walk(key))
+
+    def first_of(self, key: bytes, among: Iterable[str]) -> str:
+        """The first of `among` (a few members) met walking from the key: each member's distance to its
+        next point, without walking past the others' points."""
+        start = ring_point(key)
+
+        def distance(worker_id: str) -> tuple[int, str]:
+            own = self._own_points[worker_id]
+            i = bisect.bisect(own, start)
+            point = own[i] if i < len(own) else own[0]
+            return ((point - start - 1) % _RING_SIZE, worker_id)  # a point equal to the key's comes last
+
+        return min(among, key=distance)
 
 
 def prefix_key(query: RouteQuery, prefix_blocks: int) -> bytes:
@@ -106,11 +130,15 @@ class PrefixHashPolicy(RoutingPolicy):
         ring, key = self._ring_for(workers), prefix_key(query, self.prefix_blocks)
         if self.load_factor is None:
             return RouteDecision(ring.owner(key), 0)
-        queued = {w.worker_id: w.queued_prompt_tokens for w in workers}
-        mean_tokens = (sum(queued.values()) + query.num_prompt_tokens) / len(queued)
+        loads: dict[str, WorkerLoad] | LoadBook
+        if isinstance(workers, LoadBook):
+            total, loads = workers.total_queued, workers
+        else:
+            total, loads = sum(w.queued_prompt_tokens for w in workers), {w.worker_id: w for w in workers}
+        mean_tokens = (total + query.num_prompt_tokens) / len(workers)
         bound = max(self.load_factor * mean_tokens, self.slack_tokens)
         # Some worker is within the bound: the least loaded holds at most the mean, below it.
-        return RouteDecision(next(w for w in ring.walk(key) if queued[w] <= bound), 0)
+        return RouteDecision(next(w for w in ring.walk(key) if _queued(loads, w) <= bound), 0)
 
     def preference(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> list[str]:
         """The workers in this prompt's ring order (see HashRing.preference)."""
@@ -121,15 +149,41 @@ class PrefixHashPolicy(RoutingPolicy):
         of `workers` by `preference` and taking the best of `among` gives, without ranking the rest."""
         if len(among) == 1:
             return next(iter(among))
-        return next(w for w in self._ring_for(workers).walk(prefix_key(query, self.prefix_blocks)) if w in among)
+        ring, key = self._ring_for(workers), prefix_key(query, self.prefix_blocks)
+        if len(among) <= FEW_TIED:
+            return ring.first_of(key, among)
+        return next(w for w in ring.walk(key) if w in among)
+
+    def first_in_ring_where(
+        self, query: RouteQuery, workers: Sequence[WorkerLoad], accept: Callable[[str], bool], limit: int = 0
+    ) -> str | None:
+        """The first worker met in this prompt's ring order that `accept`s, looking at the first `limit`
+        workers (0: all); None when none of those does. For a set too large to list, the walk meets a
+        member after about fleet / members workers."""
+        walk = self._ring_for(workers).walk(prefix_key(query, self.prefix_blocks))
+        if limit:
+            walk = itertools.islice(walk, limit)
+        return next((w for w in walk if accept(w)), None)
 
     def _ring_for(self, workers: Sequence[WorkerLoad]) -> HashRing:
-        ids = frozenset(w.worker_id for w in workers)
+        if isinstance(workers, LoadBook):  # the same ids object until membership changes: O(1) to check
+            ids = workers.ids
+            if self._ring is not None and self._ring.worker_ids is ids:
+                return self._ring
+        else:
+            ids = frozenset(w.worker_id for w in workers)
         if self._ring is None or self._ring.worker_ids != ids:  # membership changed: rebuild (cheap)
             self._ring = HashRing(sorted(ids), self.virtual_nodes)
+        self._ring.worker_ids = ids  # equal: keep the caller's object, so the next check is by identity
         return self._ring
 
     def check_integrity(self) -> None:
         if self._ring is not None:
             assert self._ring.points == sorted(self._ring.points), "ring points out of order"
             assert set(self._ring.owners) == set(self._ring.worker_ids), "ring owners differ from members"
+
+
+def _queued(loads: dict[str, WorkerLoad] | LoadBook, worker_id: str) -> int:
+    load = loads.get(worker_id)
+    assert load is not None, "the ring holds only the workers' ids"
+    return load.queued_prompt_tokens

@@ -1,9 +1,11 @@
 """Chat messages → prompt text, with the checkpoint's own chat template (Hugging Face's Jinja format).
 
 A message is `{"role": str, "content": str | [{"type": "text", "text": str}, ...] | null}`; text parts
-are joined with newlines (as vLLM does); any other part (images, audio) is refused, naming it. Roles
-are the template's business: a template that rejects a conversation (raising in Jinja) gets a 400
-naming `messages` with the template's own message. A checkpoint without a template cannot chat.
+are joined with newlines (as vLLM does); any other part (images, audio) is refused, naming it. A role
+is one of OpenAI's (`ROLES`, which the OpenAPI document lists as an enum); any other is a 400 naming
+`messages[i].role`. Which roles may follow which is the template's business: a template that rejects a
+conversation (raising in Jinja) gets a 400 naming `messages` with the template's own message. A
+checkpoint without a template cannot chat.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import NoReturn
 from engine.errors import InvalidRequestError
 
 MAX_MESSAGES = 4096
+# OpenAI's chat roles ("function" is the legacy form of "tool"); messages carry role and content only.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def render_chat(messages, tokenizer, add_generation_prompt: bool = True) -> str:
@@ -41,8 +45,8 @@ def _message(message, index: int) -> dict:
     if not isinstance(message, dict):
         _fail(field, "must be an object with role and content")
     role = message.get("role")
-    if not isinstance(role, str) or not role:
-        _fail(f"{field}.role", "must be a non-empty string")
+    if role not in ROLES:  # a non-string too: JSON has no value equal to a role but the string itself
+        _fail(f"{field}.role", f"must be one of {', '.join(ROLES)}")
     return {"role": role, "content": _content(message.get("content"), f"{field}.content")}
 
 

@@ -7,6 +7,7 @@ says how each class looks over HTTP:
 | class (gRPC code) | HTTP | error.type | error.code |
 |---|---|---|---|
 | invalid argument | 400 | invalid_request_error | invalid_value |
+| a body over the size limit (invalid argument) | 413 | invalid_request_error | body_too_large |
 | unauthenticated | 401 | authentication_error | invalid_api_key |
 | unknown model | 404 | invalid_request_error | model_not_found |
 | request id already running (already exists) | 409 | invalid_request_error | request_id_in_use |
@@ -29,10 +30,10 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from router.errors import Status, status_for
-from router.openai.parse import ModelNotFound
+from router.openai.parse import BodyTooLarge, ModelNotFound
 
-# gRPC code → (HTTP status, error.type, error.code)
-_HTTP = {
+# gRPC code → (HTTP status, error.type, error.code); the OpenAPI document lists ALL_ERRORS.
+HTTP_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
@@ -41,7 +42,9 @@ _HTTP = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
 }
-_INTERNAL = (500, "server_error", "internal_error")
+INTERNAL_ERROR = (500, "server_error", "internal_error")
+BODY_TOO_LARGE = (413, "invalid_request_error", "body_too_large")
+ALL_ERRORS = (*HTTP_ERRORS.values(), BODY_TOO_LARGE, INTERNAL_ERROR)  # every (status, type, code) answered
 # Fields the domain names the gRPC way → how the OpenAI body calls them.
 _PROMPT_FIELDS = ("text", "token_ids", "prompt")
 
@@ -61,7 +64,9 @@ class HttpError(NamedTuple):
 def http_error(error: BaseException, prompt_field: str = "prompt") -> HttpError:
     """`prompt_field`: what the endpoint calls its prompt (`prompt`, or `messages` for chat)."""
     status = _status(error)
-    http_status, error_type, code = _HTTP.get(status.code, _INTERNAL)
+    http_status, error_type, code = (
+        BODY_TOO_LARGE if isinstance(error, BodyTooLarge) else HTTP_ERRORS.get(status.code, INTERNAL_ERROR)
+    )
     param = status.field
     if param is not None:
         param = param.removeprefix("sampling.").removeprefix("slo.")

@@ -7,13 +7,18 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (whole or streamed as server-sent events
 ending `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` (the router's Prometheus
-registry). Every request goes through the same `RouterService.generate` as gRPC: validation rules,
-admission, routing, metrics, deadlines and cancellation are the service's. The bearer token, when
-set, guards `/v1/`; `/health` and `/metrics` stay open for probes and scrapers. A client that
-disconnects cancels its handler (aiohttp's handler cancellation), which aborts the request on its
-workers. A streamed request's status is decided before the 200 is sent: the first output (or the
-failure) of its choices comes first, so admission's 429, a bad field's 400 or a deadline's 504
-arrive as statuses; a failure after that is sent as an error event, then `[DONE]`.
+registry), `GET /openapi.json` (the OpenAPI 3.1 document of these routes, `router.openai.openapi`, built
+once at start from the served model's limits). A body is read up to `parse.MAX_BODY_BYTES` (a longer one is
+a 413) and decoded only when nested at most `parse.MAX_JSON_DEPTH` levels (a deeper one is a 400 naming
+`body`); aiohttp's own refusals (an unknown path, a wrong method) come in OpenAI's error shape too. Every
+request goes through the same
+`RouterService.generate` as gRPC: validation rules, admission, routing, metrics, deadlines and
+cancellation are the service's. The bearer token, when set, guards `/v1/` and `/openapi.json`; `/health`
+and `/metrics` stay open for probes and scrapers. A client that disconnects cancels its handler
+(aiohttp's handler cancellation), which aborts the request on its workers. A streamed request's status
+is decided before the 200 is sent: the first output (or the failure) of its choices comes first, so
+admission's 429, a bad field's 400 or a deadline's 504 arrive as statuses; a failure after that is sent
+as an error event, then `[DONE]`.
 aiohttp was measured against uvicorn (bare ASGI and Starlette) and grpc.aio: benchmarks/http_stacks.py.
 """
 
@@ -25,6 +30,7 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import Mapping
 from contextlib import aclosing
 
 from aiohttp import web
@@ -32,17 +38,26 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.ports import bind_error
 from engine.errors import InvalidRequestError
+from router.access_log import access_log
 from router.errors import Unauthenticated
 from router.openai.choices import run_choices
 from router.openai.errors import HttpError, http_error
-from router.openai.parse import ApiRequest, Context, parse_chat, parse_completion
+from router.openai.openapi import openapi_document
+from router.openai.parse import (
+    MAX_BODY_BYTES,
+    ApiRequest,
+    BodyTooLarge,
+    Context,
+    decode_body,
+    parse_chat,
+    parse_completion,
+)
 from router.openai.render import DONE_EVENT, Renderer
 from router.service import RouterService
 from router.validation import client_wait_s
 from splitserve_client.sdk_types import SENT_AT_KEY
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 64 * 1024 * 1024
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -51,6 +66,7 @@ class HttpFront:
         self.service, self.context = service, context
         self._expected = f"Bearer {token}".encode() if token else None
         self._serving = True
+        self._openapi_body = b""  # the OpenAPI document, encoded once at start
         self.runner: web.AppRunner | None = None
         self.host, self.port, self.scheme = "", 0, "http"
         self.uds: str | None = None
@@ -71,12 +87,16 @@ class HttpFront:
         when `ssl_context` is given (the router's TLS keys, as for gRPC). Raises common.ports.PortInUse
         (key router.http_port) when host:port is taken."""
         front = cls(service, Context(service.limits, service.tokenizer, model_names), token)
+        document = openapi_document(front.context, auth=token is not None, max_body_bytes=MAX_BODY_BYTES)
+        front._openapi_body = json.dumps(document).encode()
         app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.middlewares.extend((access_log, openai_errors))
         app.router.add_post("/v1/completions", front._completions)
         app.router.add_post("/v1/chat/completions", front._chat)
         app.router.add_get("/v1/models", front._models)
         app.router.add_get("/health", front._health)
         app.router.add_get("/metrics", front._metrics)
+        app.router.add_get("/openapi.json", front._openapi)
         front.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await front.runner.setup()
         try:
@@ -149,6 +169,13 @@ class HttpFront:
             return web.json_response({"status": "shutting down"}, status=503)
         return web.json_response({"status": "ok"})
 
+    async def _openapi(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except Unauthenticated as err:
+            return self._error_response(self._failed(err, "prompt"))
+        return web.Response(body=self._openapi_body, content_type="application/json")
+
     async def _metrics(self, request: web.Request) -> web.Response:
         response = web.Response(body=generate_latest(self.service.metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
@@ -159,15 +186,10 @@ class HttpFront:
     async def _generate(self, request: web.Request, parse, prompt_field: str) -> web.StreamResponse:
         try:
             self._authorize(request)
-            try:
-                body = json.loads(await request.read())
-            except ValueError:
-                raise InvalidRequestError("body", "is not valid JSON") from None
+            body = decode_body(await read_body(request))
             api = parse(body, self.context, request.headers.get("X-Request-Id"))
             deadline_s = None if api.timeout_s is None else time.monotonic() + api.timeout_s
-            waited_s = client_wait_s(
-                ((SENT_AT_KEY, request.headers.get(SENT_AT_KEY)),) if SENT_AT_KEY in request.headers else ()
-            )
+            waited_s = waited_s_from(request.headers)
             if api.stream:
                 return await self._stream(request, api, deadline_s, waited_s, prompt_field)
             return await self._whole(api, deadline_s, waited_s)
@@ -234,3 +256,41 @@ class HttpFront:
         return web.Response(
             status=error.status, body=error.body, headers=error.headers, content_type="application/json"
         )
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The body, up to MAX_BODY_BYTES (the application's client_max_size): a longer one is refused by its
+    Content-Length before it is read, or as soon as it passes the limit."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise BodyTooLarge(MAX_BODY_BYTES)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(MAX_BODY_BYTES) from None
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own refusals (an unknown path's 404, a wrong method's 405) in OpenAI's error shape, with
+    their headers (a 405's Allow)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        error_type = "invalid_request_error" if err.status < 500 else "server_error"
+        message = f"{request.method} {request.path}: {err.reason}"
+        body = json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": None}})
+        headers = {k: v for k, v in err.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return web.Response(status=err.status, body=body.encode(), headers=headers, content_type="application/json")
+
+
+def waited_s_from(headers: Mapping[str, str]) -> float:
+    """The client's wait from its send-time header; a bad value's error names the header (the shared
+    rule names the gRPC metadata)."""
+    if SENT_AT_KEY not in headers:
+        return 0.0
+    try:
+        return client_wait_s(((SENT_AT_KEY, headers[SENT_AT_KEY]),))
+    except InvalidRequestError as err:
+        raise InvalidRequestError(SENT_AT_KEY, err.reason) from None

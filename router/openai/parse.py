@@ -6,15 +6,21 @@ string, a list of strings, token ids or a list of token-id lists, each run `n` t
 a prompt runs with seed + i when seeded. Unknown fields are ignored, as OpenAI does; a known field
 with a bad value raises `InvalidRequestError` naming it as the client sent it (`max_completion_tokens`,
 `temperature`, `prompt`, `messages[2].content`). Fields the engine cannot honour (`suffix`,
-`best_of` > n, `tools`, a non-text `response_format`) are refused rather than dropped.
+`best_of` > n, `tools`, a non-text `response_format`) are refused rather than dropped. `null` is a field
+left out; no other value stands in for it. `router.openai.openapi` builds the OpenAPI document of these
+rules from the same tables and limits.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NoReturn, cast
+
+import numpy as np
 
 from engine.errors import InvalidRequestError
 from router.openai.chat_template import render_chat
@@ -34,6 +40,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 MAX_CHOICES = 256  # prompts x n in one body
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a longer body is a 413, before it is read whole
+MAX_JSON_DEPTH = 64  # arrays and objects nested deeper are a 400, before the JSON is decoded
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 # Sampling fields read from the body as they are (OpenAI's, then vLLM's extra ones).
 _SAMPLING_KEYS = (
@@ -54,13 +62,13 @@ _SAMPLING_KEYS = (
     "skip_special_tokens",
     "include_stop_str_in_output",
 )
-# Known fields the engine cannot honour → the neutral values it accepts.
-_UNSUPPORTED = {
-    "suffix": lambda v: not v,
-    "tools": lambda v: not v,
-    "functions": lambda v: not v,
-    "tool_choice": lambda v: v in ("none", "auto"),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
+# Known fields the engine cannot honour → the values that ask for nothing, accepted besides null (a
+# `response_format` is accepted when its `type` is "text" or left out). The OpenAPI document lists the same.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
 }
 
 
@@ -105,6 +113,64 @@ class ModelNotFound(LookupError):
         super().__init__(f"the model {model!r} does not exist; this server serves {served!r}")
 
 
+class BodyTooLarge(InvalidRequestError):
+    """A body over MAX_BODY_BYTES: a 413 (router.openai.errors), naming the limit."""
+
+    def __init__(self, limit: int = MAX_BODY_BYTES):
+        super().__init__("body", f"is larger than the limit of {limit} bytes")
+
+
+# A JSON string (its escapes included), and the bytes that are not brackets.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+_DEPTH_CHUNK = 1 << 20  # brackets per numpy step: bounded memory for any body
+
+
+def decode_body(raw: bytes):
+    """A request body's JSON. A number with a zero fraction (`16.0`, `1e3`) is read as an integer, as JSON
+    Schema (and OpenAI's API) read it, so that `"max_tokens": 16.0` is 16 and not a type error. Arrays and
+    objects nested deeper than MAX_JSON_DEPTH are refused before decoding (the decoder recurses per level)."""
+    encoding = json.detect_encoding(raw)
+    try:
+        text = raw.decode(encoding, "surrogatepass")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("body", "is not valid JSON") from None
+    utf8 = raw if encoding in ("utf-8", "utf-8-sig") else text.encode("utf-8", "surrogatepass")
+    if json_depth_exceeds(utf8, MAX_JSON_DEPTH):
+        _fail("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text, parse_float=_json_float)
+    except RecursionError:  # brackets that never close (malformed, so not measured above)
+        _fail("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    except ValueError:
+        raise InvalidRequestError("body", "is not valid JSON") from None
+
+
+def json_depth_exceeds(utf8: bytes, limit: int) -> bool:
+    """Whether arrays and objects in this UTF-8 JSON nest more than `limit` levels deep (brackets inside
+    strings do not count). Linear and without recursion: the strings are cut out, the brackets kept, and
+    the running depth summed with numpy; a body with few brackets is not scanned at all."""
+    if utf8.count(b"[") + utf8.count(b"{") <= limit:
+        return False
+    if b'"' in utf8:
+        utf8 = _JSON_STRING.sub(b"", utf8)
+    brackets = np.frombuffer(utf8.translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    depth = 0
+    for start in range(0, len(brackets), _DEPTH_CHUNK):
+        # "[" and "{" have bit 1 set, "]" and "}" do not: +1 and -1.
+        steps = (brackets[start : start + _DEPTH_CHUNK] & 2).astype(np.int8) - 1
+        running = np.cumsum(steps, dtype=np.int64) + depth
+        if running.max() > limit:
+            return True
+        depth = int(running[-1])
+    return False
+
+
+def _json_float(text: str) -> int | float:
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
 def parse_completion(body, context: Context, request_id: str | None = None) -> ApiRequest:
     body = _object(body)
     model = _model(body, context)  # an unknown model is a 404 whatever else is wrong
@@ -137,6 +203,8 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
+        if body.get("max_tokens") is not None:  # the older name, overridden, is still checked
+            sampling_params({"max_tokens": body["max_tokens"]}, context.limits)
     else:
         max_tokens = body.get("max_tokens")
     if max_tokens is None:  # chat's default: up to the context length
@@ -165,10 +233,20 @@ def _api_request(
     request_id: str | None,
 ) -> ApiRequest:
     params = sampling_params(values, context.limits, "", names)
-    for name, neutral in _UNSUPPORTED.items():
-        if body.get(name) is not None and not neutral(body[name]):
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        value = body.get(name)
+        # Compared with their types: JSON's false is not "" and 0 is not [] here, as they are in Python.
+        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
             _fail(name, "is not supported by this server")
-    best_of = body.get("best_of")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):  # read by nothing, yet checked as OpenAI's string
+        _fail("user", "must be a string")
+    response_format = body.get("response_format")
+    if response_format is not None and not (
+        isinstance(response_format, dict) and response_format.get("type", "text") == "text"
+    ):
+        _fail("response_format", 'is not supported by this server (only {"type": "text"})')
+    best_of = _optional_int(body, "best_of")
     if best_of is not None and best_of != params.n:
         _fail("best_of", "is not supported by this server (only best_of == n)")
     if len(prompts) * params.n > MAX_CHOICES:
@@ -189,8 +267,9 @@ def _api_request(
             )
             choices.append(Choice(index, prompt_index, request, echo))
     stream = _flag(body, "stream")
-    options = _object(body.get("stream_options") or {}, "stream_options")
-    include_usage = stream and _flag(options, "include_usage", field="stream_options.include_usage")
+    options = body.get("stream_options")
+    options = {} if options is None else _object(options, "stream_options")
+    include_usage = _flag(options, "include_usage", field="stream_options.include_usage") and stream
     return ApiRequest(
         kind,
         model,
@@ -229,8 +308,17 @@ def _completion_prompts(prompt, context: Context) -> list[tuple[str | None, tupl
 
 def _sampling_values(body: dict, max_tokens, logprobs: int | None) -> dict:
     values = {key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None}
-    if values.get("top_k") in (-1, 0):  # vLLM's spelling of "no top-k"
+    top_k = values.get("top_k")
+    if _is_int(top_k) and top_k in (-1, 0):  # vLLM's spelling of "no top-k"
         del values["top_k"]
+    # JSON shapes the shared rules would take apart (an object's keys as a list, a key in Unicode digits).
+    if "stop" in values and not isinstance(values["stop"], (str, list)):
+        _fail("stop", "must be a string or a list of strings")
+    if "stop_token_ids" in values and not isinstance(values["stop_token_ids"], list):
+        _fail("stop_token_ids", "must be a list of token ids")
+    bias = values.get("logit_bias")
+    if isinstance(bias, dict) and not all(key.isascii() for key in bias):
+        _fail("logit_bias", "keys are token ids written in ASCII digits")
     values["max_tokens"] = max_tokens
     if logprobs is not None:
         values["logprobs"] = logprobs
@@ -240,7 +328,7 @@ def _sampling_values(body: dict, max_tokens, logprobs: int | None) -> dict:
 def _extras(body: dict) -> tuple[int, str, float | None, float | None]:
     """splitserve's own fields, in RouterRequest order: priority, tenant, ttft_ms, tpot_ms."""
     priority = check_priority(body.get("priority", 0) if body.get("priority") is not None else 0)
-    tenant = check_tenant(body.get("tenant") or "")
+    tenant = check_tenant(body.get("tenant") if body.get("tenant") is not None else "")
     return priority, tenant, check_slo_ms(body.get("ttft_ms"), "ttft_ms"), check_slo_ms(body.get("tpot_ms"), "tpot_ms")
 
 

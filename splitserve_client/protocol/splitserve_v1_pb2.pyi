@@ -186,7 +186,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "healthy", "inflight_requests", "waiting", "running", "num_kv_blocks", "kv_usage", "tp_size", "epoch", "restarts", "state", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps", "spec_acceptance_rate", "spec_mean_accepted_length")
+    __slots__ = ("worker_id", "role", "healthy", "inflight_requests", "waiting", "running", "num_kv_blocks", "kv_usage", "tp_size", "epoch", "restarts", "state", "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps", "spec_acceptance_rate", "spec_mean_accepted_length", "kv_tiers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class WorkerStatus(_message.Message):
     SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     healthy: bool
@@ -221,7 +222,22 @@ class WorkerStatus(_message.Message):
     spec_verify_steps: int
     spec_acceptance_rate: float
     spec_mean_accepted_length: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStatus]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tp_size: _Optional[int] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_verify_steps: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ...) -> None: ...
+
+class KVTierStatus(_message.Message):
+    __slots__ = ("tier", "used_bytes", "capacity_bytes", "hits", "misses")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    def __init__(self, tier: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "inflight_requests", "requests_total", "routing_policy", "prompt_tokens_total", "cached_prompt_tokens_total", "index_entries", "migrations_total")

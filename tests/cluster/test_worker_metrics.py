@@ -133,6 +133,7 @@ def test_snapshot_shows_the_scraped_figures(serve):
     assert snap == {
         "worker": "decode-1", "role": "decode", "kv_capacity_blocks": 100, "kv_used_blocks": 10,
         "waiting_requests": 1, "running_requests": 4, "prompt_tokens_total": 0, "prefix_cache_hit_tokens_total": 0,
+        "request_queue_time_seconds": {"count": 0, "sum": 0.0}, "preemptions_total": 0, "handoffs_in_flight": 0,
         "steps_total": {"decode": 1}, "step_tokens_total": {"decode": 4},
         "step_duration_seconds": {"decode": {"count": 1, "sum": 0.5}},
         "kv_transfer_bytes_total": {"recv": 2048},
@@ -161,9 +162,13 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve)
         P + "kv_transfer_bytes": "counter", P + "kv_transfer_duration_seconds": "histogram",
         P + "handoffs": "counter", P + "prefix_pulls": "counter",
         P + "prefix_pull_blocks": "counter", P + "spec_draft_tokens": "counter", P + "spec_accepted_tokens": "counter",
-        P + "spec_verify_steps": "counter", P + "spec_engine_steps": "counter"}  # counters: the name drops _total
+        P + "spec_verify_steps": "counter", P + "spec_engine_steps": "counter",
+        P + "request_queue_time_seconds": "histogram", P + "preemptions": "counter", P + "handoffs_in_flight": "gauge",
+        "splitserve_build_info": "gauge"}  # counters: the name drops _total
     for name, family in families.items():
         assert family.documentation, name
+        if name == "splitserve_build_info":
+            continue
         if "duration" in name:
             assert name.endswith("_seconds"), name
         if "bytes" in name:

@@ -42,7 +42,7 @@ def test_the_decode_pool_speculates_from_yaml_shaped_data():
     ({"prefill": "big"}, "prefill"),
     ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
     ({"quantization": "fp8"}, "quantization"),
-    ({"decode": {"quantization": "int4"}}, "decode.quantization"),
+    ({"decode": {"quantization": "int3"}}, "decode.quantization"),
     ({"decode": {"speculative_config": {"num_speculative_tokens": 99}}},
      "decode.speculative_config.num_speculative_tokens"),
     ({"decode": {"speculative_config": {"method": "ngram", "typo": 1}}}, "decode.speculative_config"),

@@ -33,6 +33,10 @@ MATRIX: dict[str, dict] = {
     "auth-created-secret": {"auth": {"enabled": True, "token": "s3cret-token"}},
     "metrics": {"metrics": {"enabled": True, "port": 9400,
                             "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
+    "observability": {"metrics": {"enabled": True, "podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                                  "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
+                                  "grafanaDashboard": {"enabled": True}},
+                      "config": {"prefill": {"metrics_port": 9500}, "decode": {"metrics_port": 9500}}},
     "everything": {
         "model": {"dir": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}},
         "config": {"dtype": "bfloat16", "block_size": 32, "prefill": {"max_num_batched_tokens": 4096, "threads": 4},

@@ -5,7 +5,8 @@ The CRD's `openAPIV3Schema` is used as it is, with Kubernetes' own semantics add
 has none: an object schema that lists `properties` accepts no other field (the API server prunes or,
 with strict field validation, rejects unknown ones) unless it says
 `x-kubernetes-preserve-unknown-fields`; `nullable: true` admits null; `x-kubernetes-int-or-string`
-admits an integer or a string. CEL rules (`x-kubernetes-validations`) are not evaluated.
+admits an integer or a string; a pattern's inline flag group moves to the front, where Python's `re` wants it
+(Kubernetes evaluates patterns with Go's RE2, which takes it anywhere). CEL rules (`x-kubernetes-validations`) are not evaluated.
 """
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ CRDS = {  # (apiVersion, kind) -> the vendored CRD file
     ("ray.io/v1", "RayCluster"): CRD_DIR / "kuberay" / "ray.io_rayclusters.yaml.gz",
     ("monitoring.coreos.com/v1", "ServiceMonitor"):
         CRD_DIR / "prometheus-operator" / "monitoring.coreos.com_servicemonitors.yaml.gz",
+    ("monitoring.coreos.com/v1", "PodMonitor"):
+        CRD_DIR / "prometheus-operator" / "monitoring.coreos.com_podmonitors.yaml.gz",
+    ("monitoring.coreos.com/v1", "PrometheusRule"):
+        CRD_DIR / "prometheus-operator" / "monitoring.coreos.com_prometheusrules.yaml.gz",
 }
 
 
@@ -59,6 +64,9 @@ def _kubernetes_semantics(node):
     if node.get("x-kubernetes-int-or-string"):
         node.pop("type", None)
         node.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and pattern.startswith("^(?i)"):  # RE2 takes a flag group anywhere, Python first
+        node["pattern"] = "(?i)^" + pattern[len("^(?i)"):]
     if node.get("nullable") and "type" in node:
         node["type"] = [node["type"], "null"]
     if ("properties" in node and "additionalProperties" not in node

@@ -122,7 +122,13 @@ def test_network_policies_open_the_router_only(case):
     assert outside.get("from", []) == values.get("networkPolicy", {}).get("routerFrom", [])
     ray_components = {"ray-head", "ray-prefill", "ray-decode"}
     assert _selected(policies["ray"]["podSelector"], objs) == ray_components
-    for rule in (inside, *policies["ray"]["ingress"], *policies.get("redis", {}).get("ingress", [])):
+    ray_rules = policies["ray"]["ingress"]
+    pod_monitor = values.get("metrics", {}).get("podMonitor", {})
+    if pod_monitor.get("enabled"):  # Prometheus scrapes the workers: their metrics port only, from its peers
+        *ray_rules, scrape = ray_rules
+        assert [p["port"] for p in scrape["ports"]] == ["worker-metrics"]
+        assert scrape.get("from", []) == pod_monitor.get("from", [])
+    for rule in (inside, *ray_rules, *policies.get("redis", {}).get("ingress", [])):
         release_peer = rule["from"][0]["podSelector"]
         assert "namespaceSelector" not in rule["from"][0]
         assert _selected(release_peer, objs) == set(pod_templates(objs)), "peer must be every pod of the release"

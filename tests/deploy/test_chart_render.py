@@ -8,6 +8,7 @@ PodTemplateSpecs; the cert-manager Certificate against the fields of cert-manage
 from __future__ import annotations
 
 import copy
+import json
 
 import helm_python
 import jsonschema
@@ -21,7 +22,7 @@ from tests.deploy.certificate_schema import validate_certificate
 from tests.deploy.chart import CHART_DIR, KUBE_VERSION, MATRIX, NAMESPACE, objects, of_kind, only, pod_templates
 from tests.deploy.crd_schema import ray_pod_templates, validate_custom_resource
 
-CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "Certificate"}
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor", "PrometheusRule", "Certificate"}
 HELM_WARNING = 2  # lint severities: 1 info, 2 warning, 3 error
 
 matrix = pytest.mark.parametrize("case", sorted(MATRIX))
@@ -80,6 +81,56 @@ def test_service_monitor_only_when_asked_and_valid_for_the_operator(case):
     assert len(monitors) == (1 if wanted else 0)
     for monitor in monitors:
         validate_custom_resource(monitor)
+
+
+@matrix
+def test_worker_monitoring_rules_and_dashboard_only_when_asked_and_valid(case):
+    """The PodMonitor scrapes the port the worker pods open; the PrometheusRule and the dashboard ConfigMap
+    carry the plain files unchanged."""
+    values, objs = MATRIX[case], objects(MATRIX[case])
+    metrics = values.get("metrics", {})
+    pod_monitors, rules = of_kind(objs, "PodMonitor"), of_kind(objs, "PrometheusRule")
+    dashboards = [o for o in of_kind(objs, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]]
+    assert len(pod_monitors) == int(metrics.get("podMonitor", {}).get("enabled", False))
+    assert len(rules) == int(metrics.get("prometheusRule", {}).get("enabled", False))
+    assert len(dashboards) == int(metrics.get("grafanaDashboard", {}).get("enabled", False))
+    templates = ray_pod_templates(only(objs, "RayCluster"))
+    for monitor in pod_monitors:
+        validate_custom_resource(monitor)
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        for pool in ("prefill", "decode"):
+            ports = {p["name"]: p["containerPort"] for p in templates[pool]["spec"]["containers"][0]["ports"]}
+            assert ports[endpoint["port"]] == values["config"][pool]["metrics_port"]
+            assert pool_component(pool) in monitor["spec"]["selector"]["matchExpressions"][0]["values"]
+    for rule in rules:
+        validate_custom_resource(rule)
+        assert rule["spec"] == yaml.safe_load((CHART_DIR / "files" / "splitserve-rules.yaml").read_text())
+    for dashboard in dashboards:
+        assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert json.loads(dashboard["data"]["splitserve.json"]) == json.loads(
+            (CHART_DIR / "files" / "splitserve-dashboard.json").read_text()
+        )
+
+
+def test_the_monitoring_validators_have_teeth():
+    objs = objects(MATRIX["observability"])
+    monitor = copy.deepcopy(only(objs, "PodMonitor"))
+    monitor["spec"]["podMetricsEndpoints"][0]["portt"] = "x"
+    with pytest.raises(jsonschema.ValidationError, match="portt"):
+        validate_custom_resource(monitor)
+    rule = copy.deepcopy(only(objs, "PrometheusRule"))
+    rule["spec"]["groups"][0]["rules"][0]["recordd"] = "x"
+    with pytest.raises(jsonschema.ValidationError, match="recordd"):
+        validate_custom_resource(rule)
+
+
+def pool_component(pool: str) -> str:
+    return f"ray-{pool}"
+
+
+def test_pod_monitor_needs_the_workers_metrics_port():
+    with pytest.raises(Exception, match="config.prefill.metrics_port"):
+        objects({"metrics": {"podMonitor": {"enabled": True}}})
 
 
 @matrix

@@ -135,9 +135,12 @@ def test_schema_enums_match_the_config_loader():
 
 
 def _sample(prop: dict):
-    """A value the schema accepts for `prop` (its enum's last entry, its minimum, or a plain one)."""
+    """A value the schema accepts for `prop` (its enum's last entry, its first example, its minimum, or a
+    plain one)."""
     if "enum" in prop:
         return prop["enum"][-1]
+    if "examples" in prop:
+        return prop["examples"][0]
     kinds = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
     if "integer" in kinds:
         return prop.get("minimum", 0) + 7
@@ -145,6 +148,8 @@ def _sample(prop: dict):
         return {k: _sample(p) for k, p in prop.get("properties", {}).items()}
     if "number" in kinds:
         return min(2.5, prop.get("maximum", 2.5))
+    if "array" in kinds:
+        return [_sample(prop["items"])]
     return {"boolean": False, "string": "x"}[kinds[0]]
 
 

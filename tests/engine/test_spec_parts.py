@@ -30,7 +30,7 @@ from tests.factories import TinySpec, random_prompts
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
         ({"method": "draft_model"}, "speculative_config.model"),
         ({"method": "ngram", "model": "x"}, "speculative_config.model"),
-        ({"model": "x", "quantization": "int4"}, "speculative_config.quantization"),
+        ({"model": "x", "quantization": "int3"}, "speculative_config.quantization"),
         ({"method": "ngram", "quantization": "int8"}, "speculative_config.quantization"),
         ({"k": 3}, "unknown key"),
     ],

@@ -1,20 +1,29 @@
 """The PrefixIndex contract (prefix_index/base.py), run against every implementation.
 
 Each scenario runs in its own event loop with a fresh index; `check_integrity()` runs after it.
-Lease expiry uses an injected clock in-process and real (short) waits against Redis.
+Lease expiry uses an injected clock in-process and real (short) waits against Redis (one server, and a
+3-shard Redis Cluster shared by the module, each test in a namespace of its own).
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from common.kv_events import KVEventBatch, KVEventBuffer
-from prefix_index import IndexNamespace, InProcessPrefixIndex, PrefixIndex, PrefixMatch, RedisPrefixIndex
 from engine.block_hash import HashNamespace, hash_blocks
 from engine.block_pool import BlockRemoved, BlockStored
+from prefix_index import (
+    IndexNamespace,
+    InProcessPrefixIndex,
+    PrefixIndex,
+    PrefixMatch,
+    RedisPrefixIndex,
+    make_redis_index,
+)
 
 NS = HashNamespace("contract-model", 4)
 E1 = 1_700_000_000_000_000_001  # realistic nanosecond epochs: beyond a double's exact integers
@@ -70,7 +79,10 @@ class Backend:
         asyncio.run(asyncio.wait_for(main(), 20))
 
 
-@pytest.fixture(params=["in_process", "redis"])
+_namespaces = itertools.count()
+
+
+@pytest.fixture(params=["in_process", "redis", "redis_cluster"])
 def backend(request) -> Backend:
     if request.param == "in_process":
         clock = FakeClock()
@@ -78,6 +90,10 @@ def backend(request) -> Backend:
         async def advance(seconds: float) -> None:
             clock.now_s += seconds
         return Backend(lambda lease_s: InProcessPrefixIndex(lease_s, clock), advance)
+    if request.param == "redis_cluster":  # one cluster per module: each test its own namespace
+        cluster = request.getfixturevalue("redis_cluster")
+        namespace = IndexNamespace(f"{NS.model_identity}-{next(_namespaces)}", NS.block_size)
+        return Backend(lambda lease_s: make_redis_index(cluster.url, namespace, lease_s), asyncio.sleep)
     server = request.getfixturevalue("redis_server")
     namespace = IndexNamespace(NS.model_identity, NS.block_size)
     return Backend(lambda lease_s: RedisPrefixIndex(server.url, namespace, lease_s), asyncio.sleep)

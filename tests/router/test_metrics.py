@@ -62,9 +62,9 @@ def test_buckets_span_milliseconds_to_minutes(metrics, name, smallest_s, largest
     metrics.observe_ttft(1.0)
     metrics.observe_tpot(1.0)
     metrics.observe_request("ok", duration_s=1.0)
-    bounds = [dict(labels)["le"] for sample, labels in read(metrics) if sample == P + name + "_bucket"]
-    assert bounds[-1] == "+Inf"
-    finite = sorted(float(b) for b in bounds[:-1])
+    bounds = {dict(labels)["le"] for sample, labels in read(metrics) if sample == P + name + "_bucket"}
+    assert "+Inf" in bounds
+    finite = sorted(float(b) for b in bounds - {"+Inf"})
     assert (finite[0], finite[-1]) == (smallest_s, largest_s)
 
 
@@ -96,7 +96,7 @@ def test_admissions_and_rejections_by_reason(metrics):
     assert value(s, P + "admitted_requests_total") == 2
     for reason in ("ttft_slo", "concurrency", "kv_capacity", "other"):
         assert value(s, P + "rejected_requests_total", reason=reason) == 1
-    assert not any(name == P + "rejected_requests_total" and ("reason", "tpot_slo") in labels for name, labels in s)
+    assert value(s, P + "rejected_requests_total", reason="tpot_slo") == 0  # exported from the start
 
 
 @pytest.mark.parametrize("text, label", [
@@ -179,7 +179,7 @@ def test_snapshot_shows_the_scraped_figures(metrics):
     assert snap["requests_total"] == {"ok": 1, "unavailable": 1}
     assert snap["requests_total"]["ok"] == value(s, P + "requests_total", outcome="ok")
     assert snap["goodput_requests_total"] == 1 and snap["admitted_requests_total"] == 1
-    assert snap["rejected_requests_total"] == {"kv_capacity": 1}
+    assert {reason: n for reason, n in snap["rejected_requests_total"].items() if n} == {"kv_capacity": 1}
     assert snap["inflight_requests"] == 2
     assert (snap["prompt_tokens_total"], snap["cached_prompt_tokens_total"]) == (48, 32)
     assert snap["ttft_seconds"] == {"high": {"count": 1, "sum": 0.5}}
@@ -206,16 +206,24 @@ def test_names_and_labels_follow_prometheus_conventions(metrics):
         P + "migrations": "counter",
         P + "prompt_tokens": "counter", P + "cached_prompt_tokens": "counter",
         P + "worker_waiting_requests": "gauge", P + "worker_running_requests": "gauge",
-        P + "worker_kv_usage_ratio": "gauge", P + "worker_healthy": "gauge"}  # counters: family name drops _total
+        P + "worker_kv_usage_ratio": "gauge", P + "worker_healthy": "gauge", P + "worker_epoch": "gauge",
+        P + "inter_token_latency_seconds": "histogram", P + "generation_tokens": "counter",
+        P + "request_prompt_tokens": "histogram", P + "request_generation_tokens": "histogram",
+        P + "slo_requests": "counter", P + "controller_outages": "counter",
+        "splitserve_build_info": "gauge"}  # counters: family name drops _total
     for family in families:
-        assert family.name.startswith(P), family.name
+        assert family.name.startswith(P) or family.name == "splitserve_build_info", family.name
         assert family.documentation, family.name
         for sample in family.samples:
-            assert set(sample.labels) <= {"priority", "outcome", "reason", "worker", "role", "le", "cause"}, sample
+            if family.name == "splitserve_build_info":
+                assert set(sample.labels) == {"version", "python_version", "component"} and sample.value == 1
+                continue
+            assert set(sample.labels) <= {"priority", "outcome", "reason", "worker", "role", "le", "cause", "slo",
+                                         "result"}, sample
             if family.type == "counter" and not sample.name.endswith("_created"):
                 assert sample.name.endswith("_total"), sample.name
         if family.type == "histogram":
-            assert family.name.endswith("_seconds"), family.name
+            assert family.name.endswith(("_seconds", "_tokens")), family.name
         if family.type != "counter":
             assert not family.name.endswith("_total"), family.name
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -212,6 +213,81 @@ def test_chat_field_names_and_unknown_fields(client, model):
     assert reply.usage.completion_tokens <= 2  # unknown fields are ignored, as OpenAI does
 
 
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    """Raw HTTP, as a client that is not the `openai` one sends it: (status, JSON body)."""
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def _refused(url: str, body: bytes, status: int, param: str | None) -> str:
+    """The error's message, after checking its status and OpenAI shape."""
+    got, reply = _post(url, body)
+    assert got == status, (got, reply)
+    assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["param"] == param
+    assert reply["error"]["type"] == "invalid_request_error"
+    return reply["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_deeply_nested_body_is_a_400_naming_the_depth_limit(http_url, path):
+    deep = b'{"prompt": ' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}"  # once a 500 from the decoder's recursion
+    message = _refused(f"{http_url}{path}", deep, 400, "body")
+    assert message == "body: JSON nested deeper than 64 levels"
+    unclosed = b'{"messages": ' + b'[{"a": ' * 3000
+    assert "deeper than 64" in _refused(f"{http_url}{path}", unclosed, 400, "body")
+    # Brackets inside strings do not nest, escaped quotes included.
+    in_strings = json.dumps({"prompt": [1, 2], "max_tokens": 1, "user": '"[{' * 3000 + "\\"}).encode()
+    assert _post(f"{http_url}/v1/completions", in_strings)[0] == 200
+
+
+def test_a_body_over_the_size_limit_is_a_413_naming_it(http_url):
+    limit = 64 * 1024 * 1024
+    message = _refused(f"{http_url}/v1/completions", b" " * (limit + 1), 413, "body")
+    assert message == f"body: is larger than the limit of {limit} bytes"
+    # aiohttp's own refusals come in the same shape: an unknown path, a wrong method.
+    assert _refused(f"{http_url}/v1/nothing", b"{}", 404, None) == "POST /v1/nothing: Not Found"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"{http_url}/v1/completions", timeout=10)
+    assert err.value.code == 405 and err.value.headers["Allow"] == "POST"
+    assert json.load(err.value)["error"]["message"] == "GET /v1/completions: Method Not Allowed"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [1, 2], "stop": {"a": 1}}, "stop"),  # once served as if no stop were given
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stop": {"a": 1}}, "stop"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": [["x"]]}, "stop"),
+    ("/v1/completions", {"prompt": [1, 2], "user": {"id": 7}}, "user"),
+    ("/v1/completions", {"prompt": [1, 2], "stream_options": []}, "stream_options"),
+])
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(http_url, path, body, param):
+    assert _refused(f"{http_url}{path}", json.dumps(body).encode(), 400, param).startswith(f"{param}: ")
+
+
+def test_an_unknown_chat_role_is_a_400_listing_the_known_ones(http_url, client, model):
+    for role in ("wizard", "", "User", None, 3):  # "wizard" was once rendered as a role of its own
+        body = {"messages": [{"role": "user", "content": "Hi"}, {"role": role, "content": "Hi"}], "max_tokens": 2}
+        message = _refused(f"{http_url}/v1/chat/completions", json.dumps(body).encode(), 400, "messages[1].role")
+        assert message == "messages[1].role: must be one of system, developer, user, assistant, tool, function"
+    reply = client.chat.completions.create(model=model, max_tokens=2, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert reply.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+])
+def test_a_body_without_model_is_served_by_the_one_model(http_url, model, path, body):
+    """As vLLM does: the router serves one model, so `model` may be left out (or null)."""
+    for sent in (body, {**body, "model": None}):
+        status, reply = _post(f"{http_url}{path}", json.dumps(sent).encode())
+        assert status == 200 and reply["model"] == model and reply["usage"]["completion_tokens"] <= 2
+
+
 def test_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt="Hi")
@@ -267,9 +343,13 @@ def test_models_health_and_metrics(http_url, client, model):
     assert card.id == model and card.model_extra["max_model_len"] == 512
     assert card.model_extra["splitserve"]["vocab_size"] == 512
     assert json.load(urllib.request.urlopen(f"{http_url}/health", timeout=10)) == {"status": "ok"}
+    document = json.load(urllib.request.urlopen(f"{http_url}/openapi.json", timeout=10))  # open without a token
+    completion = document["paths"]["/v1/completions"]["post"]
+    assert document["openapi"] == "3.1.0" and completion["security"] == []
+    assert completion["requestBody"]["content"]["application/json"]["schema"]["properties"]["model"]["enum"][0] == model
     metrics = urllib.request.urlopen(f"{http_url}/metrics", timeout=10).read().decode()
-    assert 'splitserve_router_requests_total{outcome="ok"}' in metrics
-    assert 'splitserve_router_requests_total{outcome="invalid_argument"}' in metrics
+    assert f'splitserve_router_requests_total{{model_name="{model}",outcome="ok"}}' in metrics
+    assert f'splitserve_router_requests_total{{model_name="{model}",outcome="invalid_argument"}}' in metrics
 
 
 def _wait_idle(stack, timeout_s: float = 15.0) -> None:

@@ -63,3 +63,15 @@ def test_a_refused_request_is_a_429_with_retry_after(limited):
     assert err.value.response.headers["Retry-After"] == "1"
     assert err.value.response.headers["retry-after-ms"] == "1000"
     limited.check_workers_clean()
+
+
+def test_the_openapi_document_needs_the_token_too(limited):
+    url = f"{limited.server.http.url}/openapi.json"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url, timeout=10)
+    assert err.value.code == 401
+    granted = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    document = json.load(urllib.request.urlopen(granted, timeout=10))
+    assert document["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    assert document["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
+    assert document["paths"]["/health"]["get"]["security"] == []

@@ -10,8 +10,17 @@ from cluster.client import RequestFailed
 from engine.errors import InvalidRequestError
 from engine.tokenizer import load_tokenizer
 from router.errors import Unauthenticated
+from router.openai.chat_template import ROLES
 from router.openai.errors import http_error
-from router.openai.parse import Context, ModelNotFound, parse_chat, parse_completion
+from router.openai.parse import (
+    MAX_JSON_DEPTH,
+    BodyTooLarge,
+    Context,
+    ModelNotFound,
+    decode_body,
+    parse_chat,
+    parse_completion,
+)
 from policies.routing import NoWorkersError
 from router.service import DuplicateRequest, Overloaded
 from router.validation import ModelLimits
@@ -96,6 +105,8 @@ def test_bad_completion_fields_are_named(context, body, field):
 @pytest.mark.parametrize("body, field", [
     ({"messages": []}, "messages"), ({"messages": ["hi"]}, "messages[0]"),
     ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "x"}]}, "messages[1].role"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
@@ -105,6 +116,76 @@ def test_bad_chat_fields_are_named(context, body, field):
     with pytest.raises(InvalidRequestError) as err:
         parse_chat(body, context)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": [1], "stream_options": False}, "stream_options"), ({"prompt": [1], "tenant": 0}, "tenant"),
+    ({"prompt": [1], "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),  # without stream
+    ({"prompt": [1], "best_of": True}, "best_of"), ({"prompt": [1], "top_k": False}, "top_k"),
+    ({"prompt": [1], "stop": {"a": 1}}, "stop"), ({"prompt": [1], "stop_token_ids": {}}, "stop_token_ids"),
+    ({"prompt": [1], "logit_bias": {"\u0663": 1}}, "logit_bias"),  # an Arabic-Indic 3, which int() reads
+    ({"prompt": [1], "suffix": 0}, "suffix"), ({"prompt": [1], "tools": {}}, "tools"),
+    ({"prompt": [1], "functions": False}, "functions"), ({"prompt": [1], "tool_choice": "required"}, "tool_choice"),
+    ({"prompt": [1], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": [1], "response_format": "text"}, "response_format"),
+    ({"prompt": [1], "user": 7}, "user"), ({"prompt": [1], "stop": [["x"]]}, "stop"),
+])
+def test_json_values_python_would_coerce_are_refused(context, body, field):
+    """What the OpenAPI document rejects, the parser rejects: no falsy value stands in for null, no
+    object for a list, no boolean for a number."""
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion(body, context)
+    assert err.value.field == field
+
+
+def test_an_overridden_max_tokens_is_still_checked(context):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(InvalidRequestError) as err:
+        parse_chat({"messages": messages, "max_completion_tokens": 4, "max_tokens": "many"}, context)
+    assert err.value.field == "max_tokens"
+    api = parse_chat({"messages": messages, "max_completion_tokens": 4, "max_tokens": 9}, context)
+    assert api.choices[0].request.params.max_tokens == 4
+
+
+def test_integral_numbers_are_integers_and_neutral_values_are_accepted(context):
+    body = decode_body(b'{"prompt": [1.0, 2], "max_tokens": 4.0, "n": 2e0, "seed": 1e3, "temperature": 0.5,'
+                       b' "suffix": "", "tools": [], "functions": null, "tool_choice": "auto",'
+                       b' "response_format": {"type": "text"}, "stream_options": null, "tenant": null}')
+    api = parse_completion(body, context)
+    assert [c.request.params.seed for c in api.choices] == [1000, 1001]
+    assert api.choices[0].request.prompt_token_ids == (1, 2) and api.choices[0].request.params.max_tokens == 4
+    assert api.choices[0].request.params.temperature == 0.5 and api.choices[0].request.tenant == ""
+    assert parse_completion({"prompt": [1], "response_format": {}}, context).choices
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion(decode_body(b'{"prompt": [1], "max_tokens": 4.5}'), context)
+    assert err.value.field == "max_tokens"
+    with pytest.raises(InvalidRequestError) as err:
+        decode_body(b"{not json")
+    assert err.value.field == "body"
+
+
+def test_json_nested_deeper_than_the_limit_is_refused_before_decoding():
+    at_the_limit = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert json.dumps(decode_body(at_the_limit.encode())) == at_the_limit
+    for body in (b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), b'{"a": ' * 100_000,
+                 b"[" * 100_000 + b"]" * 100_000):  # the last two once escaped as a RecursionError
+        with pytest.raises(InvalidRequestError) as err:
+            decode_body(body)
+        assert err.value.field == "body" and f"deeper than {MAX_JSON_DEPTH} levels" in err.value.reason
+    nested = decode_body(b'{"a": ' * (MAX_JSON_DEPTH - 1) + b"[1]" + b"}" * (MAX_JSON_DEPTH - 1))
+    assert nested["a"]["a"]
+    text = '[{\\"]}' * 1000  # brackets and escaped quotes inside a string do not count
+    assert decode_body(json.dumps({"s": text}).encode("utf-16")) == {"s": text}
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        decode_body(b'["unclosed')
+
+
+def test_chat_roles_are_openais(context):
+    for role in ROLES:
+        messages = [{"role": role, "content": "Hi"}, {"role": "user", "content": "Hi"}]
+        assert parse_chat({"messages": messages, "max_tokens": 1}, context).choices
+    with pytest.raises(InvalidRequestError, match="must be one of system, developer, user, assistant, tool"):
+        parse_chat({"messages": [{"role": "wizard", "content": "Hi"}]}, context)
 
 
 def test_chat_without_a_template_is_a_clear_400(context):
@@ -129,6 +210,7 @@ def test_unknown_model_comes_first(context):
     (InvalidRequestError("token_ids", "prompt needs 99 KV blocks"), 400, "invalid_value", "messages"),
     (Unauthenticated("no token"), 401, "invalid_api_key", None),
     (ModelNotFound("x", "tiny"), 404, "model_not_found", "model"),
+    (BodyTooLarge(1024), 413, "body_too_large", "body"),
     (DuplicateRequest("running"), 409, "request_id_in_use", "request_id"),
     (Overloaded("ttft SLO", 0.25), 429, "overloaded", None),
     (RequestFailed("KV pool full", out_of_capacity=True), 429, "overloaded", None),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -132,7 +133,8 @@ def _check_prometheus(url: str, status) -> None:
     from common.metrics_http import scrape
 
     samples = scrape(url)
-    value = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]  # noqa: E731
+    model = {key: value for (_, labels) in samples for key, value in labels}["model_name"]  # every series has it
+    value = lambda name, **labels: samples[(name, tuple(sorted({**labels, "model_name": model}.items())))]  # noqa: E731
     assert value("splitserve_router_requests_total", outcome="ok") == status.requests_total["ok"] == 5
     assert value("splitserve_router_ttft_seconds_count", priority="normal") == 5
     assert value("splitserve_router_goodput_requests_total") == 5  # no SLO given: finishing meets it
@@ -148,10 +150,12 @@ def _check_worker_telemetry(stack, worker_id: str) -> None:
     stats = ray.get(handle.actor.stats.remote(), timeout=10)
     assert stats.steps and all(step.duration_s > 0 and step.num_tokens >= 1 for step in stats.steps)
     samples = scrape(f"http://127.0.0.1:{stats.metrics_port}/metrics")
-    labels = (("phase", "prefill"), ("role", "prefill"), ("worker", worker_id))
+    model = ("model_name", Path(stack.cluster.model_dir).name)  # every series carries the served model's name
+    labels = (model, ("phase", "prefill"), ("role", "prefill"), ("worker", worker_id))
     assert samples[("splitserve_worker_steps_total", labels)] >= 5
-    prompt = samples[("splitserve_worker_prompt_tokens_total", (("role", "prefill"), ("worker", worker_id)))]
-    hits = samples[("splitserve_worker_prefix_cache_hit_tokens_total", (("role", "prefill"), ("worker", worker_id)))]
+    ident = (model, ("role", "prefill"), ("worker", worker_id))
+    prompt = samples[("splitserve_worker_prompt_tokens_total", ident)]
+    hits = samples[("splitserve_worker_prefix_cache_hit_tokens_total", ident)]
     assert prompt >= 5 * 66 and hits >= 4 * 64
     decode = ray.get(stack.cluster.decode[0].actor.stats.remote(), timeout=10)
     assert decode.steps and decode.metrics_port

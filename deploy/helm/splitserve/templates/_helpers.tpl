@@ -160,6 +160,10 @@ capabilities:
   value: "1"
 - name: TOKENIZERS_PARALLELISM
   value: "false"
+{{- if .Values.model.hubCache }}
+- name: HF_HOME
+  value: {{ .Values.model.hubCacheMountPath | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "splitserve.volumeMounts" -}}
@@ -173,6 +177,11 @@ capabilities:
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
 {{- end }}
+{{- if .Values.model.hubCache }}
+- name: hub-cache
+  mountPath: {{ .Values.model.hubCacheMountPath }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "splitserve.volumes" -}}
@@ -183,6 +192,10 @@ capabilities:
   emptyDir: {}
 {{- with .Values.model.volume }}
 - name: model
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.model.hubCache }}
+- name: hub-cache
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}

@@ -27,6 +27,11 @@ ports:
   - name: raylet
     containerPort: {{ include "splitserve.port.raylet" $ctx }}
     protocol: TCP
+  {{- with .metricsPort }}
+  - name: worker-metrics
+    containerPort: {{ . }}
+    protocol: TCP
+  {{- end }}
 {{- /* Explicit probes: KubeRay injects its own only where none are set, and those call the Ray
 dashboard agent over HTTP, which the image's ray core install does not run. GCS (head) and raylet
 ports answer as long as Ray is up. */}}
@@ -90,6 +95,7 @@ pool's custom resource, pool.numCpus logical CPUs and, with GPUs, one GPU. */}}
 {{- $_ = set $scheduling "tolerations" (concat ($pool.tolerations | default list) $gpu.tolerations) -}}
 {{- end }}
 {{- $container := dict "ctx" $ctx "role" "worker" "resources" $resources "probePort" (include "splitserve.port.raylet" $ctx) -}}
+{{- $_ := set $container "metricsPort" (get (include "splitserve.workerMetricsPorts" $ctx | fromYaml) .name) -}}
 - groupName: {{ .name }}
   # The controller starts a fixed number of actors; with the planner on, it patches replicas (raising
   # maxReplicas as needed) and names the drained pods in scaleStrategy.workersToDelete on the way down.
@@ -105,4 +111,12 @@ pool's custom resource, pool.numCpus logical CPUs and, with GPUs, one GPU. */}}
     node-manager-port: {{ include "splitserve.port.raylet" $ctx | quote }}
   template:
     {{- include "splitserve.rayPodTemplate" (dict "ctx" $ctx "component" (printf "ray-%s" .name) "scheduling" $scheduling "container" (include "splitserve.rayContainer" $container)) | nindent 4 }}
+{{- end -}}
+
+{{/* The fixed metrics port of each pool's workers ({prefill: N, decode: N}; 0 or unset: none), from
+config.<pool>.metrics_port: one exporter per worker pod (a decode instance's rank 0 serves it). */}}
+{{- define "splitserve.workerMetricsPorts" -}}
+{{- $cfg := .Values.config | default dict -}}
+prefill: {{ (get ($cfg.prefill | default dict) "metrics_port") | default 0 }}
+decode: {{ (get ($cfg.decode | default dict) "metrics_port") | default 0 }}
 {{- end -}}

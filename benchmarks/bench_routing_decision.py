@@ -1,0 +1,127 @@
+"""Routing decision time against the size of the prefill pool: scoring every worker vs the indexed walk.
+
+    python -m benchmarks.bench_routing_decision [--workers 10 100 1000 10000] [--decisions 2000]
+                                                [--json docs/perf/routing_decision/cpu.json]
+
+Synthetic fleet: every worker holds a 2-block system prompt (the hot prefix every request shares, as
+on the Mooncake trace) and the leading blocks (a random depth) of 3 of a pool of 32-block documents
+(4 documents per worker in the pool), in a real in-process prefix index. Loads: queued prompt tokens
+drawn from {0, 512, ..., 8192} (many ties), requests 0..4. Each decision asks for a random document
+cut at a random depth; between decisions one random worker's load changes, as each routed request
+changes one (the indexed walk pays its LoadBook update inside the timed call; the exhaustive policy
+is handed the list). Columns: `cache_aware` scoring every worker (`ExhaustiveCacheAwarePolicy`, the
+policy's definition), `cache_aware` walking holder levels over a LoadBook, and `least_loaded` on a
+list vs on a LoadBook. Both algorithms see the same fleet and queries, in the same run; a first
+untimed decision builds the `prefix_hash` ring (rebuilt only when membership changes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+from common.kv_events import KVEventBatch
+from engine.block_hash import HashNamespace, hash_blocks
+from policies.routing import LoadBook, RouteQuery, WorkerLoad, make_policy
+from policies.routing.cache_aware import CacheAwarePolicy, ExhaustiveCacheAwarePolicy
+from prefix_index.memory import InProcessPrefixIndex
+from sim.drive import run_now
+
+BLOCK_SIZE = 16
+DOC_BLOCKS = 32
+NS = HashNamespace("bench-routing", BLOCK_SIZE)
+
+
+def build_fleet(workers: int, rng: random.Random):
+    index = InProcessPrefixIndex(lease_s=3600)
+    system = [rng.randrange(32000) for _ in range(2 * BLOCK_SIZE)]
+    docs = [system + [rng.randrange(32000) for _ in range((DOC_BLOCKS - 2) * BLOCK_SIZE)] for _ in range(4 * workers)]
+    doc_hashes = [hash_blocks(NS, d) for d in docs]
+    for w in range(workers):
+        held = set(doc_hashes[0][:2])
+        for doc in rng.sample(doc_hashes, 3):
+            held.update(doc[: rng.randint(2, DOC_BLOCKS)])
+        run_now(index.apply(KVEventBatch(f"prefill-{w}", 1, 1, (), tuple(held))))
+    loads = [WorkerLoad(f"prefill-{w}", rng.randint(0, 4), 512 * rng.randint(0, 16)) for w in range(workers)]
+    return index, docs, doc_hashes, loads
+
+
+def percentiles(samples_ns: list[int]) -> dict:
+    ordered = sorted(samples_ns)
+    return {
+        "p50_us": round(ordered[len(ordered) // 2] / 1000, 2),
+        "p99_us": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] / 1000, 2),
+        "mean_us": round(statistics.fmean(ordered) / 1000, 2),
+    }
+
+
+def run_size(workers: int, decisions: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    index, docs, doc_hashes, loads = build_fleet(workers, rng)
+    queries = []
+    for _ in range(decisions):
+        d = rng.randrange(len(docs))
+        cut = rng.randint(1, DOC_BLOCKS) * BLOCK_SIZE - rng.randrange(BLOCK_SIZE)
+        queries.append(RouteQuery(tuple(doc_hashes[d][: cut // BLOCK_SIZE]), cut, BLOCK_SIZE, b"%d" % d))
+    changes = [(rng.randrange(workers), rng.randint(0, 4), 512 * rng.randint(0, 16)) for _ in range(decisions)]
+    # The exhaustive policy is slow at 10k workers: it decides on a prefix of the same queries.
+    exhaustive_n = decisions if workers <= 1000 else max(decisions // 10, 100)
+    result: dict = {"workers": workers}
+    for name, policy, count, with_book in (
+        ("cache_aware_exhaustive", ExhaustiveCacheAwarePolicy(index), exhaustive_n, False),
+        ("cache_aware_indexed", CacheAwarePolicy(index), decisions, True),
+        ("least_loaded_list", make_policy("least_loaded"), decisions, False),
+        ("least_loaded_book", make_policy("least_loaded"), decisions, True),
+    ):
+        current = list(loads)
+        book = LoadBook(current)
+        run_now(policy.choose(queries[0], book if with_book else current))  # builds the ring: not timed
+        gc.collect()
+        choices, samples = [], []
+        for query, (w, inflight, queued) in zip(queries[:count], changes[:count], strict=True):
+            start = time.perf_counter_ns()
+            if with_book:
+                book.set(WorkerLoad(f"prefill-{w}", inflight, queued))
+                choice = run_now(policy.choose(query, book))
+            else:
+                current[w] = WorkerLoad(f"prefill-{w}", inflight, queued)
+                choice = run_now(policy.choose(query, current))
+            samples.append(time.perf_counter_ns() - start)
+            choices.append(choice)
+        result[name] = percentiles(samples)
+        result[name]["decisions"] = count
+        result[name + "_choices"] = choices
+    exhaustive, indexed = result.pop("cache_aware_exhaustive_choices"), result.pop("cache_aware_indexed_choices")
+    result["cache_aware_same_choice"] = exhaustive == indexed[: len(exhaustive)]
+    result["least_loaded_same_choice"] = result.pop("least_loaded_list_choices") == result.pop(
+        "least_loaded_book_choices"
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[10, 100, 1000, 10000])
+    parser.add_argument("--decisions", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    rows = []
+    for workers in args.workers:
+        row = run_size(workers, args.decisions, args.seed)
+        rows.append(row)
+        print(json.dumps(row))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        report = {"machine": platform.processor() or platform.machine(), "args": vars(args) | {"json": str(args.json)}}
+        args.json.write_text(json.dumps(report | {"rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

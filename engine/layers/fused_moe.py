@@ -1,0 +1,177 @@
+"""A mixture-of-experts layer's routed experts, fused: every expert's gate/up projection in one
+`[experts, 2 x intermediate, hidden]` tensor and its down projection in one `[experts, hidden,
+intermediate]` tensor, filled at load from the checkpoint's per-expert tensors (`expert_target`).
+
+Sharding over a tensor-parallel group (the layer owns it, like the linear layers):
+- expert parallel (`expert_parallel=True`): each rank holds `num_experts / tp` whole experts. The
+  group's ranks all hold every token of the step (attention's output is all-reduced), so dispatch
+  needs no communication: each rank runs its own experts on the tokens routed to them, and the
+  combine is one all-reduce of the partial sums, the same collective a row-parallel layer ends with.
+- tensor parallel (`expert_parallel=False`): every rank holds every expert, with its intermediate
+  features split as in a column-then-row-parallel MLP; also combined by one all-reduce.
+
+Tokens are grouped by expert and each expert's rows run as one matmul pair, accumulated into the
+output in ascending expert order, the order HF's reference loop adds them in. How a weight is stored
+and multiplied (fp, int8 per output channel) is an `ExpertMethod` from `EXPERT_METHODS`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.dense_matmul import dense_linear
+from engine.layers.int8_matmul import int8_matmul
+from engine.layers.quantization import quantize_per_channel
+from engine.parallel import SINGLE_RANK, TensorParallelGroup
+
+# Checkpoint names of one expert's projections (HF Mixtral: w1/w3/w2; Qwen/DeepSeek: gate/up/down)
+# → (fused parameter, which half of gate_up or None for down).
+_PROJECTIONS = {
+    "w1": ("w13_weight", 0),
+    "gate_proj": ("w13_weight", 0),
+    "w3": ("w13_weight", 1),
+    "up_proj": ("w13_weight", 1),
+    "w2": ("w2_weight", None),
+    "down_proj": ("w2_weight", None),
+}
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def expert_target(name: str) -> tuple[str, tuple[int, int | None]] | None:
+    """(fused parameter name, (expert, half)) for a per-expert checkpoint tensor; None for others."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None or match["proj"] not in _PROJECTIONS:
+        return None
+    param, half = _PROJECTIONS[match["proj"]]
+    return f"{match['prefix']}.{param}", (int(match["expert"]), half)
+
+
+class ExpertMethod:
+    """Creates a fused experts layer's weights and multiplies rows by one expert's weight."""
+
+    def create(self, layer: FusedMoE, name: str, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: FusedMoE, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class UnquantizedExperts(ExpertMethod):
+    def create(self, layer, name, shape, dtype):
+        weight = _param(*shape, dtype=dtype)
+        weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]  # rides on the Parameter
+        setattr(layer, name, weight)
+
+    def apply(self, layer, name, expert, x):
+        return dense_linear(x, getattr(layer, name)[expert])
+
+
+class Int8Experts(ExpertMethod):
+    """int8 weights with one fp32 scale per output channel of each expert, taken over the full
+    checkpoint row before the layer keeps its shard (as engine/layers/quantization.py's int8)."""
+
+    def create(self, layer, name, shape, dtype):
+        weight = _param(*shape, dtype=torch.int8)
+        scale = _param(*shape[:2], dtype=torch.float32)
+        weight.load_dtype = torch.float32  # type: ignore[attr-defined]  # what the loader is handed
+        weight.weight_loader = lambda param, loaded, shard_id: self._load(layer, name, loaded, shard_id)  # type: ignore[attr-defined]
+        scale.filled_by = name  # type: ignore[attr-defined]  # not a checkpoint tensor: the weight's loader writes it
+        setattr(layer, name, weight)
+        setattr(layer, f"{name}_scale", scale)
+
+    @staticmethod
+    def _load(layer: FusedMoE, name: str, loaded: torch.Tensor, shard_id) -> None:
+        values, scale = quantize_per_channel(loaded)
+        layer.weight_loader(getattr(layer, name), values, shard_id)
+        layer.weight_loader(getattr(layer, f"{name}_scale"), scale[:, None], shard_id, scale_of=name)
+
+    def apply(self, layer, name, expert, x):
+        return int8_matmul(x, getattr(layer, name)[expert], getattr(layer, f"{name}_scale")[expert])
+
+
+EXPERT_METHODS: dict[str, type[ExpertMethod]] = {"none": UnquantizedExperts, "int8": Int8Experts}
+
+
+def expert_method(name: str) -> ExpertMethod:
+    if name not in EXPERT_METHODS:
+        raise ValueError(f"unknown quantization {name!r} for experts; known: {sorted(EXPERT_METHODS)}")
+    return EXPERT_METHODS[name]()
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer: `forward(x, expert_ids, weights)` → Σ_k weight_k · expert_k(x),
+    summed over the group (see the module docstring for the two shardings)."""
+
+    w13_weight: nn.Parameter
+    w2_weight: nn.Parameter
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        expert_parallel: bool = True,
+        quantization: str = "none",
+    ):
+        super().__init__()
+        self.tp, self.num_experts = tp, num_experts
+        self.expert_parallel = expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            self.num_local_experts = tp.shard(num_experts, "num_experts (expert parallel)")
+            self.intermediate_local = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            self.intermediate_local = tp.shard(intermediate_size, "moe_intermediate_size")
+        self.first_expert = tp.rank * self.num_local_experts if self.expert_parallel else 0
+        self.method = expert_method(quantization)
+        local, inter = self.num_local_experts, self.intermediate_local
+        self.method.create(self, "w13_weight", (local, 2 * inter, hidden_size), dtype)
+        self.method.create(self, "w2_weight", (local, hidden_size, inter), dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None], scale_of: str | None = None
+    ) -> None:
+        """One expert's checkpoint tensor (or, for int8, its scales `[out, 1]`): kept only by the rank
+        that holds the expert, narrowed to this rank's intermediate slice under TP-sharded experts."""
+        expert, half = shard_id
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
+        inter, rank = self.intermediate_local, 0 if self.expert_parallel else self.tp.rank
+        target = param.data[local]
+        if half is not None:  # gate (0) or up (1): rows [half * inter, (half + 1) * inter) of w13
+            target.narrow(0, half * inter, inter).copy_(loaded.narrow(0, rank * inter, inter).view_as(target[:inter]))
+        elif scale_of is not None:  # down's scales: per output channel, every rank holds them all
+            target.copy_(loaded.view_as(target))
+        else:  # down: columns are the intermediate features
+            target.copy_(loaded.narrow(1, rank * inter, inter))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden]; expert_ids, weights [tokens, top_k] (weights fp32) → [tokens, hidden]."""
+        out = torch.zeros_like(x)
+        local_ids = expert_ids - self.first_expert
+        mine = (local_ids >= 0) & (local_ids < self.num_local_experts)
+        flat = torch.where(mine, local_ids, self.num_local_experts).view(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_local_experts + 1).tolist()
+        top_k, start = expert_ids.shape[1], 0
+        for expert, count in enumerate(counts[: self.num_local_experts]):
+            if count:
+                picks = order[start : start + count]
+                tokens = picks // top_k
+                gate, up = self.method.apply(self, "w13_weight", expert, x[tokens]).chunk(2, dim=-1)
+                y = self.method.apply(self, "w2_weight", expert, F.silu(gate) * up)
+                y = y * weights.view(-1)[picks, None]
+                out.index_add_(0, tokens, y.to(out.dtype))
+            start += count
+        return self.tp.all_reduce(out)

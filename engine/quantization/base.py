@@ -1,0 +1,97 @@
+"""What every pre-quantized checkpoint format provides: which tensors of a layer it owns and how they
+turn back into that layer's weight.
+
+A quantized linear layer `PREFIX` is stored as several tensors `PREFIX.<part>` (GPTQ: `qweight`,
+`qzeros`, `scales`, `g_idx`); the format collects them (engine/quantization/assembly.py) and returns
+the dequantized `PREFIX.weight` [out_features, in_features] in fp32, which the model then loads like an
+unquantized checkpoint's weight (tensor-parallel slicing included). Every check names the tensor whose
+shape or dtype disagrees with the `quantization_config`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
+
+import torch
+
+from engine.errors import UnsupportedModelError
+
+
+class GroupQuantized(NamedTuple):
+    """A quantized layer's exact integer form, for weight formats that store it natively (int4 weights,
+    engine/layers/quantization.py): weight[o, i] = scales[g, o] * (values[o, i] - zeros[g, o])."""
+
+    name: str  # the layer's prefix in the checkpoint, for error messages
+    values: torch.Tensor  # int [out, in] in [0, 2**bits)
+    scales: torch.Tensor  # fp32 [groups, out]
+    zeros: torch.Tensor  # fp32 [groups, out] (the format's zero-point offset applied)
+    group_size: int  # consecutive inputs per group (the whole row where the checkpoint says -1)
+    bits: int
+    contiguous: bool  # False: act-order groups (g_idx) that are not consecutive runs of inputs
+
+
+class CheckpointFormat(ABC):
+    """One `quant_method`, parsed from its `quantization_config`."""
+
+    method: str  # the `quant_method` value this class reads
+    marker_parts: tuple[str, ...]  # a prefix holding one of these is a quantized layer
+    layer_parts: tuple[str, ...]  # every part a quantized layer may hold (some are read, some only accepted)
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, raw: dict[str, Any]) -> CheckpointFormat:
+        """Validates the `quantization_config` once; a bad or unsupported key fails naming it."""
+
+    @property
+    @abstractmethod
+    def label(self) -> str:
+        """Short description folded into the model identity (`gptq-gptq-w4-g128-sym`)."""
+
+    @abstractmethod
+    def required_parts(self, present: set[str]) -> tuple[str, ...]:
+        """The parts a quantized layer must hold, given the ones its checkpoint has."""
+
+    @abstractmethod
+    def rtn_parts(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """weight [out, in] rounded to nearest on this format's grid, as the format stores the layer."""
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """The `quantization_config` this format is read from."""
+
+    @abstractmethod
+    def dequantize(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The layer's fp32 weight [out_features, in_features]."""
+
+    def integer_form(self, prefix: str, parts: dict[str, torch.Tensor]) -> GroupQuantized | None:
+        """The layer as integers and group scales, where the format stores it that way (after `dequantize`
+        has validated the parts)."""
+        return None
+
+
+def config_field(raw: dict[str, Any], key: str, allowed: tuple, method: str, *aliases: str) -> Any:
+    """`raw[key]` (or its first present alias), which must be one of `allowed`."""
+    for name in (key, *aliases):
+        if name in raw:
+            value = raw[name]
+            if value not in allowed:
+                raise UnsupportedModelError(
+                    f"quantization_config.{name}={value!r} is not supported for {method}; supported: {list(allowed)}"
+                )
+            return value
+    raise UnsupportedModelError(f"quantization_config of {method} lacks {key!r}")
+
+
+def expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], why: str) -> None:
+    if tuple(tensor.shape) != shape:
+        raise UnsupportedModelError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shape} ({why})")
+
+
+def expect_dtype(name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...], why: str) -> None:
+    if tensor.dtype not in dtypes:
+        raise UnsupportedModelError(f"tensor {name} has dtype {tensor.dtype}, expected one of {list(dtypes)} ({why})")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,159 @@
+"""`LoadBook`: the routable workers' loads, kept in load order as they change.
+
+A routing policy given a plain list of `WorkerLoad`s has to look at every entry to find the least
+loaded one. A caller that keeps a `LoadBook` instead (the simulator does; it changes one worker per
+booking) lets the policies find the least loaded workers, and walk them in load order, without a scan:
+workers sit in buckets keyed by (queued prompt tokens, requests in flight), ids sorted within a bucket,
+and the bucket keys in one sorted list. An update moves one id between two buckets (a bisection and
+a list insert: a memmove, no Python loop over the fleet).
+
+It is a `Sequence[WorkerLoad]` too, so every policy accepts it where it accepts a list; the list view
+is rebuilt only when something indexes it. `ids` and `version` change only when membership does, so a
+policy can cache what it derives from membership (the `prefix_hash` ring) and check it in O(1).
+Not thread-safe: owned by one router's (or the simulator's) event loop, as the policies are.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+from policies.routing.base import WorkerLoad
+
+_Key = tuple[int, int]  # (queued prompt tokens, requests in flight)
+
+
+class LoadBook(Sequence[WorkerLoad]):
+    def __init__(self, loads: Iterable[WorkerLoad] = ()):
+        self._loads: dict[str, WorkerLoad] = {}
+        self._buckets: dict[_Key, list[str]] = {}  # ids sorted
+        self._keys: list[_Key] = []  # sorted keys of the non-empty buckets
+        self.total_queued = 0  # queued prompt tokens over every worker (prefix_hash's load bound reads it)
+        self.version = 0  # bumped when a worker joins or leaves
+        self._ids: frozenset[str] | None = frozenset()
+        self._list: list[WorkerLoad] | None = []
+        for load in loads:
+            self.set(load)
+
+    # ---- changes ----------------------------------------------------------------------------------
+    def set(self, load: WorkerLoad) -> None:
+        """Adds the worker or updates its load."""
+        old = self._loads.get(load.worker_id)
+        if old is not None:
+            if old == load:
+                return
+            self._unfile(old)
+        else:
+            self.version += 1
+            self._ids = None
+        self._loads[load.worker_id] = load
+        self.total_queued += load.queued_prompt_tokens
+        key = (load.queued_prompt_tokens, load.inflight_requests)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            self._buckets[key] = [load.worker_id]
+            bisect.insort(self._keys, key)
+        else:
+            bisect.insort(bucket, load.worker_id)
+        self._list = None
+
+    def remove(self, worker_id: str) -> None:
+        """Drops the worker (it left, or stopped serving); an unknown id is a no-op."""
+        old = self._loads.pop(worker_id, None)
+        if old is None:
+            return
+        self._unfile(old)
+        self.version += 1
+        self._ids = None
+        self._list = None
+
+    def _unfile(self, load: WorkerLoad) -> None:
+        self.total_queued -= load.queued_prompt_tokens
+        key = (load.queued_prompt_tokens, load.inflight_requests)
+        bucket = self._buckets[key]
+        del bucket[bisect.bisect_left(bucket, load.worker_id)]
+        if not bucket:
+            del self._buckets[key]
+            del self._keys[bisect.bisect_left(self._keys, key)]
+
+    # ---- reads ------------------------------------------------------------------------------------
+    def get(self, worker_id: str) -> WorkerLoad | None:
+        return self._loads.get(worker_id)
+
+    def has(self, worker_id: str) -> bool:
+        return worker_id in self._loads
+
+    @property
+    def ids(self) -> frozenset[str]:
+        """The workers' ids; the same object until membership changes."""
+        if self._ids is None:
+            self._ids = frozenset(self._loads)
+        return self._ids
+
+    def least(self) -> WorkerLoad:
+        """Fewest queued prompt tokens, then fewest requests, then the smallest id (`base.least_loaded`)."""
+        if not self._keys:
+            raise IndexError("an empty LoadBook has no least loaded worker")
+        return self._loads[self._buckets[self._keys[0]][0]]
+
+    def min_queued(self) -> int:
+        return self._keys[0][0]
+
+    def ascending(self) -> Iterator[WorkerLoad]:
+        """Every worker by (queued tokens, requests, id); the book must not change during the walk."""
+        for key in self._keys:
+            for worker_id in self._buckets[key]:
+                yield self._loads[worker_id]
+
+    def with_queued(self, queued: int) -> Iterator[str]:
+        """The ids of the workers with exactly `queued` queued tokens, by (requests, id)."""
+        for i in range(bisect.bisect_left(self._keys, (queued, -1)), len(self._keys)):
+            key = self._keys[i]
+            if key[0] != queued:
+                return
+            yield from self._buckets[key]
+
+    def count_queued(self, queued: int) -> int:
+        """How many workers have exactly `queued` queued tokens."""
+        total = 0
+        for i in range(bisect.bisect_left(self._keys, (queued, -1)), len(self._keys)):
+            key = self._keys[i]
+            if key[0] != queued:
+                break
+            total += len(self._buckets[key])
+        return total
+
+    def check_integrity(self) -> None:
+        assert self._keys == sorted(self._buckets), "bucket keys out of order"
+        filed = [w for key in self._keys for w in self._buckets[key]]
+        assert sorted(filed) == sorted(self._loads), "buckets disagree with the loads"
+        for key, bucket in self._buckets.items():
+            assert bucket == sorted(bucket) and bucket, f"bucket {key} empty or unsorted"
+            for worker_id in bucket:
+                load = self._loads[worker_id]
+                assert (load.queued_prompt_tokens, load.inflight_requests) == key, f"{worker_id} in the wrong bucket"
+        assert self.total_queued == sum(w.queued_prompt_tokens for w in self._loads.values()), "total_queued drifted"
+
+    # ---- Sequence ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def __iter__(self) -> Iterator[WorkerLoad]:
+        return iter(self._loads.values())
+
+    @overload
+    def __getitem__(self, index: int) -> WorkerLoad: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[WorkerLoad]: ...
+
+    def __getitem__(self, index):
+        if self._list is None:
+            self._list = list(self._loads.values())
+        return self._list[index]
+
+
+def as_book(workers: Sequence[WorkerLoad]) -> LoadBook:
+    """`workers` as a LoadBook: itself when it is one, else a new one (a scan, as a plain list costs)."""
+    return workers if isinstance(workers, LoadBook) else LoadBook(workers)

@@ -1,0 +1,114 @@
+"""The policies' walks over holder levels and a LoadBook choose exactly what scoring every worker chooses.
+
+Random fleets with many ties (few distinct queue lengths, shared prefixes of a few depths), hot prefixes
+held by most of the fleet, and dead workers (still in the index, gone from the loads).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.kv_events import KVEventBatch
+from engine.block_hash import HashNamespace, hash_blocks
+from engine.block_pool import BlockStored
+from policies.routing import LoadBook, RouteQuery, WorkerLoad, make_policy
+from policies.routing.base import least_loaded
+from policies.routing.cache_aware import CacheAwarePolicy, ExhaustiveCacheAwarePolicy
+from prefix_index.memory import InProcessPrefixIndex
+from sim.drive import run_now
+
+NS = HashNamespace("model/fast", 4)
+
+
+def store(index: InProcessPrefixIndex, worker_id: str, tokens: list[int]) -> None:
+    hashes = hash_blocks(NS, tokens)
+    events = tuple((i + 1, BlockStored((h,), None, ())) for i, h in enumerate(hashes))
+    run_now(index.apply(KVEventBatch(worker_id, 1, len(events), events)))
+
+
+def random_fleet(rng: random.Random, index: InProcessPrefixIndex) -> tuple[list[WorkerLoad], list[list[int]]]:
+    size = rng.choice([1, 3, 8, 40, 120])
+    ids = [f"w{i:03d}" for i in range(size)]
+    base = rng.randrange(10**6)
+    prompts = [[base + t for t in range(rng.choice([3, 8, 16, 40]))] for _ in range(4)]
+    hot = rng.random() < 0.5
+    for worker_id in ids:
+        for prompt in prompts:
+            chance = 0.9 if hot and prompt is prompts[0] else 0.3
+            if rng.random() < chance:
+                store(index, worker_id, prompt[: 4 * rng.randint(1, max(len(prompt) // 4, 1))])
+    queues = rng.choice([[0], [0, 8], [0, 4, 8, 40], list(range(0, 400, 4))])
+    loads = [WorkerLoad(w, rng.randint(0, 2), rng.choice(queues)) for w in ids]
+    alive = [w for w in loads if rng.random() > 0.2] or loads[:1]
+    return alive, prompts
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cache_aware_walk_equals_scoring_every_worker(seed):
+    rng = random.Random(seed)
+    index = InProcessPrefixIndex(lease_s=30)
+    alive, prompts = random_fleet(rng, index)
+    book = LoadBook(alive)
+    fast, exhaustive = CacheAwarePolicy(index), ExhaustiveCacheAwarePolicy(index)
+    for prompt in [*prompts, [7, 7]]:
+        cut = prompt[: rng.randint(1, len(prompt))]
+        query = RouteQuery(tuple(hash_blocks(NS, cut)), len(cut), 4, repr(cut).encode())
+        expected = run_now(exhaustive.choose(query, alive))
+        assert run_now(fast.choose(query, book)) == expected
+        assert run_now(fast.choose(query, alive)) == expected  # a plain list takes the same walk
+    book.check_integrity()
+    fast.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_load_book_stays_in_load_order_through_updates(seed):
+    rng = random.Random(seed)
+    book, truth = LoadBook(), {}
+    for _ in range(400):
+        worker_id = f"w{rng.randrange(30)}"
+        if rng.random() < 0.15:
+            book.remove(worker_id)
+            truth.pop(worker_id, None)
+        else:
+            load = WorkerLoad(worker_id, rng.randint(0, 3), rng.choice([0, 4, 8, rng.randrange(100)]))
+            book.set(load)
+            truth[worker_id] = load
+        if truth:
+            assert book.least() == least_loaded(list(truth.values()))
+            expected = sorted(truth.values(), key=lambda w: (w.queued_prompt_tokens, w.inflight_requests, w.worker_id))
+            assert list(book.ascending()) == expected
+            query = RouteQuery((), 1, 4, b"")
+            assert run_now(make_policy("least_loaded").choose(query, book)).worker_id == book.least().worker_id
+        assert sorted(book, key=lambda w: w.worker_id) == sorted(truth.values(), key=lambda w: w.worker_id)
+    book.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_prefix_hash_on_a_book_equals_on_a_list(seed):
+    rng = random.Random(seed)
+    loads = [WorkerLoad(f"w{i}", 0, rng.choice([0, 100, 5000, 20000])) for i in range(rng.choice([2, 9, 60]))]
+    on_book, on_list = make_policy("prefix_hash"), make_policy("prefix_hash")
+    book = LoadBook(loads)
+    for n in range(30):
+        tokens = [seed, n, n + 1, n + 2, n + 3, n + 4, n + 5, n + 6]
+        query = RouteQuery(tuple(hash_blocks(NS, tokens)), 6000, 4, b"")
+        assert run_now(on_book.choose(query, book)) == run_now(on_list.choose(query, loads))
+
+
+def test_a_busy_holder_level_behind_many_idle_workers_is_listed_not_walked():
+    """40 workers hold 6 blocks and are busy; 160 idle ones hold the 2-block system prompt only: the walk
+    in load order gives up on the 6-block level after LOAD_WALK_STEPS workers and lists it instead."""
+    index = InProcessPrefixIndex(lease_s=30)
+    prompt = list(range(40))
+    loads = []
+    for i in range(200):
+        deep = i < 40
+        store(index, f"w{i:03d}", prompt[: 24 if deep else 8])
+        loads.append(WorkerLoad(f"w{i:03d}", 1, (20 + i % 3) if deep else 8 * (i % 5)))
+    for cut in (40, 30, 24, 12):
+        query = RouteQuery(tuple(hash_blocks(NS, prompt[:cut])), cut, 4, b"p")
+        expected = run_now(ExhaustiveCacheAwarePolicy(index).choose(query, loads))
+        assert run_now(CacheAwarePolicy(index).choose(query, LoadBook(loads))) == expected
+        assert expected.holder_blocks == min(6, cut // 4)
