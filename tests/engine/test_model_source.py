@@ -14,7 +14,7 @@ from engine.model_source import hub_cache_dir, is_hub_id, resolve_model
 from splitserve.serve import build_config, parser
 from tests.factories import TinySpec
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
+COMMIT = "0123456789abcdef" * 2 + "01234567"  # a 40-hex revision, as the Hub cache names snapshots
 
 
 def _hub_cache(root, model_dir, repo_id: str = "tiny-org/tiny-llama", tag: str = "v1"):
