@@ -4,6 +4,7 @@ its folder, and sets what `splitserve serve` serves it as; a missing one fails i
 where it looked and how to fetch it."""
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import pytest
@@ -14,7 +15,7 @@ from engine.model_source import hub_cache_dir, is_hub_id, resolve_model
 from splitserve.serve import build_config, parser
 from tests.factories import TinySpec
 
-COMMIT = "0123456789abcdef" * 2 + "01234567"  # a 40-hex revision, as the Hub cache names snapshots
+COMMIT = hashlib.sha1(b"a snapshot").hexdigest()  # the Hub cache names snapshots by 40-hex revision
 
 
 def _hub_cache(root, model_dir, repo_id: str = "tiny-org/tiny-llama", tag: str = "v1"):
