@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from common.kv_store_config import KVStoreConfig
 from common.messages import KVTierStatus
@@ -51,6 +51,7 @@ class WorkerKVTiers:
         self.tiers = build_tiers(config, self.codec.record_bytes, storage.values.device.type == "cuda")
         self.reader = TieredStore(self.tiers)
         self.writer = StoreWriter(self.tiers, config.max_queued_writes)
+        self._loading = False  # engine thread: registering fetched blocks, which the tiers already hold
         self.blocks_stored = 0  # queued for writing
         self.blocks_fetched = 0  # loaded into the pool from a tier
         self.records_refused = 0  # found but corrupt or foreign: computed instead
@@ -58,7 +59,7 @@ class WorkerKVTiers:
     # ---- engine thread --------------------------------------------------------------------------
     def on_kv_event(self, event: KVCacheEvent) -> None:
         """Queues the blocks a BlockStored event registered (their KV is final by then)."""
-        if not isinstance(event, BlockStored):
+        if self._loading or not isinstance(event, BlockStored):
             return
         items = []
         for block_hash in event.block_hashes:
@@ -68,10 +69,16 @@ class WorkerKVTiers:
         self.blocks_stored += len(items)
         self.writer.submit(items, self.only_missing)
 
-    def load(self, block_ids: Sequence[int], records: Sequence[bytes]) -> None:
-        """Writes fetched records into reserved blocks (then register them as cached)."""
+    def load(self, block_ids: Sequence[int], records: Sequence[bytes], register: Callable[[], object]) -> None:
+        """Writes fetched records into reserved blocks, then `register()`s them as cached; the BlockStored
+        events that raises are not written back to the tiers the records came from."""
         self.codec.decode_into(block_ids, records)
         self.blocks_fetched += len(records)
+        self._loading = True
+        try:
+            register()
+        finally:
+            self._loading = False
 
     # ---- any thread -----------------------------------------------------------------------------
     def fetch(self, block_hashes: Sequence[BlockHash]) -> list[bytes]:

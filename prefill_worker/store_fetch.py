@@ -57,8 +57,9 @@ class StoreFetcher:
             if skip < 0:  # some of the local prefix was evicted meanwhile: the run has a gap
                 engine.release(pull_table_id(rid))
                 return 0
-            self.tiers.load(reservation.block_ids, records[skip:])
-            commit_pull(engine, rid, tokens, tenant, wanted)
+            self.tiers.load(
+                reservation.block_ids, records[skip:], lambda: commit_pull(engine, rid, tokens, tenant, wanted)
+            )
             return len(records) - skip
 
         loaded = await self._engine(load)

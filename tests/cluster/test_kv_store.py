@@ -131,7 +131,9 @@ def test_a_prefix_one_worker_stored_is_fetched_by_another_and_equals_hf(cluster_
     _wait_stored(cluster.prefill, 6)
     got_second, chunk = _generate(cluster, GenerateRequest("st-b", tuple(second), GREEDY), 1)
     assert chunk.num_cached_tokens == 6 * BLOCK  # worker 1 never computed it: it came from the store
-    assert _tier_stats([cluster.prefill[1]])[0]["worker"]["blocks_fetched"] >= 6
+    fetched = _tier_stats([cluster.prefill[1]])[0]["worker"]
+    assert fetched["blocks_fetched"] >= 6
+    assert fetched["blocks_stored"] == 0, "blocks fetched from the store are not written back to it"
     assert [got_first, got_second] == hf_greedy_generate(model_dir, [first, second], GREEDY.max_tokens)
     wait_workers_clean(cluster)
     deadline_s = time.monotonic() + 20  # `splitserve status` shows each worker's tiers and their hits

@@ -48,7 +48,7 @@ def test_a_cached_block_is_written_then_fetched_into_another_pool(tmp_path, kind
     other.reader = tiers.reader  # the second worker reads the first one's tiers (a shared store's view)
     records = other.fetch(hashes + hash_blocks(HashNamespace("m", BLOCK, ""), [9] * BLOCK))
     assert len(records) == 3, "the leading run: the fourth hash was never stored"
-    other.load([7, 5, 6], records)
+    other.load([7, 5, 6], records, lambda: None)
     for src, dst in zip(blocks[:3], (7, 5, 6), strict=True):
         assert torch.equal(storage.values[:, :, :, src], other_storage.values[:, :, :, dst])
         assert torch.equal(storage.scales[:, :, :, src], other_storage.scales[:, :, :, dst])
