@@ -11,6 +11,7 @@ without the reason, so `cannot_listen` binds a plain socket to the same address 
 from __future__ import annotations
 
 import errno
+import os
 import socket
 
 from common.router_config import RouterConfig
@@ -32,6 +33,27 @@ class PortInUse(CannotListen):
 
     def __init__(self, key: str, host: str, port: int):
         super().__init__(key, host, port, "already in use", errno.EADDRINUSE)
+
+
+class CannotListenOnSocket(CannotListen):
+    """The unix socket path given as `key` (a flag such as "--uds") cannot be listened on; `reason` says why."""
+
+    def __init__(self, key: str, path: str, reason: str, code: int | None = None):
+        OSError.__init__(self, code, f"{key} {path}: cannot listen on this unix socket: {reason}")
+        self.key, self.host, self.port, self.reason = key, path, 0, reason
+
+
+def unix_socket_error(key: str, path: str) -> CannotListenOnSocket:
+    """Why a server could not listen on the unix socket `path`, found by binding it with a plain socket
+    (gRPC reports only that it failed)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.bind(path)
+    except OSError as err:
+        return CannotListenOnSocket(key, path, err.strerror or str(err), err.errno)
+    else:
+        os.unlink(path)  # the probe's own socket file, not one another program listens on
+    return CannotListenOnSocket(key, path, "the server could not bind it")
 
 
 def bind_error(key: str, host: str, port: int, err: OSError) -> CannotListen:

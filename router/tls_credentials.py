@@ -12,7 +12,7 @@ from __future__ import annotations
 import grpc
 
 from common.config import RouterConfig
-from common.ports import cannot_listen
+from common.ports import cannot_listen, unix_socket_error
 from router.tls import ServerTls, TlsFiles, tls_enabled
 
 
@@ -46,7 +46,8 @@ def bind(server, router: RouterConfig, extra_addresses=()) -> int:
     """Binds router.host:router.port and every extra address (e.g. "unix:/path/router.sock") with the
     same security: TLS everywhere when configured, so no address is a plaintext way around it.
     Returns the TCP port bound; raises common.ports.PortInUse (CannotListen for other reasons) naming
-    router.port when it cannot listen there, OSError when an extra address cannot be bound."""
+    router.port when it cannot listen there, CannotListenOnSocket naming --uds for a unix socket, OSError
+    when another extra address cannot be bound."""
     tls = server_credentials(router) is not None
 
     def add(address: str) -> int:
@@ -62,5 +63,7 @@ def bind(server, router: RouterConfig, extra_addresses=()) -> int:
         raise cannot_listen("router.port", router.host, router.port)
     for address in extra_addresses:
         if add(address) == 0:
+            if address.startswith("unix:"):
+                raise unix_socket_error("--uds", address.removeprefix("unix:"))
             raise OSError(f"cannot listen on {address}")
     return port

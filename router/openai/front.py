@@ -36,7 +36,7 @@ from contextlib import aclosing
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from common.ports import bind_error
+from common.ports import CannotListenOnSocket, bind_error
 from engine.errors import InvalidRequestError
 from router.access_log import access_log
 from router.errors import Unauthenticated
@@ -107,7 +107,10 @@ class HttpFront:
                     raise bind_error("router.http_port", host, port, err) from None
                 front.host, front.port = host, front.runner.addresses[0][1]
             if uds is not None:
-                await web.UnixSite(front.runner, uds, ssl_context=ssl_context).start()
+                try:
+                    await web.UnixSite(front.runner, uds, ssl_context=ssl_context).start()
+                except OSError as err:
+                    raise CannotListenOnSocket("--http-uds", uds, err.strerror or str(err), err.errno) from None
                 front.uds = uds
         except BaseException:  # a site that did start is not left listening
             await front.runner.cleanup()

@@ -21,7 +21,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.metrics_http import scrape
-from common.ports import CannotListen, PortInUse
+from common.ports import CannotListen, CannotListenOnSocket, PortInUse
 from router.server import RouterServer
 from splitserve.serve import build_config, parser, port_error_line
 from splitserve_client import Client
@@ -236,3 +236,13 @@ def test_the_command_line_reports_a_taken_port_in_one_line(tmp_path):
             "(pick another port, or 0 for any free one)"
         )
         assert result.stderr.splitlines() == [expected], result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--uds", "--http-uds"])
+def test_a_unix_socket_that_cannot_be_listened_on_is_one_line_naming_the_flag(router_stack, tmp_path, flag):
+    path = str(tmp_path / "no-such-folder" / "router.sock")
+    uds = {"extra_addresses": [f"unix:{path}"]} if flag == "--uds" else {"http_uds": path}
+    with pytest.raises(CannotListenOnSocket) as caught:
+        router_stack.loop.call(RouterServer.start(router_stack.cluster, router_config(), **uds))
+    line = port_error_line("splitserve serve", caught.value, _router_args(), {})
+    assert line == f"splitserve serve: {flag} {path}: cannot listen on this unix socket: No such file or directory"
