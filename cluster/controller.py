@@ -34,6 +34,7 @@ from cluster.membership_feed import MembershipFeed
 from cluster.planner_loop import PlannerLoop
 from common.actor_api import ControllerApi, WorkerHandle
 from common.config import ClusterConfig, ConfigError, config_conflicts
+from common.logs import configure_logging_from_env
 from common.membership import DRAINING, ROLES, SERVING, Member, Membership, MembershipDelta
 from common.messages import Liveness
 from common.traffic import TrafficCounts
@@ -48,6 +49,7 @@ def controller_name(cluster_name: str) -> str:
 
 class ClusterController:
     def __init__(self, cluster_name: str, config: dict, model_dir: str):
+        configure_logging_from_env()  # --log-level / --log-format of the serve command
         state = ControllerState.load(cluster_name)
         self.adopting = state is not None
         if state is None:  # a new cluster; a restarted controller ignores its arguments for the record

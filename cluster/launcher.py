@@ -28,6 +28,7 @@ from cluster.controller import ClusterController, controller_name
 from cluster.controller_slots import ClusterStartError  # re-exported: callers catch it here
 from common.actor_api import ControllerHandle
 from common.config import PER_PROCESS_KEYS, ClusterConfig, ConfigError
+from common.logs import actor_log_env
 from common.membership import Member, Membership
 
 RAY_NAMESPACE = "splitserve"
@@ -170,9 +171,14 @@ def _start_or_join(
         max_restarts=-1,
         max_task_retries=-1,
         max_concurrency=1000,
-        runtime_env={"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}},
+        runtime_env=_controller_env(),
     )
     return ControllerHandle(options.remote(name, config.to_dict(), model_dir)), True
+
+
+def _controller_env() -> dict:
+    # The log settings too: the controller passes them on to the workers it starts.
+    return {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **actor_log_env()}}
 
 
 def _wait_ready(controller: ControllerHandle, timeout_s: float, say) -> Membership:

@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.config import ClusterConfig, PoolConfig
+from common.logs import actor_log_env
 
 
 @dataclass(frozen=True)
@@ -134,5 +135,6 @@ def _worker_env(threads: int) -> dict:
             "MKL_NUM_THREADS": value,
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-        }
+            **actor_log_env(),  # --log-level / --log-format of the serve command that started the cluster
+        },
     }

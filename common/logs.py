@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -124,6 +125,31 @@ def configure_logging(level: str = "info", fmt: str = "text", stream=None) -> lo
     root.addHandler(handler)
     root.setLevel(level.upper())
     return handler
+
+
+# How `splitserve serve` / `controller` hand their --log-level / --log-format to the processes the cluster
+# starts (the controller actor, and the worker actors it starts): environment variables in the actors'
+# runtime_env, read by `configure_logging_from_env` first thing in each actor's constructor.
+LOG_LEVEL_ENV = "SPLITSERVE_LOG_LEVEL"
+LOG_FORMAT_ENV = "SPLITSERVE_LOG_FORMAT"
+
+
+def export_logging(level: str, fmt: str) -> None:
+    """Makes `level` / `fmt` the log settings of the actors this process (and the controller) starts."""
+    os.environ[LOG_LEVEL_ENV], os.environ[LOG_FORMAT_ENV] = level, fmt
+
+
+def actor_log_env() -> dict[str, str]:
+    """The environment variables an actor needs to log as this process was told to ({} when told nothing)."""
+    return {name: os.environ[name] for name in (LOG_LEVEL_ENV, LOG_FORMAT_ENV) if name in os.environ}
+
+
+def configure_logging_from_env() -> None:
+    """In an actor's process: `configure_logging` with the exported settings; nothing when none were
+    exported (the actor keeps Ray's default logging, as in tests that start clusters in-process)."""
+    env = actor_log_env()
+    if env:
+        configure_logging(env.get(LOG_LEVEL_ENV, "info"), env.get(LOG_FORMAT_ENV, "text"))
 
 
 def log_access(protocol: str, method: str, path: str, status: int | str, duration_s: float, record: RequestLog) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from common import tracing
 from common.actor_api import DecodeRankApi, DecodeRankHandle
 from common.config import ClusterConfig
+from common.logs import configure_logging_from_env
 from common.membership import Membership
 from common.messages import GenerateRequest, Liveness, TokenUpdate, WorkerInfo, WorkerStats
 from common.worker_telemetry import WorkerTelemetry
@@ -60,6 +61,7 @@ class DecodeRank:
         store_port: int,
         followers: tuple = (),
     ):
+        configure_logging_from_env()  # --log-level / --log-format of the serve command
         self.config = ClusterConfig.from_dict(config)
         self.instance_id, self.epoch, self.rank = instance_id, epoch, rank
         self.group_id = f"{instance_id}@{epoch}"  # this start's id: its TP group and transport ids

@@ -28,6 +28,7 @@ from common import tracing
 from common.actor_api import PrefillHandle, PrefillWorkerApi
 from common.config import ClusterConfig
 from common.kv_events import KVEventBatch, KVEventBuffer
+from common.logs import configure_logging_from_env
 from common.membership import Member, Membership
 from common.messages import GenerateRequest, Liveness, PrefillResult, WorkerInfo, WorkerStats
 from common.worker_telemetry import WorkerTelemetry
@@ -52,6 +53,7 @@ from prefill_worker.trace import PrefillTrace
 
 class PrefillWorker:
     def __init__(self, worker_id: str, epoch: int, config: dict, model_dir: str, store_host: str, store_port: int):
+        configure_logging_from_env()  # --log-level / --log-format of the serve command
         cluster_config = ClusterConfig.from_dict(config)
         self.worker_id, self.epoch = worker_id, epoch
         self.peer_id = f"{worker_id}@{epoch}"  # transport id of this start: never reused by a later one

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from common.config import ROUTING_POLICIES, ClusterConfig, ConfigError
-from common.logs import FORMATS, LEVELS, configure_logging
+from common.logs import FORMATS, LEVELS, configure_logging, export_logging
 from common.ports import CannotListen, PortInUse, check_router_ports
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
@@ -242,6 +242,7 @@ def controller_main(argv: list[str]) -> None:
     """Starts (or checks) the controller, waits for its pools, returns: they live on in the Ray cluster."""
     args = parser("splitserve controller", router=False, need_ray=True).parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    export_logging(args.log_level, args.log_format)  # the controller and workers log the same way
     from cluster.controller_slots import ClusterStartError
     from cluster.launcher import launch
 
@@ -260,6 +261,7 @@ def controller_main(argv: list[str]) -> None:
 def _run(p: argparse.ArgumentParser, argv: list[str], *, join_only: bool) -> None:
     args = p.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    export_logging(args.log_level, args.log_format)  # the controller and workers log the same way
     from cluster.controller_slots import ClusterStartError
     from cluster.launcher import ClusterNotFound
 

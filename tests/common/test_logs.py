@@ -7,7 +7,14 @@ import logging
 
 import pytest
 
-from common.logs import configure_logging
+from common.logs import (
+    LOG_FORMAT_ENV,
+    LOG_LEVEL_ENV,
+    actor_log_env,
+    configure_logging,
+    configure_logging_from_env,
+    export_logging,
+)
 
 
 def test_text_lines_name_the_request_and_bad_settings_fail_naming_the_flag():
@@ -34,3 +41,25 @@ def test_text_lines_name_the_request_and_bad_settings_fail_naming_the_flag():
         configure_logging("info", "xml")
     with pytest.raises(ValueError, match="--log-level must be one of"):
         configure_logging("loud", "json")
+
+
+def test_the_exported_settings_reach_an_actor_process_through_its_runtime_env(ray_session, monkeypatch):
+    """What `splitserve serve --log-format json --log-level debug` passes on to the controller and workers:
+    a real Ray actor started with `actor_log_env()` logs JSON at debug, one started without it does not."""
+    for name in (LOG_LEVEL_ENV, LOG_FORMAT_ENV):  # set, then removed: undone after the test either way
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert actor_log_env() == {}
+    export_logging("debug", "json")
+    assert actor_log_env() == {LOG_LEVEL_ENV: "debug", LOG_FORMAT_ENV: "json"}
+
+    def root_logging():  # what an actor's constructor does first, then what its process logs with
+        configure_logging_from_env()
+        root = logging.getLogger()
+        return [type(h.formatter).__name__ for h in root.handlers], logging.getLevelName(root.level)
+
+    probe = ray_session.remote(root_logging)
+    exported = probe.options(runtime_env={"env_vars": actor_log_env()}).remote()
+    assert ray_session.get(exported, timeout=120) == (["JsonFormatter"], "DEBUG")
+    formatters, _ = ray_session.get(probe.remote(), timeout=120)
+    assert "JsonFormatter" not in formatters
