@@ -54,15 +54,15 @@ def test_a_short_chaos_run_on_2p2d_loses_nothing(ray_session, checkpoint):
             ray.get(decode.actor.debug_set_step_delay.remote(0.01), timeout=10)
         chaos = parse_chaos(["--target", stack.target, "--workload", "poisson", "--rate", "4",
                              "--num-requests", "400", "--prompt-len", "uniform:16,80", "--output-len", "fixed:32",
-                             "--duration-s", "16", "--grace-s", "60", "--kill", "any", "--every-s", "4",
+                             "--duration-s", "11", "--grace-s", "60", "--kill", "any", "--every-s", "3",
                              "--seed", "3", "--no-progress"])
         started_s = time.monotonic()
         report = asyncio.run(asyncio.wait_for(run_chaos(chaos, stack.cluster.controller, echo=print), 400))
         print(format_report(report), f"({time.monotonic() - started_s:.0f} s)")
         assert report.clean, report.to_dict()
         assert report.requests >= 40 and report.compared == report.requests
-        # one kill every 4 s while the workload issues (at 4, 8, 12 s), none while it drains
-        assert 3 <= len(report.kills) <= 4 and all(k["at_s"] < 16 for k in report.kills)
+        # one kill every 3 s while the workload issues (at 3, 6, 9 s), none while it drains
+        assert 3 <= len(report.kills) <= 4 and all(k["at_s"] < 11 for k in report.kills)
         assert all(k["recovered_s"] is not None for k in report.kills)
         assert sum(count for migrations, count in report.migrations_per_request.items() if migrations) >= 1
         stack.cluster.refresh()
