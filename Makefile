@@ -92,7 +92,10 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: setup test-deps lint
+# The three venvs install side by side, and lint runs as soon as the main one is ready (-O keeps each
+# job's output together); then the suite.
+test:
+	$(MAKE) --no-print-directory -j3 -O lint test-deps
 	PY=$(PY) scripts/run_tests.sh $(PYTEST_ARGS)
 
 bench-engine: setup

@@ -1,4 +1,4 @@
-"""Group-wise int4 matmul on this CPU against fp32 `F.linear` and the int8 kernel, same run.
+"""Group-wise int4 and int8 matmuls on this CPU against fp32 `F.linear` and the int8 kernel, same run.
 
 `python -m benchmarks.bench_int4_matmul [--rows 1,2,4,8,16,32] [--threads N] [--json PATH]`. The
 weights are all linear layers of the demo model (12 layers x qkv / o / gate_up / down: 75.5 M weights),
@@ -6,8 +6,11 @@ so each pass streams them from memory as a decode step does; each figure is the 
 passes over all layers, in microseconds. Candidates:
 - `int4_native`: engine/kernels/int4_linear.c (nibbles widened in registers, groups of 128);
 - `int4_dequantize`: widen the whole weight to fp32, then `F.linear` (what large batches use);
-- `int8_native`: engine/kernels/int8_linear.c (per-channel int8, for comparison).
-The crossover of `int4_native` and `int4_dequantize` sets NATIVE_MAX_ROWS in engine/layers/int4_matmul.py.
+- `int8_native`: engine/kernels/int8_linear.c (per-channel int8, for comparison);
+- `int8g_native` / `int8g_dequantize`: group-wise int8 (groups of 128), engine/kernels/int8_group_linear.c
+  and its widened path.
+The crossover of `int4_native` and `int4_dequantize` sets NATIVE_MAX_ROWS in engine/layers/int4_matmul.py,
+that of the two group-wise int8 paths the one in engine/layers/int8_group_matmul.py.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_quant_perplexity import cpu_name
-from engine.layers import int4_matmul, int8_matmul
+from engine.layers import int4_matmul, int8_group_matmul, int8_matmul
 from engine.layers.quantization import quantize_per_channel
 from engine.quantization.rtn import rtn_quantize
 
@@ -34,6 +37,8 @@ CANDIDATES = {
     "int4_native": lambda x, w: int4_matmul._native(x, w["int4"], w["int4_scale"], w["int4_zero"]),
     "int4_dequantize": lambda x, w: int4_matmul._dequantize(x, w["int4"], w["int4_scale"], w["int4_zero"]),
     "int8_native": lambda x, w: int8_matmul._native(x, w["int8"], w["int8_scale"]),
+    "int8g_native": lambda x, w: int8_group_matmul._native(x, w["int8g"], w["int8g_scale"]),
+    "int8g_dequantize": lambda x, w: int8_group_matmul._dequantize(x, w["int8g"], w["int8g_scale"]),
 }
 
 
@@ -45,6 +50,7 @@ def _layers() -> list[dict]:
         weight = torch.randn(n, k, generator=gen) * 0.02
         values, scales, zeros = rtn_quantize(weight, 4, GROUP_SIZE, sym=False)
         int8, int8_scale = quantize_per_channel(weight)
+        int8g, int8g_scale = int8_group_matmul.quantize_groupwise(weight, GROUP_SIZE)
         out.append(
             {
                 "fp32": weight,
@@ -53,6 +59,8 @@ def _layers() -> list[dict]:
                 "int4_zero": zeros.t().float().contiguous(),
                 "int8": int8,
                 "int8_scale": int8_scale,
+                "int8g": int8g,
+                "int8g_scale": int8g_scale,
             }
         )
     return out

@@ -12,9 +12,11 @@ goes through a decode step over the paged cache, as in generation) and compared 
 - greedy-sequence agreement: the configuration generating on its own, the length of its common
   prefix with the reference continuation (mean over prompts, and how many match in full).
 
-`int4-weights` rounds the checkpoint to group-wise int4 at load; `int4-rtn-g64`, `int4-gptq-g64` and
-`int4-awq-g64` first write a quantized copy with `splitserve quantize` (groups of 64, calibrated on the
-shipped corpus) and serve it with `quantization: int4`, so the three quantizers compare on one grid.
+`int8-weights-g128` / `-g32` keep one int8 scale per group of 128 / 32 inputs (`quantization_group_size`)
+instead of per output channel. `int4-weights` rounds the checkpoint to group-wise int4 at load;
+`int4-rtn-g64`, `int4-gptq-g64` and `int4-awq-g64` first write a quantized copy with `splitserve quantize`
+(groups of 64, calibrated on the shipped corpus) and serve it with `quantization: int4`, so the three
+quantizers compare on one grid.
 `bf16-weights` (the checkpoint run in bfloat16) is printed as a yardstick: what the precision every
 serving engine uses by default costs on the same checkpoint. Targets are printed beside the figures;
 nothing is clipped or hidden.
@@ -29,6 +31,7 @@ margins. Prompts: random token ids (`--prompts-from random`, default) or windows
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import tempfile
@@ -51,6 +54,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "int8-weights": {"quantization": "int8"},
     "int8-weights+lm-head": {"quantization": "int8", "quantize_lm_head": True},
+    "int8-weights-g128": {"quantization": "int8", "quantization_group_size": 128},
+    "int8-weights-g32": {"quantization": "int8", "quantization_group_size": 32},
     "int8-weights+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
     "bf16-weights": {"dtype": "bfloat16"},
     "int4-weights": {"quantization": "int4"},
@@ -160,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="splitserve bench-engine --accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
     parser.add_argument("--trained", action="store_true", help="the model trained on the shipped corpus")
+    parser.add_argument("--trained-steps", type=int, default=300, help="with --trained: its training steps")
     parser.add_argument("--prompts-from", choices=("random", "corpus"), default="random")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--min-prompt", type=int, default=16)
@@ -168,15 +174,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.configs.split(",")) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {list(CONFIGS)}")
     torch.set_num_threads(args.threads)
-    model_dir = args.model or str(ensure_trained_model() if args.trained else ensure_demo_model())
+    model_dir = args.model or str(ensure_trained_model(args.trained_steps) if args.trained else ensure_demo_model())
     prompts = make_prompts(model_dir, args)
     report = evaluate(model_dir, args.configs.split(","), prompts, args.max_tokens)
     print_report(report, args.prompts, args.max_tokens)
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k not in ("json", "model")}
+        result = {"settings": settings, "model": "trained" if args.trained or args.model else "demo", "report": report}
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+            handle.write("\n")
     return report
 
 

@@ -13,6 +13,7 @@ configuration alike.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_quant_perplexity import cpu_name
 from engine.config import EngineConfig
 from engine.demo_model import ensure_demo_model
 from engine.llm_engine import LLMEngine
@@ -31,10 +33,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "int8-weights": {"quantization": "int8"},
     "int8-weights+lm-head": {"quantization": "int8", "quantize_lm_head": True},
+    "int8-weights-g128": {"quantization": "int8", "quantization_group_size": 128},
     "int8-kv": {"kv_cache_dtype": "int8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "int8-weights+int8-kv": {"quantization": "int8", "kv_cache_dtype": "int8"},
-    "int4-weights": {"quantization": "int4"},
+    "int4-weights": {"quantization": "int4"},  # groups of 128
 }
 
 
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ensure_demo_model())
@@ -100,7 +104,14 @@ def main(argv: list[str] | None = None) -> dict:
             name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()
         }
         _print(batch, results[batch], args)
-    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
+    load = os.getloadavg()[0]
+    print(f"load average (1 min) at the end: {load:.1f} on {len(os.sched_getaffinity(0))} cores")
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k not in ("json", "model")}
+        with open(args.json, "w") as handle:
+            report = {"machine": cpu_name(), "settings": settings, "load_average_1min_end": load, "results": results}
+            json.dump(report, handle, indent=2)
+            handle.write("\n")
     return results
 
 

@@ -13,6 +13,13 @@ is handed the list). Columns: `cache_aware` scoring every worker (`ExhaustiveCac
 policy's definition), `cache_aware` walking holder levels over a LoadBook, and `least_loaded` on a
 list vs on a LoadBook. Both algorithms see the same fleet and queries, in the same run; a first
 untimed decision builds the `prefix_hash` ring (rebuilt only when membership changes).
+
+Through the router's own objects (`WorkerChooser`: membership, monitor, ledger, cluster client; no
+actors are called), on the same fleet with one decode instance per 4 prefill workers: `router_scan`
+lists the healthy workers and their ledger loads per request and scans the decode pool (the router's
+code before it kept `RoutableLoads`, kept here as the baseline), `router_books` decides over the books.
+Before each decision the ledger books one request on a random worker and releases the one booked 8
+decisions before (inside the timed call: the books' updates are part of the decision's cost).
 """
 
 from __future__ import annotations
@@ -25,12 +32,24 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import cast
 
+from cluster.client import ClusterClient
+from cluster.cluster_view import ClusterView
+from cluster.launcher import LaunchedCluster
+from common.actor_api import ControllerHandle
+from common.config import ClusterConfig
 from common.kv_events import KVEventBatch
+from common.membership import Member, Membership
+from common.messages import WorkerInfo
 from engine.block_hash import HashNamespace, hash_blocks
 from policies.routing import LoadBook, RouteQuery, WorkerLoad, make_policy
 from policies.routing.cache_aware import CacheAwarePolicy, ExhaustiveCacheAwarePolicy
 from prefix_index.memory import InProcessPrefixIndex
+from router.ledger import RouteLedger
+from router.stream_state import StreamState
+from router.worker_choice import WorkerChooser
+from router.worker_monitor import WorkerMonitor
 from sim.drive import run_now
 
 BLOCK_SIZE = 16
@@ -105,16 +124,83 @@ def run_size(workers: int, decisions: int, seed: int) -> dict:
     return result
 
 
+NO_STREAM = cast(StreamState, None)  # only admission reads a booking's stream state; routing never does
+
+
+def _member(role: str, slot: int) -> Member:
+    worker_id = f"{role}-{slot}"
+    info = WorkerInfo(worker_id, role, (worker_id,), 1024, BLOCK_SIZE, 8, "spec", "model", 4096, 32000, (2,))
+    return Member(worker_id, role, 1, (), info)
+
+
+async def _scan_pick(chooser: WorkerChooser, query: RouteQuery):
+    """The router's pick before `RoutableLoads`: list the healthy workers and their loads, scan decode."""
+    healthy = [h for h in chooser.cluster.prefill if chooser.monitor.is_healthy(h.worker_id)]
+    loads = [chooser.ledger.prefill_load(h.worker_id) for h in healthy]
+    decision = await chooser.policy.choose(query, loads)
+    prefill = next(h for h in healthy if h.worker_id == decision.worker_id)
+    decodes = [d for d in chooser.cluster.decode if chooser.monitor.is_healthy(d.worker_id)]
+    decode = min(decodes, key=lambda d: (chooser.client.decode_load(d.worker_id), d.worker_id))
+    return prefill, decode, decision
+
+
+def run_router(workers: int, decisions: int, seed: int) -> dict:
+    """`router_scan` vs `router_books` on one fleet (module docstring)."""
+    rng = random.Random(seed)
+    index, docs, doc_hashes, _ = build_fleet(workers, rng)
+    queries = []
+    for _ in range(decisions):
+        d = rng.randrange(len(docs))
+        cut = rng.randint(1, DOC_BLOCKS) * BLOCK_SIZE - rng.randrange(BLOCK_SIZE)
+        queries.append(RouteQuery(tuple(doc_hashes[d][: cut // BLOCK_SIZE]), cut, BLOCK_SIZE, b"%d" % d))
+    decode_n = max(workers // 4, 1)
+    bookings = [(f"prefill-{rng.randrange(workers)}", 512 * rng.randint(0, 16)) for _ in range(decisions)]
+    # Listing the pool asks the membership for each worker, a scan each (quadratic): large fleets decide
+    # a prefix of the prompts (100 at 1,000 workers, 10 at 10,000).
+    scan_n = min(decisions, max(10, 100_000 // workers))
+    result: dict = {"workers": workers, "decode_instances": decode_n}
+    for name, count in (("router_scan", scan_n), ("router_books", decisions)):
+        members = tuple(_member("prefill", i) for i in range(workers)) + tuple(
+            _member("decode", i) for i in range(decode_n)
+        )
+        # No controller: the view is never started (nothing watches), membership is what is given here.
+        no_controller = cast(ControllerHandle, None)
+        view = ClusterView(LaunchedCluster(ClusterConfig(), "", no_controller, Membership("bench", 1, members), False))
+        monitor, ledger = WorkerMonitor(view), RouteLedger()
+        chooser = WorkerChooser(view, CacheAwarePolicy(index), monitor, ledger, ClusterClient(view))
+        pick = (lambda q, c=chooser: _scan_pick(c, q)) if name == "router_scan" else chooser._pick
+        run_now(pick(queries[0]))  # builds the ring: not timed
+        gc.collect()
+        choices, samples = [], []
+        for i, (query, (prefill_id, uncached)) in enumerate(zip(queries[:count], bookings[:count], strict=True)):
+            start = time.perf_counter_ns()
+            ledger.book(f"r{i}", prefill_id, "decode-0", uncached, NO_STREAM)
+            if i >= 8:
+                old_id, old_uncached = bookings[i - 8]
+                ledger.release(f"r{i - 8}", old_id, "decode-0", old_uncached)
+            prefill, decode, decision = run_now(pick(query))
+            samples.append(time.perf_counter_ns() - start)
+            choices.append((prefill.worker_id, decode.worker_id, decision))
+        result[name] = percentiles(samples)
+        result[name]["decisions"] = count
+        result[name + "_choices"] = choices
+    scan, books = result.pop("router_scan_choices"), result.pop("router_books_choices")
+    result["router_same_choice"] = scan == books[: len(scan)]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[10, 100, 1000, 10000])
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only-router", action="store_true", help="measure only the router's objects")
     args = parser.parse_args()
     rows = []
     for workers in args.workers:
-        row = run_size(workers, args.decisions, args.seed)
+        row = {} if args.only_router else run_size(workers, args.decisions, args.seed)
+        row |= run_router(workers, args.decisions, args.seed)
         rows.append(row)
         print(json.dumps(row))
     if args.json is not None:

@@ -93,6 +93,9 @@ class ClusterClient:
         self.client_id = secrets.token_hex(4)  # decode instances route this client's tokens by it
         self._cleanups: dict[str, asyncio.Task] = {}  # request id → abort in progress on its workers
         self.handoff_listeners: list = []  # called with each finished hand-off's HandoffStats (cost models)
+        # called with a decode worker's id after this client's count of requests on it changed (a
+        # router keeps its decode choice in load order with it instead of scanning the pool per request)
+        self.decode_load_listeners: list = []
 
     @property
     def num_cleanups(self) -> int:
@@ -120,7 +123,7 @@ class ClusterClient:
         queue: asyncio.Queue = asyncio.Queue()
         rid, key = request.request_id, (decode.worker_id, decode.epoch)
         self._queues[rid], self._instance_of[rid] = queue, key
-        self._load[decode.worker_id] += 1
+        self._count_on(decode.worker_id, 1)
         finished, prefill_holds = False, True
         try:
             stream = prefill.prefill_worker.prefill(request, decode, self.client_id)
@@ -147,11 +150,18 @@ class ClusterClient:
         finally:
             self._queues.pop(rid, None)
             self._instance_of.pop(rid, None)
-            self._load[decode.worker_id] -= 1
+            self._count_on(decode.worker_id, -1)
             if not finished:  # a task of its own: the caller's task may be being cancelled right now
                 cleanup = asyncio.ensure_future(self._cancel(rid, prefill if prefill_holds else None, decode))
                 self._cleanups[rid] = cleanup
                 cleanup.add_done_callback(lambda _: self._cleanups.pop(rid, None))
+
+    def _count_on(self, decode_id: str, change: int) -> None:
+        self._load[decode_id] += change
+        if not self._load[decode_id]:
+            del self._load[decode_id]  # a Counter keeps zeros: a fleet's worth of them over time
+        for listener in self.decode_load_listeners:
+            listener(decode_id)
 
     def _next_prefill(self) -> Member:
         members = self.cluster.prefill

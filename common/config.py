@@ -50,6 +50,10 @@ class PoolConfig(EngineLimits):
     # Mixture-of-experts models under tp_size > 1: split whole experts across the ranks (expert
     # parallelism); false: every rank holds a slice of every expert (engine/layers/fused_moe.py).
     expert_parallel: bool = True
+    # MLA models (DeepSeek-V2/V3): decode attends over the latent cache directly, the key and value
+    # up-projections folded into the query and the output; false: latents expanded per head, as HF
+    # computes it (engine/models/mla.py).
+    mla_absorbed_decode: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,13 @@ class ClusterConfig(ModelFormat):
         for name in ("prefill", "decode"):
             _check_pool(name, getattr(self, name))
         check(self.prefill.tp_size == 1, "prefill.tp_size", "prefill workers run with tp_size 1")
+        check(
+            self.quantization_group_size is None
+            or self.quantization != "none"
+            or any(pool.quantization not in (None, "none") for pool in (self.prefill, self.decode)),
+            "quantization_group_size",
+            "needs a weight quantization (int8 or int4) of the cluster or of a pool",
+        )
         check(
             self.prefill.speculative_config is None,
             "prefill.speculative_config",
@@ -199,6 +210,10 @@ class ClusterConfig(ModelFormat):
             block_size=self.block_size,
             kv_cache_dtype=self.kv_cache_dtype,
             quantization=pool.quantization or self.quantization,
+            # a pool that does not quantize ignores the cluster's grouping (another pool may use it)
+            quantization_group_size=self.quantization_group_size
+            if (pool.quantization or self.quantization) != "none"
+            else None,
             num_kv_blocks=pool.num_kv_blocks,
             kv_cache_memory_bytes=pool.kv_cache_memory_bytes,
             max_num_seqs=pool.max_num_seqs,
@@ -210,6 +225,7 @@ class ClusterConfig(ModelFormat):
             num_threads=pool.threads,
             tp_size=pool.tp_size,
             expert_parallel=pool.expert_parallel,
+            mla_absorbed_decode=pool.mla_absorbed_decode,
             max_model_len=self.max_model_len,
             speculative_config=pool.speculative_config if role == "decode" else None,
         )

@@ -132,6 +132,7 @@ class WorkerStats:
     metrics_port: int | None = None  # the worker's Prometheus endpoint, when it has one
     spec: SpecCounters | None = None  # decode with speculative decoding: its cumulative counters
     kv_tiers: tuple[KVTierStatus, ...] = ()  # its KV tiers beyond the pool (kv_store/), upper first
+    store_reads: StoreReads | None = None  # a prefill worker with KV tiers: what its fetches took
 
     @property
     def kv_usage(self) -> float:
@@ -147,6 +148,15 @@ class KVTierStatus:
     capacity_bytes: int  # 0: bounded by the store itself
     hits: int
     misses: int
+
+
+@dataclass(frozen=True)
+class StoreReads:
+    """A prefill worker's fetches from its KV tiers since it started, for the router's fetch price."""
+
+    layout: str  # hex digest of its KV layout (the store's keys carry it: kv_store/block_record.py)
+    fetched_bytes: int  # KV payload bytes loaded into its pool from the tiers
+    fetch_s: float  # time those fetches took, reading through loading into the pool
 
 
 @dataclass(frozen=True)

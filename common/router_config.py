@@ -15,6 +15,13 @@ ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
 # the difference from that holder: "auto" when the estimated transfer is faster than recomputing,
 # "always" whenever there is a difference (benchmarks, tests), "never".
 PREFIX_PULL_MODES = ("auto", "always", "never")
+# The OpenAI front's output parsers, as vLLM names them (router/openai/tools.py and reasoning.py hold the
+# registries; a test keeps these names equal to theirs).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# The API key as vLLM takes it (`splitserve serve --api-key` sets it; the router reads it where it starts):
+# the bearer token, like auth_token_file, kept out of the config so that it is not shared with the cluster.
+API_KEY_ENV = "SPLITSERVE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,16 @@ class RouterConfig:
     # A plaintext port serving only the standard gRPC health service, for probes that cannot speak TLS
     # (Kubernetes' gRPC probes); None: health is served on `port` only.
     health_port: int | None = None
+    # Chat tool_choice "auto": how tool calls are found in the model's text; one of TOOL_CALL_PARSERS
+    # (None: "auto" is refused with a 400, "none", "required" and named choices still work).
+    tool_call_parser: str | None = None
+    # Chat: split the model's thinking into reasoning_content; one of REASONING_PARSERS (None: no split).
+    reasoning_parser: str | None = None
+    # A file holding a Jinja chat template used instead of the checkpoint's (None: the checkpoint's own).
+    chat_template: str | None = None
+    # Accept a chat request's own `chat_template` (Jinja the server runs, sandboxed: only for trusted clients,
+    # as vLLM's --trust-request-chat-template); false: such a request is a 400.
+    trust_request_chat_template: bool = False
 
 
 def check_router(router: RouterConfig) -> None:
@@ -72,6 +89,17 @@ def check_router(router: RouterConfig) -> None:
     check(router.migration_limit >= 0, "router.migration_limit", "must be >= 0")
     check(router.worker_wait_s >= 0, "router.worker_wait_s", "must be >= 0")
     _check_tls(router)
+    check(
+        router.tool_call_parser is None or router.tool_call_parser in TOOL_CALL_PARSERS,
+        "router.tool_call_parser",
+        f"must be null or one of {list(TOOL_CALL_PARSERS)}",
+    )
+    check(
+        router.reasoning_parser is None or router.reasoning_parser in REASONING_PARSERS,
+        "router.reasoning_parser",
+        f"must be null or one of {list(REASONING_PARSERS)}",
+    )
+    check(router.chat_template is None or bool(router.chat_template), "router.chat_template", "must be null or a path")
     check(
         router.health_port is None or 0 <= router.health_port <= 65535,
         "router.health_port",

@@ -23,6 +23,8 @@ worker can share one dashboard without relabelling; other labels are small fixed
 | splitserve_worker_spec_accepted_tokens_total | counter | |
 | splitserve_worker_spec_verify_steps_total | counter | |
 | splitserve_worker_spec_engine_steps_total | counter | switch (on, off) |
+| splitserve_worker_moe_expert_tokens_total | counter | expert |
+| splitserve_worker_moe_load_imbalance | gauge | layer |
 | splitserve_build_info | gauge (1) | version, python_version, component |
 
 With a `model_name`, every sample also carries `model_name` (common/metric_identity.py), as vLLM's do.
@@ -36,11 +38,20 @@ rate(step_tokens_total); transfer bandwidth = rate(kv_transfer_bytes_total); spe
 rate(spec_accepted_tokens_total) / rate(spec_draft_tokens_total); mean accepted length (tokens per
 verify step) = 1 + rate(spec_accepted_tokens_total) / rate(spec_verify_steps_total); the adaptive
 switch's share of speculating steps = rate(spec_engine_steps_total{switch="on"}) / rate(...all).
+
+Mixture-of-experts models only (the series appear with the first report): `moe_expert_tokens_total`
+counts the tokens routed to each expert, summed over the MoE layers (a token counts once per expert it
+chose), so rate() by expert is the load each expert (and, under expert parallelism, each rank's
+slice of experts) carries; `moe_load_imbalance` is, per MoE layer, the busiest expert's tokens over
+the mean expert's, over the tokens since the previous report (1: balanced; held while a layer saw
+none). A decode instance's TP ranks all route every token: rank 0 reports for the instance.
 Label values that come from code (phase, direction) are checked: a typo raises ValueError rather
 than silently starting a new series.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -153,6 +164,20 @@ class WorkerMetrics:
         for switch in SPEC_SWITCH:
             self._spec_steps.labels(worker_id, role, switch)
         self._spec_seen = SpecCounters()
+        self._expert_tokens = self._counter(
+            "moe_expert_tokens_total",
+            "MoE models: tokens routed to each expert, summed over the MoE layers (once per expert a token chose).",
+            ("expert",),
+        )
+        self._load_imbalance = Gauge(
+            "moe_load_imbalance",
+            "MoE models: per layer, the busiest expert's tokens over the mean expert's since the previous report.",
+            (*_IDENTITY, "layer"),
+            namespace=NAMESPACE,
+            subsystem=SUBSYSTEM,
+            registry=self.registry,
+        )
+        self._experts_seen: dict[int, list[int]] = {}
 
     def set_load(self, waiting: int, running: int, kv_used_blocks: int, kv_capacity_blocks: int) -> None:
         """The scheduler's queue lengths and the block pool's occupancy, read on the engine thread."""
@@ -209,6 +234,22 @@ class WorkerMetrics:
         self._spec_steps.labels(*ident, "off").inc(max(counters.steps_off - seen.steps_off, 0))
         self._spec_seen = counters
 
+    def set_expert_load(self, counts: Mapping[int, Sequence[int]]) -> None:
+        """The model's cumulative tokens per expert of each MoE layer (engine/models/moe.py
+        `expert_token_counts`); the per-expert counter catches up and each layer's imbalance is taken
+        over the tokens routed since the previous call."""
+        ident, per_expert = (self.worker_id, self.role), dict[int, int]()
+        for layer, totals in counts.items():
+            seen = self._experts_seen.get(layer, [0] * len(totals))
+            delta = [max(total - before, 0) for total, before in zip(totals, seen, strict=True)]
+            self._experts_seen[layer] = list(totals)
+            for expert, tokens in enumerate(delta):
+                per_expert[expert] = per_expert.get(expert, 0) + tokens
+            if sum(delta):
+                self._load_imbalance.labels(*ident, str(layer)).set(max(delta) * len(delta) / sum(delta))
+        for expert, tokens in sorted(per_expert.items()):
+            self._expert_tokens.labels(*ident, str(expert)).inc(tokens)
+
     def handoff_finished(self, result: str) -> None:
         """A hand-off ended: every rank acked (ok), it failed or its lease ran out (failed), or its request
         was aborted by the caller (aborted: not a fault of either worker)."""
@@ -245,6 +286,8 @@ class WorkerMetrics:
             "spec_accepted_tokens_total": value(self._spec_accepted, "_total"),
             "spec_verify_steps_total": value(self._spec_verify, "_total"),
             "spec_engine_steps_total": value(self._spec_steps, "_total"),
+            "moe_expert_tokens_total": value(self._expert_tokens, "_total"),
+            "moe_load_imbalance": value(self._load_imbalance),
         }
 
     # ---- construction -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from common.metric_identity import served_model_name
 from common.metrics_http import start_metrics_server
 from common.worker_metrics import WorkerMetrics
 from engine.engine_loop import EngineLoop
+from engine.models.moe import expert_token_counts
 from engine.step_log import StepRecord
 
 RECENT_STEPS = 64  # per stats() call; the router polls about once a second
@@ -39,6 +40,9 @@ class WorkerTelemetry:
         if load.spec is not None:
             self.metrics.set_speculation(load.spec)
         self.metrics.set_preemptions(loop.engine.scheduler.num_preemptions)
+        expert_load = expert_token_counts(loop.engine.runner.model)
+        if expert_load:
+            self.metrics.set_expert_load(expert_load)
         self.metrics.set_handoffs_in_flight(in_flight)
         return WorkerStats(
             load.waiting,

@@ -216,6 +216,7 @@ class DecodeRank:
                 "num_blocks": engine.num_blocks,
                 "num_free_blocks": engine.kv.num_free_blocks,
                 "num_sequences": len(engine.seqs),
+                "num_grammar_matchers": len(engine.structured.matchers),
             }
 
         return await self._call(check)

@@ -140,6 +140,10 @@ class ModelFormat:
     block_size: int = 16  # tokens per KV block (the unit of the prefix cache, hand-offs and the prefix index)
     kv_cache_dtype: str = "auto"  # how KV blocks are stored (engine/kv_quant.py): auto (the model dtype), int8, fp8
     quantization: str = "none"  # weights (engine/layers/quantization.py): none, int8 (per channel) or int4 (group-wise)
+    # Input features per weight scale group when quantizing at load, a multiple of 32: int8 then keeps one
+    # scale per group instead of per output channel; int4 rounds in groups of it. None: int8 per channel,
+    # int4 groups of 128. A pre-quantized checkpoint keeps its own groups.
+    quantization_group_size: int | None = None
     enable_prefix_caching: bool = True  # reuse cached prefix blocks (a cluster caches on its prefill workers)
     seed: int = 0  # seeds sampling where a request gives no seed of its own
 
@@ -155,6 +159,12 @@ class ModelFormat:
             self.quantization in QUANTIZATIONS,
             "quantization",
             f"must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}",
+        )
+        group_size = self.quantization_group_size
+        check(
+            group_size is None or (isinstance(group_size, int) and group_size > 0 and group_size % 32 == 0),
+            "quantization_group_size",
+            f"must be None or a positive multiple of 32, got {group_size!r}",
         )
 
 
@@ -190,6 +200,10 @@ class EngineConfig(ModelFormat, EngineLimits):
     # Under tensor parallelism, MoE layers split whole experts across the ranks (expert parallelism);
     # false: every rank holds a slice of every expert (engine/layers/fused_moe.py).
     expert_parallel: bool = True
+    # MLA models: decode attends over the latent cache directly, the key and value up-projections folded
+    # into the query and the output (engine/models/mla.py; faster: docs/performance.md); false: the
+    # latents are expanded per head, as HF computes it.
+    mla_absorbed_decode: bool = True
     quantize_lm_head: bool = False  # with `quantization`, the LM head too (its accuracy: docs/performance.md)
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where weights, KV cache and steps live
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode-only steps (engine/cuda_graphs.py)
@@ -205,6 +219,11 @@ class EngineConfig(ModelFormat, EngineLimits):
         check(self.tp_size >= 1, "tp_size", "must be >= 1")
         quantized = self.quantization != "none"
         check(not self.quantize_lm_head or quantized, "quantize_lm_head", "needs a weight quantization")
+        check(
+            self.quantization_group_size is None or quantized,
+            "quantization_group_size",
+            "needs a weight quantization (int8 or int4)",
+        )
         check(
             _DEVICE_PATTERN.fullmatch(self.device) is not None,
             "device",

@@ -36,6 +36,8 @@ from engine.speculative.decoder import build_speculative_decoder
 from engine.speculative.draft_model import speculative_draft_config
 from engine.step_updates import Handoff, SequenceUpdate
 from engine.stop_checker import StopChecker
+from engine.structured.matchers import StructuredOutputs
+from engine.tokenizer import load_tokenizer
 
 
 class LLMEngine:
@@ -60,6 +62,12 @@ class LLMEngine:
             config, self.model_config, draft_model_config, self.max_model_len, self.num_blocks, self.sampler, progress
         )
         self.stops = StopChecker(config.model_dir, self.model_config.eos_token_ids, self.max_model_len)
+        self.structured = StructuredOutputs(
+            self.model_config.identity,
+            lambda: load_tokenizer(config.model_dir),
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+        )
         self.seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         # Called with a step's chunks after scheduling, before the model runs (a prefill worker tells a
@@ -94,6 +102,7 @@ class LLMEngine:
                 self.config.block_size,
             )
             seq.token_ids.extend(output_token_ids)
+        self.structured.attach(seq)  # replays output_token_ids
         self.scheduler.add(seq)
         self.seqs[seq_id] = seq
         return seq
@@ -180,7 +189,8 @@ class LLMEngine:
             for token, logprob in zip(tokens, logprobs, strict=True):  # never past a stop: the rest is dropped
                 self._append_token(seq, token, logprob, now)
                 emitted.append(token)
-                reason = self.stops.check(seq, token)
+                grammar_done = self.structured.advance(seq.seq_id, token)
+                reason = FinishReason.STOP if grammar_done else self.stops.check(seq, token)
                 if reason is not None:
                     break
             self._mark_computed(seq, seq.num_tokens - 1)  # the emitted tokens' inputs: accepted ones only
@@ -196,7 +206,7 @@ class LLMEngine:
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, drafts: dict):
         eos = self.model_config.eos_token_ids
-        rows = step_rows([(c.seq, c.draft_token_ids, c.num_sampling_rows) for c in chunks], eos)
+        rows = step_rows([(c.seq, c.draft_token_ids, c.num_sampling_rows) for c in chunks], eos, self.structured.masks)
         if self.spec is not None and drafts:  # no drafts this step: exactly the plain path
             return self.spec.sample(chunks, logits, rows, drafts)
         if not rows:
@@ -236,6 +246,7 @@ class LLMEngine:
         if self.spec is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.spec.finished(seq)
         self.scheduler.remove(seq)
+        self.structured.detach(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if reason is not FinishReason.HANDOFF:
@@ -263,6 +274,7 @@ class LLMEngine:
     def release(self, seq_id: str) -> None:
         """Drop a sequence's pins after a hand-off (or a reservation that will not be used)."""
         self.kv.free(seq_id)
+        self.structured.detach(seq_id)
         self.seqs.pop(seq_id, None)
 
     # ---- decode role ----------------------------------------------------------------------------
@@ -290,6 +302,7 @@ class LLMEngine:
         seq.token_ids = list(token_ids)
         seq.num_computed_tokens = len(token_ids) - 1
         seq.num_cached_tokens = 0
+        self.structured.attach(seq)  # replays the first token, sampled under the grammar by the prefill worker
         self.seqs[seq_id] = seq
         self.scheduler.add_running(seq)
         return seq

@@ -2,6 +2,10 @@
 
 Order of operations; each step touches only the rows that enable it, so neutral parameters cost nothing:
 
+0. structured output: a row with a `grammar_bitmask` (engine/structured/matchers.py) has every token
+   its grammar forbids set to -inf. Nothing later can lift a -inf, so the row samples (or, greedy, takes
+   the argmax) among the allowed tokens only. Such a row skips step 1: the grammar decides when the
+   output may end.
 1. min_tokens: while a row has generated fewer than `params.min_tokens` tokens, its
    `stop_ids_for_min_tokens` (EOS ids and `params.stop_token_ids`) are set to -inf so it cannot stop early.
 2. logit_bias: each (token id, bias) of `params.logit_bias` is added to that token's logit, as HF's
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,6 +51,8 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens generated so far, before this step
     # EOS ids + params.stop_token_ids; the caller leaves EOS out when params.ignore_eos is set.
     stop_ids_for_min_tokens: tuple[int, ...]
+    # Structured output: int32 words, bit t % 32 of word t // 32 set when token t is allowed (step 0).
+    grammar_bitmask: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def position(self) -> int:
@@ -55,7 +61,11 @@ class SamplingRow:
 
     @property
     def masks_stop_ids(self) -> bool:
-        return self.position < self.params.min_tokens and len(self.stop_ids_for_min_tokens) > 0
+        return (
+            self.position < self.params.min_tokens
+            and len(self.stop_ids_for_min_tokens) > 0
+            and self.grammar_bitmask is None
+        )
 
 
 def check_batch_shape(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -71,6 +81,7 @@ def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     """
     check_batch_shape(logits, rows)
     x = logits.to(dtype=torch.float32, copy=True)
+    _apply_grammar_masks(x, rows)
     _mask_stop_ids(x, rows)
     _apply_logit_bias(x, rows)
     _apply_repetition_penalty(x, rows)
@@ -84,6 +95,25 @@ def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         _apply_min_p(scaled, params)
         x[index] = scaled
     return x
+
+
+def _apply_grammar_masks(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    masked = [i for i, row in enumerate(rows) if row.grammar_bitmask is not None]
+    if not masked:
+        return
+    words = torch.stack([rows[i].grammar_bitmask for i in masked])  # type: ignore[misc]
+    index = _index(masked, x)
+    x[index] = x[index].masked_fill(~_unpack_bits(words, x.shape[1], x.device), float("-inf"))
+
+
+def _unpack_bits(words: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, words] int32 bitmasks (little-endian bits) as a [rows, vocab_size] bool tensor on `device`."""
+    if device.type == "cpu":  # numpy's unpackbits is one pass; torch's shift-and-mask is several
+        bits = np.unpackbits(words.numpy().view(np.uint8), axis=-1, count=vocab_size, bitorder="little")
+        return torch.from_numpy(bits).bool()
+    # On an accelerator the packed words cross (32x smaller than the mask) and are unpacked there.
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words.to(device).unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
 
 
 def _mask_stop_ids(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

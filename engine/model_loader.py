@@ -24,6 +24,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig, resolve_dtype
 from engine.errors import UnsupportedModelError
 from engine.layers.fused_moe import expert_target
+from engine.layers.quantization import WeightQuantization
 from engine.models.decoder import PACKED_WEIGHTS, DecoderForCausalLM
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.quantization import checkpoint_format
@@ -189,7 +190,7 @@ def load_model(
             model_cfg,
             max_positions,
             tp,
-            engine_cfg.quantization,
+            WeightQuantization(engine_cfg.quantization, engine_cfg.quantization_group_size),
             engine_cfg.quantize_lm_head,
             engine_cfg.expert_parallel,
         )

@@ -20,6 +20,7 @@ from engine.kernels import decode_attention_kernel
 from engine.kv_storage import KVCacheStorage
 from engine.model_loader import load_model
 from engine.models.decoder import Attention
+from engine.models.mla import set_absorbed_decode
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 
 
@@ -199,6 +200,7 @@ class ModelRunner:
         self.block_size = engine_cfg.block_size
         self.device = resolve_device(engine_cfg.device)
         self.model = load_model(engine_cfg, model_cfg, max_model_len, tp, progress).to(self.device)
+        set_absorbed_decode(self.model, engine_cfg.mla_absorbed_decode)
         # cast: nn.ModuleList's items are typed as plain Modules.
         kv_heads = cast(Attention, self.model.model.layers[0].self_attn).num_kv_heads
         # MLA attends over its latent cache in PyTorch (engine/models/mla.py): no paged kernel, no graphs.

@@ -2,9 +2,10 @@
 
 Per row, in order:
 
-1. The logits are processed as `engine.logits_processing` documents: min_tokens masking, logit_bias,
-   repetition penalty (HF semantics, prompt + output), presence / frequency penalty (OpenAI / vLLM
-   semantics, output only), then for random rows temperature, top-k, top-p and min-p (HF warper semantics).
+1. The logits are processed as `engine.logits_processing` documents: the structured-output mask,
+   min_tokens masking, logit_bias, repetition penalty (HF semantics, prompt + output), presence /
+   frequency penalty (OpenAI / vLLM semantics, output only), then for random rows temperature, top-k,
+   top-p and min-p (HF warper semantics).
 2. Greedy rows (temperature == 0) take the argmax of the penalised logits; ties go to the lowest token id.
 3. Random rows sample from the softmax of the processed logits by the exponential race: draw
    q ~ Exp(1) per vocab entry and pick argmax(probs / q), which picks token i with probability probs[i].
@@ -151,7 +152,13 @@ class Sampler:
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
-    return p.greedy and not p.adjusts_logits and not row.masks_stop_ids and p.logprobs is None
+    return (
+        p.greedy
+        and not p.adjusts_logits
+        and not row.masks_stop_ids
+        and p.logprobs is None
+        and row.grammar_bitmask is None
+    )
 
 
 def token_logprobs(

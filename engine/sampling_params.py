@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import StructuredOutputSpec
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -45,6 +46,9 @@ class SamplingParams:
     # Logprob of every prompt token after the first (and this many top alternatives), as vLLM's field of
     # that name: the prompt is computed in full (no prefix-cache hits) to produce them.
     prompt_logprobs: int | None = None
+    # The output must match this JSON schema / regex / choice / grammar (engine/structured/): every
+    # step's logits are masked to the tokens it allows, and the sequence ends when it is complete.
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience and frozen into tuples so params stay hashable.
@@ -120,6 +124,11 @@ class SamplingParams:
                 name,
                 f"must be None or an integer in [0, {MAX_LOGPROBS}]",
             )
+        _check(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutputSpec),
+            "structured_output",
+            "must be None or a StructuredOutputSpec",
+        )
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
         for token, bias in self.logit_bias:
             _check(token >= 0, "logit_bias", f"token id {token} must be >= 0")

@@ -65,13 +65,22 @@ class BlockCodec:
 
     def encode(self, block_id: int, block_hash: BlockHash) -> bytes:
         """Block `block_id`'s KV, all layers, as a record (a copy: the block may be reused after)."""
+        return self.seal(block_hash, self.snapshot(block_id))
+
+    def snapshot(self, block_id: int) -> list[bytes]:
+        """The block's payload parts, copied out of the pool: the only part of encoding that must run
+        before the block can be reused (on the engine thread); `seal` does the rest on any thread."""
         ids = torch.tensor([block_id], dtype=torch.int64)
         heads = self.storage.num_kv_heads
-        parts = [
+        return [
             tensor.contiguous().view(torch.uint8).reshape(-1).cpu().numpy().tobytes()
             for layer in range(self.storage.num_layers)
             for tensor in self.storage.export_layer(layer, 0, heads, ids)
         ]
+
+    def seal(self, block_hash: BlockHash, parts: Sequence[bytes]) -> bytes:
+        """The record of a `snapshot`: its parts joined behind the header and checksum (the checksum is
+        most of encoding's time, which is why the writer thread does it)."""
         payload = b"".join(parts)
         checksum = hashlib.blake2b(payload, digest_size=16).digest()
         return _HEADER.pack(RECORD_MAGIC, self.layout, bytes(block_hash), checksum, len(payload)) + payload

@@ -5,7 +5,9 @@ only useful up to its first gap), reading in windows so a long prompt whose chai
 one window, and copies what a lower tier answered into the tiers above it (the next hit is local).
 `StoreWriter` takes records from the engine thread without waiting and writes them on its own thread;
 when writes come faster than the tiers take them it drops the oldest-queued batch and counts it: a
-write is an optimization, and the engine never waits on one.
+write is an optimization, and the engine never waits on one. A queued value may be a function making
+the record, so the engine thread only copies a block out and the writer thread seals it
+(`BlockCodec.snapshot` / `seal`: the checksum is most of encoding's time).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kv_store.base import BlockStore
 
 log = logging.getLogger(__name__)
 CHAIN_WINDOW = 32  # keys read per round trip of a chain lookup
+RecordSource = bytes | Callable[[], bytes]  # a record, or what makes it on the writer thread
 
 
 class TieredStore:
@@ -63,17 +66,29 @@ class TieredStore:
             tier.close()
 
 
+def held_run(tier: BlockStore, keys: Sequence[bytes]) -> int:
+    """How many leading `keys` `tier` holds, asking one window per round trip (what the router's store
+    location answers; reads no values)."""
+    held = 0
+    for start in range(0, len(keys), CHAIN_WINDOW):
+        for present in tier.contains_many(list(keys[start : start + CHAIN_WINDOW])):
+            if not present:
+                return held
+            held += 1
+    return held
+
+
 class StoreWriter:
     """Writes (key, record) batches to `tiers` on one thread, off the caller's path."""
 
     def __init__(self, tiers: Sequence[BlockStore], max_queued_batches: int = 64):
         self.tiers = tuple(tiers)
         self.dropped_batches = 0
-        self._queue: queue.Queue[tuple[list[tuple[bytes, bytes]], bool] | None] = queue.Queue(max_queued_batches)
+        self._queue: queue.Queue[tuple[list[tuple[bytes, RecordSource]], bool] | None] = queue.Queue(max_queued_batches)
         self._thread = threading.Thread(target=self._run, name="kv-store-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, items: list[tuple[bytes, bytes]], only_missing: bool = False) -> None:
+    def submit(self, items: list[tuple[bytes, RecordSource]], only_missing: bool = False) -> None:
         """Queues a batch without waiting; a full queue drops its oldest batch to make room.
         `only_missing`: write only the keys a tier does not hold yet (`BlockStore.put_missing`)."""
         if not items:
@@ -112,7 +127,8 @@ class StoreWriter:
             try:
                 if entry is None:
                     return
-                batch, only_missing = entry
+                pending, only_missing = entry
+                batch = [(key, value if isinstance(value, bytes) else value()) for key, value in pending]
                 for tier in self.tiers:
                     try:
                         tier.put_missing(batch) if only_missing else tier.put_many(batch)

@@ -1,7 +1,8 @@
 """One worker's KV tiers, bound to its engine's KV storage: what the prefill and decode workers call.
 
-Engine thread: `on_blocks_stored` (the pool's BlockStored events) copies each newly cached block into
-a record and queues it for the writer; `load` writes fetched records into reserved pool blocks.
+Engine thread: `on_blocks_stored` (the pool's BlockStored events) copies each newly cached block out
+of the pool and queues it for the writer, which makes the record (header, checksum); `load` writes
+fetched records into reserved pool blocks.
 Any thread (the worker's store thread): `fetch` reads a chain of block hashes from the tiers, records
 checked against their hash, layout and checksum (a refused record counts as corrupt and ends the
 run: the block is computed instead).
@@ -9,12 +10,13 @@ run: the block is computed instead).
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Sequence
 
 from common.kv_store_config import KVStoreConfig
-from common.messages import KVTierStatus
+from common.messages import KVTierStatus, StoreReads
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockStored, KVCacheEvent
 from engine.kv_cache_manager import KVCacheManager
@@ -23,7 +25,7 @@ from kv_store.base import BlockStore
 from kv_store.block_record import BlockCodec
 from kv_store.host_tier import DiskTier, MemoryTier
 from kv_store.redis_store import RedisBlockStore
-from kv_store.tiers import StoreWriter, TieredStore
+from kv_store.tiers import RecordSource, StoreWriter, TieredStore
 
 
 def build_tiers(config: KVStoreConfig, record_bytes: int, on_gpu: bool) -> list[BlockStore]:
@@ -55,17 +57,20 @@ class WorkerKVTiers:
         self.blocks_stored = 0  # queued for writing
         self.blocks_fetched = 0  # loaded into the pool from a tier
         self.records_refused = 0  # found but corrupt or foreign: computed instead
+        self.fetched_bytes = 0  # payload bytes of the fetches that loaded blocks (the store fetcher's count)
+        self.fetch_s = 0.0  # and the time they took, end to end
 
     # ---- engine thread --------------------------------------------------------------------------
     def on_kv_event(self, event: KVCacheEvent) -> None:
         """Queues the blocks a BlockStored event registered (their KV is final by then)."""
         if self._loading or not isinstance(event, BlockStored):
             return
-        items = []
+        items: list[tuple[bytes, RecordSource]] = []
         for block_hash in event.block_hashes:
             block_id = self.kv.cached_block(block_hash)
-            if block_id is not None:
-                items.append((self.codec.key(block_hash), self.codec.encode(block_id, block_hash)))
+            if block_id is not None:  # copied now (the block may be reused); sealed on the writer thread
+                parts = self.codec.snapshot(block_id)
+                items.append((self.codec.key(block_hash), functools.partial(self.codec.seal, block_hash, parts)))
         self.blocks_stored += len(items)
         self.writer.submit(items, self.only_missing)
 
@@ -101,6 +106,14 @@ class WorkerKVTiers:
             "writes_dropped": self.writer.dropped_batches,
         }
         return out
+
+    def count_fetch(self, num_blocks: int, duration_s: float) -> None:
+        """A fetch that loaded `num_blocks` blocks in `duration_s` (what the router prices fetches by)."""
+        self.fetched_bytes += num_blocks * self.codec.payload_bytes
+        self.fetch_s += duration_s
+
+    def reads(self) -> StoreReads:
+        return StoreReads(self.codec.layout.hex(), self.fetched_bytes, self.fetch_s)
 
     def status(self) -> tuple[KVTierStatus, ...]:
         """Per tier, upper first: sizes and hits (what `splitserve status` shows)."""

@@ -119,7 +119,13 @@ def _openai(**kwargs):
     return OpenAIBackend(**kwargs)
 
 
-BACKENDS: dict[str, Callable[..., Any]] = {"splitserve": GrpcBackend, "openai": _openai}
+def _openai_chat(**kwargs):
+    from loadtest.openai_chat_backend import OpenAIChatBackend
+
+    return OpenAIChatBackend(**kwargs)
+
+
+BACKENDS: dict[str, Callable[..., Any]] = {"splitserve": GrpcBackend, "openai": _openai, "openai-chat": _openai_chat}
 
 
 def make_backend(name: str, **kwargs):

@@ -6,6 +6,8 @@ figures mean).
     splitserve bench --backend openai --target http://127.0.0.1:8000 --rate 2 --num-requests 100
     splitserve bench --workload shared-prefix --groups 8 --prompts-per-group 16 --prefix-len 512 --sweep 1,2,4
     splitserve bench --workload trace --trace conversation_trace.jsonl --rate 2 --duration-s 300
+    splitserve bench --backend openai-chat --chat-format tools --rate 2 --num-requests 50
+    splitserve bench --backend openai-chat --workload sharegpt --dataset sharegpt.json --rate 2
 
 Exit status: 0 after a run (whatever the server answered), 2 on a bad flag, 1 when the server cannot
 be reached or the workload cannot be built for the served model.
@@ -18,6 +20,7 @@ import asyncio
 import sys
 import uuid
 
+from loadtest.chat_formats import CHAT_FORMATS
 from loadtest.config import DEFAULT_TARGETS, BenchConfig, check_target, parse_rates
 from loadtest.driver import DriverConfig
 from loadtest.plan import RequestDefaults, Slo
@@ -33,6 +36,7 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     # Workload flags default to None so that "given to the wrong workload" can be told (workloads.py).
     g = parser.add_argument_group("workload (defaults apply to the workloads that take the flag)")
     g.add_argument("--workload", default="poisson", choices=tuple(WORKLOADS), help="default poisson")
+    g.add_argument("--dataset", help="sharegpt: a ShareGPT-style JSON list of conversations")
     g.add_argument(
         "--rate",
         type=float,
@@ -85,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         default="splitserve",
         choices=tuple(DEFAULT_TARGETS),
-        help="splitserve (gRPC) or openai (HTTP /v1/completions) (default %(default)s)",
+        help="splitserve (gRPC), openai (HTTP /v1/completions) or openai-chat (HTTP /v1/chat/completions) "
+        "(default %(default)s)",
     )
     add_connection_flags(parser)  # --target, --auth-token-file, --tls-*: as every client command
     parser.set_defaults(target=None)  # the default depends on --backend
@@ -94,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         "openai: http(s)://HOST:PORT (default http://127.0.0.1:8000)"
     )
     parser.add_argument("--model", help="openai: the served model to ask for (default: the first it lists)")
+    parser.add_argument(
+        "--chat-format",
+        choices=tuple(CHAT_FORMATS),
+        help="openai-chat: plain text, tools (tool_choice required) or json-schema (response_format) (default plain)",
+    )
     parser.add_argument(
         "--tokenizer",
         metavar="DIR",
@@ -169,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         args.model,
         args.tokenizer,
         tls,
+        args.chat_format,
     )
 
 

@@ -11,28 +11,35 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest.chat_formats import CHAT_FORMATS
 from loadtest.driver import DriverConfig
 from loadtest.plan import RequestDefaults
 from loadtest.poisson import PoissonSpec
 from loadtest.shared_prefix import SharedPrefixSpec
+from loadtest.sharegpt import ShareGptSpec
 from loadtest.trace import TraceSpec
 from splitserve_client import channel
 from splitserve_client.channel import ClientTls
 from splitserve_client.cli_args import read_token
 
-WorkloadSpec = PoissonSpec | SharedPrefixSpec | TraceSpec
+WorkloadSpec = PoissonSpec | SharedPrefixSpec | TraceSpec | ShareGptSpec
 
 
-DEFAULT_TARGETS = {"splitserve": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000"}
+DEFAULT_TARGETS = {
+    "splitserve": "127.0.0.1:50051",
+    "openai": "http://127.0.0.1:8000",
+    "openai-chat": "http://127.0.0.1:8000",
+}
+HTTP_BACKENDS = ("openai", "openai-chat")
 
 
 def check_target(target: str, backend: str = "splitserve") -> str:
     """splitserve: one of the SDK's target forms (`splitserve_client/channel.py`: HOST:PORT, [IPV6]:PORT, unix:PATH,
     a gRPC URI); openai: an http(s)://HOST[:PORT][/v1] URL. Returns it unchanged, else ValueError naming
     --target."""
-    if backend == "openai":
+    if backend in HTTP_BACKENDS:
         if not re.fullmatch(r"https?://[^/\s]+(/v1)?/?", target):
-            raise ValueError(f"--target must be an http(s)://HOST:PORT URL for --backend openai, got {target!r}")
+            raise ValueError(f"--target must be an http(s)://HOST:PORT URL for --backend {backend}, got {target!r}")
         return target
     try:
         return channel.check_target(target)
@@ -80,14 +87,19 @@ class BenchConfig:
     model: str | None = None  # openai: the served model to ask for (default: the first listed)
     tokenizer: str | None = None  # openai: the model's tokenizer, for servers whose card has no vocabulary
     tls: ClientTls = ClientTls()  # plaintext unless a TLS flag was given
+    chat_format: str | None = None  # openai-chat: one of loadtest.chat_formats.CHAT_FORMATS (None: plain)
 
     def __post_init__(self):
         if self.backend not in DEFAULT_TARGETS:
             raise ValueError(f"--backend must be one of {sorted(DEFAULT_TARGETS)}, got {self.backend!r}")
         check_target(self.target, self.backend)
-        if self.backend != "openai" and (self.model or self.tokenizer):
-            raise ValueError("--model and --tokenizer apply to --backend openai")
-        if self.backend == "openai":
+        if self.backend not in HTTP_BACKENDS and (self.model or self.tokenizer):
+            raise ValueError("--model and --tokenizer apply to --backend openai / openai-chat")
+        if self.chat_format is not None and self.backend != "openai-chat":
+            raise ValueError("--chat-format applies to --backend openai-chat")
+        if self.chat_format is not None and self.chat_format not in CHAT_FORMATS:
+            raise ValueError(f"--chat-format must be one of {', '.join(CHAT_FORMATS)}, got {self.chat_format!r}")
+        if self.backend in HTTP_BACKENDS:
             _check_http_tls(self.target, self.tls)
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"--tokenizer {self.tokenizer}: no tokenizer.json there")

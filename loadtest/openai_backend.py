@@ -60,6 +60,8 @@ def status_name(status: int) -> str:
 
 
 class OpenAIBackend:
+    path = "/v1/completions"  # the chat backend (loadtest.openai_chat_backend) posts to chat instead
+
     def __init__(
         self,
         target: str,
@@ -148,7 +150,8 @@ class OpenAIBackend:
         extras = {
             "ttft_ms": planned.slo.ttft_ms,
             "tpot_ms": planned.slo.tpot_ms,
-            "priority": planned.priority or None,
+            # The plan's priority is splitserve's (higher first); the HTTP field is vLLM's (lower first).
+            "priority": -planned.priority or None,
             "tenant": planned.tenant or None,
         }
         body.update({k: v for k, v in extras.items() if v is not None})
@@ -158,7 +161,7 @@ class OpenAIBackend:
         headers = {"X-Request-Id": options.request_id, SENT_AT_KEY: str(time.time_ns() // 1000)}
         try:
             async with self._open().post(
-                f"{self.base}/v1/completions",
+                f"{self.base}{self.path}",
                 json=self._body(planned, options),
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=options.timeout_s),

@@ -68,6 +68,8 @@ class PlannedRequest:
     slo: Slo = Slo()
     priority: int = 0
     tenant: str = ""
+    # The prompt as text, where the workload has it (sharegpt) or the chat backend made it (its prepare).
+    prompt_text: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -42,6 +42,19 @@ def _plan(config: BenchConfig, limits: ModelLimits, rate: float | None, salt: in
         raise BenchError(f"cannot build the {config.workload} workload: {err}") from None
 
 
+async def _prepared(backend, plan: Plan) -> Plan:
+    """The plan as the backend sends it (the chat backend turns prompts into text first)."""
+    prepare = getattr(backend, "prepare", None)
+    if prepare is None:
+        if any(r.prompt_text is not None and not r.prompt_token_ids for r in plan.requests):
+            raise BenchError(f"the {plan.workload} workload sends text: use --backend openai-chat")
+        return plan
+    try:
+        return await prepare(plan)
+    except BackendError as err:
+        raise BenchError(str(err)) from None
+
+
 def _run_info(config: BenchConfig, limits: ModelLimits) -> dict:
     d = config.driver
     return {
@@ -97,13 +110,14 @@ async def run_bench(config: BenchConfig, echo=print) -> list[Summary]:
         timeout_s=config.driver.request_timeout_s,
         model=config.model,
         tokenizer=config.tokenizer,
+        **({"chat_format": config.chat_format or "plain"} if config.backend == "openai-chat" else {}),
         tls=config.tls,
     )
     async with backend:
         limits = await _limits(backend)
         run_info = _run_info(config, limits)
         for i, rate in enumerate(rates):
-            plan = _plan(config, limits, rate, i)
+            plan = await _prepared(backend, _plan(config, limits, rate, i))
             echo(
                 f"{config.workload}: {len(plan.requests)} requests planned"
                 + (f" at {rate:g} req/s" if rate is not None else "")

@@ -14,6 +14,7 @@ from loadtest.config import WorkloadSpec
 from loadtest.lengths import LengthDist
 from loadtest.poisson import PoissonSpec
 from loadtest.shared_prefix import SharedPrefixSpec
+from loadtest.sharegpt import ShareGptSpec
 from loadtest.trace import TraceSpec
 
 DEFAULT_RATE_PER_S = 1.0
@@ -84,6 +85,12 @@ def _trace(args: argparse.Namespace) -> TraceSpec:
     )
 
 
+def _sharegpt(args: argparse.Namespace) -> ShareGptSpec:
+    if args.dataset is None:
+        raise ValueError("--workload sharegpt needs --dataset FILE (a ShareGPT-style JSON list of conversations)")
+    return ShareGptSpec(args.dataset, _or(args.rate, DEFAULT_RATE_PER_S), args.num_requests)
+
+
 _TRACE_FLAGS = (
     "trace",
     "trace_format",
@@ -101,6 +108,7 @@ WORKLOADS: dict[str, tuple[Callable[[argparse.Namespace], WorkloadSpec], tuple[s
         ("rate", "num_requests", "groups", "prompts_per_group", "prefix_len", "suffix_len", "output_len"),
     ),
     "trace": (_trace, ("rate", "num_requests", *_TRACE_FLAGS)),
+    "sharegpt": (_sharegpt, ("rate", "num_requests", "dataset")),
 }
 WORKLOAD_FLAGS = tuple(dict.fromkeys(flag for _, flags in WORKLOADS.values() for flag in flags))
 

@@ -64,9 +64,9 @@ class StoreFetcher:
 
         loaded = await self._engine(load)
         if loaded:
-            self.metrics.observe_transfer(
-                "store_in", loaded * self.tiers.codec.payload_bytes, time.perf_counter() - started_s
-            )
+            duration_s = time.perf_counter() - started_s
+            self.metrics.observe_transfer("store_in", loaded * self.tiers.codec.payload_bytes, duration_s)
+            self.tiers.count_fetch(loaded, duration_s)
         return loaded
 
     async def _engine(self, fn):

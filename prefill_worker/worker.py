@@ -283,6 +283,7 @@ class PrefillWorker:
                 "num_blocks": engine.num_blocks,
                 "num_free_blocks": engine.kv.num_free_blocks,
                 "num_sequences": len(engine.seqs),
+                "num_grammar_matchers": len(engine.structured.matchers),
             }
 
         return await asyncio.wrap_future(self.loop.call(check))
@@ -293,7 +294,8 @@ class PrefillWorker:
         stats = self.telemetry.stats(self.loop, in_flight)
         if self.store_fetcher is None:
             return stats
-        return dataclasses.replace(stats, kv_tiers=self.store_fetcher.tiers.status())
+        tiers = self.store_fetcher.tiers
+        return dataclasses.replace(stats, kv_tiers=tiers.status(), store_reads=tiers.reads())
 
     async def debug_signal(self, signum: int) -> None:
         """Fault injection (chaos, tests): send `signum` to this actor's own process (SIGKILL: no cleanup)."""

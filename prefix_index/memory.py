@@ -163,15 +163,20 @@ class InProcessPrefixIndex(PrefixIndex):
         self._slot_owner.clear()
 
     def _owners(self, mask: int) -> list[str]:
-        owners = []
-        while mask:
-            low_bit = mask & -mask
-            owner = self._slot_owner.get(low_bit.bit_length() - 1)
-            if owner is None:
-                raise IntegrityError(f"holder bit {low_bit.bit_length() - 1} has no worker")
-            owners.append(owner)
-            mask ^= low_bit
-        return owners
+        # A byte at a time (a table lists each byte's set bits): peeling the low bit off a wide mask
+        # copies the whole int per holder, which made listing a prefix most of a fleet holds the
+        # simulator's hottest call.
+        slot_owner = self._slot_owner
+        data = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+        try:
+            return [
+                slot_owner[base + bit]
+                for base, byte in zip(range(0, 8 * len(data), 8), data, strict=True)
+                if byte
+                for bit in _BYTE_BITS[byte]
+            ]
+        except KeyError as err:
+            raise IntegrityError(f"holder bit {err.args[0]} has no worker") from None
 
     def _register(self, worker_id: str, epoch: int) -> _Worker:
         slot = next(i for i in range(len(self._slot_owner) + 1) if i not in self._slot_owner)
@@ -229,6 +234,9 @@ class InProcessPrefixIndex(PrefixIndex):
         for worker_id in [w for w, state in self._workers.items() if state.deadline_s <= now_s]:
             self._forget(worker_id)
         self._earliest_deadline_s = min((w.deadline_s for w in self._workers.values()), default=math.inf)
+
+
+_BYTE_BITS = tuple(tuple(bit for bit in range(8) if byte >> bit & 1) for byte in range(256))  # byte → its set bits
 
 
 class _MaskLevels(HolderLevels):

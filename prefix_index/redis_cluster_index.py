@@ -23,7 +23,9 @@ counts only at the epoch the registry has for it. Leases: a worker whose lease e
 lookups at once; its keys are reclaimed by the next writer that trims it from the registry (it reads
 the worker's block set and clears its holder fields), so no reaper walks the index.
 
-Failures: calls are bounded as in the standalone index, and errors become `PrefixIndexUnavailable`,
+Failures: calls are bounded as in the standalone index, and errors become `PrefixIndexUnavailable`
+(the client's errors, and those raised within redis-py on a connection it closed under a command:
+prefix_index/redis_failures.py),
 with one difference for lookups: a shard that does not answer ends the chain where its first block
 is (the prefix before it still counts), and lookups skip that shard for `SHARD_DOWN_S` instead of
 waiting on it again. A dead shard thus costs the hits of the blocks it held, never a request; the
@@ -57,10 +59,9 @@ from prefix_index.base import (
     check_worker,
     sort_matches,
 )
+from prefix_index.redis_failures import is_unavailable
 from prefix_index.redis_index import SNAPSHOT_CHUNK_HASHES, _encode_changes
 
-# RedisClusterException (slots not covered, cluster down) does not derive from RedisError.
-_UNAVAILABLE = (redis_errors.RedisError, redis_errors.RedisClusterException, OSError, asyncio.TimeoutError)
 FIRST_CHUNK_BLOCKS = 16  # holder maps asked for in the first round of a lookup; each next round x4
 SHARD_DOWN_S = 1.0  # after a shard fails a lookup, lookups skip it this long (its blocks count as missing)
 
@@ -155,7 +156,9 @@ class RedisClusterPrefixIndex(PrefixIndex):
                                 pipe.hdel(self._block_key(block_hash), worker)
             if len(pipe):
                 await pipe.execute()
-        except _UNAVAILABLE:
+        except Exception as err:
+            if not is_unavailable(err):
+                raise
             if status == "ok":  # the holder maps may miss part of this batch: ask for a snapshot
                 await self._scripts["WORKER_SUSPECT"](keys=keys[:1], args=())
             raise
@@ -260,7 +263,7 @@ class RedisClusterPrefixIndex(PrefixIndex):
         answers = await asyncio.gather(*(fetch(name) for name in asked), return_exceptions=True)
         for name, answer in zip(asked, answers, strict=True):
             if isinstance(answer, BaseException):
-                if not isinstance(answer, _UNAVAILABLE):
+                if not is_unavailable(answer):
                     raise answer
                 self._down_until_s[name] = time.monotonic() + SHARD_DOWN_S
                 continue
@@ -330,7 +333,9 @@ class RedisClusterPrefixIndex(PrefixIndex):
             async with asyncio.timeout(budget_s or 4 * self.timeout_s):
                 async with self._calls:
                     return await call
-        except _UNAVAILABLE as err:
+        except Exception as err:
+            if not is_unavailable(err):
+                raise
             raise PrefixIndexUnavailable(f"prefix index unreachable: {type(err).__name__}: {err}") from err
         finally:
             call.close()  # a call never started (its turn did not come in time) is discarded quietly

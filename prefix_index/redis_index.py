@@ -51,9 +51,9 @@ from prefix_index.base import (
     check_worker,
     sort_matches,
 )
+from prefix_index.redis_failures import is_unavailable
 
 SNAPSHOT_CHUNK_HASHES = 4096  # hashes per script argument: 64 KiB, well below any client buffer
-_UNAVAILABLE = (redis_errors.RedisError, OSError, asyncio.TimeoutError)
 
 
 class RedisPrefixIndex(PrefixIndex):
@@ -132,7 +132,9 @@ class RedisPrefixIndex(PrefixIndex):
         try:
             async with asyncio.timeout(2 * self.timeout_s):
                 return await call
-        except _UNAVAILABLE as err:
+        except Exception as err:
+            if not is_unavailable(err):
+                raise
             raise PrefixIndexUnavailable(f"prefix index unreachable: {type(err).__name__}: {err}") from err
 
 

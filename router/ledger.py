@@ -6,11 +6,14 @@ with every request this router sends, so routing and admission read them first.
 - per decode instance: the streams decoding there (their progress: `StreamState`).
 A request is booked on one prefill worker and one decode instance per route (`book`); its prompt
 leaves the prefill queue at its first token (`first_token`); `release` ends the booking.
+Each change of a prefill worker's counts is told to `listeners` (the router's `RoutableLoads` keeps
+its load-ordered book with them, so routing never lists the pool's loads).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 from policies.admission import RunningRequest
 from policies.routing import WorkerLoad
@@ -23,14 +26,17 @@ class RouteLedger:
         # prefill worker → uncached prompt tokens awaiting their first token
         self._queued_tokens: Counter[str] = Counter()
         self._decoding: dict[str, dict[str, StreamState]] = defaultdict(dict)  # decode worker → its streams
+        self.listeners: list[Callable[[str], None]] = []  # called with a prefill worker's id after its counts change
 
     def book(self, request_id: str, prefill_id: str, decode_id: str, uncached_tokens: int, state: StreamState) -> None:
         self._inflight[prefill_id] += 1
         self._queued_tokens[prefill_id] += uncached_tokens
         self._decoding[decode_id][request_id] = state
+        self._changed(prefill_id)
 
     def first_token(self, prefill_id: str, uncached_tokens: int) -> None:
         self._queued_tokens[prefill_id] -= uncached_tokens
+        self._changed(prefill_id)
 
     def release(self, request_id: str, prefill_id: str, decode_id: str, queued_tokens: int) -> None:
         """Ends a booking; `queued_tokens`: what is still queued of it (0 once its first token came)."""
@@ -40,6 +46,15 @@ class RouteLedger:
         streams.pop(request_id, None)
         if not streams:
             del self._decoding[decode_id]
+        self._changed(prefill_id)
+
+    def _changed(self, prefill_id: str) -> None:
+        if not self._inflight[prefill_id] and not self._queued_tokens[prefill_id]:
+            # Counters keep zeros: drop them, or a long-lived router holds every worker it ever used
+            self._inflight.pop(prefill_id, None)
+            self._queued_tokens.pop(prefill_id, None)
+        for listener in self.listeners:
+            listener(prefill_id)
 
     def prefill_load(self, worker_id: str) -> WorkerLoad:
         return WorkerLoad(worker_id, self._inflight[worker_id], self._queued_tokens[worker_id])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 import grpc
@@ -27,6 +28,7 @@ from cluster.launcher import LaunchedCluster
 from common import tracing
 from common.config import ClusterConfig, ConfigError
 from common.metrics_http import start_metrics_server
+from common.router_config import API_KEY_ENV
 from policies.admission.gate import AdmissionGate
 from policies.routing import make_policy
 from router.health_listener import HealthListener
@@ -102,7 +104,8 @@ class RouterServer:
         metrics.track_inflight(lambda: service.inflight_requests)
         cluster.outage_listeners.append(metrics.controller_outage)
         interceptors: list[grpc.aio.ServerInterceptor] = [AccessLogInterceptor(), ErrorInterceptor(metrics)]
-        token = read_auth_token(router.auth_token_file)
+        token = read_auth_token(router.auth_token_file, os.environ.get(API_KEY_ENV))
+        chat_template = read_chat_template(router.chat_template)
         if token is not None:
             interceptors.insert(1, AuthInterceptor(token))
         server = grpc.aio.server(
@@ -156,6 +159,10 @@ class RouterServer:
                     token=token,
                     model_names=served_model_names(cluster.model_dir, cluster.config.served_model_name),
                     ssl_context=server_ssl_context(router),
+                    tool_call_parser=router.tool_call_parser,
+                    reasoning_parser=router.reasoning_parser,
+                    chat_template=chat_template,
+                    trust_request_chat_template=router.trust_request_chat_template,
                 )
                 log.info("router serving the OpenAI API on %s", http.url if router.http_port is not None else http_uds)
         except BaseException:
@@ -232,8 +239,16 @@ def served_model_names(model_dir, served: list[str] | None = None) -> tuple[str,
     return tuple(served) if served else (Path(model_dir).name, str(model_dir))
 
 
-def read_auth_token(path: str | None) -> str | None:
-    """The bearer token in `path` (surrounding whitespace stripped), or None when auth is off."""
+def read_auth_token(path: str | None, api_key: str | None = None) -> str | None:
+    """The bearer token: the one in `path` (surrounding whitespace stripped), or the API key given in the
+    environment (`--api-key` / SPLITSERVE_API_KEY, as vLLM takes it); None when auth is off. Both guard the
+    same routes, gRPC and HTTP, so only one may be given."""
+    if api_key is not None and path is not None:
+        raise ConfigError(f"router.auth_token_file: {API_KEY_ENV} is set too; give the token one way")
+    if api_key is not None:
+        if not api_key.strip():
+            raise ConfigError(f"{API_KEY_ENV}: is empty")
+        return api_key.strip()
     if path is None:
         return None
     try:
@@ -243,3 +258,13 @@ def read_auth_token(path: str | None) -> str | None:
     if not token:
         raise ConfigError(f"router.auth_token_file: {path} is empty")
     return token
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The Jinja text of `router.chat_template` (a file), or None: the checkpoint's own template."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"router.chat_template: cannot read {path}: {err.strerror}") from None

@@ -24,6 +24,7 @@ from engine.errors import InvalidRequestError
 from policies.admission.gate import AdmissionGate
 from policies.prefix_pull import PullPlanner
 from policies.routing import RoutingPolicy
+from policies.store_fetch_cost import StoreFetchCost
 from router.ledger import RouteLedger
 from router.metrics import RouterMetrics, slo_met
 from router.migration import cause_of
@@ -78,6 +79,14 @@ class RouterService:
         self.client.handoff_listeners.append(
             lambda stats: self.pull_planner.observe_transfer(stats.num_bytes, stats.elapsed_s)
         )
+        # With a shared KV store, cache_aware prices fetching from it against recomputing, by the workers'
+        # measured fetch bandwidth and the planner's prefill model.
+        self.store_location = StoreFetchCost.from_config(
+            cluster.config.kv_store, self.info.kv_bytes_per_token * self.info.block_size, self.pull_planner.prefill_cost
+        )
+        if self.store_location is not None:
+            policy.locate_store(self.store_location)
+            self.monitor.listeners.append(self.store_location.observe_stats)
         # admitted request → uncached tokens queued on its prefill worker at admission, its own included
         self._tokens_through: dict[str, int] = {}
         self._running: set[str] = set()
@@ -186,7 +195,7 @@ class RouterService:
             decode.worker_id,
             state.migrations.total,
         )
-        healthy = [h.worker_id for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
+        healthy = self.chooser.loads.prefill.ids  # the routable prefill workers (kept, not listed per request)
         # Prompt logprobs need every prompt position computed: no cache hit is read, so none is pulled.
         scores_prompt = request.params.prompt_logprobs is not None and not resumed
         pull = None if scores_prompt else self.pull_planner.plan(query, decision, healthy)
@@ -332,3 +341,5 @@ class RouterService:
 
     async def close(self) -> None:
         await self.client.close()
+        if self.store_location is not None:
+            self.store_location.close()

@@ -10,15 +10,18 @@ stated, so that a bad request never reaches a worker.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn, TypeGuard
+from typing import Any, NoReturn, TypeGuard
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from engine.structured.spec import StructuredOutputSpec
 from splitserve_client.protocol import splitserve_v1_pb2 as pb
 from splitserve_client.sdk_types import SENT_AT_KEY
 
@@ -26,6 +29,10 @@ MAX_PRIORITY = 1000
 MAX_TENANT_CHARS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# A structured output's schema / regex / grammar text, and its choices: bounded so that compiling one is
+# bounded too (a 50-property schema is about 2 KB).
+MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
+MAX_STRUCTURED_CHOICES = 256
 # A client-reported wait longer than this is taken for clock skew between client and router, not waiting.
 MAX_CLIENT_WAIT_S = 60.0
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
@@ -51,8 +58,13 @@ class RouterRequest:
     prompt_text: str | None  # the text, when the prompt came as text (tokenized by the router)
 
 
-# Sampling fields read per request: (name, has presence), from the descriptor once at import.
-_SAMPLING_FIELDS = tuple((f.name, f.has_presence) for f in pb.SamplingParams.DESCRIPTOR.fields)
+# Sampling fields read per request: (name, has presence), from the descriptor once at import; the
+# structured-output oneof is read on its own (`_structured_output`).
+_SAMPLING_FIELDS = tuple(
+    (f.name, f.has_presence)
+    for f in pb.SamplingParams.DESCRIPTOR.fields
+    if f.containing_oneof is None or f.containing_oneof.name != "structured_output"
+)
 
 
 # ---- The rules every front applies (gRPC here, OpenAI HTTP in router.openai). Each takes the name the
@@ -108,6 +120,8 @@ def sampling_params(values: dict, limits: ModelLimits, prefix: str = "", names: 
         _fail(field("stop_token_ids"), f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
     if "logit_bias" in values:
         values["logit_bias"] = _logit_bias(values["logit_bias"], limits, field("logit_bias"))
+    if values.get("structured_output") is not None:
+        check_structured_output(values["structured_output"], limits)
     max_tokens = values.get("max_tokens")
     if _is_int(max_tokens) and not 1 <= max_tokens <= limits.max_model_len - 1:
         _fail(
@@ -193,7 +207,50 @@ def parse_sampling(msg: pb.SamplingParams, limits: ModelLimits) -> SamplingParam
     values = {
         name: getattr(msg, name) for name, has_presence in _SAMPLING_FIELDS if not has_presence or msg.HasField(name)
     }
+    kind = msg.WhichOneof("structured_output")
+    if kind is not None:
+        values["structured_output"] = _STRUCTURED_FROM_PROTO[kind](getattr(msg, kind), f"sampling.{kind}")
     return sampling_params(values, limits, "sampling.")
+
+
+def check_structured_output(spec: StructuredOutputSpec, limits: ModelLimits) -> StructuredOutputSpec:
+    """Bounds every front applies to a structured output (compiling it is the engine's check)."""
+    if not limits.has_tokenizer:
+        _fail(spec.field, "structured outputs need the served model's tokenizer, and it has none")
+    if len(spec.value) > MAX_STRUCTURED_OUTPUT_CHARS:
+        _fail(spec.field, f"at most {MAX_STRUCTURED_OUTPUT_CHARS} characters")
+    if len(spec.choices) > MAX_STRUCTURED_CHOICES or sum(map(len, spec.choices)) > MAX_STRUCTURED_OUTPUT_CHARS:
+        _fail(
+            spec.field, f"at most {MAX_STRUCTURED_CHOICES} choices of {MAX_STRUCTURED_OUTPUT_CHARS} characters in all"
+        )
+    return spec
+
+
+def json_schema_text(text: str, field: str) -> StructuredOutputSpec:
+    """A JSON schema given as JSON text (gRPC's `json_schema`)."""
+    if len(text) > MAX_STRUCTURED_OUTPUT_CHARS:
+        _fail(field, f"at most {MAX_STRUCTURED_OUTPUT_CHARS} characters")
+    try:
+        schema = json.loads(text)
+    except ValueError as error:
+        _fail(field, f"must be a JSON schema as JSON text ({error})")
+    return StructuredOutputSpec.json_schema(schema, field=field)
+
+
+def _json_object(value: bool, field: str) -> StructuredOutputSpec:
+    if value is not True:
+        _fail(field, "must be true when set (leave the field unset for free text)")
+    return StructuredOutputSpec("json_object", field=field)
+
+
+# The structured_output oneof's fields: (its value, the field's name) -> the spec.
+_STRUCTURED_FROM_PROTO: dict[str, Callable[[Any, str], StructuredOutputSpec]] = {
+    "json_schema": json_schema_text,
+    "json_object": _json_object,
+    "regex": lambda value, field: StructuredOutputSpec("regex", value, field=field),
+    "choice": lambda value, field: StructuredOutputSpec("choice", choices=tuple(value.choices), field=field),
+    "grammar": lambda value, field: StructuredOutputSpec("grammar", value, field=field),
+}
 
 
 def _slo(msg: pb.GenerateRequest) -> tuple[float | None, float | None]:

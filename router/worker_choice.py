@@ -3,7 +3,8 @@ by the fewest streams this router has on it; while a pool has no serving worker 
 replacement is starting), wait for membership to bring one.
 
 Only workers the monitor holds healthy are candidates; the prefill loads the policy weighs are this
-router's own exact counts (`RouteLedger`).
+router's own exact counts (`RouteLedger`). Both pools come from `RoutableLoads`, kept in load order as
+loads and membership change, so a decision costs the same at 10 workers as at 10,000.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from cluster.client import ClusterClient
 from cluster.cluster_view import ClusterView
 from policies.routing import NoWorkersError, RouteQuery, RoutingPolicy
 from router.ledger import RouteLedger
+from router.routable_loads import RoutableLoads
 from router.worker_monitor import WorkerMonitor
 
 
@@ -27,6 +29,7 @@ class WorkerChooser:
         client: ClusterClient,
     ):
         self.cluster, self.policy, self.monitor, self.ledger, self.client = cluster, policy, monitor, ledger, client
+        self.loads = RoutableLoads(cluster, monitor, ledger, client)
 
     async def choose(self, query: RouteQuery, deadline_s: float | None):
         """A serving prefill worker and decode instance for the query; waits for membership (a dead worker's
@@ -43,17 +46,17 @@ class WorkerChooser:
             await self.cluster.wait_for_change(min(wait_until_s - time.monotonic(), 1.0))
 
     def _missing_pool(self) -> str | None:
-        if not any(self.monitor.is_healthy(m.worker_id) for m in self.cluster.prefill):
+        if not self.loads.prefill:
             return "prefill worker"
-        if not any(self.monitor.is_healthy(m.worker_id) for m in self.cluster.decode):
+        if not self.loads.decode:
             return "decode instance"
         return None
 
     async def _pick(self, query: RouteQuery):
-        healthy = [h for h in self.cluster.prefill if self.monitor.is_healthy(h.worker_id)]
-        loads = [self.ledger.prefill_load(h.worker_id) for h in healthy]
-        decision = await self.policy.choose(query, loads)
-        prefill = next(h for h in healthy if h.worker_id == decision.worker_id)
-        decodes = [d for d in self.cluster.decode if self.monitor.is_healthy(d.worker_id)]
-        decode = min(decodes, key=lambda d: (self.client.decode_load(d.worker_id), d.worker_id))
-        return prefill, decode, decision
+        decision = await self.policy.choose(query, self.loads.prefill)
+        # The policy decides synchronously after its index lookup, so its choice is in the book now.
+        prefill = self.loads.member(decision.worker_id)
+        assert prefill is not None, f"the policy chose {decision.worker_id}, which is not a member"
+        if not self.loads.decode:  # the lookup's await let membership take the last decode instance
+            raise NoWorkersError("no healthy decode instance to route to")
+        return prefill, self.loads.least_loaded_decode(), decision

@@ -28,6 +28,7 @@ class WorkerMonitor:
         self.stats: dict[str, WorkerStats] = {}
         self._dead: set[tuple[str, int]] = set()  # (worker id, epoch) found dead, until membership drops it
         self.listeners: list = []  # called with (worker_id, role, epoch, stats) after each successful probe
+        self.dead_listeners: list = []  # called with (worker_id, epoch) when a start of a worker is found dead
         self._task: asyncio.Task | None = None
         self._probes: set[asyncio.Task] = set()
         view.listeners.append(self._on_membership)
@@ -36,11 +37,22 @@ class WorkerMonitor:
         member = self.view.membership.get(worker_id)
         return member is not None and (worker_id, member.epoch) not in self._dead
 
+    def found_dead(self, worker_id: str, epoch: int) -> bool:
+        """Whether this start of the worker was found dead (it stays unroutable until membership drops it)."""
+        return (worker_id, epoch) in self._dead
+
     def mark_dead(self, worker_id: str, epoch: int) -> None:
         """A request found this start of the worker dead: avoid it until membership drops it."""
         member = self.view.membership.get(worker_id)
         if member is not None and member.epoch == epoch:
-            self._dead.add((worker_id, epoch))
+            self._found_dead(worker_id, epoch)
+
+    def _found_dead(self, worker_id: str, epoch: int) -> None:
+        if (worker_id, epoch) in self._dead:
+            return
+        self._dead.add((worker_id, epoch))
+        for listener in self.dead_listeners:
+            listener(worker_id, epoch)
 
     def start(self) -> None:
         if self._task is None:
@@ -66,7 +78,7 @@ class WorkerMonitor:
         except RayActorError as err:
             if (member.worker_id, member.epoch) not in self._dead:
                 log.warning("worker %s (epoch %d) is dead: %s", member.worker_id, member.epoch, type(err).__name__)
-            self._dead.add((member.worker_id, member.epoch))
+            self._found_dead(member.worker_id, member.epoch)
         except Exception as err:  # noqa: BLE001 - slow or erroring: keep the last figures; liveness is the controller's
             log.debug("stats of %s unavailable: %s", member.worker_id, type(err).__name__)
         else:

@@ -14,6 +14,9 @@ with the running config. A process that joined an existing Ray cluster (`--ray-a
 pools serving when it stops (a router pod's eviction must not take the workers); one that started
 its own local Ray takes everything down with it.
 
+Flags vLLM's `vllm serve` shares mean the same here, except `--port`: gRPC here (vLLM's `--port`, the
+OpenAI API, is `--http-port`). A vLLM flag this server has no equivalent for is refused, naming it.
+
 Configuration comes from one place: an optional YAML file (`--config`, the same schema the Helm chart
 renders) with flags layered on top, all validated by `ClusterConfig.from_dict`.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +33,7 @@ from pathlib import Path
 from common.config import ROUTING_POLICIES, ClusterConfig, ConfigError
 from common.logs import FORMATS, LEVELS, configure_logging, export_logging
 from common.ports import CannotListen, PortInUse, check_router_ports
+from common.router_config import API_KEY_ENV, REASONING_PARSERS, TOOL_CALL_PARSERS
 from engine.kv_quant import KV_CACHE_DTYPES
 from engine.layers.quantization import QUANTIZATIONS
 from engine.model_source import resolve_model
@@ -48,6 +53,7 @@ _POOL_FLAGS = {
     "tp": ("decode", "tp_size"),
     "kv_cache_dtype": (None, "kv_cache_dtype"),
     "quantization": (None, "quantization"),
+    "quantization_group_size": (None, "quantization_group_size"),
 }
 _ROUTER_FLAGS = {
     "host": ("router", "host"),
@@ -59,6 +65,23 @@ _ROUTER_FLAGS = {
     "tls_key_file": ("router", "tls_key_file"),
     "tls_client_ca_file": ("router", "tls_client_ca_file"),
     "health_port": ("router", "health_port"),
+    "tool_call_parser": ("router", "tool_call_parser"),
+    "reasoning_parser": ("router", "reasoning_parser"),
+    "chat_template": ("router", "chat_template"),
+    "trust_request_chat_template": ("router", "trust_request_chat_template"),
+}
+# vLLM serve flags with no equivalent here → what to do instead; given one, the start fails naming it
+# (argparse's own refusal of an unknown flag would not say it is vLLM's).
+VLLM_ONLY_FLAGS = {
+    "--gpu-memory-utilization": "KV memory is set per pool (kv_cache_memory_bytes in --config)",
+    "--tensor-parallel-size": "use --tp (decode ranks)",
+    "--pipeline-parallel-size": "pipeline parallelism is not supported",
+    "--max-num-seqs": "set prefill/decode max_num_seqs in --config",
+    "--trust-remote-code": "only architectures the engine implements are served",
+    "--dtype": "the checkpoint's dtype is served",
+    "--enforce-eager": "not applicable",
+    "--disable-log-requests": "use --log-level",
+    "--lora-modules": "LoRA is not supported",
 }
 _COMMON_FLAGS = {
     "ray_address": (None, "ray_address"),
@@ -113,20 +136,54 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         # its error names the key): a new format needs no edit here.
         p.add_argument("--kv-cache-dtype", help=f"KV cache storage: {_one_of(KV_CACHE_DTYPES)} (auto: the model dtype)")
         p.add_argument("--quantization", help=f"weight quantization: {_one_of(QUANTIZATIONS)} (int8: weight-only)")
+        p.add_argument(
+            "--quantization-group-size",
+            type=int,
+            help="input features per weight scale group when quantizing at load (default: int8 per channel, int4 128)",
+        )
         p.add_argument("--redis-url", help="Redis for the global prefix index (default: in-process index)")
         p.add_argument(
             "--rendezvous-host", help="address workers use to reach the rendezvous store (default: its node's IP)"
         )
     if router:
         p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-        p.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
+        p.add_argument(
+            "--port",
+            type=int,
+            help="gRPC port (default 50051; 0 = any free port). Unlike vLLM's --port, not the OpenAI API: "
+            "that is --http-port",
+        )
         p.add_argument(
             "--uds", help="also serve gRPC on this unix socket path (reachable from outside a network sandbox)"
         )
         p.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP port (default 8000; 0 turns it off)")
         p.add_argument("--http-uds", help="also serve the HTTP API on this unix socket path")
         p.add_argument("--policy", help=f"routing policy: {_one_of(ROUTING_POLICIES)} (default cache_aware)")
-        p.add_argument("--auth-token-file", help="require this bearer token from clients")
+        p.add_argument("--auth-token-file", help="require the bearer token in this file from clients")
+        p.add_argument(
+            "--api-key",
+            help=f"require this bearer token from clients, as vLLM's --api-key (or set {API_KEY_ENV}; "
+            "not with --auth-token-file)",
+        )
+        p.add_argument(
+            "--tool-call-parser",
+            help=f"find tool calls in chat output (tool_choice auto): {_one_of(TOOL_CALL_PARSERS)}",
+        )
+        p.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help="accepted as vLLM takes it; tool_choice auto is on whenever --tool-call-parser is given",
+        )
+        p.add_argument(
+            "--reasoning-parser", help=f"split thinking into reasoning_content: {_one_of(REASONING_PARSERS)}"
+        )
+        p.add_argument("--chat-template", help="a Jinja chat template file used instead of the checkpoint's")
+        p.add_argument(
+            "--trust-request-chat-template",
+            action="store_true",
+            default=None,
+            help="accept a request's own chat_template (Jinja run on the router: trusted clients only)",
+        )
         p.add_argument("--metrics-port", type=int, help="Prometheus metrics port")
         p.add_argument("--tls-cert-file", help="serve TLS with this PEM certificate chain (needs --tls-key-file)")
         p.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
@@ -258,8 +315,21 @@ def controller_main(argv: list[str]) -> None:
     )
 
 
+def refuse_vllm_flags(prog: str, argv: list[str]) -> None:
+    """One line naming the first vLLM-only flag given, with what to use instead."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in VLLM_ONLY_FLAGS:
+            sys.exit(f"{prog}: {flag} is vLLM's and not supported here: {VLLM_ONLY_FLAGS[flag]}")
+
+
 def _run(p: argparse.ArgumentParser, argv: list[str], *, join_only: bool) -> None:
+    refuse_vllm_flags(p.prog, argv)
     args = p.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        sys.exit(f"{p.prog}: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.api_key is not None:  # read where the router starts, in this process, with the environment's
+        os.environ[API_KEY_ENV] = args.api_key
     configure_logging(args.log_level, args.log_format)
     export_logging(args.log_level, args.log_format)  # the controller and workers log the same way
     from cluster.controller_slots import ClusterStartError

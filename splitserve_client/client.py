@@ -21,6 +21,7 @@ against another name than the target's host:
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -52,7 +53,9 @@ _REQUEST_FIELDS = {"priority", "tenant", "request_id", "return_text"}
 
 def build_request(prompt: str | Sequence[int], **options) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt and keyword options (sampling fields, ttft_ms / tpot_ms,
-    priority, tenant, request_id, return_text). Unknown options raise TypeError naming them."""
+    priority, tenant, request_id, return_text). Unknown options raise TypeError naming them. A
+    structured output is one of `json_schema` (a dict or JSON text), `json_object=True`, `regex`,
+    `choice` (a list of strings) or `grammar`."""
     unknown = set(options) - _SAMPLING_FIELDS - _SLO_FIELDS - _REQUEST_FIELDS
     if unknown:
         raise TypeError(f"unknown generate option(s) {sorted(unknown)}")
@@ -62,6 +65,11 @@ def build_request(prompt: str | Sequence[int], **options) -> pb.GenerateRequest:
     else:
         request.token_ids.ids.extend(prompt)
     sampling = {k: v for k, v in options.items() if k in _SAMPLING_FIELDS and v is not None}
+    # Structured outputs: a schema may be given parsed, and choices as a plain list of strings.
+    if isinstance(sampling.get("json_schema"), (dict, bool)):
+        sampling["json_schema"] = json.dumps(sampling["json_schema"])
+    if isinstance(sampling.get("choice"), (list, tuple)):
+        sampling["choice"] = pb.SamplingParams.Choices(choices=list(sampling["choice"]))
     request.sampling.CopyFrom(pb.SamplingParams(**sampling))
     slo = {k: v for k, v in options.items() if k in _SLO_FIELDS and v is not None}
     if slo:

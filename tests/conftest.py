@@ -52,6 +52,7 @@ def assert_engine_clean(engine) -> None:
     assert not engine.has_unfinished(), "requests left in the scheduler"
     assert engine.kv.num_free_blocks == engine.num_blocks, (
         f"leaked KV blocks: {engine.num_blocks - engine.kv.num_free_blocks} still held")
+    assert not engine.structured.matchers, f"leaked grammar matchers: {sorted(engine.structured.matchers)}"
 
 
 # One Ray session per test run (init ~2.5 s, shutdown ~1.3 s), started inside the sandbox the

@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from engine.demo_model import NUM_SPECIAL_TOKENS, SPECIAL_TOKEN_IDS, train_tokenizer
+from engine.layers.int8_group_matmul import dequantize_groupwise, quantize_groupwise
 from engine.layers.quantization import quantize_per_channel
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
@@ -158,17 +159,23 @@ def make_tiny_checkpoint(out_dir: Path, spec: TinySpec = TinySpec()) -> Path:
     return out_dir
 
 
-def dequantized_checkpoint(model_dir: Path, out_dir: Path, quantize_lm_head: bool) -> Path:
+def dequantized_checkpoint(
+    model_dir: Path, out_dir: Path, quantize_lm_head: bool, group_size: int | None = None
+) -> Path:
     """The checkpoint with every linear weight the int8 engine quantizes (the decoder layers', and the LM
-    head's with `quantize_lm_head`) replaced by its int8 value x scale: HF on it computes, in fp32,
-    what that engine should."""
+    head's with `quantize_lm_head`) replaced by its int8 value x scale (per output channel, or per
+    group of `group_size` inputs): HF on it computes, in fp32, what that engine should."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert not model.config.tie_word_embeddings, "a tied head would dequantize the embedding too"
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and (name.startswith("model.layers.") or quantize_lm_head):
-                values, scale = quantize_per_channel(module.weight)
-                module.weight.copy_(values.float() * scale[:, None])
+                if group_size is None:
+                    values, scale = quantize_per_channel(module.weight)
+                    module.weight.copy_(values.float() * scale[:, None])
+                else:
+                    values, scales = quantize_groupwise(module.weight, group_size)
+                    module.weight.copy_(dequantize_groupwise(values, scales))
     model.save_pretrained(out_dir)
     return out_dir
 

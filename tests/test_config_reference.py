@@ -28,6 +28,7 @@ CHART_MAPPED = {
     "model_dir": "model.dir",
     "kv_cache_dtype": "quantization.kvCacheDtype",
     "quantization": "quantization.weights",
+    "quantization_group_size": "quantization.groupSize",
     "redis_url": "redis.external.url",  # or the bundled Redis, or an existing Secret (--redis-url)
     "prefill.replicas": "prefill.replicas",
     "prefill.tp_size": None,  # always 1: prefill workers run one rank

@@ -27,7 +27,8 @@ IMPORT_NAMES = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "grpc
                 "kubernetes-validate": "kubernetes_validate", "huggingface-hub": "huggingface_hub",
                 "opentelemetry-api": "opentelemetry", "opentelemetry-sdk": "opentelemetry.sdk",
                 "opentelemetry-exporter-otlp-proto-grpc": "opentelemetry.exporter.otlp.proto.grpc",
-                "opentelemetry-proto": "opentelemetry.proto"}
+                "opentelemetry-proto": "opentelemetry.proto", "xgrammar": "xgrammar",
+                "llguidance": "llguidance", "outlines-core": "outlines_core"}
 # Declared but never imported, on purpose: (distribution, why).
 NOT_IMPORTED = {"hiredis": "redis-py's C reply parser, used by redis-py when present",
                 "pytest-timeout": "a pytest plugin: the suite's per-test timeout (pyproject [tool.pytest])",

@@ -6,7 +6,8 @@ into a cache directory keyed by its content hash (`$SPLITSERVE_KERNEL_DIR`, defa
 the engine uses its PyTorch path; `SPLITSERVE_ATTENTION=torch` forces that path for attention.
 Kernels: `paged_decode_attention.c` (decode attention over fp32 / int8 / fp8 caches) and
 `int8_linear.c` / `fp32_linear.c` (skinny matmuls for a few rows, int8 or fp32 weights, both from
-`skinny_linear.h`); `int4_linear.c` (the same for group-wise int4 weights); `widen.h` is their shared
+`skinny_linear.h`); `int4_linear.c` and `int8_group_linear.c` (the same for group-wise int4 and int8
+weights); `widen.h` is their shared
 int8 / fp8 → fp32 widening.
 """
 
@@ -31,6 +32,7 @@ SIGNATURES = {
     "int8_linear": [_PTR] * 4 + [_I64] * 4,
     "fp32_linear": [_PTR] * 4 + [_I64] * 4,
     "int4_linear": [_PTR] * 5 + [_I64] * 5,
+    "int8_group_linear": [_PTR] * 4 + [_I64] * 5,
 }
 _lock = threading.Lock()
 _kernels: dict[str, object] = {}  # memo: name → function or None

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import UnsupportedModelError
 from engine.layers.dense_matmul import dense_linear
 from engine.layers.int8_matmul import int8_matmul
-from engine.layers.quantization import quantize_per_channel
+from engine.layers.quantization import QuantizationSpec, as_weight_quantization, quantize_per_channel
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 
 # Checkpoint names of one expert's projections (HF Mixtral: w1/w3/w2; Qwen/DeepSeek: gate/up/down)
@@ -100,7 +101,13 @@ class Int8Experts(ExpertMethod):
 EXPERT_METHODS: dict[str, type[ExpertMethod]] = {"none": UnquantizedExperts, "int8": Int8Experts}
 
 
-def expert_method(name: str) -> ExpertMethod:
+def expert_method(quantization: QuantizationSpec) -> ExpertMethod:
+    spec = as_weight_quantization(quantization)
+    name = spec.method
+    if spec.group_size is not None and name != "none":
+        raise UnsupportedModelError(
+            f"quantization_group_size: expert weights are quantized per output channel only, got {spec.group_size}"
+        )
     if name not in EXPERT_METHODS:
         raise ValueError(f"unknown quantization {name!r} for experts; known: {sorted(EXPERT_METHODS)}")
     return EXPERT_METHODS[name]()
@@ -121,7 +128,7 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallelGroup = SINGLE_RANK,
         expert_parallel: bool = True,
-        quantization: str = "none",
+        quantization: QuantizationSpec = "none",
     ):
         super().__init__()
         self.tp, self.num_experts = tp, num_experts

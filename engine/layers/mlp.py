@@ -8,13 +8,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from engine.layers.quantization import linear_method
+from engine.layers.quantization import QuantizationSpec, linear_method
 from engine.parallel import TensorParallelGroup
 
 
 class MLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, tp: TensorParallelGroup, quantization: str
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        quantization: QuantizationSpec,
     ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(

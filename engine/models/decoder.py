@@ -21,7 +21,7 @@ from engine.config import ModelConfig
 from engine.kv_storage import KVCacheStorage
 from engine.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.quantization import linear_method
+from engine.layers.quantization import QuantizationSpec, linear_method
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.mla import MLAttention
 from engine.models.moe import feed_forward
@@ -38,7 +38,7 @@ PACKED_WEIGHTS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, quantization: str):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup, quantization: QuantizationSpec):
         super().__init__()
         dtype = cfg.torch_dtype
         self.qkv_proj = QKVParallelLinear(
@@ -81,7 +81,14 @@ ATTENTIONS: dict[bool, type[Attention | MLAttention]] = {False: Attention, True:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallelGroup, quantization: str, expert_parallel: bool):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        index: int,
+        tp: TensorParallelGroup,
+        quantization: QuantizationSpec,
+        expert_parallel: bool,
+    ):
         super().__init__()
         self.index = index
         self.self_attn = ATTENTIONS[cfg.mla is not None](cfg, tp, quantization)
@@ -100,7 +107,7 @@ class DecoderModel(nn.Module):
         cfg: ModelConfig,
         max_positions: int,
         tp: TensorParallelGroup,
-        quantization: str,
+        quantization: QuantizationSpec,
         expert_parallel: bool = True,
     ):
         super().__init__()
@@ -126,7 +133,7 @@ class DecoderForCausalLM(nn.Module):
         cfg: ModelConfig,
         max_positions: int,
         tp: TensorParallelGroup = SINGLE_RANK,
-        quantization: str = "none",
+        quantization: QuantizationSpec = "none",
         quantize_lm_head: bool = False,
         expert_parallel: bool = True,
     ):

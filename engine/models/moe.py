@@ -27,6 +27,7 @@ from engine.config import ModelConfig, MoEConfig
 from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.mlp import MLP
+from engine.layers.quantization import QuantizationSpec
 from engine.parallel import TensorParallelGroup
 
 Routing = tuple[torch.Tensor, torch.Tensor]  # (weights fp32 [tokens, top_k], expert ids [tokens, top_k])
@@ -109,12 +110,19 @@ class SparseMoeBlock(nn.Module):
         cfg: ModelConfig,
         moe: MoEConfig,
         tp: TensorParallelGroup,
-        quantization: str,
+        quantization: QuantizationSpec,
         expert_parallel: bool,
+        layer_index: int = 0,
     ):
         super().__init__()
         dtype = cfg.torch_dtype
+        self.layer_index = layer_index
         self.gate = Router(moe, cfg.hidden_size, dtype)
+        # Tokens routed to each expert since load (a token counts once per expert it chose): the load
+        # balance a worker exports (`expert_token_counts`). Counted where it is computed, on the model's
+        # device, so a step never waits on it; read only when a worker reports.
+        self.expert_tokens: torch.Tensor
+        self.register_buffer("expert_tokens", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
         self.experts = FusedMoE(
             moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype, tp, expert_parallel, quantization
         )
@@ -127,6 +135,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(x)
+        chosen = expert_ids.view(-1)  # scatter, not bincount: no size to read back, so a step never syncs on it
+        self.expert_tokens.scatter_add_(0, chosen, torch.ones_like(chosen))
         out = self.experts(x, expert_ids, weights)
         if self.shared_expert is None:
             return out
@@ -137,10 +147,21 @@ class SparseMoeBlock(nn.Module):
 
 
 def feed_forward(
-    cfg: ModelConfig, layer_index: int, tp: TensorParallelGroup, quantization: str, expert_parallel: bool
+    cfg: ModelConfig, layer_index: int, tp: TensorParallelGroup, quantization: QuantizationSpec, expert_parallel: bool
 ) -> nn.Module:
     """Layer `layer_index`'s feed-forward block: dense for dense models and the dense layers of MoE ones."""
     moe = cfg.moe
     if moe is None or layer_index in moe.dense_layers:
         return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.torch_dtype, tp, quantization)
-    return SparseMoeBlock(cfg, moe, tp, quantization, expert_parallel)
+    return SparseMoeBlock(cfg, moe, tp, quantization, expert_parallel, layer_index)
+
+
+def expert_token_counts(model: nn.Module) -> dict[int, list[int]]:
+    """Layer index → tokens routed to each of its experts since load, for every MoE layer of `model`
+    (empty for a dense model). Every rank of a TP group routes every token, so any rank's counts are
+    the instance's."""
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
+    if not blocks:
+        return {}
+    counts = torch.stack([block.expert_tokens for block in blocks]).tolist()  # one device read for all
+    return {block.layer_index: row for block, row in zip(blocks, counts, strict=True)}

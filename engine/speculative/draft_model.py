@@ -75,6 +75,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
         tp_size=1,
         speculative_config=None,
         quantization=quantization,
+        quantization_group_size=config.quantization_group_size if quantization != "none" else None,
         quantize_lm_head=config.quantize_lm_head and quantization != "none",
     )
 

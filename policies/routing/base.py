@@ -45,6 +45,9 @@ class RouteDecision(NamedTuple):
     # when the policy has no index): the chosen worker may pull the difference from it.
     holder_id: str | None = None
     holder_blocks: int = 0
+    # Blocks after `expected_cached_blocks` the policy expects the worker to fetch from the shared KV
+    # store rather than compute (0 when the store holds no more, or fetching costs more).
+    store_blocks: int = 0
 
 
 class RoutingPolicy(ABC):
@@ -53,6 +56,10 @@ class RoutingPolicy(ABC):
     @abstractmethod
     async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
         """One worker of `workers` for this prompt (see the module contract)."""
+
+    def locate_store(self, store) -> None:  # noqa: B027 - a default on purpose: most policies price no fetch
+        """Gives the policy the shared KV store as a location (`cache_aware.StoreLocation`); policies that
+        do not price fetches from it ignore it."""
 
     def check_integrity(self) -> None:  # noqa: B027 - a default on purpose: stateless policies override nothing
         """Raises AssertionError if internal state is inconsistent; stateless policies have none."""

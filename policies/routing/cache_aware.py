@@ -11,6 +11,17 @@ spread over the workers instead of piling onto the lowest id.
 The prefix comes from a `PrefixIndex` (in-process by default, Redis when configured); if the index
 cannot answer, the choice falls back to `prefix_hash` for that request (no client-visible error).
 
+With a shared KV store (`kv_store.url`), the store is a location too (`StoreLocation`): it holds the
+prompt's first s blocks, and a worker holding n < s of them may fetch the other s - n instead of
+computing them. Its cost is then
+
+cost(worker) = queued + min(prompt - n blocks, fetch_tokens(s - n) + prompt - s blocks)
+
+where `fetch_tokens` prices the fetch in prefill tokens (measured store read bandwidth over the fitted
+per-token prefill time: policies/store_fetch_cost.py). The recompute term stays in tokens, so the two
+add as before. The term only falls as n grows (fetch_tokens never falls as it fetches more), which is
+what keeps the walk below exact. A store that cannot answer counts as holding nothing.
+
 How the least cost is found without scoring every worker (the choice is exactly the least (cost,
 -cached blocks, ring rank) over all workers; `ExhaustiveCacheAwarePolicy` computes it by definition and
 the tests compare the two): the index answers with holder levels (`PrefixIndex.holder_levels`: the
@@ -27,7 +38,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
+from engine.block_hash import BlockHash
 from policies.routing.base import RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad, require_workers
 from policies.routing.load_book import LoadBook, as_book
 from policies.routing.prefix_hash import FEW_TIED, PrefixHashPolicy
@@ -39,13 +52,45 @@ _NO_HOLDERS = MatchLevels(())
 LOAD_WALK_STEPS = 64  # workers a level's search in load order passes before it lists the level instead
 
 
+class StoreLocation(Protocol):
+    """The shared KV store as a place a prompt's blocks can be: how many it holds, what fetching costs."""
+
+    async def held_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of `block_hashes` the store holds (0 when it cannot tell)."""
+
+    def fetch_tokens(self, num_blocks: int) -> int:
+        """A fetch of `num_blocks` blocks from the store, in prefill tokens (0 for none; never falls as
+        `num_blocks` grows)."""
+
+
+def uncached_cost(query: RouteQuery, blocks: int, store_blocks: int, store: StoreLocation | None) -> int:
+    """What a worker holding `blocks` leading blocks spends on the prompt besides its queue, in tokens:
+    computing what it lacks, or fetching what the store adds and computing the rest, whichever is less."""
+    # A hit never covers the whole prompt: the last token is always computed (it yields the first
+    # output token), so the uncached count is at least one.
+    prompt, size = query.num_prompt_tokens, query.block_size
+    own = max(prompt - blocks * size, 1)
+    if store is None or store_blocks <= blocks:
+        return own
+    return min(own, store.fetch_tokens(store_blocks - blocks) + max(prompt - store_blocks * size, 1))
+
+
+def fetched_blocks(query: RouteQuery, blocks: int, store_blocks: int, store: StoreLocation | None) -> int:
+    """The blocks a worker holding `blocks` is priced as fetching from the store (0: it computes them)."""
+    if uncached_cost(query, blocks, store_blocks, store) < uncached_cost(query, blocks, 0, None):
+        return store_blocks - blocks
+    return 0
+
+
 class CacheAwarePolicy(RoutingPolicy):
     name = "cache_aware"
 
-    def __init__(self, index, fallback: PrefixHashPolicy | None = None):
+    def __init__(self, index, fallback: PrefixHashPolicy | None = None, store: StoreLocation | None = None):
         self.index = index  # prefix_index.PrefixIndex
         self.fallback = fallback or PrefixHashPolicy()
+        self.store = store
         self.index_failures = 0
+        self.store_failures = 0
         self._degraded = False
 
     async def choose(self, query: RouteQuery, workers: Sequence[WorkerLoad]) -> RouteDecision:
@@ -61,30 +106,50 @@ class CacheAwarePolicy(RoutingPolicy):
             self._degraded = True
             return self.fallback.choose_now(query, workers)
         self._degraded = False
-        return self._decide(query, workers, levels)
+        return self._decide(query, workers, levels, await self._store_blocks(query))
+
+    def locate_store(self, store: StoreLocation) -> None:
+        self.store = store
+
+    async def _store_blocks(self, query: RouteQuery) -> int:
+        if self.store is None:
+            return 0
+        try:
+            return await self.store.held_blocks(query.block_hashes)
+        except Exception:  # noqa: BLE001 - a store that cannot answer holds nothing, as for a worker
+            self.store_failures += 1
+            return 0
 
     async def _holder_levels(self, query: RouteQuery) -> HolderLevels:
         return await self.index.holder_levels(query.block_hashes)
 
-    def _decide(self, query: RouteQuery, workers: Sequence[WorkerLoad], levels: HolderLevels) -> RouteDecision:
+    def _decide(
+        self, query: RouteQuery, workers: Sequence[WorkerLoad], levels: HolderLevels, store_blocks: int = 0
+    ) -> RouteDecision:
         book = as_book(workers)
-        blocks, queued = self._least_cost(query, book, levels)
-        decision = RouteDecision(self._first_tied(query, book, levels, blocks, queued), blocks)
+        blocks, queued = self._least_cost(
+            query, book, levels, lambda n: uncached_cost(query, n, store_blocks, self.store)
+        )
+        decision = RouteDecision(
+            self._first_tied(query, book, levels, blocks, queued),
+            blocks,
+            store_blocks=fetched_blocks(query, blocks, store_blocks, self.store),
+        )
         holder = self._best_holder(query, book, levels)
         if holder is None:
             return decision
         return decision._replace(holder_id=holder[0], holder_blocks=holder[1])
 
     @staticmethod
-    def _least_cost(query: RouteQuery, book: LoadBook, levels: HolderLevels) -> tuple[int, int]:
-        """(cached blocks, queued tokens) of the least (cost, -cached blocks) over the book's workers."""
-        # A hit never covers the whole prompt: the last token is always computed (it yields the first
-        # output token), so the uncached count is at least one.
-        prompt, size = query.num_prompt_tokens, query.block_size
+    def _least_cost(
+        query: RouteQuery, book: LoadBook, levels: HolderLevels, uncached_of: Callable[[int], int]
+    ) -> tuple[int, int]:
+        """(cached blocks, queued tokens) of the least (cost, -cached blocks) over the book's workers;
+        `uncached_of(n)`: the cost besides its queue of a worker holding n blocks (never rising in n)."""
         floor_queued = book.min_queued()
         best: tuple[int, int, int] | None = None  # (cost, -blocks, queued)
         for blocks in (*levels.depths, 0):
-            uncached = max(prompt - blocks * size, 1)
+            uncached = uncached_of(blocks)
             if best is not None and floor_queued + uncached >= best[0]:
                 break  # this level and every shallower one cost at least the best found
             queued = _least_queued_at(book, levels, blocks, None if best is None else best[0] - uncached)
@@ -103,21 +168,27 @@ class CacheAwarePolicy(RoutingPolicy):
         # A small tie is listed from whichever side is small (the workers with that queue, or the level)
         # and ranked directly; a large one (an idle fleet, a prefix everyone holds) meets a member within
         # a few steps of the ring, and the walk's first member is the answer by definition.
-        if book.count_queued(queued) <= FEW_TIED:
+        same_queue = book.count_queued(queued)
+        if same_queue <= FEW_TIED:
             among = {w for w in book.with_queued(queued) if levels.blocks_of(w) == blocks}
         elif blocks and levels.count(blocks) <= FEW_TIED:
             among = {w for w in levels.members(blocks) if tied(w)}
         elif (found := self.fallback.first_in_ring_where(query, book, tied, limit=FEW_TIED)) is not None:
             return found
         else:
+            # Listed from the smaller side (a level's members list cheaply, by its index's masks), until
+            # it proves large enough for the ring walk.
+            if blocks and levels.count(blocks) < same_queue:
+                candidates = (w for w in levels.members(blocks) if tied(w))
+            else:
+                candidates = (w for w in book.with_queued(queued) if levels.blocks_of(w) == blocks)
             among = set()
-            for worker_id in book.with_queued(queued):
-                if levels.blocks_of(worker_id) == blocks:
-                    among.add(worker_id)
-                    if len(among) > FEW_TIED:
-                        found = self.fallback.first_in_ring_where(query, book, tied)
-                        assert found is not None, "the tied worker exists"
-                        return found
+            for worker_id in candidates:
+                among.add(worker_id)
+                if len(among) > FEW_TIED:
+                    found = self.fallback.first_in_ring_where(query, book, tied)
+                    assert found is not None, "the tied worker exists"
+                    return found
         return self.fallback.first_in_ring(query, book, among)
 
     def _best_holder(self, query: RouteQuery, book: LoadBook, levels: HolderLevels) -> tuple[str, int] | None:
@@ -139,16 +210,23 @@ def _holding(levels: HolderLevels, blocks: int) -> Callable[[str], bool]:
 
 
 def _least_queued_at(book: LoadBook, levels: HolderLevels, blocks: int, below: int | None) -> int | None:
-    """The least queued tokens of a worker holding exactly `blocks` blocks (0: none), None when there
-    is none or none queues less than `below`."""
+    """The least queued tokens of a worker holding exactly `blocks` blocks (a small level, listed), or
+    at least `blocks` blocks (a large one, walked); None when there is none or none queues less than
+    `below`.
+
+    Counting the workers that hold more in a level leaves `_least_cost`'s answer unchanged: such a
+    worker's term (its queue plus the level's uncached cost) is no less than its own cost (uncached cost
+    never rises with the blocks held), and at the best level any worker queueing less would cost less.
+    It makes the walk short: the workers holding at least a hot system prompt are nearly all, so the
+    least loaded is a member (and at 0 blocks every worker is: the book's least)."""
     if blocks and levels.count(blocks) <= FEW_TIED:
         return _least_listed(book, levels, blocks, below)
-    # The first member met in load order is the level's least queued. The walk passes the less loaded
-    # workers of other levels first: past LOAD_WALK_STEPS of them a holder level is listed instead.
+    # The first worker met in load order holding enough is the least queued. The walk passes the less
+    # loaded workers of shallower levels first: past LOAD_WALK_STEPS of them the level is listed instead.
     for steps, load in enumerate(book.ascending()):
         if below is not None and load.queued_prompt_tokens >= below:
             return None
-        if levels.blocks_of(load.worker_id) == blocks:
+        if levels.blocks_of(load.worker_id) >= blocks:
             return load.queued_prompt_tokens
         if blocks and steps >= LOAD_WALK_STEPS:
             return _least_listed(book, levels, blocks, below)
@@ -157,8 +235,7 @@ def _least_queued_at(book: LoadBook, levels: HolderLevels, blocks: int, below: i
 
 def _least_listed(book: LoadBook, levels: HolderLevels, blocks: int, below: int | None) -> int | None:
     """`_least_queued_at` by listing the level's members."""
-    queues = [load.queued_prompt_tokens for w in levels.members(blocks) if (load := book.get(w)) is not None]
-    least = min(queues, default=None)
+    least = book.least_queued_of(levels.members(blocks))
     return least if least is not None and (below is None or least < below) else None
 
 
@@ -170,16 +247,22 @@ class ExhaustiveCacheAwarePolicy(CacheAwarePolicy):
     async def _holder_levels(self, query: RouteQuery) -> HolderLevels:
         return MatchLevels(await self.index.match(query.block_hashes))
 
-    def _decide(self, query: RouteQuery, workers: Sequence[WorkerLoad], levels: HolderLevels) -> RouteDecision:
-        prompt, size = query.num_prompt_tokens, query.block_size
+    def _decide(
+        self, query: RouteQuery, workers: Sequence[WorkerLoad], levels: HolderLevels, store_blocks: int = 0
+    ) -> RouteDecision:
         cached = {w.worker_id: levels.blocks_of(w.worker_id) for w in workers}
         key = {
-            w.worker_id: (w.queued_prompt_tokens + max(prompt - cached[w.worker_id] * size, 1), -cached[w.worker_id])
+            w.worker_id: (
+                w.queued_prompt_tokens + uncached_cost(query, cached[w.worker_id], store_blocks, self.store),
+                -cached[w.worker_id],
+            )
             for w in workers
         }
         best = min(key.values())
         decision = RouteDecision(
-            self.fallback.first_in_ring(query, workers, {w for w, k in key.items() if k == best}), -best[1]
+            self.fallback.first_in_ring(query, workers, {w for w, k in key.items() if k == best}),
+            -best[1],
+            store_blocks=fetched_blocks(query, -best[1], store_blocks, self.store),
         )
         most = max(cached.values())
         if not most:

@@ -97,6 +97,12 @@ class LoadBook(Sequence[WorkerLoad]):
             raise IndexError("an empty LoadBook has no least loaded worker")
         return self._loads[self._buckets[self._keys[0]][0]]
 
+    def least_queued_of(self, worker_ids: Iterable[str]) -> int | None:
+        """The fewest queued tokens among those of `worker_ids` in the book (None: none is)."""
+        loads = self._loads  # one call for a whole level: a method call per member cost more than the look-up
+        queues = [load.queued_prompt_tokens for w in worker_ids if (load := loads.get(w)) is not None]
+        return min(queues) if queues else None
+
     def min_queued(self) -> int:
         return self._keys[0][0]
 

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP API of the router (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/health`, `/metrics`): a thin front over the same `RouterService` as gRPC. See `front`."""
+vLLM's `/tokenize`, `/detokenize` and `/version`, `/health`, `/metrics`): a thin front over the same
+`RouterService` as gRPC. See `front`; chat's tools are `tools`, its reasoning split `reasoning`, and how a
+choice's text becomes message parts `tool_stream`."""
 
 from router.openai.front import HttpFront
 

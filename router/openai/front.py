@@ -6,16 +6,18 @@
     await front.stop(grace_s=5.0)
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (whole or streamed as server-sent events
-ending `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` (the router's Prometheus
+ending `data: [DONE]`), `GET /v1/models` (a card per served name), vLLM's `POST /tokenize` and
+`POST /detokenize` (`router.openai.tokenize`) and `GET /version`, `GET /health`, `GET /metrics` (the router's Prometheus
 registry), `GET /openapi.json` (the OpenAPI 3.1 document of these routes, `router.openai.openapi`, built
 once at start from the served model's limits). A body is read up to `parse.MAX_BODY_BYTES` (a longer one is
 a 413) and decoded only when nested at most `parse.MAX_JSON_DEPTH` levels (a deeper one is a 400 naming
 `body`); aiohttp's own refusals (an unknown path, a wrong method) come in OpenAI's error shape too. Every
 request goes through the same
 `RouterService.generate` as gRPC: validation rules, admission, routing, metrics, deadlines and
-cancellation are the service's. The bearer token, when set, guards `/v1/` and `/openapi.json`; `/health`
-and `/metrics` stay open for probes and scrapers. A client that disconnects cancels its handler
-(aiohttp's handler cancellation), which aborts the request on its workers. A streamed request's status
+cancellation are the service's. The bearer token (the API key), when set, guards `/v1/`, `/tokenize`,
+`/detokenize` and `/openapi.json`; `/health`, `/version` and `/metrics` stay open for probes and
+scrapers. A client that disconnects cancels its handler (aiohttp's handler cancellation), which aborts
+the request on its workers. A streamed request's status
 is decided before the 200 is sent: the first output (or the failure) of its choices comes first, so
 admission's 429, a bad field's 400 or a deadline's 504 arrive as statuses; a failure after that is sent
 as an error event, then `[DONE]`.
@@ -32,6 +34,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from contextlib import aclosing
+from importlib import metadata
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -53,6 +56,7 @@ from router.openai.parse import (
     parse_completion,
 )
 from router.openai.render import DONE_EVENT, Renderer
+from router.openai.tokenize import detokenize, tokenize
 from router.service import RouterService
 from router.validation import client_wait_s
 from splitserve_client.sdk_types import SENT_AT_KEY
@@ -82,11 +86,24 @@ class HttpFront:
         token: str | None = None,
         model_names: tuple[str, ...],
         ssl_context: ssl.SSLContext | None = None,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> HttpFront:
         """Serves on host:port (0: the OS picks; None: no TCP) and/or the unix socket `uds`; HTTPS on both
         when `ssl_context` is given (the router's TLS keys, as for gRPC). Raises common.ports.PortInUse
         (key router.http_port) when host:port is taken."""
-        front = cls(service, Context(service.limits, service.tokenizer, model_names), token)
+        context = Context(
+            service.limits,
+            service.tokenizer,
+            model_names,
+            tool_call_parser,
+            reasoning_parser,
+            chat_template,
+            trust_request_chat_template,
+        )
+        front = cls(service, context, token)
         document = openapi_document(front.context, auth=token is not None, max_body_bytes=MAX_BODY_BYTES)
         front._openapi_body = json.dumps(document).encode()
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -94,6 +111,9 @@ class HttpFront:
         app.router.add_post("/v1/completions", front._completions)
         app.router.add_post("/v1/chat/completions", front._chat)
         app.router.add_get("/v1/models", front._models)
+        app.router.add_post("/tokenize", front._tokenize)
+        app.router.add_post("/detokenize", front._detokenize)
+        app.router.add_get("/version", front._version)
         app.router.add_get("/health", front._health)
         app.router.add_get("/metrics", front._metrics)
         app.router.add_get("/openapi.json", front._openapi)
@@ -151,7 +171,6 @@ class HttpFront:
             return self._error_response(self._failed(err, "prompt"))
         info, limits = self.service.info, self.context.limits
         card = {
-            "id": self.context.model_names[0],
             "object": "model",
             "created": 0,
             "owned_by": "splitserve",
@@ -165,7 +184,29 @@ class HttpFront:
                 "has_tokenizer": limits.has_tokenizer,
             },
         }
-        return web.json_response({"object": "list", "data": [card]})
+        # Every name the server answers to is a model clients may pick (vLLM lists each served name).
+        cards = [{"id": name, **card} for name in self.context.model_names]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, tokenize, "prompt")
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, detokenize, "tokens")
+
+    async def _tokenizer_route(self, request: web.Request, handle, field: str) -> web.Response:
+        """Not generation: errors are answered, not counted among the requests served."""
+        try:
+            self._authorize(request)
+            return web.json_response(handle(decode_body(await read_body(request)), self.context))
+        except Exception as err:
+            error = http_error(err, field)
+            if error.status == 500:
+                log.error("unexpected error in an HTTP request", exc_info=err)
+            return self._error_response(error)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": server_version()})
 
     async def _health(self, request: web.Request) -> web.Response:
         if not self._serving:
@@ -259,6 +300,14 @@ class HttpFront:
         return web.Response(
             status=error.status, body=error.body, headers=error.headers, content_type="application/json"
         )
+
+
+def server_version() -> str:
+    """The installed splitserve's version (what vLLM's `/version` answers)."""
+    try:
+        return metadata.version("splitserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -17,10 +17,20 @@ from __future__ import annotations
 from importlib import metadata
 
 from engine.sampling_params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_SEED
-from router.openai.chat_template import MAX_MESSAGES, ROLES
+from router.openai.chat_template import MAX_MESSAGES, RESERVED_KWARGS, ROLES
 from router.openai.errors import ALL_ERRORS
 from router.openai.openapi_responses import response_schemas
-from router.openai.parse import _SAMPLING_KEYS, MAX_CHOICES, MAX_JSON_DEPTH, UNSUPPORTED_FIELDS, Context
+from router.openai.parse import (
+    _SAMPLING_KEYS,
+    COMPLETION_UNSUPPORTED_FIELDS,
+    MAX_CHOICES,
+    MAX_JSON_DEPTH,
+    UNSUPPORTED_FIELDS,
+    Context,
+)
+from router.openai.structured_fields import SERVER_RULES as STRUCTURED_OUTPUT_RULES
+from router.openai.structured_fields import openapi_schemas as structured_output_schemas
+from router.openai.tools import _NAME, MAX_TOOLS, TOOL_CHOICES
 from router.validation import (
     _REQUEST_ID,
     MAX_PRIORITY,
@@ -45,6 +55,7 @@ def openapi_document(context: Context, *, auth: bool, max_body_bytes: int) -> di
         "best_of": "equals n",
         "min_tokens": "at most max_tokens",
         "logit_bias": "names each token once (05 and 5 are one token)",
+        **STRUCTURED_OUTPUT_RULES,
     }
     chat_rules = {
         "messages": "the chat template renders the conversation (it may require roles to alternate), "
@@ -52,6 +63,14 @@ def openapi_document(context: Context, *, auth: bool, max_body_bytes: int) -> di
         "best_of": "equals n",
         "min_tokens": "at most max_tokens (by default the tokens left in the context)",
         "logit_bias": completion_rules["logit_bias"],
+        "tools": "names each function once; with tool_choice required or named, the parameters compile as a "
+        "JSON schema",
+        "tool_choice": "a named function is one of tools; required or a name needs tools; auto (the default with "
+        "tools) needs the server's --tool-call-parser",
+        "chat_template": "accepted only by a server with trust_request_chat_template; renders the conversation",
+        "chat_template_kwargs": "the template renders with them",
+        "continue_final_message": "not with add_generation_prompt true (its default)",
+        **STRUCTURED_OUTPUT_RULES,
     }
     secured: list | None = [{"bearer": []}] if auth else None
     return {
@@ -88,6 +107,31 @@ def openapi_document(context: Context, *, auth: bool, max_body_bytes: int) -> di
                 )
             },
             "/v1/models": {"get": _get("listModels", "The served model", _json_ref("ModelList"), secured)},
+            "/tokenize": {
+                "post": _tokenizer_route(
+                    "tokenize",
+                    "The served tokenizer over a text, or a conversation as chat renders it",
+                    fields.tokenize(),
+                    "TokenizeResponse",
+                    secured,
+                    {
+                        name: chat_rules[name]
+                        for name in (
+                            "messages",
+                            "tools",
+                            "chat_template",
+                            "chat_template_kwargs",
+                            "continue_final_message",
+                        )
+                    },
+                )
+            },
+            "/detokenize": {
+                "post": _tokenizer_route(
+                    "detokenize", "Token ids back to text", fields.detokenize(), "DetokenizeResponse", secured, {}
+                )
+            },
+            "/version": {"get": _get("version", "The server's version", _json_ref("Version"), None)},
             "/health": {
                 "get": {
                     **_get("health", "Liveness for probes", _json_ref("Health"), None),
@@ -221,6 +265,18 @@ def _generate(
     }
 
 
+def _tokenizer_route(
+    operation_id: str, summary: str, body: dict, response: str, security: list | None, rules: dict[str, str]
+) -> dict:
+    """vLLM's /tokenize and /detokenize (router.openai.tokenize): JSON in, JSON out, errors as elsewhere."""
+    operation = _get(operation_id, summary, _json_ref(response), security)
+    operation[SERVER_RULES_KEY] = rules
+    operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    for status in (400, 404):
+        operation["responses"][str(status)] = _error_response(status)
+    return operation
+
+
 class _Fields:
     """The request bodies' schemas for one server's limits."""
 
@@ -296,16 +352,23 @@ class _Fields:
             "model": {"enum": [*self.model_names, None], "description": "another name is a 404"},
             **self._sampling(),
             **unsupported,
-            "response_format": {
-                "type": ["object", "null"],
-                "properties": {"type": {"const": "text"}},
-                "description": "only text",
-            },
+            **structured_output_schemas(),
             "best_of": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N, "description": "only n"},
             "stream": flag,
-            "stream_options": {"type": ["object", "null"], "properties": {"include_usage": flag}},
+            "stream_options": {
+                "type": ["object", "null"],
+                "properties": {
+                    "include_usage": flag,
+                    "continuous_usage_stats": {**flag, "description": "with include_usage: usage on every chunk"},
+                },
+            },
             "return_token_ids": {**flag, "description": "token ids beside the text"},
-            "priority": {"type": ["integer", "null"], "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY},
+            "priority": {
+                "type": ["integer", "null"],
+                "minimum": -MAX_PRIORITY,
+                "maximum": MAX_PRIORITY,
+                "description": "vLLM's meaning: lower is served first (the gRPC priority is its negation)",
+            },
             "tenant": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
             "ttft_ms": slo_ms,
             "tpot_ms": slo_ms,
@@ -324,6 +387,10 @@ class _Fields:
             "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
             # 0 only with echo: the prompt (and its logprobs) alone.
             "max_tokens": {**self.max_tokens, "minimum": 0, "description": "default 16; 0 only with echo"},
+            **{
+                name: {"enum": [None, *neutral], "description": "chat only: here only what asks for nothing"}
+                for name, neutral in COMPLETION_UNSUPPORTED_FIELDS.items()
+            },
             **self._shared(),
         }
         return {
@@ -344,10 +411,30 @@ class _Fields:
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
         }
         content = {"anyOf": [{"type": "null"}, {"type": "string"}, {"type": "array", "items": part}]}
+        function_call = {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object", "null"]}},
+        }
+        tool_call = {
+            "type": "object",
+            "required": ["function"],
+            "properties": {
+                "id": {"type": ["string", "null"]},
+                "type": {"enum": ["function", None]},
+                "function": function_call,
+            },
+        }
         message = {
             "type": "object",
             "required": ["role"],
-            "properties": {"role": {"enum": list(ROLES)}, "content": content},
+            "properties": {
+                "role": {"enum": list(ROLES)},
+                "content": content,
+                "name": {"type": ["string", "null"]},
+                "tool_call_id": {"type": ["string", "null"]},
+                "tool_calls": {"type": ["array", "null"], "items": tool_call},
+            },
         }
         properties = {
             "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message},
@@ -357,6 +444,7 @@ class _Fields:
             "logprobs": {"type": ["boolean", "null"]},
             "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
             **self._shared(),
+            **_chat_fields(),
         }
         return {
             "type": "object",
@@ -365,6 +453,75 @@ class _Fields:
             "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
             "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
         }
+
+    def tokenize(self) -> dict:
+        flag = {"type": ["boolean", "null"]}
+        shared = {
+            "model": self._shared()["model"],
+            "add_special_tokens": {**flag, "description": "default: true for a prompt, false for messages"},
+            "return_token_strs": {**flag, "description": "each token's text beside its id"},
+        }
+        chat = self.chat()["properties"]
+        conversation = {
+            name: chat[name]
+            for name in ("messages", "add_generation_prompt", "continue_final_message", "tools", "chat_template")
+        }
+        conversation["chat_template_kwargs"] = chat["chat_template_kwargs"]
+        return {
+            "anyOf": [
+                {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}, **shared}},
+                {"type": "object", "required": ["messages"], "properties": {**conversation, **shared}},
+            ]
+        }
+
+    def detokenize(self) -> dict:
+        return {
+            "type": "object",
+            "required": ["tokens"],
+            "properties": {"tokens": {"type": "array", "items": self.token_id}, "model": self._shared()["model"]},
+        }
+
+
+def _chat_fields() -> dict[str, dict]:
+    """Tool calling and template control (router.openai.tools, router.openai.chat_template)."""
+    flag = {"type": ["boolean", "null"]}
+    function = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": _NAME.pattern},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"type": ["object", "null"], "description": "a JSON schema of the arguments"},
+        },
+    }
+    tool = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": function},
+    }
+    named = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+        },
+    }
+    return {
+        "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS, "items": tool},
+        "tool_choice": {
+            "anyOf": [{"enum": [None, *TOOL_CHOICES]}, named],
+            "description": "auto (the default with tools), none, required, or a named function",
+        },
+        "parallel_tool_calls": {**flag, "description": "required: more than one call (default true)"},
+        "chat_template": {"type": ["string", "null"], "minLength": 1, "description": "Jinja, instead of the model's"},
+        "chat_template_kwargs": {
+            "type": ["object", "null"],
+            "propertyNames": {"not": {"enum": list(RESERVED_KWARGS)}},
+            "description": "extra template variables (e.g. enable_thinking)",
+        },
+        "continue_final_message": {**flag, "description": "leave the last (assistant) message open"},
+    }
 
 
 def decimal_below(bound: int) -> str:

@@ -14,7 +14,7 @@ def response_schemas() -> dict[str, dict]:
     """The component schemas: whole responses, stream chunks, the error object, the model list, health."""
     integer = {"type": "integer", "minimum": 0}
     ids = {"type": "array", "items": integer}
-    finish = {"enum": ["stop", "length"]}
+    finish = {"enum": ["stop", "length", "tool_calls"]}  # tool_calls: the model ended by calling tools
     usage = _object(
         prompt_tokens=integer,
         completion_tokens=integer,
@@ -50,6 +50,33 @@ def response_schemas() -> dict[str, dict]:
             optional={"usage": {"anyOf": [{"type": "null"}, usage]}},
         )
 
+    # Tool calls (router.openai.tools): whole in a message; in a stream, by index, the first fragment of a
+    # call carrying its id, type and name, later ones more of its arguments.
+    function = _object(name={"type": "string"}, arguments={"type": "string"})
+    tool_call = _object(id={"type": "string"}, type={"const": "function"}, function=function)
+    call_fragment = _object(
+        index=integer,
+        optional={
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}},
+        },
+    )
+    text_or_null = {"type": ["string", "null"]}
+    message = _object(
+        role={"const": "assistant"},
+        content=text_or_null,  # null when the message is only tool calls
+        optional={"tool_calls": {"type": "array", "items": tool_call}, "reasoning_content": text_or_null},
+    )
+    delta = {
+        "type": "object",
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": "string"},
+            "reasoning_content": {"type": "string"},
+            "tool_calls": {"type": "array", "items": call_fragment},
+        },
+    }
     error = _object(
         message={"type": "string"},
         type={"enum": sorted({t for _, t, _ in ALL_ERRORS})},
@@ -80,7 +107,7 @@ def response_schemas() -> dict[str, dict]:
         ),
         "ChatCompletionResponse": response(
             "chat.completion",
-            message=_object(role={"const": "assistant"}, content={"type": "string"}),
+            message=message,
             logprobs={"anyOf": [{"type": "null"}, chat_logprobs]},
             finish_reason=finish,
         ),
@@ -91,12 +118,20 @@ def response_schemas() -> dict[str, dict]:
         ),
         "ChatCompletionChunk": chunk(
             "chat.completion.chunk",
-            delta=_object(content={"type": "string"}, optional={"role": {"const": "assistant"}}),
+            delta=delta,
             logprobs={"anyOf": [{"type": "null"}, chat_logprobs]},
         ),
         "Error": _object(error=error),
         "ModelList": _object(object={"const": "list"}, data={"type": "array", "items": card}),
         "Health": _object(status={"enum": ["ok", "shutting down"]}),
+        "TokenizeResponse": _object(
+            count=integer,
+            max_model_len=integer,
+            tokens=ids,
+            optional={"token_strs": {"type": "array", "items": {"type": ["string", "null"]}}},
+        ),
+        "DetokenizeResponse": _object(prompt={"type": "string"}),
+        "Version": _object(version={"type": "string"}),
     }
 
 

@@ -6,7 +6,11 @@ string, a list of strings, token ids or a list of token-id lists, each run `n` t
 a prompt runs with seed + i when seeded. Unknown fields are ignored, as OpenAI does; a known field
 with a bad value raises `InvalidRequestError` naming it as the client sent it (`max_completion_tokens`,
 `temperature`, `prompt`, `messages[2].content`). Fields the engine cannot honour (`suffix`,
-`best_of` > n, `tools`, a non-text `response_format`) are refused rather than dropped. `null` is a field
+`best_of` > n, legacy `functions`) are refused rather than dropped; `response_format` and
+`structured_outputs` are `router.openai.structured_fields`. Chat's
+`tools` and `tool_choice` are `router.openai.tools`; how the output is split into reasoning, content and
+tool calls is `router.openai.tool_stream`. `priority` has vLLM's meaning here (lower is served first):
+the router's own priority (higher first, as over gRPC) is its negation. `null` is a field
 left out; no other value stands in for it. `router.openai.openapi` builds the OpenAPI document of these
 rules from the same tables and limits.
 """
@@ -23,7 +27,12 @@ from typing import TYPE_CHECKING, NoReturn, cast
 import numpy as np
 
 from engine.errors import InvalidRequestError
-from router.openai.chat_template import render_chat
+from engine.structured.spec import StructuredOutputSpec
+from router.openai.chat_template import TemplateOptions, render_chat, template_kwargs
+from router.openai.reasoning import REASONING_PARSERS
+from router.openai.structured_fields import structured_output
+from router.openai.tool_stream import OutputParsing
+from router.openai.tools import ToolRequest, parse_tools, tool_call_parser
 from router.validation import (
     ModelLimits,
     RouterRequest,
@@ -62,14 +71,14 @@ _SAMPLING_KEYS = (
     "skip_special_tokens",
     "include_stop_str_in_output",
 )
-# Known fields the engine cannot honour → the values that ask for nothing, accepted besides null (a
-# `response_format` is accepted when its `type` is "text" or left out). The OpenAPI document lists the same.
+# Known fields the engine cannot honour → the values that ask for nothing, accepted besides null. The
+# OpenAPI document lists the same.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "suffix": ("",),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none", "auto"),
 }
+# Chat's tool fields, on /v1/completions (which has no messages to call tools from), the same way.
+COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none", "auto")}
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,8 @@ class ApiRequest:
     logprobs: int | None  # top alternatives per token to return; None: no logprobs
     return_token_ids: bool  # vLLM's extra field: token ids beside the text
     timeout_s: float | None
+    output: OutputParsing | None = None  # chat: reasoning and tool-call parsing of each choice's text
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,10 @@ class Context:
     limits: ModelLimits
     tokenizer: PreTrainedTokenizerBase | None
     model_names: tuple[str, ...]  # the first is the name responses carry
+    tool_call_parser: str | None = None  # a name in tools.TOOL_CALL_PARSERS: parses tool_choice auto
+    reasoning_parser: str | None = None  # a name in reasoning.REASONING_PARSERS
+    chat_template: str | None = None  # the router's --chat-template (Jinja text): replaces the model's
+    trust_request_chat_template: bool = False  # a request may bring its own chat_template
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -184,6 +199,7 @@ def parse_completion(body, context: Context, request_id: str | None = None) -> A
     if echo_only:
         max_tokens = 1
     values = _sampling_values(body, COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, logprobs)
+    _refuse_unsupported(body, COMPLETION_UNSUPPORTED_FIELDS)
     if echo and logprobs is not None:  # the echoed prompt's tokens come with their logprobs too
         values["prompt_logprobs"] = logprobs
     echoes = [_prompt_text(text, tokens, context) if echo else None for text, tokens in prompts]
@@ -194,8 +210,8 @@ def parse_completion(body, context: Context, request_id: str | None = None) -> A
 def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequest:
     body = _object(body)
     model = _model(body, context)
-    add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
-    text = render_chat(body.get("messages"), context.tokenizer, add_generation_prompt)
+    tools = parse_tools(body)
+    text = render_chat(body.get("messages"), context.tokenizer, options=_template_options(body, context, tools))
     tokenizer = context.tokenizer
     assert tokenizer is not None, "render_chat refuses a model without one"
     tokens = text_prompt(text, context.limits, lambda t: tokenizer.encode(t, add_special_tokens=False), "messages")
@@ -217,7 +233,41 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     if top is not None:
         names["logprobs"] = "top_logprobs"
     values = _sampling_values(body, max_tokens, logprobs)
-    return _api_request("chat", model, body, context, [(text, tokens)], values, names, [None], logprobs, request_id)
+    structured = tools.structured_output() if tools is not None else None
+    api = _api_request(
+        "chat", model, body, context, [(text, tokens)], values, names, [None], logprobs, request_id, structured
+    )
+    return replace(api, output=_output_parsing(tools, context))
+
+
+def _template_options(body: dict, context: Context, tools: ToolRequest | None) -> TemplateOptions:
+    template = body.get("chat_template")
+    if template is not None and not (isinstance(template, str) and template):
+        _fail("chat_template", "must be a non-empty Jinja template string")
+    if template is not None and not context.trust_request_chat_template:
+        _fail("chat_template", "is refused: the server runs a request's template only with trust_request_chat_template")
+    options = TemplateOptions(
+        add_generation_prompt=_flag(body, "add_generation_prompt", default=True),
+        continue_final_message=_flag(body, "continue_final_message"),
+        tools=tools.tools if tools is not None else None,
+        chat_template=template or context.chat_template,
+        kwargs=template_kwargs(body.get("chat_template_kwargs")),
+    )
+    if options.add_generation_prompt and options.continue_final_message:
+        _fail("continue_final_message", "cannot be true with add_generation_prompt true (send it false)")
+    return options
+
+
+def _output_parsing(tools: ToolRequest | None, context: Context) -> OutputParsing | None:
+    """How each choice's text is split, or None: the text is the content, as it was generated."""
+    if tools is not None and tools.choice == "auto" and context.tool_call_parser is None:
+        _fail("tool_choice", '"auto" needs a tool-call parser: start the server with --tool-call-parser')
+    reasoning = REASONING_PARSERS[context.reasoning_parser]() if context.reasoning_parser else None
+    if tools is None and reasoning is None:
+        return None
+    auto = tools is not None and tools.choice == "auto" and context.tool_call_parser is not None
+    parser = tool_call_parser(context.tool_call_parser) if auto and context.tool_call_parser else None
+    return OutputParsing(tools, parser, reasoning)
 
 
 def _api_request(
@@ -231,21 +281,20 @@ def _api_request(
     echoes,
     logprobs,
     request_id: str | None,
+    structured: StructuredOutputSpec | None = None,
 ) -> ApiRequest:
     params = sampling_params(values, context.limits, "", names)
-    for name, neutral in UNSUPPORTED_FIELDS.items():
-        value = body.get(name)
-        # Compared with their types: JSON's false is not "" and 0 is not [] here, as they are in Python.
-        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
-            _fail(name, "is not supported by this server")
+    if structured is not None:  # tool_choice required or named: the output is held to the tools' schemas
+        params = replace(params, structured_output=structured)
+    _refuse_unsupported(body, UNSUPPORTED_FIELDS)
     user = body.get("user")
     if user is not None and not isinstance(user, str):  # read by nothing, yet checked as OpenAI's string
         _fail("user", "must be a string")
-    response_format = body.get("response_format")
-    if response_format is not None and not (
-        isinstance(response_format, dict) and response_format.get("type", "text") == "text"
-    ):
-        _fail("response_format", 'is not supported by this server (only {"type": "text"})')
+    requested = structured_output(body, context.limits)  # response_format / structured_outputs
+    if requested is not None:
+        if structured is not None:
+            _fail(requested.field, "cannot be combined with tool_choice required or a named function")
+        params = replace(params, structured_output=requested)
     best_of = _optional_int(body, "best_of")
     if best_of is not None and best_of != params.n:
         _fail("best_of", "is not supported by this server (only best_of == n)")
@@ -270,6 +319,9 @@ def _api_request(
     options = body.get("stream_options")
     options = {} if options is None else _object(options, "stream_options")
     include_usage = _flag(options, "include_usage", field="stream_options.include_usage") and stream
+    # As vLLM: per-chunk usage is an addition to include_usage, not a replacement for it.
+    continuous = _flag(options, "continuous_usage_stats", field="stream_options.continuous_usage_stats")
+    continuous = continuous and include_usage
     return ApiRequest(
         kind,
         model,
@@ -280,7 +332,16 @@ def _api_request(
         logprobs,
         _flag(body, "return_token_ids"),
         _timeout_s(body),
+        continuous_usage=continuous,
     )
+
+
+def _refuse_unsupported(body: dict, fields: dict[str, tuple]) -> None:
+    for name, neutral in fields.items():
+        value = body.get(name)
+        # Compared with their types: JSON's false is not "" and 0 is not [] here, as they are in Python.
+        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+            _fail(name, "is not supported by this server")
 
 
 def _completion_prompts(prompt, context: Context) -> list[tuple[str | None, tuple[int, ...]]]:
@@ -326,8 +387,9 @@ def _sampling_values(body: dict, max_tokens, logprobs: int | None) -> dict:
 
 
 def _extras(body: dict) -> tuple[int, str, float | None, float | None]:
-    """splitserve's own fields, in RouterRequest order: priority, tenant, ttft_ms, tpot_ms."""
-    priority = check_priority(body.get("priority", 0) if body.get("priority") is not None else 0)
+    """splitserve's own fields, in RouterRequest order: priority, tenant, ttft_ms, tpot_ms. `priority` is
+    vLLM's (lower first); the router's is its negation (higher first)."""
+    priority = -check_priority(body.get("priority", 0) if body.get("priority") is not None else 0)
     tenant = check_tenant(body.get("tenant") if body.get("tenant") is not None else "")
     return priority, tenant, check_slo_ms(body.get("ttft_ms"), "ttft_ms"), check_slo_ms(body.get("tpot_ms"), "tpot_ms")
 

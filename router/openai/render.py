@@ -6,6 +6,9 @@ goes out per router output (one decode step of one choice), even when its text i
 back at a stop-string prefix or an incomplete character): clients and load testers then see every
 step. `return_token_ids` (vLLM's extra field) adds each chunk's token ids. Completions with `echo` and
 `logprobs` list the prompt's tokens first (what evaluation harnesses score: loglikelihood requests).
+A chat request with tools or a reasoning parser has each choice's text split by
+`router.openai.tool_stream.ChatOutput` (`reasoning_content`, `content`, `tool_calls`); with
+`stream_options.continuous_usage_stats` every chunk carries the usage so far.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from typing import Any
 
 from router.openai.parse import ApiRequest, Choice
+from router.openai.tool_stream import ChatOutput
 from router.service_types import RouterOutput
 from router.stream_state import Usage
 
@@ -51,6 +55,8 @@ class Renderer:
         self._created = created
         self._token_texts: dict[int, str] = {}
         self.states = [ChoiceState(choice) for choice in api.choices]  # by position in api.choices
+        parsing = api.output if self.chat else None
+        self.outputs = None if parsing is None else [ChatOutput(parsing) for _ in api.choices]
 
     # ---- streaming ----
 
@@ -60,18 +66,25 @@ class Renderer:
         text = self._account(state, output)
         if not state.started and state.choice.echo:
             text = state.choice.echo + text
-        if self.chat:
+        finish_reason = output.finish_reason
+        if self.chat and self.outputs is not None:
+            parsed = self.outputs[position]
+            delta = _dumps(parsed.delta(text, bool(finish_reason)))[1:-1]
+            role = '"role":"assistant"' if not state.started else ""
+            body = f'"delta":{{{role}{"," if role and delta else ""}{delta}}}'
+            finish_reason = parsed.finish_reason(finish_reason)
+        elif self.chat:
             role = '"role":"assistant",' if not state.started else ""
             body = f'"delta":{{{role}"content":{_dumps(text)}}}'
         else:
             body = f'"text":{_dumps(text)}'
         state.started = True
         logprobs = self._logprobs_json(state, output) if self.api.logprobs is not None else "null"
-        finish = f'"{output.finish_reason}"' if output.finish_reason else "null"
+        finish = f'"{finish_reason}"' if finish_reason else "null"
         ids = f',"token_ids":{_dumps(_shown(state, output.token_ids))}' if self.api.return_token_ids else ""
+        tail = f',"usage":{_dumps(usage(self.states))}}}\n\n' if self.api.continuous_usage else self._tail
         return (
-            f'{self._head}{state.choice.index},{body},"logprobs":{logprobs},"finish_reason":{finish}{ids}}}]'
-            f"{self._tail}"
+            f'{self._head}{state.choice.index},{body},"logprobs":{logprobs},"finish_reason":{finish}{ids}}}]{tail}'
         ).encode()
 
     def usage_event(self) -> bytes:
@@ -82,15 +95,19 @@ class Renderer:
 
     def response(self) -> bytes:
         choices = []
-        for state in self.states:
+        for position, state in enumerate(self.states):
             text = "".join(state.texts)
             choice: dict[str, Any] = {"index": state.choice.index}
-            if self.chat:
+            finish_reason = state.finish_reason
+            if self.chat and self.outputs is not None:
+                choice["message"] = self.outputs[position].message(text)
+                finish_reason = self.outputs[position].finish_reason(finish_reason)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choice["logprobs"] = self._logprobs_object(state) if self.api.logprobs is not None else None
-            choice["finish_reason"] = state.finish_reason
+            choice["finish_reason"] = finish_reason
             if self.api.return_token_ids:
                 choice["token_ids"] = state.token_ids
                 choice["prompt_token_ids"] = list(state.choice.request.prompt_token_ids)

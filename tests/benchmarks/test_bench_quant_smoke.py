@@ -9,6 +9,9 @@ from benchmarks import bench_quant_accuracy as accuracy
 from benchmarks import bench_quant_throughput as throughput
 from tests.factories import TinySpec
 
+# Wide enough for every configuration's groups: 128 inputs per group (int8-weights-g128, int4 g128).
+SPEC = TinySpec(weight_std=0.02, hidden_size=128, head_dim=32)
+
 
 def test_compare_and_agreement_lengths_are_exact():
     reference = torch.tensor([[2.0, 0.0, 1.0], [0.0, 3.0, 1.0]])
@@ -24,7 +27,7 @@ def test_accuracy_report_through_the_cli(checkpoint, capfd):
     no benchmark code): its report reaches this process's stdout, and its exit status is the command's."""
     from splitserve.cli import main
 
-    model_dir = checkpoint(TinySpec(weight_std=0.02))
+    model_dir = checkpoint(SPEC)
     with pytest.raises(SystemExit) as done:
         main(["bench-engine", "--accuracy", "--model", str(model_dir), "--prompts", "3", "--min-prompt", "4",
               "--max-prompt", "20", "--max-tokens", "6", "--threads", "1"])
@@ -37,7 +40,7 @@ def test_accuracy_report_through_the_cli(checkpoint, capfd):
 
 
 def test_throughput_bench_runs_every_configuration(checkpoint, capsys):
-    model_dir = checkpoint(TinySpec(weight_std=0.02))
+    model_dir = checkpoint(SPEC)
     results = throughput.main(["--model", str(model_dir), "--batch-sizes", "2", "--min-prompt", "4",
                                "--max-prompt", "12", "--output", "4", "--rounds", "1", "--threads", "1"])
     assert set(results[2]) == set(throughput.CONFIGS)

@@ -5,18 +5,22 @@ right; past `migration_limit` a request fails UNAVAILABLE naming the cause; and 
 of 1 prefill + 1 decode with admission `always` fails nothing."""
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import jsonschema
 import pytest
 import ray
 
 from engine import SamplingParams
+from engine.structured.spec import StructuredOutputSpec
 from splitserve_client.client import Client
 from splitserve_client.sdk_types import Unavailable
+from tests.engine.test_structured_outputs import SCHEMA
 from tests.factories import TinySpec, hf_greedy_generate, random_prompts
 from tests.router.cleanliness import wait_workers_clean
 from tests.router.conftest import router_config, start_router
@@ -177,6 +181,34 @@ def test_stop_strings_stay_right_across_a_migration(stack, checkpoint):
     assert streams.tokens[0] == list(expected.token_ids) and streams.finals[0].finish_reason == "stop"
     assert "".join(streams.texts[0]) == expected.text and stop not in expected.text
     assert list(expected.token_ids) == hf_greedy_generate(model_dir, [prompt], MAX_TOKENS)[0][:len(expected.token_ids)]
+
+
+def test_structured_output_streams_survive_a_decode_kill_with_the_fault_free_tokens(stack, checkpoint, make_llm):
+    """The prefill worker the request migrates to replays the tokens streamed so far into a new grammar
+    matcher: seeded JSON-schema outputs equal the colocated engine's and validate."""
+    _wait_full_strength(stack)
+    prompts = random_prompts(4, 10, 30, 512, seed=45)
+    options = [dict(temperature=1.0, seed=500 + i, max_tokens=120, json_schema=SCHEMA, return_text=True)
+               for i in range(len(prompts))]
+    spec = StructuredOutputSpec.json_schema(SCHEMA)
+    seeded = [SamplingParams(temperature=1.0, seed=500 + i, max_tokens=120, structured_output=spec)
+              for i in range(len(prompts))]
+    expected = [list(o.outputs[0].token_ids) for o in make_llm(checkpoint(TinySpec())).generate(prompts, seeded,
+                                                                                              use_tqdm=False)]
+    streams = [Streams(stack.target, [p], options[i], tag=f"structured{i}-") for i, p in enumerate(prompts)]
+    for s in streams:
+        s.wait_tokens(4)
+    _sigkill(_membership(stack).decode[0].actor)
+    for s in streams:
+        s.join()
+    assert [s.errors[0] for s in streams] == [None] * len(prompts)
+    assert [s.tokens[0] for s in streams] == expected
+    assert sum(s.finals[0].migrations for s in streams) >= 1
+    for s in streams:
+        jsonschema.validate(json.loads("".join(s.texts[0])), SCHEMA)
+    _wait_full_strength(stack)
+    stack.cluster.refresh()
+    wait_workers_clean(stack.cluster)
 
 
 def test_streams_wait_out_every_worker_being_killed_at_once(stack, checkpoint):

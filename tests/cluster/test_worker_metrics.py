@@ -141,7 +141,8 @@ def test_snapshot_shows_the_scraped_figures(serve):
         "handoffs_total": {"ok": 1, "failed": 0, "aborted": 0},
         "prefix_pulls_total": {"pulled": 0, "skipped": 0, "failed": 0}, "prefix_pull_blocks_total": 0,
         "spec_draft_tokens_total": 0, "spec_accepted_tokens_total": 0, "spec_verify_steps_total": 0,
-        "spec_engine_steps_total": {"on": 0, "off": 0}}
+        "spec_engine_steps_total": {"on": 0, "off": 0},
+        "moe_expert_tokens_total": {}, "moe_load_imbalance": {}}  # a dense model: the MoE series stay empty
     assert snap["kv_transfer_bytes_total"]["recv"] == value(s, P + "kv_transfer_bytes_total", direction="recv",
                                                             **DECODE)
 
@@ -164,6 +165,7 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve)
         P + "prefix_pull_blocks": "counter", P + "spec_draft_tokens": "counter", P + "spec_accepted_tokens": "counter",
         P + "spec_verify_steps": "counter", P + "spec_engine_steps": "counter",
         P + "request_queue_time_seconds": "histogram", P + "preemptions": "counter", P + "handoffs_in_flight": "gauge",
+        P + "moe_expert_tokens": "counter", P + "moe_load_imbalance": "gauge",
         "splitserve_build_info": "gauge"}  # counters: the name drops _total
     for name, family in families.items():
         assert family.documentation, name
@@ -175,7 +177,7 @@ def test_names_and_labels_follow_prometheus_conventions(metrics_exporter, serve)
             assert name.endswith("_bytes"), name
         for sample in family.samples:
             assert {"worker", "role"} <= set(sample.labels) <= {"worker", "role", "phase", "direction", "result",
-                                                                "switch", "le"}, sample
+                                                                "switch", "expert", "layer", "le"}, sample
             if family.type == "counter" and not sample.name.endswith("_created"):
                 assert sample.name.endswith("_total"), sample.name
 

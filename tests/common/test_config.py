@@ -43,6 +43,8 @@ def test_the_decode_pool_speculates_from_yaml_shaped_data():
     ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
     ({"quantization": "fp8"}, "quantization"),
     ({"decode": {"quantization": "int3"}}, "decode.quantization"),
+    ({"quantization": "int8", "quantization_group_size": 100}, "quantization_group_size"),
+    ({"quantization_group_size": 128}, "quantization_group_size"),  # no pool quantizes
     ({"decode": {"speculative_config": {"num_speculative_tokens": 99}}},
      "decode.speculative_config.num_speculative_tokens"),
     ({"decode": {"speculative_config": {"method": "ngram", "typo": 1}}}, "decode.speculative_config"),
@@ -68,11 +70,22 @@ def test_kv_cache_dtype_is_cluster_wide_and_weights_may_differ_per_pool():
             ClusterConfig.from_dict({"kv_cache_dtype": "int8", pool: {"kv_cache_dtype": "fp8"}})
 
 
+def test_a_group_size_reaches_only_the_pools_that_quantize():
+    config = ClusterConfig.from_dict({"quantization_group_size": 64, "decode": {"quantization": "int8"}})
+    prefill, decode = config.engine_config("prefill", "/m"), config.engine_config("decode", "/m")
+    assert (prefill.quantization, prefill.quantization_group_size) == ("none", None)
+    assert (decode.quantization, decode.quantization_group_size) == ("int8", 64)
+    assert ClusterConfig.from_dict(config.to_dict()) == config
+
+
 def test_serve_flags_set_the_kv_cache_dtype_and_weight_quantization():
     from splitserve.serve import build_config, parser
 
     config, _ = build_config(parser("splitserve serve").parse_args(["--kv-cache-dtype", "int8", "--quantization",
                                                                    "int8"]))
     assert (config.kv_cache_dtype, config.quantization) == ("int8", "int8")
+    config, _ = build_config(parser("splitserve serve").parse_args(["--quantization", "int4",
+                                                                   "--quantization-group-size", "64"]))
+    assert (config.quantization, config.quantization_group_size) == ("int4", 64)
     with pytest.raises(ConfigError, match="kv_cache_dtype: must be one of"):
         build_config(parser("splitserve serve").parse_args(["--kv-cache-dtype", "int4"]))

@@ -1,6 +1,7 @@
 """Mixture-of-experts decode instances over real processes: at TP=2 greedy tokens equal HF's with the
 experts split across the ranks (expert parallel) and with every expert's features split (TP-sharded
-experts), for a GQA MoE model and an MLA one (heads split, latent replicated on each rank).
+experts), for a GQA MoE model and an MLA one (heads split, latent replicated on each rank; decode
+attention absorbed, the default, and expanded).
 
 The ranks run in the long-lived spawned agents of tests/decode_worker/test_tp_group.py, on the same
 real gloo groups and step broadcast a decode instance uses.
@@ -45,15 +46,16 @@ def moe_checkpoint(tmp_path_factory):
     return get
 
 
-def _engine_config(model_dir: str, expert_parallel: bool) -> EngineConfig:
+def _engine_config(model_dir: str, expert_parallel: bool, absorbed: bool = True) -> EngineConfig:
     return EngineConfig(model_dir=model_dir, block_size=4, num_kv_blocks=128, max_num_seqs=4,
                         max_num_batched_tokens=16, prefill_chunk_tokens=7, max_model_len=96, num_threads=1,
-                        tp_size=2, expert_parallel=expert_parallel)
+                        tp_size=2, expert_parallel=expert_parallel, mla_absorbed_decode=absorbed)
 
 
-def _job_rank0(instance: str, port: int, model_dir: str, expert_parallel: bool, prompts: list) -> dict:
+def _job_rank0(instance: str, port: int, model_dir: str, expert_parallel: bool, prompts: list,
+               absorbed: bool = True) -> dict:
     tp = create_tp_group(instance, 0, 2, HOST, port, GROUP_TIMEOUT_S)
-    engine = TensorParallelEngine(_engine_config(model_dir, expert_parallel), tp)
+    engine = TensorParallelEngine(_engine_config(model_dir, expert_parallel, absorbed), tp)
     try:
         experts = engine.runner.model.model.layers[1].mlp.experts
         shard = (experts.num_local_experts, experts.intermediate_local)
@@ -63,10 +65,10 @@ def _job_rank0(instance: str, port: int, model_dir: str, expert_parallel: bool, 
         tp.close()
 
 
-def _job_follower(instance: str, port: int, model_dir: str, expert_parallel: bool) -> dict:
+def _job_follower(instance: str, port: int, model_dir: str, expert_parallel: bool, absorbed: bool = True) -> dict:
     tp = create_tp_group(instance, 1, 2, HOST, port, GROUP_TIMEOUT_S)
     try:
-        runner = build_follower_runner(_engine_config(model_dir, expert_parallel), tp)
+        runner = build_follower_runner(_engine_config(model_dir, expert_parallel, absorbed), tp)
         return StepFollower(tp).run(runner)._asdict()
     finally:
         tp.close()
@@ -99,4 +101,22 @@ def test_tp2_moe_greedy_tokens_match_hf(name, expert_parallel, moe_checkpoint, a
     num_experts = SPECS[name].get("num_experts") or SPECS[name]["n_routed_experts"]
     # EP: half the experts, each whole (32 features); TP-sharded: every expert, half its features.
     assert replies[0][1]["shard"] == ((num_experts // 2, 32) if expert_parallel else (num_experts, 16))
+    assert replies[0][1]["tokens"] == expected
+
+
+def test_tp2_mla_expanded_decode_greedy_tokens_match_hf(moe_checkpoint, agents, rendezvous):
+    """`mla_absorbed_decode: false` at TP=2: each rank expands the replicated latents into its own heads."""
+    from tests.factories import hf_greedy_generate, random_prompts
+    from tests.moe_factories import moe_spec
+
+    model_dir = moe_checkpoint(moe_spec(**SPECS["deepseekv3-mla-e8"]))
+    prompts = random_prompts(4, 2, 30, 512, seed=17)
+    instance, ranks = _new_instance(), agents.take(2)
+    ranks[0].submit(_job_rank0, instance=instance, port=rendezvous.port, model_dir=str(model_dir),
+                    expert_parallel=True, prompts=prompts, absorbed=False)
+    ranks[1].submit(_job_follower, instance=instance, port=rendezvous.port, model_dir=str(model_dir),
+                    expert_parallel=True, absorbed=False)
+    expected = hf_greedy_generate(model_dir, prompts, MAX_TOKENS)
+    replies = [agent.result() for agent in ranks]
+    assert all(reply[0] == "ok" for reply in replies), replies
     assert replies[0][1]["tokens"] == expected

@@ -68,6 +68,7 @@ def test_rendered_cluster_config_loads(case):
     assert args[args.index("--ray-address") + 1].startswith("ray://")
     quantization = {"kvCacheDtype": "auto", "weights": "none", **MATRIX[case].get("quantization", {})}
     assert (config.kv_cache_dtype, config.quantization) == (quantization["kvCacheDtype"], quantization["weights"])
+    assert config.quantization_group_size == quantization.get("groupSize")
     spec = MATRIX[case].get("decode", {}).get("speculativeConfig")
     assert config.decode.speculative_config == (None if spec is None else SpeculativeConfig.from_dict(spec))
     assert config.prefill.speculative_config is None

@@ -20,7 +20,7 @@ CHART_OWNED_TOP = {"model_dir", "redis_url", "prefill", "decode", "router",
                    "ray_address",  # the RayCluster's head, passed as --ray-address
                    "ray_num_cpus",  # sizes a local Ray cluster; a release always joins KubeRay's
                    "cluster_name",  # the release's full name: one cluster (one controller) per release
-                   "kv_cache_dtype", "quantization"}  # values.yaml `quantization:`
+                   "kv_cache_dtype", "quantization", "quantization_group_size"}  # values.yaml `quantization:`
 # values.yaml `planner:` (enabled, the profile rendered into the ConfigMap) and the release's RayCluster
 CHART_OWNED_PLANNER = {"enabled", "profile_path", "raycluster_name", "raycluster_namespace"}
 CHART_OWNED_POOL = {"replicas", "tp_size", "num_cpus", "num_gpus", "ray_resource",
@@ -58,6 +58,7 @@ BAD_VALUES = [
     ({"test": {"maxTokens": 0}}, "/test/maxTokens", "minimum"),
     ({"quantization": {"kvCacheDtype": "int4"}}, "/quantization/kvCacheDtype", "fp8"),
     ({"quantization": {"weights": "fp8"}}, "/quantization/weights", "int8"),
+    ({"quantization": {"weights": "int8", "groupSize": 48}}, "/quantization/groupSize", "multiple"),
     ({"config": {"decode": {"kv_cache_dtype": "int8"}}}, "/config/decode", "'kv_cache_dtype' not allowed"),
     ({"decode": {"speculativeConfig": {"method": "medusa"}}}, "/decode/speculativeConfig/method", "ngram"),
     ({"decode": {"speculativeConfig": {"num_speculative_tokens": 0}}},

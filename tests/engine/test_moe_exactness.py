@@ -151,23 +151,42 @@ def test_mla_cache_stores_one_latent_per_token_and_layer(moe_checkpoint, make_ll
     assert kv.values.shape == (3, 1, 1, 16, 16, 24)
     assert kv.bytes_per_token == 3 * 24 * 4  # layers x latent x fp32: no per-head K and V
     assert kv.layout.startswith("mla latent kv float32")
-    int8 = make_llm(model_dir, num_kv_blocks=16, kv_cache_dtype="int8").engine.runner.kv_cache
-    assert int8.bytes_per_token == 3 * (24 + 4)  # int8 values and one fp32 scale per token and layer
+    for kv_cache_dtype in ("int8", "fp8"):  # one-byte values and one fp32 scale per token and layer
+        quantized = make_llm(model_dir, num_kv_blocks=16, kv_cache_dtype=kv_cache_dtype).engine.runner.kv_cache
+        assert quantized.bytes_per_token == 3 * (24 + 4)
+        assert quantized.layout.startswith(f"mla latent kv {kv_cache_dtype}")
 
 
-def test_int8_latent_round_trip_is_within_half_a_step():
-    storage = KVCacheStorage(kv_format("int8", torch.float32), 1, 1, 4, 4, 24, planes=1)
+def _latent_bound(kv_cache_dtype: str, latents: torch.Tensor) -> torch.Tensor:
+    """engine/kv_quant.py's error bound per value, the scale taken over the token's whole latent: int8
+    half a step; fp8 e4m3 half an ulp (|x| / 16) or, for subnormals, scale / 1024."""
+    amax = latents.abs().amax(dim=-1, keepdim=True)
+    if kv_cache_dtype == "int8":
+        return (amax / 127 / 2).expand_as(latents)
+    return torch.maximum(latents.abs() / 16, amax / 448 / 1024)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_latent_round_trip_is_within_its_bound(kv_cache_dtype):
+    storage = KVCacheStorage(kv_format(kv_cache_dtype, torch.float32), 1, 1, 4, 4, 24, planes=1)
     latents = torch.randn(10, 24, generator=torch.Generator().manual_seed(0)) * 3
     slots = torch.tensor([0, 1, 2, 5, 6, 7, 8, 12, 13, 15])
     cache = storage.latent(0)
     cache.write(latents, slots)
-    step = latents.abs().amax(dim=-1, keepdim=True) / 127
-    assert ((cache.read(slots, torch.float32) - latents).abs() <= step / 2 + 1e-7).all()
+    error = (cache.read(slots, torch.float32) - latents).abs()
+    assert (error <= _latent_bound(kv_cache_dtype, latents) + 1e-7).all()
+    assert error.max() > 0  # the values did go through the one-byte format
 
 
-def test_int8_latent_cache_top1_agreement_with_the_fp32_engine(moe_checkpoint, make_llm):
-    """The int8 latent cache's bound in use: teacher-forced argmaxes agree with the fp32 cache's on at
-    least 98% of positions (the KV dtype's accuracy rule for dense models is 99% over more positions)."""
+# Teacher-forced top-1 agreement with the fp32 cache over 4 sequences; the dense models' rule is 99%
+# (int8) and 97% (fp8) over more positions: the latent cache is held to 98% and 96%.
+LATENT_TOP1_MIN = {"int8": 0.98, "fp8": 0.96}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_latent_cache_top1_agreement_with_the_fp32_engine(kv_cache_dtype, moe_checkpoint, make_llm):
+    """The quantized latent cache's bound in use: teacher-forced argmaxes agree with the fp32 cache's
+    on at least LATENT_TOP1_MIN of positions, prefill chunks reading the quantized context."""
     model_dir = moe_checkpoint(moe_spec("deepseek_v3", seed=7, weight_std=0.02, num_layers=3, n_routed_experts=8,
                                         num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                                         q_lora_rank=24))
@@ -175,10 +194,10 @@ def test_int8_latent_cache_top1_agreement_with_the_fp32_engine(moe_checkpoint, m
     reference = make_llm(model_dir, num_kv_blocks=128)
     continuations = _tokens(reference, prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     expected = torch.cat(teacher_forced_logits(reference.engine, prompts, continuations)).argmax(-1)
-    llm = make_llm(model_dir, num_kv_blocks=128, kv_cache_dtype="int8", prefill_chunk_tokens=16)
+    llm = make_llm(model_dir, num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype, prefill_chunk_tokens=16)
     got = torch.cat(teacher_forced_logits(llm.engine, prompts, continuations)).argmax(-1)
     agreement = (got == expected).float().mean().item()
-    assert agreement >= 0.98, f"top-1 agreement {agreement:.4f}"
+    assert agreement >= LATENT_TOP1_MIN[kv_cache_dtype], f"{kv_cache_dtype}: top-1 agreement {agreement:.4f}"
 
 
 def test_unknown_routing_fails_naming_the_known_ones():

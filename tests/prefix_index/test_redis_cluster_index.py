@@ -14,7 +14,13 @@ from common.redis_url import parse_redis_url
 from engine.block_hash import HashNamespace, hash_blocks
 from policies.routing import RouteQuery, WorkerLoad
 from policies.routing.cache_aware import CacheAwarePolicy
-from prefix_index import IndexNamespace, PrefixMatch, RedisClusterPrefixIndex, make_redis_index
+from prefix_index import (
+    IndexNamespace,
+    PrefixIndexUnavailable,
+    PrefixMatch,
+    RedisClusterPrefixIndex,
+    make_redis_index,
+)
 from tests.redis_cluster import REDIS_CLI
 
 HNS = HashNamespace("cluster-model", 4)
@@ -60,6 +66,36 @@ def test_block_entries_spread_over_every_shard(redis_cluster):
         assert keys_per_node(redis_cluster) == before  # every holder map emptied and gone
         await index.close()
     run(main())
+
+
+def test_a_connection_closed_under_a_command_is_unavailable_not_a_client_error(redis_cluster):
+    """redis-py's asyncio cluster client closes every connection of its nodes after a connection error or
+    a topology change (its own `aclose`), also those other coroutines are sending on: such a command fails
+    inside the client with an AttributeError (the connection's writer is gone). The index must report it
+    as `PrefixIndexUnavailable`, as any other "no answer now". Lookups are put in flight and the client
+    closes its connections under them, until a trial hits the half-closed case."""
+    async def main():
+        docs = [doc(d) for d in range(32)]
+        causes: list[str] = []
+        for trial in range(40):
+            index = make_redis_index(redis_cluster.url, IndexNamespace(f"half-open-{trial}", 4), lease_s=60,
+                                     timeout_s=2.0)
+            await index.apply(KVEventBatch("w0", EPOCH, 1, (), tuple(docs[0])))
+            lookups = [asyncio.ensure_future(index.match(d)) for d in docs]
+            for _ in range(1 + trial % 3):  # the lookups start sending
+                await asyncio.sleep(0)
+            await index._redis.aclose()  # what the client does itself after a connection error
+            for outcome in await asyncio.gather(*lookups, return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    assert isinstance(outcome, PrefixIndexUnavailable), repr(outcome)
+                    causes.append(type(outcome.__cause__).__name__)
+                else:
+                    assert isinstance(outcome, list)
+            await index.close()
+            if "AttributeError" in causes:
+                break
+        assert "AttributeError" in causes, f"no trial closed a connection under a command: {causes}"
+    run(main(), timeout_s=120.0)
 
 
 def test_a_killed_shard_costs_hits_never_requests(redis_cluster):

@@ -18,7 +18,8 @@ def wait_workers_clean(cluster, timeout_s: float = 15.0) -> None:
     while True:
         reports = worker_reports(cluster)  # check_integrity raises inside the actor if the pool is broken
         dirty = {name: r for name, r in reports.items()
-                 if r["num_free_blocks"] != r["num_blocks"] or r.get("num_sequences", 0)}
+                 if r["num_free_blocks"] != r["num_blocks"] or r.get("num_sequences", 0)
+                 or r.get("num_grammar_matchers", 0)}
         if not dirty:
             return
         if time.monotonic() > deadline_s:

@@ -5,6 +5,7 @@ cannot state, and only for one the document lists) and add what the built-in one
 front to: every 400 names a documented field, a 504 comes only from the body's own `timeout_ms`, and no
 response carries JSON that only Python reads (NaN, Infinity).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,8 @@ def _head(param: str) -> str:
 def _documented(case) -> set[str]:
     raw = case.operation.definition.raw
     body = raw.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
-    return set(body.get("properties", {})) | {p["name"] for p in raw.get("parameters", [])} | {"body"}
+    fields = {name for branch in [body, *body.get("anyOf", [])] for name in branch.get("properties", {})}
+    return fields | {p["name"] for p in raw.get("parameters", [])} | {"body"}
 
 
 def _media_type(response) -> str:

@@ -45,7 +45,8 @@ def test_a_completion_fans_out_prompts_times_n_with_seed_plus_i(context):
     assert api.choices[2].request.prompt_token_ids == (5, 6)
     assert api.choices[0].request.prompt_token_ids == tuple(context.tokenize("Hello"))
     first = api.choices[0].request
-    assert (first.priority, first.tenant, first.ttft_ms, first.tpot_ms) == (3, "acme", 250.0, None)
+    # priority is vLLM's on the OpenAI front (lower first): the router's (higher first) is its negation.
+    assert (first.priority, first.tenant, first.ttft_ms, first.tpot_ms) == (-3, "acme", 250.0, None)
 
 
 def test_defaults_and_vllm_extras(context):
@@ -110,7 +111,7 @@ def test_bad_completion_fields_are_named(context, body, field):
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
 ])
 def test_bad_chat_fields_are_named(context, body, field):
     with pytest.raises(InvalidRequestError) as err:
@@ -126,7 +127,8 @@ def test_bad_chat_fields_are_named(context, body, field):
     ({"prompt": [1], "logit_bias": {"\u0663": 1}}, "logit_bias"),  # an Arabic-Indic 3, which int() reads
     ({"prompt": [1], "suffix": 0}, "suffix"), ({"prompt": [1], "tools": {}}, "tools"),
     ({"prompt": [1], "functions": False}, "functions"), ({"prompt": [1], "tool_choice": "required"}, "tool_choice"),
-    ({"prompt": [1], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": [1], "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"prompt": [1], "response_format": {"type": ["json_object"]}}, "response_format.type"),  # unhashable
     ({"prompt": [1], "response_format": "text"}, "response_format"),
     ({"prompt": [1], "user": 7}, "user"), ({"prompt": [1], "stop": [["x"]]}, "stop"),
 ])

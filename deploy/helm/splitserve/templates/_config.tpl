@@ -21,6 +21,7 @@ router's command line names it (`--ray-address`). */}}
 {{- with $v.model.dir }}{{ $_ := set $cfg "model_dir" . }}{{ end -}}
 {{- $_ = set $cfg "kv_cache_dtype" $v.quantization.kvCacheDtype -}}
 {{- $_ = set $cfg "quantization" $v.quantization.weights -}}
+{{- with $v.quantization.groupSize }}{{ $_ := set $cfg "quantization_group_size" . }}{{ end -}}
 {{- $prefill := dict "pool" $v.prefill "tpSize" 1 "gpu" $v.gpu.enabled "extra" $cfg.prefill -}}
 {{- $_ := set $cfg "prefill" (include "splitserve.poolConfig" $prefill | fromYaml) -}}
 {{- $decode := dict "pool" $v.decode "tpSize" $v.decode.tpSize "gpu" $v.gpu.enabled "extra" $cfg.decode "spec" $v.decode.speculativeConfig -}}

@@ -200,6 +200,43 @@ capabilities:
 {{- end }}
 {{- end -}}
 
+{{/* With model.download.enabled: the init container that fills the hub cache with model.dir (a Hub
+id) before a pod that reads the model starts. `hf download` skips files the cache already holds, so
+pods sharing one cache volume fetch the model once; the pod's other containers mount it read-only. */}}
+{{- define "splitserve.modelDownload" -}}
+{{- $download := .Values.model.download -}}
+{{- if $download.enabled }}
+- name: model-download
+  image: {{ $download.image | default (include "splitserve.image" .) }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["hf", "download", {{ .Values.model.dir | quote }}, "--revision", {{ .Values.config.model_revision | default "main" | quote }}
+    {{- range $download.extraArgs }}, {{ . | quote }}{{ end }}]
+  env:
+    - name: HOME
+      value: /tmp
+    - name: HF_HOME
+      value: {{ .Values.model.hubCacheMountPath | quote }}
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- if $download.tokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $download.tokenSecret }}
+          key: {{ $download.tokenSecretKey }}
+    {{- end }}
+  resources:
+    {{- toYaml $download.resources | nindent 4 }}
+  securityContext:
+    {{- include "splitserve.containerSecurityContext" . | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: hub-cache
+      mountPath: {{ .Values.model.hubCacheMountPath }}
+{{- end }}
+{{- end -}}
+
 {{/* Scheduling keys of one component; call with the component's values (and gpu for workers). */}}
 {{- define "splitserve.scheduling" -}}
 {{- with .nodeSelector }}
@@ -218,6 +255,18 @@ tolerations:
 
 {{/* Cross-field rules the values schema cannot express. */}}
 {{- define "splitserve.validate" -}}
+{{- $model := .Values.model -}}
+{{- if $model.download.enabled -}}
+{{- if not $model.hubCache -}}
+{{- fail "model.download.enabled: set model.hubCache to a writable volume source the download fills" -}}
+{{- end -}}
+{{- if or (not $model.dir) (hasPrefix "/" $model.dir) (ne (len (splitList "/" $model.dir)) 2) -}}
+{{- fail (printf "model.download.enabled: model.dir must be a Hub id (ORG/NAME), got %q" $model.dir) -}}
+{{- end -}}
+{{- if (dig "persistentVolumeClaim" "readOnly" false $model.hubCache) -}}
+{{- fail "model.download.enabled: model.hubCache.persistentVolumeClaim.readOnly must be false (the download writes to it; the serving containers still mount it read-only)" -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.router.port)) -}}
 {{- fail "metrics.port must differ from router.port (both listen in the router pod)" -}}
 {{- end -}}

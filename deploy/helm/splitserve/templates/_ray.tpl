@@ -75,6 +75,10 @@ spec:
   {{- with include "splitserve.scheduling" .scheduling | trim }}
   {{- . | nindent 2 }}
   {{- end }}
+  {{- with include "splitserve.modelDownload" $ctx | trim }}
+  initContainers:
+    {{- . | nindent 4 }}
+  {{- end }}
   containers:
     - {{ .container | indent 6 | trim }}
   volumes:
