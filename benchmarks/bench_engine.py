@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.hf_baseline import HFBaseline, check_tokens
 from benchmarks.throughput import BenchRequest, Throughput
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, kernels
 from engine.demo_model import ensure_demo_model
 from engine.model_loader import load_model_config
 
@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
         cfg.model_dir, progress=False, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens
     )
     run_engine(llm, [BenchRequest((5, 6, 7, 8), 2)], use_tqdm=False)  # warm-up, outside the timing
+    # The C kernels the warm-up loaded, each with the instruction-set variant this CPU runs.
+    summary["kernel_variants"] = kernels.loaded_variants()
+    _log("C kernels: " + (", ".join(f"{k} {v}" for k, v in summary["kernel_variants"].items()) or "none loaded"))
     if cfg.profile:
         summary["profile"] = profile_engine(llm, requests[: cfg.profile_requests])
         return _finish(summary, cfg)

@@ -15,7 +15,8 @@ continuous batching with max_num_seqs=B; llama.cpp's batch API with B sequences 
 (as its server's parallel slots do). Decode tok/s = tokens of decode-only steps / their time; output tok/s =
 all output tokens / wall time, prefill included. The arms alternate order per round (`--rounds`) and the
 median is kept, so drift on a shared machine hits both sides alike. Greedy tokens of the first prompt at
-batch 1 are compared: engine fp32 and llama.cpp F32 against HF `generate`.
+batch 1 are compared: engine fp32 and llama.cpp F32 against HF `generate`. `bench_llamacpp_server` compares the
+servers themselves (`llama-server`'s slots and `splitserve serve`) over HTTP.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.
     transformers.__version__, torch.cuda.get_device_name())'"
 stage tests 240 $PYTHON -m pytest -q -rfEs -p no:randomly --timeout 150 \
     tests/engine/test_triton_decode.py tests/engine/test_triton_prefill.py tests/engine/test_cuda_engine.py \
-    tests/engine/test_triton_int8_linear.py \
+    tests/engine/test_triton_int8_linear.py tests/engine/test_triton_int4_linear.py tests/engine/test_triton_fp8_linear.py \
     tests/engine/test_cuda_speculative.py \
     tests/kvtransfer/test_transport_contract.py -k "not gloo" --junit-xml="$OUT/tests.xml"
 stage decode 170 $PYTHON -m benchmarks.bench_gpu_decode --out "$OUT/decode.json"

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig, resolve_dtype
 from engine.errors import UnsupportedModelError
 from engine.layers.fused_moe import expert_target
-from engine.layers.quantization import WeightQuantization
+from engine.layers.quantization import weight_quantization
 from engine.models.decoder import PACKED_WEIGHTS, DecoderForCausalLM
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
 from engine.quantization import checkpoint_format
@@ -185,21 +185,22 @@ def load_model(
     tp: TensorParallelGroup = SINGLE_RANK,
     progress: bool = False,
 ) -> DecoderForCausalLM:
+    fmt = checkpoint_format(json.loads((Path(engine_cfg.model_dir) / "config.json").read_text()))
+    quantization = weight_quantization(
+        engine_cfg.quantization,
+        engine_cfg.quantization_group_size,
+        fmt.method if fmt else None,
+        torch.device(engine_cfg.device).type,
+    )
     with torch.device("cpu"):
         model = DecoderForCausalLM(
-            model_cfg,
-            max_positions,
-            tp,
-            WeightQuantization(engine_cfg.quantization, engine_cfg.quantization_group_size),
-            engine_cfg.quantize_lm_head,
-            engine_cfg.expert_parallel,
+            model_cfg, max_positions, tp, quantization, engine_cfg.quantize_lm_head, engine_cfg.expert_parallel
         )
     renames = ARCHITECTURES[model_cfg.architecture].renames
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _weight_files(Path(engine_cfg.model_dir))
     names = [name for path in files for name in _tensor_names(path)]
-    fmt = checkpoint_format(json.loads((Path(engine_cfg.model_dir) / "config.json").read_text()))
     assembler = WeightAssembler(fmt, names)  # pre-quantized layers arrive as their dequantized weight
     total = len(names)
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:

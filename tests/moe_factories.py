@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from engine.demo_model import SPECIAL_TOKEN_IDS
+from engine.layers.int8_group_matmul import dequantize_groupwise, quantize_groupwise
 from engine.layers.quantization import quantize_per_channel
 from tests.factories import _tokenizer
 
@@ -119,21 +120,28 @@ def make_moe_checkpoint(out_dir: Path, spec: MoESpec) -> Path:
     return out_dir
 
 
-def dequantized_moe_checkpoint(model_dir: Path, out_dir: Path) -> Path:
+def dequantized_moe_checkpoint(model_dir: Path, out_dir: Path, group_size: int | None = None) -> Path:
     """The checkpoint with every decoder linear weight and every expert projection replaced by its int8
-    value x scale (one scale per output channel of each expert): HF on it computes what the int8 engine
-    should. Routers and Qwen2-MoE's shared-expert gate stay in full precision, as the engine keeps them."""
+    value x scale (one scale per output channel of each expert, or per group of `group_size` inputs):
+    HF on it computes what the int8 engine should. Routers and Qwen2-MoE's shared-expert gate stay in
+    full precision, as the engine keeps them."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         for name, module in model.named_modules():
             gate = name.endswith("shared_expert_gate")  # a [1, hidden] gate: the engine keeps it in full
             if isinstance(module, torch.nn.Linear) and name.startswith("model.layers.") and not gate:
-                values, scale = quantize_per_channel(module.weight)
-                module.weight.copy_(values.float() * scale[:, None])
+                module.weight.copy_(_dequantized(module.weight, group_size))
         for name, param in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 for expert in range(param.shape[0]):
-                    values, scale = quantize_per_channel(param[expert])
-                    param[expert].copy_(values.float() * scale[:, None])
+                    param[expert].copy_(_dequantized(param[expert], group_size))
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def _dequantized(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """weight [out, in] → its int8 values x scales, per output channel or per group of inputs."""
+    if group_size is None:
+        values, scale = quantize_per_channel(weight)
+        return values.float() * scale[:, None]
+    return dequantize_groupwise(*quantize_groupwise(weight, group_size))

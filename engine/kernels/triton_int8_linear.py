@@ -139,6 +139,18 @@ def _int8_linear(
         tl.store(out_ptr + m[:, None] * out_features + n[None, :], out, mask=out_mask)
 
 
+def launch_target(
+    plan: LaunchPlan, rows: int, out_features: int, x: torch.Tensor
+) -> tuple[tuple[int, int, int], bool, torch.Tensor]:
+    """The skinny-matmul kernels' launch grid, whether K is split, and what the kernel writes: the
+    output in x's dtype, or one fp32 partial per split (summed by the caller)."""
+    grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(out_features, plan.block_n), plan.num_splits)
+    split = plan.num_splits > 1
+    if split:
+        return grid, split, torch.empty(plan.num_splits, rows, out_features, device=x.device, dtype=torch.float32)
+    return grid, split, torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, plan: LaunchPlan | None = None):
     """x [rows, in] → [rows, out] in x's dtype; `plan` overrides `launch_plan` (benchmarks)."""
     rows, in_features = x.shape
@@ -150,12 +162,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, plan
     if plan is None:
         name = device_name(x.device.index or 0) if x.is_cuda else ""
         plan = launch_plan(rows, out_features, in_features, name)
-    grid = (triton.cdiv(rows, plan.block_m), triton.cdiv(out_features, plan.block_n), plan.num_splits)
-    split = plan.num_splits > 1
-    if split:
-        target = torch.empty(plan.num_splits, rows, out_features, device=x.device, dtype=torch.float32)
-    else:
-        target = torch.empty(rows, out_features, device=x.device, dtype=x.dtype)
+    grid, split, target = launch_target(plan, rows, out_features, x)
     _int8_linear[grid](
         x, weight, scale, target, rows, out_features, in_features,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, TILES_PER_SPLIT=plan.tiles_per_split,

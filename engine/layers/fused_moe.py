@@ -12,12 +12,14 @@ Sharding over a tensor-parallel group (the layer owns it, like the linear layers
 
 Tokens are grouped by expert and each expert's rows run as one matmul pair, accumulated into the
 output in ascending expert order, the order HF's reference loop adds them in. How a weight is stored
-and multiplied (fp, int8 per output channel) is an `ExpertMethod` from `EXPERT_METHODS`.
+and multiplied (fp, int8 per output channel, int8 per group of `quantization_group_size` inputs) is an
+`ExpertMethod` from `EXPERT_METHODS`.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,7 @@ from torch import nn
 
 from engine.errors import UnsupportedModelError
 from engine.layers.dense_matmul import dense_linear
+from engine.layers.int8_group_matmul import int8_group_matmul, quantize_groupwise
 from engine.layers.int8_matmul import int8_matmul
 from engine.layers.quantization import QuantizationSpec, as_weight_quantization, quantize_per_channel
 from engine.parallel import SINGLE_RANK, TensorParallelGroup
@@ -98,19 +101,57 @@ class Int8Experts(ExpertMethod):
         return int8_matmul(x, getattr(layer, name)[expert], getattr(layer, f"{name}_scale")[expert])
 
 
-EXPERT_METHODS: dict[str, type[ExpertMethod]] = {"none": UnquantizedExperts, "int8": Int8Experts}
+class Int8GroupExperts(ExpertMethod):
+    """int8 weights with one fp32 scale per group of `group_size` consecutive inputs of each expert
+    (`{name}_scale` [experts, out, in / group_size]), taken over the full checkpoint row before the layer
+    keeps its shard, as engine/layers/quantization.py's Int8GroupWise: a TP-sharded down projection's
+    rank holds whole groups of its intermediate features, so its slice is the single rank's slice."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+
+    def create(self, layer, name, shape, dtype):
+        experts, out_features, in_features = shape
+        if in_features % self.group_size:
+            raise UnsupportedModelError(
+                f"quantization_group_size: {self.group_size} does not divide the {in_features} input features of "
+                f"the experts' {name} (per tensor-parallel rank); choose a divisor of them"
+            )
+        weight = _param(*shape, dtype=torch.int8)
+        scale = _param(experts, out_features, in_features // self.group_size, dtype=torch.float32)
+        weight.load_dtype = torch.float32  # type: ignore[attr-defined]  # what the loader is handed
+        weight.weight_loader = lambda param, loaded, shard_id: self._load(layer, name, loaded, shard_id)  # type: ignore[attr-defined]
+        scale.filled_by = name  # type: ignore[attr-defined]  # not a checkpoint tensor: the weight's loader writes it
+        setattr(layer, name, weight)
+        setattr(layer, f"{name}_scale", scale)
+
+    def _load(self, layer: FusedMoE, name: str, loaded: torch.Tensor, shard_id) -> None:
+        values, scale = quantize_groupwise(loaded, self.group_size)
+        layer.weight_loader(getattr(layer, name), values, shard_id)
+        layer.weight_loader(getattr(layer, f"{name}_scale"), scale, shard_id)  # groups shard like the columns
+
+    def apply(self, layer, name, expert, x):
+        return int8_group_matmul(x, getattr(layer, name)[expert], getattr(layer, f"{name}_scale")[expert])
+
+
+def _int8_experts(group_size: int | None) -> ExpertMethod:
+    return Int8Experts() if group_size is None else Int8GroupExperts(group_size)
+
+
+# method name → the ExpertMethod for a group size (None: the method's default grouping).
+# An FP8 checkpoint's experts are dequantized at load on every device (its linear layers stay e4m3 on CUDA).
+EXPERT_METHODS: dict[str, Callable[[int | None], ExpertMethod]] = {
+    "none": lambda group_size: UnquantizedExperts(),
+    "int8": _int8_experts,
+    "fp8": lambda group_size: UnquantizedExperts(),
+}
 
 
 def expert_method(quantization: QuantizationSpec) -> ExpertMethod:
     spec = as_weight_quantization(quantization)
-    name = spec.method
-    if spec.group_size is not None and name != "none":
-        raise UnsupportedModelError(
-            f"quantization_group_size: expert weights are quantized per output channel only, got {spec.group_size}"
-        )
-    if name not in EXPERT_METHODS:
-        raise ValueError(f"unknown quantization {name!r} for experts; known: {sorted(EXPERT_METHODS)}")
-    return EXPERT_METHODS[name]()
+    if spec.method not in EXPERT_METHODS:
+        raise ValueError(f"unknown quantization {spec.method!r} for experts; known: {sorted(EXPERT_METHODS)}")
+    return EXPERT_METHODS[spec.method](spec.group_size)
 
 
 class FusedMoE(nn.Module):
@@ -148,8 +189,9 @@ class FusedMoE(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None], scale_of: str | None = None
     ) -> None:
-        """One expert's checkpoint tensor (or, for int8, its scales `[out, 1]`): kept only by the rank
-        that holds the expert, narrowed to this rank's intermediate slice under TP-sharded experts."""
+        """One expert's checkpoint tensor (or, for int8, its scales: `[out, 1]` per channel with
+        `scale_of`, `[out, groups]` group-wise): kept only by the rank that holds the expert, narrowed to
+        this rank's intermediate slice under TP-sharded experts."""
         expert, half = shard_id
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
@@ -160,8 +202,9 @@ class FusedMoE(nn.Module):
             target.narrow(0, half * inter, inter).copy_(loaded.narrow(0, rank * inter, inter).view_as(target[:inter]))
         elif scale_of is not None:  # down's scales: per output channel, every rank holds them all
             target.copy_(loaded.view_as(target))
-        else:  # down: columns are the intermediate features
-            target.copy_(loaded.narrow(1, rank * inter, inter))
+        else:  # down: columns are the intermediate features (or whole groups of them: their scales)
+            columns = target.shape[1]
+            target.copy_(loaded.narrow(1, rank * columns, columns))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; expert_ids, weights [tokens, top_k] (weights fp32) → [tokens, hidden]."""

@@ -8,6 +8,10 @@ g = i // group_size.
 Backends, first match wins:
 - `native`: fp32 activations on CPU with at most NATIVE_MAX_ROWS rows (decode steps): the C kernel
   widens nibbles to fp32 in registers, reading an eighth of the fp32 weight bytes.
+- `triton`: bf16 / fp16 activations on CUDA with at most TRITON_MAX_ROWS rows: the Triton kernel
+  engine/kernels/triton_int4_linear.py reads this same layout and widens nibbles in registers (a
+  decode step reads a quarter of bf16's weight bytes). Imported on first CUDA use: CPU processes never
+  need triton. fp32 models take `dequantize` there, as with int8 (fp32 dots miss the tensor cores).
 - `dequantize`: everything else: the layer's weights widened to the activations' dtype for one BLAS
   matmul (prefill chunks, where the matmul's compute hides the widening).
 """
@@ -27,6 +31,10 @@ BLOCK = 32  # inputs per 16-byte block of the stored layout
 # measures the crossover (docs/performance.md): widening a layer costs several passes over its fp32
 # copy, so the kernel stays ahead of it well past the int8 kernel's threshold.
 NATIVE_MAX_ROWS = 32
+_HALF = (torch.bfloat16, torch.float16)
+# The int8 kernel's crossover on an H200 (engine/layers/int8_matmul.py); the int4 kernel reads half its
+# weight bytes, so it is not measured lower. benchmarks/bench_gpu_int8_linear.py measures both.
+TRITON_MAX_ROWS = 256
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -86,15 +94,28 @@ def _native(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: to
     return out
 
 
+def _triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    from engine.kernels.triton_int4_linear import int4_linear
+
+    return int4_linear(x, packed, scale, zero)
+
+
 def _dequantize(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return F.linear(x, dequantize_int4(packed, scale, zero).to(x.dtype))
 
 
-BACKENDS = (Backend("native", _native_applies, _native), Backend("dequantize", lambda x: True, _dequantize))
+BACKENDS = (
+    Backend("native", _native_applies, _native),
+    Backend("triton", lambda x: x.is_cuda and x.dtype in _HALF and x.shape[0] <= TRITON_MAX_ROWS, _triton),
+    Backend("dequantize", lambda x: True, _dequantize),
+)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """x [..., in] (model dtype) → [..., out] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    backend = next(b for b in BACKENDS if b.applies(rows))
-    return backend.run(rows, packed, scale, zero).view(*x.shape[:-1], packed.shape[0])
+    return select_backend(rows).run(rows, packed, scale, zero).view(*x.shape[:-1], packed.shape[0])
+
+
+def select_backend(rows: torch.Tensor) -> Backend:
+    return next(backend for backend in BACKENDS if backend.applies(rows))

@@ -14,26 +14,33 @@ knows about number formats. A tiny registry (`QUANTIZATIONS`) names the methods:
   stay in the model dtype.
 - `int4`: weight-only, group-wise, asymmetric: 4-bit values with an fp32 scale and zero point per group
   of consecutive input features (engine/layers/int4_matmul.py). A GPTQ or AWQ checkpoint's layers
-  keep their own integers, scales, zero points and group size exactly (engine/quantization/); any other
-  checkpoint is rounded to nearest at load, in groups of `quantization_group_size` (default
-  INT4_GROUP_SIZE, or the largest of 64 and 32 that divides the layer's inputs). Under tensor
-  parallelism a row-parallel shard must hold whole groups.
+  keep their own integers, scales, zero points and group size exactly (engine/quantization/); an
+  act-order GPTQ layer's inputs are sorted by group at load and its activations' columns permuted to
+  match on every call (`input_order`); any other checkpoint is rounded to nearest at load, in groups
+  of `quantization_group_size` (default INT4_GROUP_SIZE, or the largest of 64 and 32 that divides the
+  layer's inputs). Under tensor parallelism a row-parallel shard must hold whole groups.
+
+The registry `STORED_FORMS` names checkpoint formats whose own weights a device multiplies by directly
+when `quantization` is none (`weight_quantization` picks it per device): an FP8 checkpoint on CUDA keeps
+its e4m3 weights (`fp8`, engine/layers/fp8_matmul.py); elsewhere those layers are dequantized at load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.errors import UnsupportedModelError
 from engine.layers.dense_matmul import dense_linear
+from engine.layers.fp8_matmul import dequantize_fp8, fp8_matmul
 from engine.layers.int4_matmul import BLOCK, int4_matmul, pack_int4
 from engine.layers.int8_group_matmul import int8_group_matmul, quantize_groupwise
 from engine.layers.int8_matmul import int8_matmul
-from engine.quantization.base import GroupQuantized
+from engine.quantization.base import Float8Stored, GroupQuantized, ceil_div
 from engine.quantization.rtn import rtn_quantize
 
 INT4_GROUP_SIZE = 128  # inputs per group when rounding an unquantized checkpoint at load
@@ -155,14 +162,19 @@ class Int4GroupWise(LinearMethod):
             layer, loaded, shard_id, input_size
         )
         layer.weight_scale.filled_by = layer.weight_zero.filled_by = "weight"
+        # Act-order layers: the inputs' order that makes groups consecutive (GroupQuantized.in_group_order),
+        # set by the first part loaded; None where the groups are consecutive already.
+        layer.register_buffer("input_order", None, persistent=False)
+        layer.input_order_loaded = False
 
     def _load(self, layer, loaded: torch.Tensor, shard_id, input_size_local: int) -> None:
         form = getattr(loaded, "group_quantized", None) or _round_at_load(loaded, self.group_size)
-        if form.bits != 4 or not form.contiguous:
-            why = f"{form.bits}-bit" if form.bits != 4 else "act-order groups (g_idx) that are not consecutive inputs"
+        if form.bits != 4:
             raise UnsupportedModelError(
-                f"layer {form.name}: int4 weights cannot hold {why}; serve it with quantization none"
+                f"layer {form.name}: int4 weights cannot hold {form.bits}-bit values; serve it with quantization none"
             )
+        form, order = form.in_group_order()
+        _take_input_order(layer, form.name, order, sharded=input_size_local != form.values.shape[1])
         if input_size_local % form.group_size:
             raise UnsupportedModelError(
                 f"layer {form.name}: a tensor-parallel shard of {input_size_local} input features would split its "
@@ -177,8 +189,98 @@ class Int4GroupWise(LinearMethod):
         layer.weight_loader(layer.weight_zero, form.zeros.t().contiguous(), shard_id)
 
     def apply(self, layer, x, bias=None):
+        if layer.input_order is not None:
+            x = x.index_select(-1, layer.input_order)
         y = int4_matmul(x, layer.weight, layer.weight_scale, layer.weight_zero)
         return y if bias is None else y + bias
+
+
+def _take_input_order(layer: Any, name: str, order: torch.Tensor | None, sharded: bool) -> None:
+    """Keeps a part's input order on its layer: every part of a fused layer (q/k/v, gate/up) reads the
+    same inputs, so they must share one order (GPTQ's act-order gives inputs with one Hessian one order)."""
+    if order is not None and sharded:
+        raise UnsupportedModelError(
+            f"layer {name}: its act-order groups (g_idx) span the tensor-parallel shards of its inputs; "
+            "serve it with quantization none or without tensor parallelism"
+        )
+    if layer.input_order_loaded:
+        kept = layer.input_order
+        if (order is None) != (kept is None) or (order is not None and not torch.equal(order, kept)):
+            raise UnsupportedModelError(
+                f"layer {name}: its inputs are grouped in another order (g_idx) than the checkpoint layers fused "
+                "with it; serve it with quantization none"
+            )
+        return
+    layer.input_order = order
+    layer.input_order_loaded = True
+
+
+class Fp8Weights(LinearMethod):
+    """An FP8 checkpoint's layers as stored: `weight` float8_e4m3fn [out, in] and `weight_scale` fp32
+    [out, ceil(in / weight_block_in)] (engine/layers/fp8_matmul.py). Block scales are repeated per
+    output row, so fused (q/k/v, gate/up) and column-parallel layers slice them like the weight's rows;
+    one scale column (per-tensor or per-channel scales) serves every input shard. A layer the checkpoint
+    leaves unquantized, a fused layer mixing such parts with e4m3 ones, or a row-parallel shard that
+    would split a scale block is held in the model dtype (`F.linear`), so the weight's dtype tells
+    which form a layer holds. Weights are allocated in e4m3 from the start: the host never holds the
+    model dtype's copy of a kept layer."""
+
+    def create_weights(self, layer, output_size, input_size, dtype):
+        layer.weight = _param(output_size, input_size, dtype=torch.float8_e4m3fn)
+        layer.weight_scale = _param(output_size, 0, dtype=torch.float32)  # sized by the first part loaded
+        layer.weight_block_in = input_size
+        layer.weight_dtype = dtype
+        layer.weight.load_dtype = torch.float32
+        layer.weight.weight_loader = lambda param, loaded, shard_id=None: self._load(
+            layer, loaded, shard_id, input_size
+        )
+        layer.weight_scale.filled_by = "weight"
+
+    @staticmethod
+    def _load(layer, loaded: torch.Tensor, shard_id, input_size_local: int) -> None:
+        form: Float8Stored | None = getattr(loaded, "float8_form", None)
+        block_in = None if form is None else _local_block_in(form, input_size_local)
+        scaled = layer.weight_scale.shape[1] > 0  # an earlier part arrived in e4m3
+        if form is None or block_in is None or (scaled and block_in != layer.weight_block_in):
+            _hold_in_model_dtype(layer)
+        if layer.weight.dtype != torch.float8_e4m3fn:
+            layer.weight_loader(layer.weight, loaded.to(layer.weight.dtype), shard_id)
+            return
+        assert form is not None and block_in is not None
+        if not scaled:
+            layer.weight_scale.data = torch.zeros(layer.weight.shape[0], ceil_div(input_size_local, block_in))
+            layer.weight_block_in = block_in
+        scale_rows = form.scale.repeat_interleave(form.block_size[0], dim=0)[: form.weight.shape[0]]
+        layer.weight_loader(layer.weight, form.weight, shard_id)
+        # One scale column is every input shard's; block columns shard like the weight's inputs.
+        scale_loader = layer.scale_loader if form.scale.shape[1] == 1 else layer.weight_loader
+        scale_loader(layer.weight_scale, scale_rows, shard_id)
+
+    def apply(self, layer, x, bias=None):
+        if layer.weight.dtype != torch.float8_e4m3fn:  # a layer held in the model dtype (class docstring)
+            return dense_linear(x, layer.weight, bias)
+        y = fp8_matmul(x, layer.weight, layer.weight_scale, layer.weight_block_in)
+        return y if bias is None else y + bias
+
+
+def _hold_in_model_dtype(layer: Any) -> None:
+    """From now on the layer holds its weight in the model dtype; parts loaded in e4m3 so far widen."""
+    if layer.weight.dtype == layer.weight_dtype:
+        return
+    if layer.weight_scale.shape[1] > 0:
+        dense = dequantize_fp8(layer.weight, layer.weight_scale, layer.weight_block_in)
+        layer.weight.data = dense.to(layer.weight_dtype)
+    else:
+        layer.weight.data = torch.empty(layer.weight.shape, dtype=layer.weight_dtype)
+
+
+def _local_block_in(form: Float8Stored, input_size_local: int) -> int | None:
+    """Inputs per scale column of this rank's shard, or None where the shard would split a block."""
+    if form.scale.shape[1] == 1:
+        return input_size_local
+    block_in = form.block_size[1]
+    sharded = input_size_local != form.weight.shape[1]
+    return None if sharded and input_size_local % block_in else block_in
 
 
 def _round_at_load(weight: torch.Tensor, configured: int | None) -> GroupQuantized:
@@ -192,7 +294,7 @@ def _round_at_load(weight: torch.Tensor, configured: int | None) -> GroupQuantiz
     if group_size is None:
         raise UnsupportedModelError(f"int4 weights need a multiple of 32 input features, got {in_features}")
     values, scales, zeros = rtn_quantize(weight, 4, group_size, sym=False)
-    return GroupQuantized("(rounded at load)", values, scales, zeros.float(), group_size, 4, True)
+    return GroupQuantized("(rounded at load)", values, scales, zeros.float(), group_size, 4, None)
 
 
 def _int8(group_size: int | None) -> LinearMethod:
@@ -207,12 +309,31 @@ QUANTIZATIONS: dict[str, Callable[[int | None], LinearMethod]] = {
 }
 
 
+# Checkpoint formats a device multiplies by in their stored form when `quantization` is none:
+# quant_method → (device types, the method). Elsewhere their layers are dequantized at load.
+STORED_FORMS: dict[str, tuple[frozenset[str], Callable[[int | None], LinearMethod]]] = {
+    "fp8": (frozenset({"cuda"}), lambda group_size: Fp8Weights()),
+}
+
+
+def weight_quantization(
+    method: str, group_size: int | None, checkpoint_method: str | None, device_type: str
+) -> WeightQuantization:
+    """How a checkpoint of `checkpoint_method` (None: unquantized) is stored on a device type under
+    the configured `quantization` method."""
+    devices, _ = STORED_FORMS.get(checkpoint_method or "", (frozenset(), None))
+    if method == "none" and device_type in devices:
+        return WeightQuantization(checkpoint_method or "none")
+    return WeightQuantization(method, group_size)
+
+
 def as_weight_quantization(spec: QuantizationSpec) -> WeightQuantization:
     return WeightQuantization(spec) if isinstance(spec, str) else spec
 
 
 def linear_method(spec: QuantizationSpec) -> LinearMethod:
     spec = as_weight_quantization(spec)
-    if spec.method not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {spec.method!r}; known: {sorted(QUANTIZATIONS)}")
-    return QUANTIZATIONS[spec.method](spec.group_size)
+    methods = {**QUANTIZATIONS, **{name: method for name, (_, method) in STORED_FORMS.items()}}
+    if spec.method not in methods:
+        raise ValueError(f"unknown quantization {spec.method!r}; known: {sorted(methods)}")
+    return methods[spec.method](spec.group_size)

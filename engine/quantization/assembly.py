@@ -18,7 +18,8 @@ PACKED_DTYPES = (torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
 class WeightAssembler:
     """`feed(name, tensor)` yields what the model loads: ordinary tensors as they are, and
     `PREFIX.weight` (fp32) once every part of quantized layer `PREFIX` has been fed, carrying the
-    layer's integer form as its `group_quantized` attribute (None where the format has none)."""
+    layer's integer form as its `group_quantized` attribute and its e4m3 form as `float8_form` (None
+    where the format has none)."""
 
     def __init__(self, fmt: CheckpointFormat | None, names: Iterable[str]):
         self.fmt = fmt
@@ -50,6 +51,8 @@ class WeightAssembler:
             weight = self.fmt.dequantize(prefix, parts)
             # Weight formats that store integers natively (int4) read this instead of re-rounding the weight.
             weight.group_quantized = self.fmt.integer_form(prefix, parts)  # type: ignore[attr-defined]
+            # Weight formats that keep e4m3 weights (fp8 on CUDA) read this instead of the widened weight.
+            weight.float8_form = self.fmt.float8_form(prefix, parts)  # type: ignore[attr-defined]
             yield f"{prefix}.weight", weight
 
 

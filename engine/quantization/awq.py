@@ -82,7 +82,7 @@ class AwqFormat(CheckpointFormat):
     def integer_form(self, prefix: str, parts: dict[str, torch.Tensor]) -> GroupQuantized:
         values = unpack(parts["qweight"], BITS, dim=1, order=AWQ_ORDER).t()
         zeros = unpack(parts["qzeros"], BITS, dim=1, order=AWQ_ORDER).float()
-        return GroupQuantized(prefix, values, parts["scales"].float(), zeros, self.group_size, BITS, True)
+        return GroupQuantized(prefix, values, parts["scales"].float(), zeros, self.group_size, BITS, None)
 
     def pack_layer(self, values: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
         """values int [out, in] in [0, 16), zeros int [groups, out], scales [groups, out] → the layer's

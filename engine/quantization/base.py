@@ -28,7 +28,34 @@ class GroupQuantized(NamedTuple):
     zeros: torch.Tensor  # fp32 [groups, out] (the format's zero-point offset applied)
     group_size: int  # consecutive inputs per group (the whole row where the checkpoint says -1)
     bits: int
-    contiguous: bool  # False: act-order groups (g_idx) that are not consecutive runs of inputs
+    g_idx: torch.Tensor | None  # int [in]: each input's group where groups are not consecutive runs (act-order)
+
+    def in_group_order(self) -> tuple[GroupQuantized, torch.Tensor | None]:
+        """This layer with its inputs sorted by group, so that every group is a run of `group_size`
+        consecutive inputs, and the permutation that sorted them (None where they were already):
+        `x @ weightᵀ == x[:, order] @ sorted_weightᵀ`. exllama serves act-order GPTQ this way."""
+        if self.g_idx is None:
+            return self, None
+        in_features = self.values.shape[1]
+        order = torch.argsort(self.g_idx.long(), stable=True)
+        if not torch.equal(self.g_idx.long()[order], torch.arange(in_features) // self.group_size):
+            raise UnsupportedModelError(
+                f"layer {self.name}: its g_idx does not give every group {self.group_size} inputs"
+            )
+        if torch.equal(order, torch.arange(in_features)):
+            return self._replace(g_idx=None), None
+        return self._replace(values=self.values[:, order], g_idx=None), order
+
+
+class Float8Stored(NamedTuple):
+    """An FP8 layer as its checkpoint stores it, for weight formats that keep it (CUDA,
+    engine/layers/quantization.py): weight[o, i] = e4m3(weight[o, i]) * scale[o // bo, i // bi] with
+    (bo, bi) = block_size. Per-tensor scales are one block of the whole weight, per-channel ones [1, in]."""
+
+    name: str  # the layer's prefix in the checkpoint, for error messages
+    weight: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor  # fp32 [ceil(out / bo), ceil(in / bi)]
+    block_size: tuple[int, int]
 
 
 class CheckpointFormat(ABC):
@@ -67,6 +94,11 @@ class CheckpointFormat(ABC):
     def integer_form(self, prefix: str, parts: dict[str, torch.Tensor]) -> GroupQuantized | None:
         """The layer as integers and group scales, where the format stores it that way (after `dequantize`
         has validated the parts)."""
+        return None
+
+    def float8_form(self, prefix: str, parts: dict[str, torch.Tensor]) -> Float8Stored | None:
+        """The layer as e4m3 weights and block scales, where the format stores it that way (after
+        `dequantize` has validated the parts)."""
         return None
 
 

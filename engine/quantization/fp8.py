@@ -8,9 +8,10 @@ releases and vLLM's serialized fp8 write them.
 - Without it: one scale per tensor (one element) or per output channel ([out] or [out, 1]), named
   `weight_scale` (vLLM) or `weight_scale_inv`.
 
-Only weights are read: on the CPU they are dequantized and activations stay in the model dtype, as
-transformers does when it dequantizes an FP8 checkpoint. `input_scale` (static activation scales) and
-`activation_scale` tensors are accepted and not used.
+Only weights are read and activations stay in the model dtype, as transformers does when it
+dequantizes an FP8 checkpoint: on the CPU the weights are dequantized at load; on CUDA the linear
+layers keep them as e4m3 (`float8_form`, engine/layers/quantization.py `Fp8Weights`). `input_scale`
+(static activation scales) and `activation_scale` tensors are accepted and not used.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from typing import Any
 import torch
 
 from engine.errors import UnsupportedModelError
-from engine.quantization.base import CheckpointFormat, ceil_div, config_field, expect_dtype, expect_shape
+from engine.quantization.base import (
+    CheckpointFormat,
+    Float8Stored,
+    ceil_div,
+    config_field,
+    expect_dtype,
+    expect_shape,
+)
 
 SCALE_PARTS = ("weight_scale_inv", "weight_scale")
 UNUSED_PARTS = ("input_scale", "activation_scale")
@@ -90,6 +98,16 @@ class Fp8Format(CheckpointFormat):
                 f"({out_features}) since quantization_config has no weight_block_size"
             )
         return weight.float() * full
+
+    def float8_form(self, prefix: str, parts: dict[str, torch.Tensor]) -> Float8Stored:
+        weight = parts["weight"]
+        out_features, in_features = weight.shape
+        scale = parts[self.required_parts(set(parts))[1]].float()
+        if self.block_size is not None:
+            return Float8Stored(prefix, weight, scale, self.block_size)
+        if scale.numel() == 1:
+            return Float8Stored(prefix, weight, scale.reshape(1, 1), (out_features, in_features))
+        return Float8Stored(prefix, weight, scale.reshape(out_features, 1), (1, in_features))
 
     def rtn_parts(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """Scales map each block's (or the tensor's) largest magnitude to e4m3's largest finite value."""

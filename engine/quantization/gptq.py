@@ -108,11 +108,12 @@ class GptqFormat(CheckpointFormat):
         values = unpack(parts["qweight"], self.bits, dim=0).t()
         in_features = values.shape[1]
         g_idx = parts.get("g_idx")
-        contiguous = g_idx is None or torch.equal(g_idx.long(), self.default_g_idx(in_features).long())
+        if g_idx is not None and torch.equal(g_idx.long(), self.default_g_idx(in_features).long()):
+            g_idx = None  # groups in input order, as without act-order
         zeros = unpack(parts["qzeros"], self.bits, dim=1).float() + ZERO_OFFSET[self.version]
         # One group spans the row where the config says -1 or its groups are wider than the row.
         group_size = in_features if self.group_size == -1 or self.group_size > in_features else self.group_size
-        return GroupQuantized(prefix, values, parts["scales"].float(), zeros, group_size, self.bits, contiguous)
+        return GroupQuantized(prefix, values, parts["scales"].float(), zeros, group_size, self.bits, g_idx)
 
     def default_g_idx(self, in_features: int) -> torch.Tensor:
         size = in_features if self.group_size == -1 else self.group_size

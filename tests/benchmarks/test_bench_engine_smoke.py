@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import bench_engine as bench
+from engine.kernels import isa
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,8 @@ def test_bench_reports_both_throughputs_and_checks_tokens(tiny_model_dir, tmp_pa
     assert [row["batch_size"] for row in summary["calibration"]] == [1, 2]
     assert summary["check"] == {"num_requests": 6, "num_identical": 6, "first_divergence_by_request": {},
                                 "passed": True}
+    # The decode-attention kernel ran in the best instruction-set variant this CPU supports.
+    assert summary["kernel_variants"]["paged_decode_attention"] == isa.supported_variants()[0].name
 
 
 def test_bench_profile_mode_attributes_time_to_engine_files(tiny_model_dir, tmp_path, capsys):

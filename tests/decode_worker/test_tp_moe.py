@@ -46,16 +46,16 @@ def moe_checkpoint(tmp_path_factory):
     return get
 
 
-def _engine_config(model_dir: str, expert_parallel: bool, absorbed: bool = True) -> EngineConfig:
+def _engine_config(model_dir: str, expert_parallel: bool, absorbed: bool = True, **options) -> EngineConfig:
     return EngineConfig(model_dir=model_dir, block_size=4, num_kv_blocks=128, max_num_seqs=4,
                         max_num_batched_tokens=16, prefill_chunk_tokens=7, max_model_len=96, num_threads=1,
-                        tp_size=2, expert_parallel=expert_parallel, mla_absorbed_decode=absorbed)
+                        tp_size=2, expert_parallel=expert_parallel, mla_absorbed_decode=absorbed, **options)
 
 
 def _job_rank0(instance: str, port: int, model_dir: str, expert_parallel: bool, prompts: list,
-               absorbed: bool = True) -> dict:
+               absorbed: bool = True, **options) -> dict:
     tp = create_tp_group(instance, 0, 2, HOST, port, GROUP_TIMEOUT_S)
-    engine = TensorParallelEngine(_engine_config(model_dir, expert_parallel, absorbed), tp)
+    engine = TensorParallelEngine(_engine_config(model_dir, expert_parallel, absorbed, **options), tp)
     try:
         experts = engine.runner.model.model.layers[1].mlp.experts
         shard = (experts.num_local_experts, experts.intermediate_local)
@@ -65,10 +65,11 @@ def _job_rank0(instance: str, port: int, model_dir: str, expert_parallel: bool, 
         tp.close()
 
 
-def _job_follower(instance: str, port: int, model_dir: str, expert_parallel: bool, absorbed: bool = True) -> dict:
+def _job_follower(instance: str, port: int, model_dir: str, expert_parallel: bool, absorbed: bool = True,
+                  **options) -> dict:
     tp = create_tp_group(instance, 1, 2, HOST, port, GROUP_TIMEOUT_S)
     try:
-        runner = build_follower_runner(_engine_config(model_dir, expert_parallel, absorbed), tp)
+        runner = build_follower_runner(_engine_config(model_dir, expert_parallel, absorbed, **options), tp)
         return StepFollower(tp).run(runner)._asdict()
     finally:
         tp.close()
@@ -119,4 +120,29 @@ def test_tp2_mla_expanded_decode_greedy_tokens_match_hf(moe_checkpoint, agents, 
     expected = hf_greedy_generate(model_dir, prompts, MAX_TOKENS)
     replies = [agent.result() for agent in ranks]
     assert all(reply[0] == "ok" for reply in replies), replies
+    assert replies[0][1]["tokens"] == expected
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep", "tp-sharded-experts"])
+def test_tp2_group_wise_int8_experts_match_hf_on_the_dequantized_checkpoint(
+    expert_parallel, moe_checkpoint, agents, rendezvous, tmp_path
+):
+    """Scales over the full checkpoint row: each rank holds whole experts, or whole groups of every
+    expert's features (64 per expert, 32 a rank), so TP=2 computes what TP=1 does."""
+    from tests.factories import hf_greedy_generate, random_prompts
+    from tests.moe_factories import dequantized_moe_checkpoint, moe_spec
+
+    model_dir = moe_checkpoint(moe_spec(**SPECS["qwen3moe-e4"], moe_intermediate_size=64))
+    options = {"quantization": "int8", "quantization_group_size": 32}
+    prompts = random_prompts(4, 2, 30, 512, seed=17)
+    instance, ranks = _new_instance(), agents.take(2)
+    ranks[0].submit(_job_rank0, instance=instance, port=rendezvous.port, model_dir=str(model_dir),
+                    expert_parallel=expert_parallel, prompts=prompts, **options)
+    ranks[1].submit(_job_follower, instance=instance, port=rendezvous.port, model_dir=str(model_dir),
+                    expert_parallel=expert_parallel, **options)
+    reference = dequantized_moe_checkpoint(model_dir, tmp_path / "dequantized", group_size=32)
+    expected = hf_greedy_generate(reference, prompts, MAX_TOKENS)
+    replies = [agent.result() for agent in ranks]
+    assert all(reply[0] == "ok" for reply in replies), replies
+    assert replies[0][1]["shard"] == ((2, 64) if expert_parallel else (4, 32))
     assert replies[0][1]["tokens"] == expected

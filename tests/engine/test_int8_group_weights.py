@@ -150,12 +150,3 @@ def test_int4_rounds_an_unquantized_checkpoint_in_the_configured_groups(checkpoi
     assert down.weight_scale.shape == (64, 128 // 32)
     default = make_llm(model_dir, quantization="int4").engine.runner.model
     assert default.get_submodule("model.layers.0.mlp.down_proj").weight_scale.shape == (64, 1)  # 128 inputs
-
-
-def test_expert_weights_refuse_a_group_size_naming_the_key():
-    from engine.layers.fused_moe import FusedMoE
-    from engine.layers.quantization import WeightQuantization
-
-    with pytest.raises(UnsupportedModelError, match="quantization_group_size: expert weights are quantized per output"):
-        FusedMoE(4, 64, 128, torch.float32, quantization=WeightQuantization("int8", 32))
-    assert FusedMoE(4, 64, 128, torch.float32, quantization=WeightQuantization("int8")).method is not None
