@@ -1,7 +1,7 @@
 """What the shared KV store buys a migrated request: its stall, against its context length.
 
     scripts/in_sandbox.sh .venv/bin/python -m benchmarks.bench_kv_store [--contexts 512 2048 8192]
-        [--json docs/perf/kv_store_migration/<hardware>.json]
+        [--decode-tp 1] [--json docs/perf/kv_store_migration/<hardware>.json]
 
 One local Ray cluster per mode, both up at once and used in turn (1 prefill worker, 2 decode
 instances, a router each) over the demo model's shape with room for 8k-token contexts (random
@@ -13,7 +13,8 @@ stream is closed 8 tokens later. The stall is the longest wait for a token from 
 `recompute` (no store: the resumed request computes its whole context again) and `store` (a
 redis-server as `kv_store.url`: prefill stored the prompt's blocks, decode stored the generated ones
 as they filled, and the resumed request fetches them). Both modes must produce the same tokens
-(checked).
+(checked). `--decode-tp 2`: decode instances of two ranks (each rank stores its KV heads of each block;
+the SIGKILL hits rank 0).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _stream(target: str, prompt: list[int], rid: str, max_tokens: int = MAX_TOKE
 class _Mode:
     """One mode's cluster and router (and redis-server for `store`), kept up across the contexts."""
 
-    def __init__(self, model_dir: Path, mode: str, workdir: Path, largest_tokens: int):
+    def __init__(self, model_dir: Path, mode: str, workdir: Path, largest_tokens: int, decode_tp: int = 1):
         self.mode = mode
         self.redis_proc: subprocess.Popen | None = None
         url = None
@@ -136,7 +137,7 @@ class _Mode:
         blocks = (largest_tokens + MAX_TOKENS) // BLOCK + 8
         config = ClusterConfig(
             prefill=PoolConfig(num_cpus=0.5, threads=1, num_kv_blocks=blocks + 4),  # one context at a time
-            decode=PoolConfig(num_cpus=0.5, threads=1, num_kv_blocks=2 * blocks, replicas=2),
+            decode=PoolConfig(num_cpus=0.5, threads=1, num_kv_blocks=2 * blocks, replicas=2, tp_size=decode_tp),
             block_size=BLOCK,
             ready_timeout_s=600.0,
             request_timeout_s=900.0,
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--evictor-tokens", type=int, default=EVICTOR_TOKENS, help="the evicting prompt's length")
+    parser.add_argument("--decode-tp", type=int, default=1, help="ranks per decode instance")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench-kv-store-"))
     model_dir = write_demo_model(
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
     largest = max(*args.contexts, args.evictor_tokens)
-    modes = [_Mode(model_dir, mode, workdir, largest) for mode in ("recompute", "store")]
+    modes = [_Mode(model_dir, mode, workdir, largest, args.decode_tp) for mode in ("recompute", "store")]
     rows: dict[str, list[dict]] = {mode.mode: [] for mode in modes}
     try:  # the modes alternate per context, so both see the same machine
         for length in args.contexts:
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as out:
-            json.dump({"summary": summary, "same_tokens": same, "store_tier_stats": tier_stats}, out, indent=1)
+            figures = {"summary": summary, "same_tokens": same, "decode_tp_size": args.decode_tp}
+            json.dump({**figures, "store_tier_stats": tier_stats}, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ capacity in blocks is what `store-mb` holds at that size; the JSON reports it (D
 
 Hit rate = prompt tokens found in some tier / prompt tokens, over the rows after `warmup` (the engine's
 rule: the last prompt token is always computed). The oracle is an infinite cache over the same rows.
+Host-aware index: in the arms so named, each host tier publishes what enters and leaves it as KV events
+of medium "host" into the same numbered stream (as a prefill worker's does), and `cache_aware` prices a
+fetch from a worker's own host tier (policies/host_fetch_cost.py, at its prior bandwidth: a replay has
+no time to measure, and a block's bytes are the demo model's, HOST_BLOCK_BYTES); the other arms run the
+index as it was before host tiers were published (pool events only), for comparison in the same run.
 Rolling restart: from row `restart-at`, one worker every `restart-every` rows restarts empty (a new
 pool, an empty host tier, a new epoch in the index: the host tier is the worker's own); the figure is
 the hit rate of the `after-restart` rows from the first restart, against the same rows without one.
@@ -49,12 +54,14 @@ import redis
 
 from common.kv_events import KVEventBatch
 from engine.block_hash import BlockHash
-from engine.block_pool import KVCacheEvent
+from engine.block_pool import MEDIUM_HOST, BlockRemoved, BlockStored, KVCacheEvent
 from kv_store.base import BlockStore
 from kv_store.host_tier import MemoryTier
 from kv_store.redis_store import RedisBlockStore
 from kv_store.tiers import TieredStore
 from loadtest.trace_rows import TraceRow, read_trace
+from policies.admission import PrefillCostModel
+from policies.host_fetch_cost import HostFetchCost
 from policies.routing import CacheAwarePolicy, LoadBook, RouteQuery, WorkerLoad
 from prefix_index.memory import InProcessPrefixIndex
 from sim.drive import run_now
@@ -63,17 +70,33 @@ from sim.seq import block_hashes
 
 TRACE_BLOCK_TOKENS = 512
 RECORD_BYTES = 1024
-ARMS = ("pools", "pools+host", "pools+host+store")
+HOST_BLOCK_BYTES = 24_576 * TRACE_BLOCK_TOKENS  # the demo model's KV of one block: what a host-tier fetch moves
+# arm → (host tier, shared store, host-aware index)
+ARMS = {
+    "pools": (False, False, False),
+    "pools+host": (True, False, False),
+    "pools+host, host-aware index": (True, False, True),
+    "pools+host+store": (True, True, False),
+    "pools+host+store, host-aware index": (True, True, True),
+}
 
 
 class Worker:
     """One prefill worker of the replay: its pool (whose KV events it numbers) and its host tier."""
 
-    def __init__(self, worker_id: str, epoch: int, pool_blocks: int, host: MemoryTier | None):
+    def __init__(self, worker_id: str, epoch: int, pool_blocks: int, host: MemoryTier | None, publish_host: bool):
         self.worker_id, self.epoch, self.host = worker_id, epoch, host
         self.events: list[tuple[int, KVCacheEvent]] = []
         self.seq = 0
         self.pool = PrefixPool(pool_blocks, TRACE_BLOCK_TOKENS, on_event=self.on_event)
+        if host is not None and publish_host:  # the replay's tier keys are the block hashes themselves
+            host.on_change = self.on_host_change
+
+    def on_host_change(self, stored_keys: list[bytes], evicted_keys: list[bytes]) -> None:
+        if stored_keys:
+            self.on_event(BlockStored(tuple(BlockHash(k) for k in stored_keys), None, (), medium=MEDIUM_HOST))
+        if evicted_keys:
+            self.on_event(BlockRemoved(tuple(BlockHash(k) for k in evicted_keys), medium=MEDIUM_HOST))
 
     def on_event(self, event: KVCacheEvent) -> None:
         self.seq += 1
@@ -106,17 +129,19 @@ class Tally:
 
 
 class Fleet:
-    def __init__(self, args, use_host: bool, store: BlockStore | None):
-        self.args, self.use_host, self.store = args, use_host, store
+    def __init__(self, args, use_host: bool, store: BlockStore | None, host_aware: bool = False):
+        self.args, self.use_host, self.store, self.host_aware = args, use_host, store, host_aware
         self.index = InProcessPrefixIndex(lease_s=1e9, clock=lambda: 0.0)
         self.policy = CacheAwarePolicy(self.index)
+        if host_aware:
+            self.policy.locate_host_tier(HostFetchCost(HOST_BLOCK_BYTES, PrefillCostModel()))
         self.workers = [self._worker(f"p{i}", 1) for i in range(args.workers)]
         self.queued: dict[str, int] = {}
         self.bucket_s: float | None = None
 
     def _worker(self, worker_id: str, epoch: int) -> Worker:
         host = MemoryTier(self.args.host_blocks * RECORD_BYTES) if self.use_host else None
-        return Worker(worker_id, epoch, self.args.pool_blocks, host)
+        return Worker(worker_id, epoch, self.args.pool_blocks, host, self.host_aware)
 
     def restart(self, i: int) -> None:
         old = self.workers[i]
@@ -217,7 +242,8 @@ def _redis_server(maxmemory_bytes: int):
 
 def replay(args, rows: list[TraceRow], arm: str, restart: bool, url: str | None) -> dict:
     store = RedisBlockStore(url, timeout_s=5.0) if url is not None else None
-    fleet = Fleet(args, use_host=arm != "pools", store=store)
+    use_host, _, host_aware = ARMS[arm]
+    fleet = Fleet(args, use_host=use_host, store=store, host_aware=host_aware)
     steady, after = Tally(), Tally()
     restarts = {args.restart_at + i * args.restart_every: i for i in range(args.workers)} if restart else {}
     started_s = time.perf_counter()
@@ -275,7 +301,7 @@ def main() -> None:
     }
     for arm in ARMS:
         for restart in (False, True):
-            if arm == "pools+host+store":
+            if ARMS[arm][1]:
                 with _redis_server(args.store_mb << 20) as (url, client):
                     result = replay(args, rows, arm, restart, url)
                     info = client.info("stats")

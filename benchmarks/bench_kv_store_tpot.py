@@ -2,12 +2,14 @@
 write / read bandwidth per worker.
 
     scripts/in_sandbox.sh .venv/bin/python -m benchmarks.bench_kv_store_tpot [--streams 6]
-        [--prompt-tokens 256] [--output-tokens 96] [--rounds 4] [--json docs/perf/kv_store_tpot/<hardware>.json]
+        [--prompt-tokens 256] [--output-tokens 96] [--rounds 4] [--decode-tp 1]
+        [--json docs/perf/kv_store_tpot/<hardware>.json]
 
-Two local Ray clusters, both up at once and used in turn (1 prefill worker, 1 decode instance of TP 1,
-a router each; the demo model's shape, random weights, CPU): `off` (no `kv_store`) and `store` (a
-redis-server as `kv_store.url`: the prefill worker writes every full prompt block, the decode instance
-every block of a running sequence as it fills: the path a migration resumes from). Each round sends
+Two local Ray clusters, both up at once and used in turn (1 prefill worker, 1 decode instance of TP 1
+or `--decode-tp` ranks, each storing its KV heads of each block, a router each; the demo model's shape,
+random weights, CPU): `off` (no `kv_store`) and `store` (a redis-server as `kv_store.url`: the prefill
+worker writes every full prompt block, the decode instance every block of a running sequence as it
+fills: the path a migration resumes from). Each round sends
 `streams` concurrent greedy streams of fresh random prompts to each cluster, the order of the two
 alternating between rounds. A stream's TPOT is its time per output token after the first, as the client
 receives them; a phase's ratio is the p50 over its streams, store / off (measured in the same run, on
@@ -49,7 +51,9 @@ MODES = ("off", "store")
 
 
 class _Cluster:
-    def __init__(self, model_dir: Path, mode: str, workdir: Path, prefill_blocks: int, decode_blocks: int):
+    def __init__(
+        self, model_dir: Path, mode: str, workdir: Path, prefill_blocks: int, decode_blocks: int, decode_tp: int = 1
+    ):
         self.redis_proc: subprocess.Popen | None = None
         url = None
         if mode == "store":
@@ -57,7 +61,7 @@ class _Cluster:
         pool = PoolConfig(num_cpus=0.5, threads=1, num_kv_blocks=prefill_blocks)
         config = ClusterConfig(
             prefill=pool,
-            decode=replace(pool, num_kv_blocks=decode_blocks),
+            decode=replace(pool, num_kv_blocks=decode_blocks, tp_size=decode_tp),
             block_size=BLOCK,
             ready_timeout_s=600.0,
             request_timeout_s=900.0,
@@ -142,7 +146,9 @@ def _phase(args, model_dir: Path, workdir: Path, vocab: int, launch_order: tuple
     # phase then fetches from the store.
     prefill_blocks = args.streams * (args.prompt_tokens // BLOCK + 1) + 4
     decode_blocks = args.streams * ((args.prompt_tokens + args.output_tokens) // BLOCK + 2) + 16
-    clusters = {mode: _Cluster(model_dir, mode, workdir, prefill_blocks, decode_blocks) for mode in launch_order}
+    clusters = {
+        mode: _Cluster(model_dir, mode, workdir, prefill_blocks, decode_blocks, args.decode_tp) for mode in launch_order
+    }
     tpot_s: dict[str, list[float]] = {mode: [] for mode in MODES}
     wall_s = dict.fromkeys(MODES, 0.0)
     rounds = []
@@ -198,6 +204,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--decode-tp", type=int, default=1, help="ranks per decode instance")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     engine_thread = _engine_thread_ms_per_block()
@@ -222,6 +229,7 @@ def main() -> None:
         "streams": args.streams,
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
+        "decode_tp_size": args.decode_tp,
         "tpot_p50_ratio_store_over_off": round(math.sqrt(ratios[0] * ratios[1]), 3),
         "phases": phases,
         "engine_thread_ms_per_block": engine_thread,

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from common.kv_events import KVEventBatch
 from common.messages import (
+    FilledBlocks,
     GenerateRequest,
-    HandoffStats,
     Liveness,
     PrefillQueue,
     PrefillResult,
@@ -34,6 +34,7 @@ from common.messages import (
 )
 from common.traffic import TrafficCounts
 from kvtransfer.handoff import HandoffTarget
+from kvtransfer.session import HandoffStats
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -145,6 +146,10 @@ class DecodeRankApi(WorkerApi, Protocol):
 
     async def cancel_expected(self, request_id: str) -> None:
         """Forgets an expected transfer once nothing can still write into its blocks."""
+        ...
+
+    async def store_filled_blocks(self, blocks: FilledBlocks) -> None:
+        """Ranks > 0, from rank 0: blocks the last steps filled; this rank stores its KV heads of them."""
         ...
 
     async def debug_set_receive_delay(self, seconds: float) -> None:
@@ -294,6 +299,9 @@ class DecodeRankHandle(WorkerHandle):
 
     def cancel_expected(self, request_id: str) -> ObjectRef[None]:
         return self.actor.cancel_expected.remote(request_id)
+
+    def store_filled_blocks(self, blocks: FilledBlocks) -> ObjectRef[None]:
+        return self.actor.store_filled_blocks.remote(blocks)
 
     def debug_set_receive_delay(self, seconds: float) -> ObjectRef[None]:
         return self.actor.debug_set_receive_delay.remote(seconds)

@@ -232,9 +232,9 @@ class ClusterConfig(ModelFormat):
 
     @property
     def decode_stores_blocks(self) -> bool:
-        """Whether decode instances write their sequences' blocks to the shared store as they fill (a
-        TP=1 instance: a rank of a larger one holds only its heads, which no prefill worker reads)."""
-        return self.kv_store.url is not None and self.kv_store.write_decode_blocks and self.decode.tp_size == 1
+        """Whether decode instances write their sequences' blocks to the shared store as they fill (each
+        rank of a TP instance its own KV heads of each block: kv_store/block_shards.py)."""
+        return self.kv_store.url is not None and self.kv_store.write_decode_blocks
 
     @property
     def num_cpus_needed(self) -> float:

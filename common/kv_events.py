@@ -7,6 +7,10 @@ applied and get one `KVEventBatch`. A reader that fell further behind than the b
 `snapshot` instead: the full set of hashes the worker caches now, which replaces what the reader
 knew. `epoch` changes on every worker start, so a reader can tell a restarted worker (whose old
 entries are all gone) from one it is following.
+
+Events name their medium (`BlockStored.medium`): the pool's come from the engine thread, the host
+tier's from the tier's writer thread (kv_store/worker_tiers.py), into this same numbered buffer; a
+snapshot lists both.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
-from engine.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+from engine.block_pool import MEDIUM_HOST, BlockRemoved, BlockStored, KVCacheEvent
 
 DEFAULT_CAPACITY = 65536
 
@@ -28,7 +32,8 @@ class KVEventBatch:
     """Events `seq > since` of one worker epoch, oldest first; or a snapshot when the reader fell behind.
 
     `events` pairs each event with its sequence number (1, 2, ... within an epoch, no gaps).
-    `snapshot`, when not None, lists every block hash cached at `last_seq`; `events` is then empty.
+    `snapshot`, when not None, lists every block hash cached in the pool at `last_seq`, and
+    `host_snapshot` every hash in the host tier then; `events` is then empty.
     """
 
     worker_id: str
@@ -36,10 +41,12 @@ class KVEventBatch:
     last_seq: int
     events: tuple[tuple[int, KVCacheEvent], ...]
     snapshot: tuple[BlockHash, ...] | None = None
+    host_snapshot: tuple[BlockHash, ...] = ()
 
 
 class KVEventBuffer:
-    """Thread-safe: one writer (the engine thread), any number of readers, each with its own cursor."""
+    """Thread-safe: the engine thread and the host tier's writer append, any number of readers read,
+    each with its own cursor."""
 
     def __init__(self, worker_id: str, capacity: int = DEFAULT_CAPACITY, epoch: int | None = None):
         if not isinstance(capacity, int) or capacity < 1:
@@ -47,7 +54,8 @@ class KVEventBuffer:
         self.worker_id = worker_id
         self.epoch = epoch if epoch is not None else time.time_ns()
         self._events: deque[tuple[int, KVCacheEvent]] = deque(maxlen=capacity)
-        self._cached: dict[BlockHash, None] = {}  # insertion-ordered set of what the worker caches now
+        self._cached: dict[BlockHash, None] = {}  # insertion-ordered set of what the worker's pool caches now
+        self._host: dict[BlockHash, None] = {}  # and of what its host tier holds
         self._last_seq = 0
         self._lock = threading.Lock()
 
@@ -55,11 +63,12 @@ class KVEventBuffer:
         with self._lock:
             self._last_seq += 1
             self._events.append((self._last_seq, event))
+            held = self._host if event.medium == MEDIUM_HOST else self._cached
             if isinstance(event, BlockStored):
-                self._cached.update(dict.fromkeys(event.block_hashes))
+                held.update(dict.fromkeys(event.block_hashes))
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
-                    self._cached.pop(block_hash, None)
+                    held.pop(block_hash, None)
 
     def read_since(self, since_seq: int, max_events: int = 8192, *, epoch: int | None = None) -> KVEventBatch:
         """Events after `since_seq` (at most `max_events`); a snapshot if some were already dropped.
@@ -75,7 +84,9 @@ class KVEventBuffer:
                 since_seq = -1  # a cursor from another epoch: start over from a snapshot
             oldest = self._events[0][0] if self._events else self._last_seq + 1
             if since_seq + 1 < oldest and since_seq < self._last_seq:
-                return KVEventBatch(self.worker_id, self.epoch, self._last_seq, (), tuple(self._cached))
+                return KVEventBatch(
+                    self.worker_id, self.epoch, self._last_seq, (), tuple(self._cached), tuple(self._host)
+                )
             start = len(self._events) - (self._last_seq - since_seq)
             # islice walks the deque once; indexing a deque in a loop is O(n) per item, under the lock
             # the engine thread's append waits on.

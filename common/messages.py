@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from engine.sampling_params import SamplingParams
 from engine.speculative.counters import SpecCounters
 from engine.step_log import StepRecord
-from kvtransfer.session import HandoffStats  # noqa: F401  (re-exported: the router's cost models read it)
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,17 @@ class PrefillQueue:
 
 
 @dataclass(frozen=True)
+class FilledBlocks:
+    """Rank 0 of a tensor-parallel decode instance to its other ranks: blocks its pool registered right
+    after the step that filled them; each rank stores its KV heads of them (decode_worker/shard_store.py).
+    Parallel tuples: the step's sequence number in the TP group, the block id, the block hash."""
+
+    step_sequences: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class TokenUpdate:
     """Tokens a decode instance produced for one request since the last poll; `error` set on failure."""
 
@@ -157,6 +167,10 @@ class StoreReads:
     layout: str  # hex digest of its KV layout (the store's keys carry it: kv_store/block_record.py)
     fetched_bytes: int  # KV payload bytes loaded into its pool from the tiers
     fetch_s: float  # time those fetches took, reading through loading into the pool
+    # Of those, the fetches whose every block came from the worker's own host tier (the router prices a
+    # host-tier fetch by these, per worker).
+    host_fetched_bytes: int = 0
+    host_fetch_s: float = 0.0
 
 
 @dataclass(frozen=True)

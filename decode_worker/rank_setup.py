@@ -29,7 +29,8 @@ class RankSetup:
 
 
 def build_rank(owner, config: ClusterConfig, model_dir: str, store_host: str, store_port: int) -> RankSetup:
-    """`owner` is the DecodeRank (its `peer_id`, `rank`, `group_id`, `outbox`)."""
+    """`owner` is the DecodeRank (its `peer_id`, `rank`, `group_id`, `outbox`, `on_kv_event`, and
+    `follower_shards(runner)`: what a rank > 0 tells of its steps, or None)."""
     engine_cfg = config.engine_config("decode", model_dir)
     transport = TorchDistTransport(owner.peer_id, store_host, store_port)
     if config.decode.tp_size == 1:
@@ -59,7 +60,7 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
         owner.group_id, owner.rank, config.decode.tp_size, store_host, store_port, timeout_s=config.ready_timeout_s
     )
     if owner.rank == 0:
-        engine = TensorParallelEngine(engine_cfg, tp)
+        engine = TensorParallelEngine(engine_cfg, tp, on_kv_event=owner.on_kv_event)
         loop = EngineLoop(
             engine,
             lambda updates: owner.outbox.push_step(engine, updates),
@@ -79,7 +80,7 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
     stop = threading.Event()
     thread = threading.Thread(
         target=_follow,
-        args=(StepFollower(tp), runner, stop, owner.peer_id),
+        args=(StepFollower(tp), runner, stop, owner.peer_id, owner.follower_shards(runner)),
         daemon=True,
         name=f"{owner.peer_id}-follower",
     )
@@ -102,8 +103,8 @@ def _build_tp_rank(owner, config: ClusterConfig, engine_cfg, transport, store_ho
     )
 
 
-def _follow(follower, runner, stop: threading.Event, name: str) -> None:
+def _follow(follower, runner, stop: threading.Event, name: str, observer=None) -> None:
     try:
-        follower.run(runner, stop)
+        follower.run(runner, stop, observer)
     except Exception as err:  # noqa: BLE001 - the instance is lost without its rank 0; say so in the worker's log
         logging.getLogger(__name__).error("%s stopped following rank 0: %s", name, err)

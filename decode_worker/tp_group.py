@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 from urllib.parse import quote
 
 import torch
@@ -96,6 +96,7 @@ class StepBroadcaster:
         self.tp = tp
         self.lock = threading.RLock()
         self._sequence = 0
+        self.last_step_sequence = -1  # the number of the last STEP sent (what followers number it too)
         self._last_send_s = time.monotonic()
         self._stopped = False
         self._failure: str | None = None
@@ -107,7 +108,10 @@ class StepBroadcaster:
         return not self._stopped and self._failure is None
 
     def send_step(self, step: StepInput) -> None:
-        self._send(MessageKind.STEP, encode_step(step))
+        with self.lock:
+            sequence = self._sequence
+            self._send(MessageKind.STEP, encode_step(step))
+            self.last_step_sequence = sequence
 
     def send_idle(self) -> None:
         """A heartbeat: tells the followers rank 0 is alive while it has no step for them."""
@@ -188,12 +192,14 @@ class TensorParallelEngine(LLMEngine):
     ):
         _check_tp_size(config, tp)
         self.broadcaster = StepBroadcaster(tp)
+        self.last_step: tuple[int, StepInput] | None = None  # (its sequence number, the step): the KV it wrote
         super().__init__(config, tp=tp, progress=progress, on_kv_event=on_kv_event)
         self.broadcaster.start_heartbeat(heartbeat_interval_s)
 
     def execute(self, step_input: StepInput) -> torch.Tensor:
         with self.broadcaster.lock:
             self.broadcaster.send_step(step_input)
+            self.last_step = (self.broadcaster.last_step_sequence, step_input)
             try:
                 return self.runner.execute(step_input)
             except BaseException as exc:  # even a local error leaves the followers mid-step
@@ -230,6 +236,14 @@ class FollowerStats(NamedTuple):
     num_heartbeats: int
 
 
+class StepObserver(Protocol):
+    """Told about each step a follower runs, by its number in the group's message sequence."""
+
+    def before_forward(self, sequence: int, step: StepInput) -> None: ...
+
+    def after_forward(self, sequence: int) -> None: ...
+
+
 class StepFollower:
     """A rank > 0: receives rank 0's messages and runs each step's forward on its own `ModelRunner`.
 
@@ -250,8 +264,11 @@ class StepFollower:
         self._startup_timeout_s = tp.timeout_s if startup_timeout_s is None else startup_timeout_s
         self._sequence = 0
 
-    def run(self, runner: ModelRunner, stop_event: threading.Event | None = None) -> FollowerStats:
-        """Follow until rank 0 sends STOP (or `stop_event` is set, checked between messages).
+    def run(
+        self, runner: ModelRunner, stop_event: threading.Event | None = None, observer: StepObserver | None = None
+    ) -> FollowerStats:
+        """Follow until rank 0 sends STOP (or `stop_event` is set, checked between messages); `observer`
+        hears of each step around its forward.
 
         Raises `CollectiveError` when rank 0 dies, hangs past the timeout, or breaks the protocol;
         any failure closes the group.
@@ -267,7 +284,12 @@ class StepFollower:
                 heartbeats += kind is MessageKind.IDLE
                 if kind is MessageKind.STEP:
                     assert payload is not None, "a STEP message carries the step's inputs"
-                    runner.forward(decode_step(payload))
+                    step = decode_step(payload)
+                    if observer is not None:
+                        observer.before_forward(self._sequence - 1, step)
+                    runner.forward(step)
+                    if observer is not None:
+                        observer.after_forward(self._sequence - 1)
                     steps += 1
         except BaseException:
             self.tp.close()  # the group is out of step: let rank 0 notice now, not after its timeout

@@ -27,16 +27,19 @@ from common.actor_api import DecodeRankApi, DecodeRankHandle
 from common.config import ClusterConfig
 from common.logs import configure_logging_from_env
 from common.membership import Membership
-from common.messages import GenerateRequest, Liveness, TokenUpdate, WorkerInfo, WorkerStats
+from common.messages import FilledBlocks, GenerateRequest, Liveness, TokenUpdate, WorkerInfo, WorkerStats
 from common.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
+from decode_worker.shard_store import FollowerShards, LeaderShards
+from decode_worker.tp_group import TensorParallelEngine
 from decode_worker.trace import DecodeSpans
 from engine.block_hash import spec_fingerprint
 from engine.block_pool import KVCacheEvent
 from engine.engine_loop import EngineLoop
 from engine.heap import freeze_startup_heap
 from engine.llm_engine import LLMEngine
+from kv_store.block_shards import rank_heads, writes_shards
 from kv_store.metrics import KVTierCollector
 from kv_store.worker_tiers import WorkerKVTiers
 from kvtransfer.handoff import HandoffTarget, RankTarget
@@ -72,15 +75,24 @@ class DecodeRank:
             tracing.configure(self.config.otlp_traces_endpoint, "splitserve-decode")
         self.spans = DecodeSpans(instance_id)
         self.kv_tiers: WorkerKVTiers | None = None  # set below when this instance stores its blocks
+        self.leader_shards: LeaderShards | None = None  # rank 0 of a TP instance storing its blocks
+        self.shards: FollowerShards | None = None  # a rank > 0 storing its heads (set by build_rank)
+        self._followers = [DecodeRankHandle(follower) for follower in followers]
         self.setup: RankSetup = build_rank(self, self.config, model_dir, store_host, store_port)
         if self.config.decode_stores_blocks and self.setup.loop is not None:
             engine = self.setup.loop.engine
-            self.kv_tiers = WorkerKVTiers(self.config.kv_store, engine.runner.kv_cache, engine.kv, only_missing=True)
+            tp_size, num_kv_heads = self.config.decode.tp_size, engine.model_config.num_kv_heads
+            heads = None if tp_size == 1 else rank_heads(0, num_kv_heads, tp_size)
+            # TP: only blocks a step filled are stored, as shards; nothing is already stored under their keys
+            storage = engine.runner.kv_cache
+            self.kv_tiers = WorkerKVTiers(self.config.kv_store, storage, engine.kv, tp_size == 1, heads=heads)
+            if isinstance(engine, TensorParallelEngine):
+                writers = [f for r, f in enumerate(self._followers, 1) if writes_shards(r, num_kv_heads, tp_size)]
+                self.leader_shards = LeaderShards(self.kv_tiers, engine, writers, self.config.block_size)
             if self.telemetry is not None:
                 self.telemetry.metrics.registry.register(KVTierCollector(instance_id, "decode", self.kv_tiers))
         self.receiver = KVReceiver(self.setup.transport, self.setup.runner.kv_cache)
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
-        self._followers = [DecodeRankHandle(follower) for follower in followers]
         self._leases: dict[str, float] = {}  # rank 0: reserved, not yet adopted → deadline
         # rank 0: request ids cancelled before they were reserved (a router's cleanup can overtake a
         # dead prefill worker's last reserve call) → until when a reserve for them is refused
@@ -126,7 +138,25 @@ class DecodeRank:
 
     # ---- every rank -------------------------------------------------------------------------------
     async def expect(self, request_id: str, block_ids: tuple[int, ...], deadline_s: float) -> None:
+        if self.shards is not None:  # before anything can write into them (decode_worker/shard_store.py)
+            self.shards.before_import(block_ids)
         self.receiver.expect(request_id, block_ids, deadline_s)
+
+    async def store_filled_blocks(self, blocks: FilledBlocks) -> None:
+        """Ranks > 0: rank 0 names blocks the last steps filled; this rank stores its heads of them."""
+        if self.shards is not None:
+            self.shards.on_filled(blocks)
+
+    def follower_shards(self, runner) -> FollowerShards | None:
+        """Called by build_rank on ranks > 0: what stores this rank's heads of filled blocks, or None."""
+        config = self.config
+        num_kv_heads = runner.model.config.num_kv_heads
+        if not config.decode_stores_blocks or not writes_shards(self.rank, num_kv_heads, config.decode.tp_size):
+            return None
+        heads = rank_heads(self.rank, num_kv_heads, config.decode.tp_size)
+        self.kv_tiers = WorkerKVTiers(config.kv_store, runner.kv_cache, None, heads=heads)
+        self.shards = FollowerShards(self.kv_tiers, config.block_size)
+        return self.shards
 
     async def receive_kv(self, prefill_peer: str, request_id: str) -> None:
         """Announced by the prefill worker right before it sends this rank's part of the KV."""
@@ -241,8 +271,10 @@ class DecodeRank:
         self.receiver.delay_s = seconds
 
     def on_kv_event(self, event: KVCacheEvent) -> None:
-        """Engine thread (TP=1): a block of a running sequence filled; the KV tiers get a copy."""
-        if self.kv_tiers is not None:
+        """Engine thread (rank 0): a block of a running sequence filled; the KV tiers get a copy."""
+        if self.leader_shards is not None:
+            self.leader_shards.on_kv_event(event)
+        elif self.kv_tiers is not None:
             self.kv_tiers.on_kv_event(event)
 
     async def kv_tier_stats(self) -> dict[str, dict[str, int]]:
@@ -250,6 +282,8 @@ class DecodeRank:
         return {} if self.kv_tiers is None else self.kv_tiers.stats()
 
     def shutdown(self) -> None:
+        if self.leader_shards is not None:
+            self.leader_shards.close()
         if self.kv_tiers is not None:
             self.kv_tiers.close()
         if self._sweeper is not None:

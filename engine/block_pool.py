@@ -36,13 +36,23 @@ class BlockStored:
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
+    # Where the blocks are: the pool (whose events this module emits), or the worker's host tier (its
+    # writer publishes those, with no parent or tokens). Consumers that know only the pool read the default.
+    medium: str = "pool"
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Blocks with these hashes are no longer cached on this worker (evicted or reset)."""
+    """Blocks with these hashes are no longer cached on this worker (evicted or reset) in `medium`."""
 
     block_hashes: tuple[BlockHash, ...]
+    medium: str = "pool"
+
+
+# The media a KV event names (vLLM's KV events call the field `medium` too).
+MEDIUM_POOL = "pool"
+MEDIUM_HOST = "host"
+MEDIA = (MEDIUM_POOL, MEDIUM_HOST)
 
 
 # Events carry hashes and token ids only; the publisher adds worker identity and sequence numbers.
@@ -69,15 +79,19 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._on_event = on_event
         self._ref_counts = [0] * num_blocks
-        # Insertion order is the LRU order; OrderedDict gives O(1) removal from the middle on a hit.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # The free queue is the blocks never handed out, [_fresh, num_blocks) in id order, followed by
+        # `_free`, released blocks in LRU order (insertion order; OrderedDict gives O(1) removal from
+        # the middle on a hit). Fresh blocks are not listed: a pool of millions of blocks (a fleet's in
+        # the simulator, a large GPU's) starts without building a queue of them.
+        self._fresh = 0
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}
         self._entries: dict[int, _CacheEntry] = {}
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks `allocate` can hand out now, cached ones (evictable) included."""
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -90,15 +104,18 @@ class BlockPool:
 
     def is_free(self, block_id: int) -> bool:
         self._check_id(block_id)
-        return block_id in self._free
+        return block_id >= self._fresh or block_id in self._free
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` blocks from the head of the free queue, evicting any cached ones among them."""
         if not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be an integer >= 0, got {count!r}")
-        if count > len(self._free):
-            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
-        taken = [self._free.popitem(last=False)[0] for _ in range(count)]
+        if count > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free_blocks} free")
+        fresh = min(count, self.num_blocks - self._fresh)
+        taken = list(range(self._fresh, self._fresh + fresh))
+        self._fresh += fresh
+        taken += [self._free.popitem(last=False)[0] for _ in range(count - fresh)]
         evicted: list[BlockHash] = []
         for block_id in taken:
             self._ref_counts[block_id] = 1
@@ -143,10 +160,18 @@ class BlockPool:
         by another prompt) are evicted first. All ids are checked before any is released.
         """
         block_ids = list(block_ids)
-        for block_id, times in Counter(block_ids).items():
-            self._check_id(block_id)
-            if self._ref_counts[block_id] < times:
-                raise ValueError(f"block {block_id} released {times}x with ref count {self._ref_counts[block_id]}")
+        refs = self._ref_counts
+        # Checked in bulk when each id comes once (the usual case: one sequence's table); a repeated id
+        # is counted, so releasing a block twice needs two references.
+        if (
+            not self._valid_ids(block_ids)
+            or len(set(block_ids)) != len(block_ids)
+            or 0 in map(refs.__getitem__, block_ids)
+        ):
+            for block_id, times in Counter(block_ids).items():
+                self._check_id(block_id)
+                if refs[block_id] < times:
+                    raise ValueError(f"block {block_id} released {times}x with ref count {refs[block_id]}")
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
@@ -161,6 +186,42 @@ class BlockPool:
         existing mapping wins and this block stays uncached: one hash, one block, and it is freed like
         any uncached block. Marking a block again with its own hash is a no-op.
         """
+        tokens = tuple(token_ids)
+        if self._cache(block_id, block_hash, tokens):
+            self._emit(BlockStored((block_hash,), parent_hash, tokens))
+
+    def mark_cached_chain(
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[Sequence[int]] | None = None,
+        *,
+        parent_hash: BlockHash | None = None,
+    ) -> None:
+        """`mark_cached` for consecutive blocks of one sequence (each block's parent is the one before
+        it; the first's is `parent_hash`), emitting one BlockStored per run of blocks it newly caches
+        rather than one per block. `token_ids`: each block's tokens (None: none recorded)."""
+        run: list[BlockHash] = []
+        run_tokens: list[int] = []
+        run_parent = previous = parent_hash
+        try:
+            for i, (block_id, block_hash) in enumerate(zip(block_ids, block_hashes, strict=True)):
+                tokens = () if token_ids is None else tuple(token_ids[i])
+                if self._cache(block_id, block_hash, tokens):
+                    if not run:
+                        run_parent = previous
+                    run.append(block_hash)
+                    run_tokens.extend(tokens)
+                elif run:
+                    self._emit(BlockStored(tuple(run), run_parent, tuple(run_tokens)))
+                    run, run_tokens = [], []
+                previous = block_hash
+        finally:  # what was cached before a bad block is announced all the same
+            if run:
+                self._emit(BlockStored(tuple(run), run_parent, tuple(run_tokens)))
+
+    def _cache(self, block_id: int, block_hash: BlockHash, tokens: tuple[int, ...]) -> bool:
+        """Registers the block under the hash; False when it was already (or the hash maps elsewhere)."""
         self._check_id(block_id)
         if self._ref_counts[block_id] == 0:
             raise ValueError(f"block {block_id} is free; only blocks in use can be marked cached")
@@ -168,13 +229,12 @@ class BlockPool:
         if entry is not None:
             if entry.block_hash != block_hash:
                 raise ValueError(f"block {block_id} is already cached under another hash")
-            return
+            return False
         if block_hash in self._hash_to_block:
-            return
-        tokens = tuple(token_ids)
+            return False
         self._entries[block_id] = _CacheEntry(block_hash, tokens)
         self._hash_to_block[block_hash] = block_id
-        self._emit(BlockStored((block_hash,), parent_hash, tokens))
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget the hashes of all free blocks (e.g. after weights change); in-use blocks keep theirs."""
@@ -191,17 +251,22 @@ class BlockPool:
         for block_id, ref in enumerate(self._ref_counts):
             _require(ref >= 0, f"block {block_id} has negative ref count {ref}")
             _require(
-                (ref == 0) == (block_id in self._free),
+                (ref == 0) == (block_id >= self._fresh or block_id in self._free),
                 f"block {block_id} (ref {ref}) must be in the free queue iff its ref count is 0",
             )
-        _require(all(0 <= b < self.num_blocks for b in self._free), "free queue holds an unknown block id")
-        _require(len(self._free) == self._ref_counts.count(0), "free count disagrees with ref counts")
+        _require(all(0 <= b < self._fresh for b in self._free), "free queue holds an unknown or fresh block id")
+        _require(self.num_free_blocks == self._ref_counts.count(0), "free count disagrees with ref counts")
         _require(len(self._hash_to_block) == len(self._entries), "hash map and cache entries differ in size")
         for block_id, entry in self._entries.items():
             _require(
                 self._hash_to_block.get(entry.block_hash) == block_id,
                 f"block {block_id}'s hash does not map back to it",
             )
+
+    def _valid_ids(self, block_ids: list[int]) -> bool:
+        return not block_ids or (
+            all(isinstance(b, int) for b in block_ids) and min(block_ids) >= 0 and max(block_ids) < self.num_blocks
+        )
 
     def _check_id(self, block_id: int) -> None:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:

@@ -4,6 +4,11 @@ Both evict their least recently used record to make room. A GPU worker's host ti
 records were copied off the device once, when encoded); a CPU worker's pool already is host memory,
 so its further tier is a local file: the page cache keeps what is hot and the disk holds the rest,
 without counting against the process's memory.
+
+`on_change(stored_keys, evicted_keys)`, when set, is called after each write that changed what the
+tier holds, under the tier's lock (so two threads' calls arrive in the order their changes happened):
+a prefill worker publishes them as host-tier KV events (kv_store/worker_tiers.py). It runs on the
+writing thread (the tier's writer, or a fetch promoting a store hit), never on the engine's.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 
 from kv_store.base import BlockStore
+
+TierListener = Callable[[list[bytes], list[bytes]], None]  # (stored keys, evicted keys)
 
 
 class MemoryTier(BlockStore):
@@ -30,6 +37,7 @@ class MemoryTier(BlockStore):
         self.stats.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._records: OrderedDict[bytes, bytes] = OrderedDict()
+        self.on_change: TierListener | None = None
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         with self._lock:
@@ -44,7 +52,9 @@ class MemoryTier(BlockStore):
         return out
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        stored = stored_bytes = evicted = 0
+        stored = stored_bytes = 0
+        stored_keys: list[bytes] = []
+        evicted_keys: list[bytes] = []
         with self._lock:
             for key, value in items:
                 if len(value) > self.stats.capacity_bytes:
@@ -52,13 +62,15 @@ class MemoryTier(BlockStore):
                 old = self._records.pop(key, None)
                 self.stats.used_bytes -= 0 if old is None else len(old)
                 while self.stats.used_bytes + len(value) > self.stats.capacity_bytes:
-                    _, dropped = self._records.popitem(last=False)
+                    dropped_key, dropped = self._records.popitem(last=False)
                     self.stats.used_bytes -= len(dropped)
-                    evicted += 1
+                    evicted_keys.append(dropped_key)
                 self._records[key] = value
                 self.stats.used_bytes += len(value)
                 stored, stored_bytes = stored + 1, stored_bytes + len(value)
-        self._count(writes=stored, write_bytes=stored_bytes, evictions=evicted)
+                stored_keys.append(key)
+            _notify(self.on_change, stored_keys, evicted_keys, self._records)
+        self._count(writes=stored, write_bytes=stored_bytes, evictions=len(evicted_keys))
         return stored
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -100,6 +112,7 @@ class DiskTier(BlockStore):
         self._lock = threading.Lock()
         self._slots: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, length), LRU order
         self._free = list(range(num_slots - 1, -1, -1))
+        self.on_change: TierListener | None = None
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -117,7 +130,9 @@ class DiskTier(BlockStore):
         return out
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        stored = stored_bytes = evicted = 0
+        stored = stored_bytes = 0
+        stored_keys: list[bytes] = []
+        evicted_keys: list[bytes] = []
         with self._lock:
             if self._map is None:
                 return 0
@@ -129,14 +144,16 @@ class DiskTier(BlockStore):
                 elif self._free:
                     slot = self._free.pop()
                 else:
-                    _, (slot, _) = self._slots.popitem(last=False)
-                    evicted += 1
+                    dropped_key, (slot, _) = self._slots.popitem(last=False)
+                    evicted_keys.append(dropped_key)
                 start = slot * self.slot_bytes
                 self._map[start : start + len(value)] = value
                 self._slots[key] = (slot, len(value))
                 stored, stored_bytes = stored + 1, stored_bytes + len(value)
+                stored_keys.append(key)
             self.stats.used_bytes = len(self._slots) * self.slot_bytes
-        self._count(writes=stored, write_bytes=stored_bytes, evictions=evicted)
+            _notify(self.on_change, stored_keys, evicted_keys, self._slots)
+        self._count(writes=stored, write_bytes=stored_bytes, evictions=len(evicted_keys))
         return stored
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -151,3 +168,16 @@ class DiskTier(BlockStore):
                 self._file.close()
                 self.path.unlink(missing_ok=True)
             self._slots.clear()
+
+
+def _notify(
+    listener: TierListener | None, stored_keys: list[bytes], evicted_keys: list[bytes], held: Container[bytes]
+) -> None:
+    """Tells `listener` the call's net change: a key evicted then stored again by one batch (or stored
+    then evicted) is reported once, as what the tier holds now."""
+    if listener is None:
+        return
+    stored = [key for key in dict.fromkeys(stored_keys) if key in held]
+    evicted = [key for key in dict.fromkeys(evicted_keys) if key not in held]
+    if stored or evicted:
+        listener(stored, evicted)

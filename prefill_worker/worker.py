@@ -95,7 +95,13 @@ class PrefillWorker:
         )
         self.store_fetcher: StoreFetcher | None = None
         if cluster_config.kv_store.enabled:  # KV tiers beyond the pool: write cached blocks, fetch missing ones
-            tiers = WorkerKVTiers(cluster_config.kv_store, self.engine.runner.kv_cache, self.engine.kv)
+            tiers = WorkerKVTiers(
+                cluster_config.kv_store,
+                self.engine.runner.kv_cache,
+                self.engine.kv,
+                decode_tp_size=cluster_config.decode.tp_size,  # reads a TP decode instance's shard records too
+            )
+            tiers.publish_host_events(self.kv_events.append)  # the index learns what the host tier holds
             self.store_fetcher = StoreFetcher(tiers, self.loop.call, self.telemetry.metrics)
             self.telemetry.metrics.registry.register(KVTierCollector(worker_id, "prefill", tiers))
         freeze_startup_heap()  # this actor's process is ours: later full collections skip the startup heap

@@ -16,6 +16,11 @@ Apply rules, shared by every implementation (the contract test checks them all):
 * A snapshot replaces the worker's entries with exactly the hashes it lists.
 * A worker's entries live `lease_s` after its last applied batch or heartbeat; after that the worker
   is unknown (no matches, no cursor) and its memory is reclaimed.
+* Tiers: each entry is of a medium (`BlockStored.medium`): the worker's pool, or its host tier (blocks
+  the pool evicted stay there until the tier evicts them). The two are independent sets per worker;
+  a snapshot replaces both (`KVEventBatch.host_snapshot`). A match counts `num_blocks`, the leading
+  blocks in the pool, then `num_host_blocks`, how far the chain continues with blocks in the pool or
+  the host tier: what the worker serves from its pool, then fetches from its host tier.
 
 Tenants: the engine's `BlockStored` events carry no tenant, so the index cannot key entries by one.
 Isolation comes from the hash spec instead: a block hash is chained from a root salted with the
@@ -33,7 +38,8 @@ from typing import NamedTuple
 
 from common.kv_events import KVEventBatch
 from engine.block_hash import BLOCK_HASH_BYTES, BlockHash, spec_fingerprint
-from engine.block_pool import BlockRemoved, BlockStored
+from engine.block_pool import MEDIA, BlockRemoved, BlockStored
+from prefix_index.worker_slots import WorkerSlots
 
 KEY_SCHEMA_VERSION = 1  # bump when the Redis key layout changes; old and new never share keys
 
@@ -44,7 +50,8 @@ class PrefixIndexUnavailable(RuntimeError):
 
 class PrefixMatch(NamedTuple):
     worker_id: str
-    num_blocks: int  # leading blocks of the query this worker holds (contiguous from block 0)
+    num_blocks: int  # leading blocks of the query this worker holds in its pool (contiguous from block 0)
+    num_host_blocks: int = 0  # the blocks after those its host tier holds (contiguous): a fetch away
 
 
 @dataclass(frozen=True)
@@ -102,18 +109,38 @@ class HolderLevels(ABC):
 
     @abstractmethod
     def blocks_of(self, worker_id: str) -> int:
-        """How many leading blocks the worker holds (0 when none, or unknown)."""
+        """How many leading blocks the worker holds in its pool (0 when none, or unknown)."""
+
+    def host_extended(self) -> Sequence[PrefixMatch]:
+        """The workers whose host tier continues the chain past their pool (`num_host_blocks` >= 1), any
+        order: the only ones a host-tier fetch could serve more of the prompt. Depths and members above
+        count pool blocks only."""
+        return ()
+
+    # Levels kept as masks of worker slots (the in-process index's) set `slots` and answer these two;
+    # a policy whose LoadBook shares those slots then meets members with ANDs instead of one by one.
+    slots: WorkerSlots | None = None
+
+    def exact_mask(self, num_blocks: int) -> int:
+        """The mask (in `slots`' bits) of the workers holding exactly `num_blocks` leading blocks."""
+        raise NotImplementedError("levels without slots have no masks")
+
+    def holding_at_least(self, num_blocks: int) -> int:
+        """The mask (in `slots`' bits) of the workers holding at least `num_blocks` leading blocks."""
+        raise NotImplementedError("levels without slots have no masks")
 
 
 class MatchLevels(HolderLevels):
     """Holder levels built from a `match` list (indexes without a cheaper structure)."""
 
     def __init__(self, matches: Sequence[PrefixMatch]):
-        self._blocks = {m.worker_id: m.num_blocks for m in matches}
+        self._blocks = {m.worker_id: m.num_blocks for m in matches if m.num_blocks}
         self._by_depth: dict[int, list[str]] = {}
         for m in matches:
-            self._by_depth.setdefault(m.num_blocks, []).append(m.worker_id)
+            if m.num_blocks:
+                self._by_depth.setdefault(m.num_blocks, []).append(m.worker_id)
         self._depths = sorted(self._by_depth, reverse=True)
+        self._host = [m for m in matches if m.num_host_blocks > 0]
 
     @property
     def depths(self) -> Sequence[int]:
@@ -127,6 +154,9 @@ class MatchLevels(HolderLevels):
 
     def blocks_of(self, worker_id: str) -> int:
         return self._blocks.get(worker_id, 0)
+
+    def host_extended(self) -> Sequence[PrefixMatch]:
+        return self._host
 
 
 class PrefixIndex(ABC):
@@ -149,9 +179,11 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     async def match(self, block_hashes: Sequence[BlockHash]) -> list[PrefixMatch]:
-        """For each live worker holding block 0, how many leading blocks it holds.
+        """For each live worker holding block 0 (in its pool or host tier), how many leading blocks its
+        pool holds and how many more its host tier continues with (see the module's tier rule).
 
-        Sorted by num_blocks descending, then worker_id. Empty when nobody holds block 0.
+        Sorted by num_blocks descending, then num_host_blocks descending, then worker_id. Empty when
+        nobody holds block 0. A caller that ignores tiers reads `num_blocks` (0 for host-only holders).
         Raises PrefixIndexUnavailable when a remote index cannot answer in time.
         """
 
@@ -162,7 +194,8 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     async def num_entries(self) -> int:
-        """(worker, block hash) entries of live workers: what GetClusterStatus reports as index size."""
+        """(worker, block hash) entries of live workers, pool and host tier counted apart: what
+        GetClusterStatus reports as index size."""
 
     @abstractmethod
     async def remove_worker(self, worker_id: str) -> None:
@@ -183,8 +216,8 @@ class PrefixIndex(ABC):
 
 def check_worker(worker_id: str, epoch: int) -> None:
     """Worker ids are non-empty strings; epochs non-negative integers (Redis compares them as text)."""
-    if not isinstance(worker_id, str) or not worker_id:
-        raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
+    if not isinstance(worker_id, str) or not worker_id or "\0" in worker_id:
+        raise ValueError(f"worker_id must be a non-empty string without NUL, got {worker_id!r}")
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
 
@@ -198,13 +231,18 @@ def check_batch(batch: KVEventBatch) -> None:
         if batch.events:
             raise ValueError("a snapshot batch carries no events")
         check_hashes(batch.snapshot)
+        check_hashes(batch.host_snapshot)
         return
+    if batch.host_snapshot:
+        raise ValueError("host_snapshot comes only with a snapshot")
     seqs = [seq for seq, _ in batch.events]
     if seqs and (seqs != list(range(seqs[0], seqs[0] + len(seqs))) or seqs[-1] != batch.last_seq):
         raise ValueError(f"events of {batch.worker_id} must be numbered contiguously up to last_seq")
     for _, event in batch.events:
         if not isinstance(event, (BlockStored, BlockRemoved)):
             raise ValueError(f"unknown KV event type {type(event).__name__}")
+        if event.medium not in MEDIA:
+            raise ValueError(f"KV event medium must be one of {', '.join(MEDIA)}, got {event.medium!r}")
         check_hashes(event.block_hashes)
 
 
@@ -214,6 +252,12 @@ def check_hashes(block_hashes: Sequence[BlockHash]) -> None:
             raise ValueError(f"a block hash is {BLOCK_HASH_BYTES} raw bytes, got {block_hash!r}")
 
 
-def sort_matches(counts: dict[str, int]) -> list[PrefixMatch]:
-    """Matches with at least one block, longest first, ties by worker id (the interface's order)."""
-    return sorted((PrefixMatch(w, n) for w, n in counts.items() if n > 0), key=lambda m: (-m.num_blocks, m.worker_id))
+def sort_matches(counts: dict[str, int], host_counts: dict[str, int] | None = None) -> list[PrefixMatch]:
+    """Matches with at least one block in pool or host tier, in the interface's order. `host_counts`:
+    worker → blocks its host tier continues with past its pool run (absent: none)."""
+    host_counts = host_counts or {}
+    matches = [PrefixMatch(w, counts.get(w, 0), host_counts.get(w, 0)) for w in counts.keys() | host_counts.keys()]
+    return sorted(
+        (m for m in matches if m.num_blocks > 0 or m.num_host_blocks > 0),
+        key=lambda m: (-m.num_blocks, -m.num_host_blocks, m.worker_id),
+    )

@@ -5,6 +5,8 @@ deadline and held hashes (for epoch drops, snapshots and expiry without scanning
 Holders are a bitmask of worker slots, not a set: a lookup is a chain of ANDs, and an int costs a
 tenth of a set's memory and is invisible to the garbage collector (200k sets made full collections
 in the router's process cost milliseconds). A forgotten worker's slot is reused once its bits are gone.
+The host tier has its own pair of maps (`host` sets, `_host_holders` masks), empty unless workers
+publish host-tier events, so lookups of an index without them cost what they did.
 Expired workers are reaped at the start of every call, so a dead worker's memory is freed on the
 next call after its lease and lookups never see it. Lease deadlines use an injectable monotonic
 clock (tests advance a fake one instead of sleeping).
@@ -12,14 +14,15 @@ clock (tests advance a fake one instead of sleeping).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from common.kv_events import KVEventBatch
 from engine.block_hash import BlockHash
-from engine.block_pool import BlockStored, IntegrityError
+from engine.block_pool import MEDIUM_HOST, BlockStored, IntegrityError
 from prefix_index.base import (
     HolderLevels,
     PrefixIndex,
@@ -29,6 +32,7 @@ from prefix_index.base import (
     check_worker,
     sort_matches,
 )
+from prefix_index.worker_slots import WorkerSlots
 
 
 @dataclass
@@ -38,19 +42,24 @@ class _Worker:
     last_seq: int
     deadline_s: float
     blocks: set[BlockHash] = field(default_factory=set)
+    host: set[BlockHash] = field(default_factory=set)  # what its host tier holds (pool blocks too, often)
 
 
 class InProcessPrefixIndex(PrefixIndex):
     """Not thread-safe: no method awaits, so each call is atomic on the one event loop that owns it."""
 
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic, slots: WorkerSlots | None = None):
+        """`slots`: a registry shared with the caller's `LoadBook` (its masks then line up with the holder
+        levels'); by default the index's own, a slot freed when its worker is forgotten."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
         self.lease_s = lease_s
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
         self._holders: dict[BlockHash, int] = {}  # bit `slot` set: that worker holds the block
-        self._slot_owner: dict[int, str] = {}
+        self._host_holders: dict[BlockHash, int] = {}  # bit `slot` set: that worker's host tier holds it
+        self.slots = slots if slots is not None else WorkerSlots()
+        self._owns_slots = slots is None
         self._earliest_deadline_s = math.inf  # no worker's deadline is earlier (see _reap)
 
     async def apply(self, batch: KVEventBatch) -> None:
@@ -66,7 +75,7 @@ class InProcessPrefixIndex(PrefixIndex):
         if batch.last_seq < base_seq:
             return  # older than what was applied: nothing in it is news
         if batch.snapshot is not None:
-            worker = self._replace(batch.worker_id, batch.epoch, batch.snapshot)
+            worker = self._replace(batch.worker_id, batch.epoch, batch.snapshot, batch.host_snapshot)
         else:
             first_new = next((seq for seq, _ in batch.events if seq > base_seq), batch.last_seq + 1)
             if first_new != base_seq + 1:
@@ -105,29 +114,37 @@ class InProcessPrefixIndex(PrefixIndex):
                 if not following:
                     break
         counts.update(dict.fromkeys(self._owners(following), len(block_hashes)))
-        return sort_matches(counts)
+        if not self._host_holders:
+            return sort_matches(counts)
+        reach = {w: n for n, mask in self._reach_levels(block_hashes) for w in self._owners(mask)}
+        return sort_matches(counts, {w: n - counts.get(w, 0) for w, n in reach.items() if n > counts.get(w, 0)})
 
     async def holder_levels(self, block_hashes: Sequence[BlockHash]) -> HolderLevels:
         """The chain of ANDs of `match`, kept as one holder mask per depth: nothing is listed until asked."""
         check_hashes(block_hashes)
         self._reap()
-        exact: list[tuple[int, int]] = []  # (depth, mask of the workers holding exactly that many blocks)
-        following = self._holders.get(block_hashes[0], 0) if block_hashes else 0
-        for position, block_hash in enumerate(block_hashes):
-            if not following:
-                break
-            still = following & self._holders.get(block_hash, 0)
-            if still != following:
-                exact.append((position, following & ~still))
-                following = still
-        if following:
-            exact.append((len(block_hashes), following))
-        exact.reverse()
-        return _MaskLevels(exact, self)
+        levels = _MaskLevels(_exact_levels(map(self._holders.get, block_hashes, itertools.repeat(0))), self)
+        if self._host_holders:
+            levels.host = self._host_extended(levels, self._reach_levels(block_hashes))
+        return levels
+
+    def _reach_levels(self, block_hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
+        """(n, mask of the workers whose pool or host tier holds exactly the first n blocks), deepest first."""
+        pool, host = self._holders, self._host_holders
+        return _exact_levels(pool.get(h, 0) | host.get(h, 0) for h in block_hashes)
+
+    def _host_extended(self, levels: _MaskLevels, reach: list[tuple[int, int]]) -> list[PrefixMatch]:
+        """The workers whose reach passes their pool run: at each reach level, those whose pool holds less."""
+        out: list[PrefixMatch] = []
+        for depth, mask in reach:
+            for worker_id in self._owners(mask & ~levels.holding_at_least(depth)):
+                blocks = levels.blocks_of(worker_id)
+                out.append(PrefixMatch(worker_id, blocks, depth - blocks))
+        return out
 
     async def num_entries(self) -> int:
         self._reap()
-        return sum(len(worker.blocks) for worker in self._workers.values())
+        return sum(len(worker.blocks) + len(worker.host) for worker in self._workers.values())
 
     async def remove_worker(self, worker_id: str) -> None:
         self._forget(worker_id)
@@ -138,10 +155,13 @@ class InProcessPrefixIndex(PrefixIndex):
         return None if worker is None else (worker.epoch, worker.last_seq)
 
     async def check_integrity(self) -> None:
-        _require(
-            self._slot_owner == {w.slot: worker_id for worker_id, w in self._workers.items()},
-            "slot owners disagree with the workers' slots",
-        )
+        if self._owns_slots:
+            _require(
+                self.slots.owners == {w.slot: worker_id for worker_id, w in self._workers.items()},
+                "slot owners disagree with the workers' slots",
+            )
+        for worker_id, worker in self._workers.items():
+            _require(self.slots.get(worker_id) == worker.slot, f"{worker_id}'s slot disagrees with the registry")
         for worker_id, worker in self._workers.items():
             _require(worker.last_seq >= 0, f"{worker_id} has cursor {worker.last_seq}")
             for block_hash in worker.blocks:
@@ -149,60 +169,62 @@ class InProcessPrefixIndex(PrefixIndex):
                     bool(self._holders.get(block_hash, 0) >> worker.slot & 1),
                     f"{worker_id} holds {block_hash.hex()} but is not among its holders",
                 )
-        for block_hash, mask in self._holders.items():
-            _require(mask > 0, f"{block_hash.hex()} has an empty holder mask (a leak)")
-            for worker_id in self._owners(mask):
+            for block_hash in worker.host:
                 _require(
-                    block_hash in self._workers[worker_id].blocks,
-                    f"{block_hash.hex()} lists {worker_id}, which does not hold it",
+                    bool(self._host_holders.get(block_hash, 0) >> worker.slot & 1),
+                    f"{worker_id}'s host tier holds {block_hash.hex()} but is not among its host holders",
                 )
+        for holders, medium in ((self._holders, "pool"), (self._host_holders, "host tier")):
+            for block_hash, mask in holders.items():
+                _require(mask > 0, f"{block_hash.hex()} has an empty {medium} holder mask (a leak)")
+                for worker_id in self._owners(mask):
+                    worker = self._workers[worker_id]
+                    held = worker.blocks if holders is self._holders else worker.host
+                    _require(
+                        block_hash in held, f"{block_hash.hex()} lists {worker_id}, whose {medium} does not hold it"
+                    )
 
     async def close(self) -> None:
         self._workers.clear()
         self._holders.clear()
-        self._slot_owner.clear()
+        self._host_holders.clear()
+        if self._owns_slots:
+            self.slots = WorkerSlots()
 
     def _owners(self, mask: int) -> list[str]:
-        # A byte at a time (a table lists each byte's set bits): peeling the low bit off a wide mask
-        # copies the whole int per holder, which made listing a prefix most of a fleet holds the
-        # simulator's hottest call.
-        slot_owner = self._slot_owner
-        data = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
         try:
-            return [
-                slot_owner[base + bit]
-                for base, byte in zip(range(0, 8 * len(data), 8), data, strict=True)
-                if byte
-                for bit in _BYTE_BITS[byte]
-            ]
+            return self.slots.owners_of(mask)
         except KeyError as err:
             raise IntegrityError(f"holder bit {err.args[0]} has no worker") from None
 
     def _register(self, worker_id: str, epoch: int) -> _Worker:
-        slot = next(i for i in range(len(self._slot_owner) + 1) if i not in self._slot_owner)
-        self._slot_owner[slot] = worker_id
-        worker = self._workers[worker_id] = _Worker(slot, epoch, 0, 0.0)
+        worker = self._workers[worker_id] = _Worker(self.slots.slot(worker_id), epoch, 0, 0.0)
         return worker
 
     def _apply_event(self, worker: _Worker, event) -> None:
         bit = 1 << worker.slot
+        on_host = event.medium == MEDIUM_HOST
+        held, holders = (worker.host, self._host_holders) if on_host else (worker.blocks, self._holders)
         if isinstance(event, BlockStored):
             for block_hash in event.block_hashes:
-                worker.blocks.add(block_hash)
-                self._holders[block_hash] = self._holders.get(block_hash, 0) | bit
+                held.add(block_hash)
+                holders[block_hash] = holders.get(block_hash, 0) | bit
         else:
             for block_hash in event.block_hashes:
-                if block_hash in worker.blocks:
-                    worker.blocks.discard(block_hash)
-                    self._drop_bit(block_hash, bit)
+                if block_hash in held:
+                    held.discard(block_hash)
+                    _drop_bit(holders, block_hash, bit)
 
-    def _replace(self, worker_id: str, epoch: int, snapshot: Sequence[BlockHash]) -> _Worker:
+    def _replace(
+        self, worker_id: str, epoch: int, snapshot: Sequence[BlockHash], host_snapshot: Sequence[BlockHash] = ()
+    ) -> _Worker:
         self._forget(worker_id)
         worker = self._register(worker_id, epoch)
-        worker.blocks = set(snapshot)
+        worker.blocks, worker.host = set(snapshot), set(host_snapshot)
         bit = 1 << worker.slot
-        for block_hash in worker.blocks:
-            self._holders[block_hash] = self._holders.get(block_hash, 0) | bit
+        for held, holders in ((worker.blocks, self._holders), (worker.host, self._host_holders)):
+            for block_hash in held:
+                holders[block_hash] = holders.get(block_hash, 0) | bit
         return worker
 
     def _forget(self, worker_id: str) -> None:
@@ -210,15 +232,11 @@ class InProcessPrefixIndex(PrefixIndex):
         if worker is not None:
             bit = 1 << worker.slot
             for block_hash in worker.blocks:
-                self._drop_bit(block_hash, bit)
-            del self._slot_owner[worker.slot]  # reusable: none of its bits is left
-
-    def _drop_bit(self, block_hash: BlockHash, bit: int) -> None:
-        mask = self._holders.get(block_hash, 0) & ~bit
-        if mask:
-            self._holders[block_hash] = mask
-        else:  # empty masks would pile up for every block ever seen
-            self._holders.pop(block_hash, None)
+                _drop_bit(self._holders, block_hash, bit)
+            for block_hash in worker.host:
+                _drop_bit(self._host_holders, block_hash, bit)
+            if self._owns_slots:
+                self.slots.release(worker_id)  # reusable: none of its bits is left
 
     def _extend(self, worker: _Worker) -> None:
         worker.deadline_s = self._clock() + self.lease_s
@@ -236,7 +254,33 @@ class InProcessPrefixIndex(PrefixIndex):
         self._earliest_deadline_s = min((w.deadline_s for w in self._workers.values()), default=math.inf)
 
 
-_BYTE_BITS = tuple(tuple(bit for bit in range(8) if byte >> bit & 1) for byte in range(256))  # byte → its set bits
+def _drop_bit(holders: dict[BlockHash, int], block_hash: BlockHash, bit: int) -> None:
+    mask = holders.get(block_hash, 0) & ~bit
+    if mask:
+        holders[block_hash] = mask
+    else:  # empty masks would pile up for every block ever seen
+        holders.pop(block_hash, None)
+
+
+def _exact_levels(masks: Iterable[int]) -> list[tuple[int, int]]:
+    """(n, mask of the workers holding exactly the first n blocks), deepest first, from each block's holder
+    mask in chain order: the chain of ANDs, a level wherever it drops holders."""
+    exact: list[tuple[int, int]] = []
+    chain = iter(masks)
+    following = next(chain, 0)  # holders of every block so far
+    depth = 1
+    for mask in chain:
+        if not following:
+            break
+        still = following & mask
+        if still != following:
+            exact.append((depth, following & ~still))
+            following = still
+        depth += 1
+    if following:
+        exact.append((depth, following))
+    exact.reverse()
+    return exact
 
 
 class _MaskLevels(HolderLevels):
@@ -247,6 +291,8 @@ class _MaskLevels(HolderLevels):
         self._depths = [depth for depth, _ in exact]
         self._exact = dict(exact)
         self._index = index
+        self.slots = index.slots
+        self.host: Sequence[PrefixMatch] = ()  # set by the index when some worker publishes its host tier
         self._at_least: list[int] = []
         union = 0
         for _, mask in exact:
@@ -262,6 +308,21 @@ class _MaskLevels(HolderLevels):
 
     def members(self, num_blocks: int) -> list[str]:
         return self._index._owners(self._exact.get(num_blocks, 0))
+
+    def exact_mask(self, num_blocks: int) -> int:
+        return self._exact.get(num_blocks, 0)
+
+    def host_extended(self) -> Sequence[PrefixMatch]:
+        return self.host
+
+    def holding_at_least(self, num_blocks: int) -> int:
+        """The mask of the workers whose pool holds at least `num_blocks` leading blocks."""
+        mask = 0
+        for depth, at_least in zip(self._depths, self._at_least, strict=True):
+            if depth < num_blocks:
+                break
+            mask = at_least
+        return mask
 
     def blocks_of(self, worker_id: str) -> int:
         worker = self._index._workers.get(worker_id)

@@ -6,9 +6,11 @@ tagged by the block hash, so blocks spread evenly over the slots; nothing runs a
 
 Schema (N = the namespace digest; P = `splitserve:pic:v<KEY_SCHEMA_VERSION>:N`):
 
-* ``P:{b:<hash hex>}``          HASH  worker → epoch: who holds the block (one key per block, any shard).
+* ``P:{b:<hash hex>}``          HASH  worker → epoch: who holds the block (one key per block, any shard);
+  a field "\0<worker>" (worker ids hold no NUL) says the worker's host tier holds it.
 * ``P:{w:N:<worker>}:state``    HASH  {epoch, seq, deadline}: the worker's cursor and lease (shard clock).
-* ``P:{w:N:<worker>}:blocks``   SET   the raw hashes the worker holds in that epoch.
+* ``P:{w:N:<worker>}:blocks``   SET   the raw hashes the worker's pool holds in that epoch.
+* ``P:{w:N:<worker>}:host``     SET   and those its host tier holds.
 * ``P:{N}:live`` / ``P:{N}:epochs``  ZSET worker → lease deadline, HASH worker → epoch: the registry.
 
 Apply: one script on the worker's shard checks epoch and cursor exactly as the standalone index does,
@@ -46,7 +48,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from common.kv_events import KVEventBatch
 from common.redis_url import RedisTarget
 from engine.block_hash import BLOCK_HASH_BYTES, BlockHash
-from engine.block_pool import BlockStored, IntegrityError
+from engine.block_pool import MEDIUM_HOST, BlockStored, IntegrityError
 from prefix_index import redis_cluster_scripts as scripts
 from prefix_index.base import (
     KEY_SCHEMA_VERSION,
@@ -121,9 +123,10 @@ class RedisClusterPrefixIndex(PrefixIndex):
     def _block_key(self, block_hash: bytes) -> str:
         return f"{self._prefix}:{{b:{block_hash.hex()}}}"
 
-    def _worker_keys(self, worker_id: str) -> tuple[str, str]:
+    def _worker_keys(self, worker_id: str) -> tuple[str, str, str]:
+        """(state, pool blocks, host-tier blocks)."""
         tag = f"{self._prefix}:{{w:{self._digest}:{worker_id}}}"
-        return f"{tag}:state", f"{tag}:blocks"
+        return f"{tag}:state", f"{tag}:blocks", f"{tag}:host"
 
     # ---- writes -----------------------------------------------------------------------------------
     async def apply(self, batch: KVEventBatch) -> None:
@@ -139,21 +142,24 @@ class RedisClusterPrefixIndex(PrefixIndex):
         status, base, dropped = reply[0].decode(), int(reply[1]), reply[2:]
         try:
             pipe = self._redis.pipeline(transaction=False)
+            host_field = _host_field(worker)
             for block_hash in dropped:
-                pipe.hdel(self._block_key(block_hash), worker)
+                pipe.hdel(self._block_key(block_hash), worker, host_field)
             if status == "ok":
                 if batch.snapshot is not None:
-                    for block_hash in batch.snapshot:
-                        pipe.hset(self._block_key(block_hash), worker, epoch)
+                    for field, hashes in ((worker, batch.snapshot), (host_field, batch.host_snapshot)):
+                        for block_hash in hashes:
+                            pipe.hset(self._block_key(block_hash), field, epoch)
                 else:
                     for seq, event in batch.events:
                         if seq <= base:
                             continue
+                        field = host_field if event.medium == MEDIUM_HOST else worker
                         for block_hash in event.block_hashes:
                             if isinstance(event, BlockStored):
-                                pipe.hset(self._block_key(block_hash), worker, epoch)
+                                pipe.hset(self._block_key(block_hash), field, epoch)
                             else:
-                                pipe.hdel(self._block_key(block_hash), worker)
+                                pipe.hdel(self._block_key(block_hash), field)
             if len(pipe):
                 await pipe.execute()
         except Exception as err:
@@ -197,7 +203,7 @@ class RedisClusterPrefixIndex(PrefixIndex):
         for i in range(0, len(hashes), SNAPSHOT_CHUNK_HASHES):
             pipe = self._redis.pipeline(transaction=False)
             for block_hash in hashes[i : i + SNAPSHOT_CHUNK_HASHES]:
-                pipe.hdel(self._block_key(block_hash), worker_id)
+                pipe.hdel(self._block_key(block_hash), worker_id, _host_field(worker_id))
             await pipe.execute()
 
     # ---- reads ------------------------------------------------------------------------------------
@@ -209,34 +215,51 @@ class RedisClusterPrefixIndex(PrefixIndex):
 
     async def _match(self, block_hashes: Sequence[BlockHash]) -> list[PrefixMatch]:
         live_task = asyncio.ensure_future(self._live())
-        counts: dict[tuple[bytes, bytes], int] = {}  # (worker, epoch) → leading blocks held at that epoch
-        following: dict[bytes, bytes] | None = None  # holders of every block so far → their epoch
+        # (worker, epoch) → leading blocks in its pool / in its pool or host tier, at that epoch
+        pool_counts: dict[tuple[bytes, bytes], int] = {}
+        reach_counts: dict[tuple[bytes, bytes], int] = {}
+        pool_open: dict[bytes, bytes] | None = None  # workers whose pool holds every block so far → epoch
+        reach_open: dict[bytes, bytes] = {}  # those whose pool or host tier does
         start, size = 0, FIRST_CHUNK_BLOCKS
         try:
-            while start < len(block_hashes) and following != {}:
+            while start < len(block_hashes) and (pool_open is None or reach_open):
                 chunk = block_hashes[start : start + size]
                 for offset, holders in enumerate(await self._holder_maps(chunk)):
                     if holders is None:  # its shard is down: the chain is known only up to here
                         holders = {}
-                    if following is None:
-                        following = dict(holders)
-                    else:
-                        for worker, epoch in list(following.items()):
-                            if holders.get(worker) != epoch:
-                                del following[worker]
-                                counts[worker, epoch] = start + offset
-                    if not following:
+                    if pool_open is None:
+                        pool_open = {w: e for w, e in holders.items() if not w.startswith(b"\0")}
+                        reach_open = {w[1:]: e for w, e in holders.items() if w.startswith(b"\0")} | pool_open
+                        continue
+                    position = start + offset
+                    for worker, epoch in list(pool_open.items()):
+                        if holders.get(worker) != epoch:
+                            del pool_open[worker]
+                            pool_counts[worker, epoch] = position
+                    for worker, epoch in list(reach_open.items()):
+                        if holders.get(worker) != epoch and holders.get(b"\0" + worker) != epoch:
+                            del reach_open[worker]
+                            reach_counts[worker, epoch] = position
+                    if not reach_open:
                         break
                 start, size = start + len(chunk), size * 4
-            for worker, epoch in (following or {}).items():
-                counts[worker, epoch] = len(block_hashes)
+            for worker, epoch in (pool_open or {}).items():
+                pool_counts[worker, epoch] = len(block_hashes)
+            for worker, epoch in reach_open.items():
+                reach_counts[worker, epoch] = len(block_hashes)
             live = await live_task
         finally:
             # Left to finish, not cancelled: a command cancelled mid-reply leaves its pooled connection
             # broken for the next caller. Its outcome is read so that a failure is not reported unread.
             live_task.add_done_callback(_read_outcome)
         # A holder counts only at the epoch the registry has for it: older epochs' fields await clearing.
-        return sort_matches({w.decode(): n for (w, e), n in counts.items() if live.get(w.decode()) == e})
+        counts = {w.decode(): n for (w, e), n in pool_counts.items() if live.get(w.decode()) == e}
+        host = {
+            w.decode(): n - pool_counts.get((w, e), 0)
+            for (w, e), n in reach_counts.items()
+            if live.get(w.decode()) == e and n > pool_counts.get((w, e), 0)
+        }
+        return sort_matches(counts, host)
 
     async def _holder_maps(self, chunk: Sequence[BlockHash]) -> list[dict | None]:
         """Each block's holder map, None for blocks on a shard that did not answer (or failed within
@@ -285,6 +308,7 @@ class RedisClusterPrefixIndex(PrefixIndex):
         pipe = self._redis.pipeline(transaction=False)
         for worker in live:
             pipe.scard(self._worker_keys(worker)[1])
+            pipe.scard(self._worker_keys(worker)[2])
         return sum(await pipe.execute())
 
     async def cursor(self, worker_id: str) -> tuple[int, int] | None:
@@ -300,27 +324,28 @@ class RedisClusterPrefixIndex(PrefixIndex):
         """Every holder field backed by its worker's block set at its epoch, and the reverse (tests)."""
         problems: list[str] = []
         epochs = {_text(w): e for w, e in (await self._redis.hgetall(self._registry[1])).items()}
-        backed: set[tuple[bytes, str]] = set()
+        backed: set[tuple[bytes, str]] = set()  # (hash, holder field): a worker, or a host-tier field
         for worker, epoch in epochs.items():
-            state_key, blocks_key = self._worker_keys(worker)
+            state_key, blocks_key, host_key = self._worker_keys(worker)
             state = await self._redis.hgetall(state_key)
             if state.get(b"epoch") != epoch:
                 problems.append(f"{worker}: registry epoch {epoch!r}, state {state.get(b'epoch')!r}")
                 continue
-            for member in await self._redis.smembers(blocks_key):
-                block_hash = bytes(member, "latin-1") if isinstance(member, str) else member
-                if len(block_hash) != BLOCK_HASH_BYTES:
-                    problems.append(f"{worker} holds a malformed hash")
-                    continue
-                backed.add((block_hash, worker))
-                if await self._redis.hget(self._block_key(block_hash), worker) != epoch:
-                    problems.append(f"{worker} holds {block_hash.hex()} but its holder map disagrees")
+            for key, field in ((blocks_key, worker), (host_key, _host_field(worker))):
+                for member in await self._redis.smembers(key):
+                    block_hash = bytes(member, "latin-1") if isinstance(member, str) else member
+                    if len(block_hash) != BLOCK_HASH_BYTES:
+                        problems.append(f"{worker} holds a malformed hash")
+                        continue
+                    backed.add((block_hash, field))
+                    if await self._redis.hget(self._block_key(block_hash), field) != epoch:
+                        problems.append(f"{field!r} holds {block_hash.hex()} but its holder map disagrees")
         pattern = f"{self._prefix}:{{b:*"
         async for key in self._redis.scan_iter(match=pattern, count=1000):
             block_hash = bytes.fromhex(_text(key).rsplit("{b:", 1)[1].rstrip("}"))
             holders = [_text(worker) for worker in await self._redis.hkeys(key)]
             problems.extend(
-                f"{_text(key)} lists {w}, which does not hold it" for w in holders if (block_hash, w) not in backed
+                f"{_text(key)} lists {w!r}, which does not hold it" for w in holders if (block_hash, w) not in backed
             )
         return problems
 
@@ -339,6 +364,11 @@ class RedisClusterPrefixIndex(PrefixIndex):
             raise PrefixIndexUnavailable(f"prefix index unreachable: {type(err).__name__}: {err}") from err
         finally:
             call.close()  # a call never started (its turn did not come in time) is discarded quietly
+
+
+def _host_field(worker_id: str) -> str:
+    """The holder-map field saying the worker's host tier holds the block."""
+    return "\0" + worker_id
 
 
 def _text(value: bytes | str) -> str:

@@ -21,10 +21,11 @@ local function newer(a, b)
   return a > b
 end
 
--- The worker's whole state, gone; the hashes it held, for the caller to clear from their holder maps.
-local function forget(state, blocks)
-  local held = redis.call('SMEMBERS', blocks)
-  redis.call('UNLINK', state, blocks)
+-- The worker's whole state, gone; the hashes it held (pool or host tier), for the caller to clear from
+-- their holder maps.
+local function forget(state, blocks, host)
+  local held = redis.call('SUNION', blocks, host)
+  redis.call('UNLINK', state, blocks, host)
   return held
 end
 
@@ -47,15 +48,16 @@ local function each_hash_chunk(packed, fn)
 end
 """
 
-# KEYS: state, blocks. ARGV: epoch, lease_ms, last_seq, kind, then
-#   kind 's': packed hashes of the snapshot; kind 'e': first_seq, then per event '+' / '-', packed hashes.
+# KEYS: state, blocks, host. ARGV: epoch, lease_ms, last_seq, kind, then
+#   kind 's': the number k of pool chunks, k chunks of the pool's packed hashes, then the host tier's;
+#   kind 'e': first_seq, then per event '+' / '-' (pool) or '>' / '<' (host tier), packed hashes.
 # Returns {status, base_seq, dropped hashes...}: status 'ok' (apply events after base_seq to the holder
 # maps, after clearing the dropped hashes), or 'stale-epoch' / 'stale' / 'gap' (apply no event; the
 # dropped hashes, if any, are still to be cleared).
 WORKER_APPLY = (
     _PRELUDE
     + r"""
-local state, blocks = KEYS[1], KEYS[2]
+local state, blocks, host = KEYS[1], KEYS[2], KEYS[3]
 local epoch, lease_ms, last_seq, kind = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local now = now_ms()
 local cur = redis.call('HMGET', state, 'epoch', 'seq', 'deadline')
@@ -69,22 +71,26 @@ if cur[1] then
   elseif live and cur[1] == epoch and kind ~= 's' then
     return {'gap', 0}  -- its holder maps are suspect (a write failed half way): only a snapshot mends them
   else
-    dropped = forget(state, blocks)
+    dropped = forget(state, blocks, host)
   end
 end
 if last_seq < base then return reply('stale', 0, dropped) end
 if kind == 's' then
-  for _, h in ipairs(forget(state, blocks)) do dropped[#dropped + 1] = h end
-  for i = 5, #ARGV do
-    each_hash_chunk(ARGV[i], function(c) redis.call('SADD', blocks, unpack(c)) end)
+  for _, h in ipairs(forget(state, blocks, host)) do dropped[#dropped + 1] = h end
+  local pool_chunks = tonumber(ARGV[5])
+  for i = 6, #ARGV do
+    local into = (i < 6 + pool_chunks) and blocks or host
+    each_hash_chunk(ARGV[i], function(c) redis.call('SADD', into, unpack(c)) end)
   end
 else
   local first = tonumber(ARGV[5])
   if first > base + 1 then return reply('gap', 0, dropped) end
   for i = 6, #ARGV, 2 do
     if first + (i - 6) / 2 > base then
-      local cmd = (ARGV[i] == '+') and 'SADD' or 'SREM'
-      each_hash_chunk(ARGV[i + 1], function(c) redis.call(cmd, blocks, unpack(c)) end)
+      local op = ARGV[i]
+      local cmd = (op == '+' or op == '>') and 'SADD' or 'SREM'
+      local into = (op == '+' or op == '-') and blocks or host
+      each_hash_chunk(ARGV[i + 1], function(c) redis.call(cmd, into, unpack(c)) end)
     end
   end
 end
@@ -100,11 +106,11 @@ redis.call('HDEL', KEYS[1], 'seq')
 return 'ok'
 """
 
-# KEYS: state, blocks. ARGV: epoch, lease_ms. Returns {status, dropped hashes...}.
+# KEYS: state, blocks, host. ARGV: epoch, lease_ms. Returns {status, dropped hashes...}.
 WORKER_HEARTBEAT = (
     _PRELUDE
     + r"""
-local state, blocks, epoch = KEYS[1], KEYS[2], ARGV[1]
+local state, blocks, host, epoch = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local now = now_ms()
 local cur = redis.call('HMGET', state, 'epoch', 'deadline')
 if not cur[1] or tonumber(cur[2]) <= now then return {'unknown'} end
@@ -114,21 +120,21 @@ if cur[1] == epoch then
 end
 if newer(epoch, cur[1]) then
   local out = {'restarted'}
-  for _, h in ipairs(forget(state, blocks)) do out[#out + 1] = h end
+  for _, h in ipairs(forget(state, blocks, host)) do out[#out + 1] = h end
   return out
 end
 return {'stale-epoch'}
 """
 )
 
-# KEYS: state, blocks. ARGV: only_if_expired ('1' / '0'). Returns the hashes it held (cleared by the caller).
+# KEYS: state, blocks, host. ARGV: only_if_expired ('1' / '0'). Returns the hashes it held (cleared by the caller).
 WORKER_FORGET = (
     _PRELUDE
     + r"""
 local deadline = redis.call('HGET', KEYS[1], 'deadline')
 if not deadline then return {} end
 if ARGV[1] == '1' and tonumber(deadline) > now_ms() then return {} end
-return forget(KEYS[1], KEYS[2])
+return forget(KEYS[1], KEYS[2], KEYS[3])
 """
 )
 

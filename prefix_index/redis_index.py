@@ -4,8 +4,9 @@ Schema (P = `IndexNamespace.key_prefix()`, one per model / block size / hash spe
 
 * ``P:workers``          ZSET  worker_id → lease deadline (ms, Redis server clock): who is live.
 * ``P:w:<worker>``       HASH  {epoch, seq}: the worker's cursor (epoch as a decimal string).
-* ``P:b:<worker>:<epoch>`` SET of raw 16-byte block hashes the worker holds in that epoch.
-* All three carry the same deadline (PEXPIREAT), so a dead worker's keys are freed by Redis itself;
+* ``P:b:<worker>:<epoch>`` SET of raw 16-byte block hashes the worker holds in that epoch (its pool).
+* ``P:h:<worker>:<epoch>`` SET of those its host tier holds (absent while it publishes none).
+* All of them carry the same deadline (PEXPIREAT), so a dead worker's keys are freed by Redis itself;
   its registry member is trimmed by the next write, and the registry key expires with its last member.
 * Every operation is one Lua script (redis_scripts.py): atomic, and one round trip per call.
 
@@ -39,7 +40,7 @@ from redis.backoff import NoBackoff
 
 from common.kv_events import KVEventBatch
 from engine.block_hash import BLOCK_HASH_BYTES, BlockHash
-from engine.block_pool import BlockStored, IntegrityError
+from engine.block_pool import MEDIUM_HOST, BlockStored, IntegrityError
 from prefix_index import redis_scripts
 from prefix_index.base import (
     IndexNamespace,
@@ -102,7 +103,8 @@ class RedisPrefixIndex(PrefixIndex):
         if not block_hashes:
             return []
         flat = await self._run("MATCH", *block_hashes)
-        return sort_matches({flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)})
+        triples = [(flat[i].decode(), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+        return sort_matches({w: n for w, n, _ in triples}, {w: h for w, _, h in triples if h})
 
     async def remove_worker(self, worker_id: str) -> None:
         await self._run("REMOVE", worker_id)
@@ -139,13 +141,21 @@ class RedisPrefixIndex(PrefixIndex):
 
 
 def _encode_changes(batch: KVEventBatch) -> list:
-    """The script's tail arguments: a snapshot's hashes, or the first seq and each event's op + hashes."""
+    """The script's tail arguments: a snapshot's pool and host-tier hashes (the number of pool chunks
+    first), or the first seq and each event's op + hashes (op: '+' / '-' pool, '>' / '<' host tier)."""
     if batch.snapshot is not None:
-        packed = b"".join(batch.snapshot)
-        step = SNAPSHOT_CHUNK_HASHES * BLOCK_HASH_BYTES
-        return ["s", *(packed[i : i + step] for i in range(0, len(packed), step))]
+        pool, host = _chunks(batch.snapshot), _chunks(batch.host_snapshot)
+        return ["s", len(pool), *pool, *host]
     first_seq = batch.events[0][0] if batch.events else batch.last_seq + 1
     args: list = ["e", first_seq]
     for _, event in batch.events:
-        args += ["+" if isinstance(event, BlockStored) else "-", b"".join(event.block_hashes)]
+        stored = isinstance(event, BlockStored)
+        op = (">" if stored else "<") if event.medium == MEDIUM_HOST else ("+" if stored else "-")
+        args += [op, b"".join(event.block_hashes)]
     return args
+
+
+def _chunks(hashes: Sequence[BlockHash]) -> list[bytes]:
+    packed = b"".join(hashes)
+    step = SNAPSHOT_CHUNK_HASHES * BLOCK_HASH_BYTES
+    return [packed[i : i + step] for i in range(0, len(packed), step)]

@@ -14,6 +14,7 @@ local P = ARGV[1]
 local WORKERS = KEYS[1]  -- == P .. ':workers'
 local function wkey(w) return P .. ':w:' .. w end
 local function bkey(w, e) return P .. ':b:' .. w .. ':' .. e end
+local function hkey(w, e) return P .. ':h:' .. w .. ':' .. e end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -28,12 +29,12 @@ end
 
 local function forget(w)
   local e = redis.call('HGET', wkey(w), 'epoch')
-  if e then redis.call('UNLINK', bkey(w, e)) end  -- UNLINK frees a large set off the main thread
+  if e then redis.call('UNLINK', bkey(w, e), hkey(w, e)) end  -- UNLINK frees a large set off the main thread
   redis.call('UNLINK', wkey(w))
   redis.call('ZREM', WORKERS, w)
 end
 
--- One deadline for the worker's three places (registry score, cursor, block set), so they vanish
+-- One deadline for the worker's places (registry score, cursor, block sets), so they vanish
 -- together; dead workers' registry entries are trimmed here, by whichever worker writes next.
 local function touch(w, e, lease_ms)
   local now = now_ms()
@@ -42,6 +43,7 @@ local function touch(w, e, lease_ms)
   redis.call('ZADD', WORKERS, deadline, w)
   redis.call('PEXPIREAT', wkey(w), deadline)
   redis.call('PEXPIREAT', bkey(w, e), deadline)
+  redis.call('PEXPIREAT', hkey(w, e), deadline)
   local last = redis.call('ZRANGE', WORKERS, '+inf', '-inf', 'BYSCORE', 'REV', 'LIMIT', 0, 1, 'WITHSCORES')
   redis.call('PEXPIREAT', WORKERS, last[2])
 end
@@ -61,8 +63,9 @@ end
 """
 
 # ARGV: prefix, worker, epoch, lease_ms, last_seq, kind, then
-#   kind 's': packed hashes of the snapshot (any number of args);
-#   kind 'e': first_seq, then per event: '+' (stored) or '-' (removed), packed hashes.
+#   kind 's': the number k of pool chunks, then k chunks of the pool's packed hashes, then the host tier's;
+#   kind 'e': first_seq, then per event: '+' / '-' (pool stored / removed) or '>' / '<' (host tier
+#   stored / removed), packed hashes.
 APPLY = (
     _PRELUDE
     + r"""
@@ -74,19 +77,23 @@ if cur[1] then
   if cur[1] == epoch then base = tonumber(cur[2]) else forget(w) end
 end
 if last_seq < base then return 'stale' end
-local blocks = bkey(w, epoch)
+local blocks, host = bkey(w, epoch), hkey(w, epoch)
 if kind == 's' then
-  redis.call('UNLINK', blocks)
-  for i = 7, #ARGV do
-    each_hash_chunk(ARGV[i], function(c) redis.call('SADD', blocks, unpack(c)) end)
+  redis.call('UNLINK', blocks, host)
+  local pool_chunks = tonumber(ARGV[7])
+  for i = 8, #ARGV do
+    local into = (i < 8 + pool_chunks) and blocks or host
+    each_hash_chunk(ARGV[i], function(c) redis.call('SADD', into, unpack(c)) end)
   end
 else
   local first = tonumber(ARGV[7])
   if first > base + 1 then return 'gap' end
   for i = 8, #ARGV, 2 do
     if first + (i - 8) / 2 > base then
-      local cmd = (ARGV[i] == '+') and 'SADD' or 'SREM'
-      each_hash_chunk(ARGV[i + 1], function(c) redis.call(cmd, blocks, unpack(c)) end)
+      local op = ARGV[i]
+      local cmd = (op == '+' or op == '>') and 'SADD' or 'SREM'
+      local into = (op == '+' or op == '-') and blocks or host
+      each_hash_chunk(ARGV[i + 1], function(c) redis.call(cmd, into, unpack(c)) end)
     end
   end
 end
@@ -124,19 +131,21 @@ return 'ok'
 """
 )
 
-# ARGV: prefix, block hashes (raw) in prompt order. Returns {worker, count, worker, count, ...}.
+# ARGV: prefix, block hashes (raw) in prompt order. Returns {worker, pool count, host count, ...}: the
+# leading blocks in the worker's pool, then how far its host tier (or pool) continues the chain.
 # Membership is asked in growing chunks: most workers miss early, long prompts rarely match whole.
 MATCH = (
     _PRELUDE
     + r"""
 local total = #ARGV - 1
-local function leading(key)
-  local n, size = 0, 32
+-- From block `n` on, how far `key` holds the chain; a block it lacks still counts if `also` holds it.
+local function leading(key, n, also)
+  local size = 32
   while n < total do
     local stop = math.min(total, n + size)
     local flags = redis.call('SMISMEMBER', key, unpack(ARGV, n + 2, stop + 1))
     for _, flag in ipairs(flags) do
-      if flag == 0 then return n end
+      if flag == 0 and not (also and redis.call('SISMEMBER', also, ARGV[n + 2]) == 1) then return n end
       n = n + 1
     end
     size = math.min(size * 2, 1000)
@@ -147,10 +156,13 @@ local out = {}
 for _, w in ipairs(redis.call('ZRANGEBYSCORE', WORKERS, '(' .. now_ms(), '+inf')) do
   local e = redis.call('HGET', wkey(w), 'epoch')
   if e then
-    local n = leading(bkey(w, e))
-    if n > 0 then
+    local n = leading(bkey(w, e), 0, nil)
+    local reach = n
+    if redis.call('EXISTS', hkey(w, e)) == 1 then reach = leading(hkey(w, e), n, bkey(w, e)) end
+    if reach > 0 then
       out[#out + 1] = w
       out[#out + 1] = n
+      out[#out + 1] = reach - n
     end
   end
 end
@@ -170,6 +182,7 @@ for _, k in ipairs(redis.call('KEYS', P .. ':*')) do
   local rest = string.sub(k, #P + 2)
   local w = string.match(rest, '^w:(.*)$')
   local bw, be = string.match(rest, '^b:(.*):(%d+)$')
+  if not bw then bw, be = string.match(rest, '^h:(.*):(%d+)$') end
   if w then
     local st = redis.call('HMGET', k, 'epoch', 'seq')
     if not st[1] or not tonumber(st[2]) then bad(k .. ' lacks epoch or seq') end
@@ -198,7 +211,7 @@ COUNT = (
 local total = 0
 for _, w in ipairs(redis.call('ZRANGEBYSCORE', WORKERS, '(' .. now_ms(), '+inf')) do
   local e = redis.call('HGET', wkey(w), 'epoch')
-  if e then total = total + redis.call('SCARD', bkey(w, e)) end
+  if e then total = total + redis.call('SCARD', bkey(w, e)) + redis.call('SCARD', hkey(w, e)) end
 end
 return total
 """

@@ -22,6 +22,7 @@ from common.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
 from policies.admission.gate import AdmissionGate
+from policies.host_fetch_cost import HostFetchCost
 from policies.prefix_pull import PullPlanner
 from policies.routing import RoutingPolicy
 from policies.store_fetch_cost import StoreFetchCost
@@ -87,6 +88,15 @@ class RouterService:
         if self.store_location is not None:
             policy.locate_store(self.store_location)
             self.monitor.listeners.append(self.store_location.observe_stats)
+        # With host tiers, it prices a worker fetching back what its pool evicted, by that worker's own
+        # measured host-tier bandwidth (the index says which worker's host tier holds what).
+        self.host_location: HostFetchCost | None = None
+        if cluster.config.kv_store.host_tier_bytes > 0:
+            self.host_location = HostFetchCost(
+                self.info.kv_bytes_per_token * self.info.block_size, self.pull_planner.prefill_cost
+            )
+            policy.locate_host_tier(self.host_location)
+            self.monitor.listeners.append(self.host_location.observe_stats)
         # admitted request → uncached tokens queued on its prefill worker at admission, its own included
         self._tokens_through: dict[str, int] = {}
         self._running: set[str] = set()

@@ -68,7 +68,7 @@ class AdmissionGate:
         self.ttft_cost.observe(TtftSample(tokens_through, observed_s))
 
     def observe_handoff(self, stats) -> None:
-        """A finished prefill → decode KV hand-off (common.messages.HandoffStats): the transfer model."""
+        """A finished prefill → decode KV hand-off (kvtransfer.session.HandoffStats): the transfer model."""
         self.transfer_cost.observe(TransferStep(stats.num_bytes, stats.elapsed_s))
 
     def observe_stats(self, worker_id: str, role: str, epoch: int, stats) -> None:

@@ -48,6 +48,9 @@ class RouteDecision(NamedTuple):
     # Blocks after `expected_cached_blocks` the policy expects the worker to fetch from the shared KV
     # store rather than compute (0 when the store holds no more, or fetching costs more).
     store_blocks: int = 0
+    # Blocks after `expected_cached_blocks` the policy expects the worker to fetch from its own host tier
+    # (the pool evicted them); `store_blocks` then count after these.
+    host_blocks: int = 0
 
 
 class RoutingPolicy(ABC):
@@ -60,6 +63,10 @@ class RoutingPolicy(ABC):
     def locate_store(self, store) -> None:  # noqa: B027 - a default on purpose: most policies price no fetch
         """Gives the policy the shared KV store as a location (`cache_aware.StoreLocation`); policies that
         do not price fetches from it ignore it."""
+
+    def locate_host_tier(self, host) -> None:  # noqa: B027 - a default on purpose: most policies price no fetch
+        """Gives the policy the workers' host tiers as a location (`host_tier_choice.HostTierLocation`);
+        policies that do not price fetches from them ignore it."""
 
     def check_integrity(self) -> None:  # noqa: B027 - a default on purpose: stateless policies override nothing
         """Raises AssertionError if internal state is inconsistent; stateless policies have none."""

@@ -22,6 +22,10 @@ per-token prefill time: policies/store_fetch_cost.py). The recompute term stays 
 add as before. The term only falls as n grows (fetch_tokens never falls as it fetches more), which is
 what keeps the walk below exact. A store that cannot answer counts as holding nothing.
 
+With host tiers (`kv_store.host_tier_bytes`), a worker whose host tier holds the blocks after its pool's
+prefix may fetch them back: that option is scored apart, over the few workers the index reports it for
+(policies/routing/host_tier_choice.py), and wins only when it costs strictly less than the walk's choice.
+
 How the least cost is found without scoring every worker (the choice is exactly the least (cost,
 -cached blocks, ring rank) over all workers; `ExhaustiveCacheAwarePolicy` computes it by definition and
 the tests compare the two): the index answers with holder levels (`PrefixIndex.holder_levels`: the
@@ -32,6 +36,12 @@ first level whose bound cannot beat the best found (a shallower level only costs
 level, a few holders are scored one by one; a large one (a system prompt everyone holds) is searched
 in load order, where its first member is its least queued. Workers holding nothing come last, the same
 way. Ties are ranked on the ring only among the tied workers (`PrefixHashPolicy.first_in_ring`).
+
+When the holder levels are masks of the same worker slots as the book's (an in-process index and a
+book sharing its `WorkerSlots`, as in the simulator), each of those searches is done with masks
+instead of worker by worker: a level's least queued member is the first queue length whose mask meets
+the level's, a tie is the AND of a queue length's mask with a level's, and the ring walk tests a bit
+per point. Same choices, a few ANDs of fleet-wide ints instead of a Python call per worker.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from typing import Protocol
 
 from engine.block_hash import BlockHash
 from policies.routing.base import RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad, require_workers
+from policies.routing.host_tier_choice import HostTierLocation, best_host_fetch
 from policies.routing.load_book import LoadBook, as_book
 from policies.routing.prefix_hash import FEW_TIED, PrefixHashPolicy
 from prefix_index.base import HolderLevels, MatchLevels
@@ -89,6 +100,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.index = index  # prefix_index.PrefixIndex
         self.fallback = fallback or PrefixHashPolicy()
         self.store = store
+        self.host_tier: HostTierLocation | None = None  # prices fetches from a worker's own host tier
         self.index_failures = 0
         self.store_failures = 0
         self._degraded = False
@@ -110,6 +122,48 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def locate_store(self, store: StoreLocation) -> None:
         self.store = store
+
+    def locate_host_tier(self, host: HostTierLocation) -> None:
+        self.host_tier = host
+
+    def _with_host_fetch(
+        self,
+        query: RouteQuery,
+        workers: Sequence[WorkerLoad],
+        levels: HolderLevels,
+        store_blocks: int,
+        decision: RouteDecision,
+        cost: int,
+    ) -> RouteDecision:
+        """`decision` (costing `cost`), or a worker fetching from its own host tier when that costs less
+        (policies/routing/host_tier_choice.py)."""
+        host = self.host_tier
+        extended = levels.host_extended() if host is not None else ()
+        if host is None or not extended:
+            return decision
+        book = as_book(workers)
+
+        def queued_of(worker_id: str) -> int | None:
+            load = book.get(worker_id)
+            return None if load is None else load.queued_prompt_tokens
+
+        choice = best_host_fetch(
+            query,
+            extended,
+            queued_of,
+            lambda n: uncached_cost(query, n, store_blocks, self.store),
+            host,
+            lambda among: self.fallback.first_in_ring(query, book, set(among)),
+        )
+        if choice is None or choice.cost >= cost:
+            return decision
+        reach = choice.pool_blocks + choice.host_blocks
+        return RouteDecision(
+            choice.worker_id,
+            choice.pool_blocks,
+            store_blocks=fetched_blocks(query, reach, store_blocks, self.store),
+            host_blocks=choice.host_blocks,
+        )
 
     async def _store_blocks(self, query: RouteQuery) -> int:
         if self.store is None:
@@ -135,6 +189,8 @@ class CacheAwarePolicy(RoutingPolicy):
             blocks,
             store_blocks=fetched_blocks(query, blocks, store_blocks, self.store),
         )
+        cost = queued + uncached_cost(query, blocks, store_blocks, self.store)
+        decision = self._with_host_fetch(query, book, levels, store_blocks, decision, cost)
         holder = self._best_holder(query, book, levels)
         if holder is None:
             return decision
@@ -160,6 +216,9 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def _first_tied(self, query: RouteQuery, book: LoadBook, levels: HolderLevels, blocks: int, queued: int) -> str:
         """The first in ring order of the workers holding `blocks` blocks with `queued` tokens queued."""
+        if _masked(book, levels):
+            holding = levels.exact_mask(blocks) if blocks else ~_holding_any(levels)
+            return self._first_in_mask(query, book, book.mask_with_queued(queued) & holding)
 
         def tied(worker_id: str) -> bool:
             load = book.get(worker_id)
@@ -191,8 +250,23 @@ class CacheAwarePolicy(RoutingPolicy):
                     return found
         return self.fallback.first_in_ring(query, book, among)
 
+    def _first_in_mask(self, query: RouteQuery, book: LoadBook, mask: int) -> str:
+        """The first in ring order of the book's workers in `mask` (not empty)."""
+        assert book.slots is not None and mask, "a tie has members"
+        if mask.bit_count() <= FEW_TIED:
+            return self.fallback.first_in_ring(query, book, set(book.slots.owners_of(mask)))
+        found = self.fallback.first_in_ring_mask(query, book, mask, book.slots)
+        assert found is not None, "the ring holds every worker of the book"
+        return found
+
     def _best_holder(self, query: RouteQuery, book: LoadBook, levels: HolderLevels) -> tuple[str, int] | None:
         """The worker of the book holding the most leading blocks (ties: ring order), and how many."""
+        if _masked(book, levels):
+            for blocks in levels.depths:
+                mask = levels.exact_mask(blocks) & book.mask
+                if mask:
+                    return self._first_in_mask(query, book, mask), blocks
+            return None
         for blocks in levels.depths:
             if levels.count(blocks) <= FEW_TIED:
                 among = {w for w in levels.members(blocks) if book.has(w)}
@@ -203,6 +277,15 @@ class CacheAwarePolicy(RoutingPolicy):
             if found is not None:
                 return found, blocks
         return None
+
+
+def _masked(book: LoadBook, levels: HolderLevels) -> bool:
+    """Whether the levels' masks and the book's are in the same worker slots."""
+    return levels.slots is not None and levels.slots is book.slots
+
+
+def _holding_any(levels: HolderLevels) -> int:
+    return levels.holding_at_least(levels.depths[-1]) if levels.depths else 0
 
 
 def _holding(levels: HolderLevels, blocks: int) -> Callable[[str], bool]:
@@ -221,6 +304,8 @@ def _least_queued_at(book: LoadBook, levels: HolderLevels, blocks: int, below: i
     least loaded is a member (and at 0 blocks every worker is: the book's least)."""
     if blocks and levels.count(blocks) <= FEW_TIED:
         return _least_listed(book, levels, blocks, below)
+    if _masked(book, levels):
+        return _least_queued_masked(book, levels, blocks, below)
     # The first worker met in load order holding enough is the least queued. The walk passes the less
     # loaded workers of shallower levels first: past LOAD_WALK_STEPS of them the level is listed instead.
     for steps, load in enumerate(book.ascending()):
@@ -229,6 +314,20 @@ def _least_queued_at(book: LoadBook, levels: HolderLevels, blocks: int, below: i
         if levels.blocks_of(load.worker_id) >= blocks:
             return load.queued_prompt_tokens
         if blocks and steps >= LOAD_WALK_STEPS:
+            return _least_listed(book, levels, blocks, below)
+    return None
+
+
+def _least_queued_masked(book: LoadBook, levels: HolderLevels, blocks: int, below: int | None) -> int | None:
+    """`_least_queued_at` for a large level with masks: the first queue length (ascending) whose workers
+    meet the holders of at least `blocks` blocks; past LOAD_WALK_STEPS lengths the level is listed."""
+    holding = levels.holding_at_least(blocks) if blocks else book.mask
+    for steps, (queued, mask) in enumerate(book.masks_ascending()):
+        if below is not None and queued >= below:
+            return None
+        if mask & holding:
+            return queued
+        if steps >= LOAD_WALK_STEPS:
             return _least_listed(book, levels, blocks, below)
     return None
 
@@ -264,6 +363,7 @@ class ExhaustiveCacheAwarePolicy(CacheAwarePolicy):
             -best[1],
             store_blocks=fetched_blocks(query, -best[1], store_blocks, self.store),
         )
+        decision = self._with_host_fetch(query, workers, levels, store_blocks, decision, best[0])
         most = max(cached.values())
         if not most:
             return decision

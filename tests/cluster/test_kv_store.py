@@ -3,8 +3,9 @@ Cluster): blocks one prefill worker computed are fetched from the shared store b
 restarted one, from the host tier when the store is gone, and by the prefill worker that resumes a
 request whose decode instance was SIGKILLed (decode stores its blocks as they fill); every output
 equals HF transformers; a corrupt block in the store is recomputed, tenants never share blocks, and
-Redis dying under load fails no request (served by a decode instance of two ranks, which stores no
-blocks of its own)."""
+Redis dying under load fails no request (served by a decode instance of two ranks); a decode instance of
+two ranks stores each block as two head shards, and a request resumed off it after one of its ranks was
+SIGKILLed reads them back whole."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def cluster_store(ray_session, checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def single_store(ray_session, checkpoint, tmp_path_factory):
     """P1D1 over one redis-server, prefill pools small enough to evict (host tier: a disk file); the decode
-    instance has two ranks, which do not store their blocks (docs/limitations.md) but serve with the store."""
+    instance has two ranks, each storing its KV heads of the blocks its sequences fill."""
     with RedisServer(workdir=str(tmp_path_factory.mktemp("redis"))) as server:
         model_dir, tier_dir = checkpoint(SPEC), tmp_path_factory.mktemp("tier")
         stack = _stack(model_dir, server.url, tier_dir, replicas=1, num_kv_blocks=40, decode_tp=2)
@@ -111,6 +112,14 @@ def _generate(cluster, request: GenerateRequest, prefill_index: int):
 def _sigkill(actor) -> None:
     with contextlib.suppress(ray.exceptions.RayActorError):  # it may die before it answers
         ray.get(actor.debug_signal.remote(signal.SIGKILL), timeout=10)
+
+
+def _rank_actor(member, rank: int):
+    """Rank `rank` of a decode instance's current start (its actors are named by instance, epoch, rank)."""
+    suffix = f":{member.worker_id}@{member.epoch}/rank{rank}"
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(suffix)]
+    assert len(named) == 1, named
+    return ray.get_actor(named[0]["name"], namespace=named[0]["namespace"])
 
 
 def _tier_stats(members) -> list[dict]:
@@ -245,7 +254,7 @@ def test_redis_dying_under_load_fails_nothing_and_a_restarted_prefill_pool_reads
     streams.join()
     assert streams.errors == [None] * len(prompts)
     assert streams.tokens == hf_greedy_generate(model_dir, prompts, 8)  # a TP=2 decode instance, store on
-    assert _tier_stats(cluster.decode) == [{}], "a decode instance of several ranks writes no blocks"
+    assert _tier_stats(cluster.decode)[0]["worker"]["blocks_stored"] > 0, "rank 0 stores its heads of filled blocks"
     server.start()
     before = sum(s.get("redis", {}).get("writes", 0) for s in _tier_stats(cluster.prefill))
     warm = _tokens(6 * BLOCK, seed=70)
@@ -264,4 +273,33 @@ def test_redis_dying_under_load_fails_nothing_and_a_restarted_prefill_pool_reads
     got, chunk = _generate(cluster, GenerateRequest("rk-after", tuple(after), GREEDY), 0)
     assert chunk.num_cached_tokens == 6 * BLOCK, "the replacement's first request hit the store"
     assert got == hf_greedy_generate(model_dir, [after], GREEDY.max_tokens)[0]
+    wait_workers_clean(cluster)
+
+
+def test_a_stream_resumed_off_a_tp2_instance_whose_rank_1_died_reads_the_shards_of_its_blocks(single_store, checkpoint):
+    stack, server = single_store
+    cluster, model_dir = _members(stack), checkpoint(SPEC)
+    if not server.ping():
+        server.start()
+    prompts = [_tokens(300, seed=80 + i) for i in range(2)]
+    max_tokens = 48
+    decode = cluster.decode[0]
+    ray.get(decode.actor.debug_set_step_delay.remote(0.1), timeout=10)  # still streaming at the kill
+    follower = _rank_actor(decode, 1)
+    assembled_before = sum(s["worker"]["blocks_assembled"] for s in _tier_stats(cluster.prefill))
+    streams = Streams(
+        stack.target, prompts, {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}, tag="tp"
+    )
+    streams.wait_tokens(2 * BLOCK + 2)  # 300 + 34 tokens: blocks 18 and 19 filled while decoding
+    time.sleep(0.3)  # the ranks' writers store them meanwhile
+    follower_stats = ray.get(follower.kv_tier_stats.remote(), timeout=10)
+    assert follower_stats["worker"]["blocks_stored"] >= 2 * 2, follower_stats
+    _sigkill(follower)
+    streams.join()
+    assert streams.errors == [None, None]
+    assert streams.tokens == hf_greedy_generate(model_dir, prompts, max_tokens)
+    assert all(final.migrations >= 1 for final in streams.finals)
+    cluster = _members(stack)
+    assembled = sum(s["worker"]["blocks_assembled"] for s in _tier_stats(cluster.prefill)) - assembled_before
+    assert assembled >= 2 * 2, "each resumed stream read its generated blocks whole from the two ranks' shards"
     wait_workers_clean(cluster)

@@ -89,3 +89,15 @@ def test_serve_flags_set_the_kv_cache_dtype_and_weight_quantization():
     assert (config.quantization, config.quantization_group_size) == ("int4", 64)
     with pytest.raises(ConfigError, match="kv_cache_dtype: must be one of"):
         build_config(parser("splitserve serve").parse_args(["--kv-cache-dtype", "int4"]))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_decode_instances_of_any_tp_size_store_their_blocks_when_the_store_is_on(tp_size):
+    def config(**kv_store) -> ClusterConfig:
+        return ClusterConfig.from_dict({"decode": {"tp_size": tp_size}, "kv_store": kv_store})
+
+    on = config(url="redis://127.0.0.1:6379/0")
+    assert on.decode_stores_blocks
+    assert on.engine_config("decode", "model").enable_prefix_caching, "the decode pool hashes the blocks it stores"
+    assert not config(url="redis://127.0.0.1:6379/0", write_decode_blocks=False).decode_stores_blocks
+    assert not config(host_tier_bytes=1 << 20).decode_stores_blocks, "a host tier alone outlives no instance"

@@ -50,7 +50,7 @@ def test_the_gate_admits_on_the_larger_of_the_step_and_observed_predictions():
 
 
 def test_hand_offs_feed_the_transfer_model():
-    from common.messages import HandoffStats
+    from kvtransfer.session import HandoffStats
 
     g = gate()
     for num_bytes in (1_000_000, 2_000_000, 4_000_000):

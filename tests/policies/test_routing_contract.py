@@ -112,12 +112,12 @@ def test_cache_aware_cost_is_queued_plus_uncached_tokens():
     policy = CacheAwarePolicy(index)
     # holder: 0 queued + 8 uncached = 8; idle: 0 + 40 = 40 → the holder, with its 8 blocks
     decision = choose(policy, query(prompt), [WorkerLoad("holder", 3, 0), WorkerLoad("idle", 0, 0)])
-    assert decision == ("holder", 8, "holder", 8, 0)
+    assert decision == ("holder", 8, "holder", 8, 0, 0)
     # holder: 31 + 8 = 39 < 40 → still the holder; at 33 queued: 41 > 40 → the idle worker
     assert choose(policy, query(prompt), [WorkerLoad("holder", 1, 31), WorkerLoad("idle", 0, 0)]).worker_id == "holder"
-    assert choose(policy, query(prompt), [WorkerLoad("holder", 1, 33), WorkerLoad("idle", 0, 0)]) == ("idle", 0, "holder", 8, 0)
+    assert choose(policy, query(prompt), [WorkerLoad("holder", 1, 33), WorkerLoad("idle", 0, 0)]) == ("idle", 0, "holder", 8, 0, 0)
     # equal cost: the longer cached prefix wins the tie
-    assert choose(policy, query(prompt), [WorkerLoad("holder", 0, 32), WorkerLoad("idle", 0, 0)]) == ("holder", 8, "holder", 8, 0)
+    assert choose(policy, query(prompt), [WorkerLoad("holder", 0, 32), WorkerLoad("idle", 0, 0)]) == ("holder", 8, "holder", 8, 0, 0)
 
 
 def test_cache_aware_falls_back_to_prefix_hash_when_the_index_fails():
@@ -152,9 +152,9 @@ def test_least_loaded_takes_the_fewest_queued_tokens_then_requests_then_the_smal
     policy = make_policy("least_loaded", InProcessPrefixIndex(lease_s=30))
     q = query(list(range(12)))
     fewest_tokens = [WorkerLoad("a", 0, 50), WorkerLoad("b", 9, 40), WorkerLoad("c", 1, 45)]
-    assert choose(policy, q, fewest_tokens) == ("b", 0, None, 0, 0)
+    assert choose(policy, q, fewest_tokens) == ("b", 0, None, 0, 0, 0)
     fewest_requests = [WorkerLoad("a", 2, 40), WorkerLoad("c", 1, 40), WorkerLoad("b", 1, 40)]
-    assert choose(policy, q, fewest_requests) == ("b", 0, None, 0, 0)
+    assert choose(policy, q, fewest_requests) == ("b", 0, None, 0, 0, 0)
     assert choose(policy, q, [WorkerLoad("b", 0, 0), WorkerLoad("a", 0, 0)]).worker_id == "a"
 
 
