@@ -46,6 +46,7 @@ from engine.block_hash import HashNamespace, hash_blocks
 from policies.routing import LoadBook, RouteQuery, WorkerLoad, make_policy
 from policies.routing.cache_aware import CacheAwarePolicy, ExhaustiveCacheAwarePolicy
 from prefix_index.memory import InProcessPrefixIndex
+from prefix_index.worker_slots import WorkerSlots
 from router.ledger import RouteLedger
 from router.stream_state import StreamState
 from router.worker_choice import WorkerChooser
@@ -58,7 +59,11 @@ NS = HashNamespace("bench-routing", BLOCK_SIZE)
 
 
 def build_fleet(workers: int, rng: random.Random):
-    index = InProcessPrefixIndex(lease_s=3600)
+    # Slots shared with the books of the `masked` arm (the simulator's arrangement): one per worker.
+    slots = WorkerSlots()
+    for w in range(workers):
+        slots.slot(f"prefill-{w}")
+    index = InProcessPrefixIndex(lease_s=3600, slots=slots)
     system = [rng.randrange(32000) for _ in range(2 * BLOCK_SIZE)]
     docs = [system + [rng.randrange(32000) for _ in range((DOC_BLOCKS - 2) * BLOCK_SIZE)] for _ in range(4 * workers)]
     doc_hashes = [hash_blocks(NS, d) for d in docs]
@@ -95,11 +100,12 @@ def run_size(workers: int, decisions: int, seed: int) -> dict:
     for name, policy, count, with_book in (
         ("cache_aware_exhaustive", ExhaustiveCacheAwarePolicy(index), exhaustive_n, False),
         ("cache_aware_indexed", CacheAwarePolicy(index), decisions, True),
+        ("cache_aware_masked", CacheAwarePolicy(index), decisions, True),
         ("least_loaded_list", make_policy("least_loaded"), decisions, False),
         ("least_loaded_book", make_policy("least_loaded"), decisions, True),
     ):
         current = list(loads)
-        book = LoadBook(current)
+        book = LoadBook(current, index.slots if name == "cache_aware_masked" else None)
         run_now(policy.choose(queries[0], book if with_book else current))  # builds the ring: not timed
         gc.collect()
         choices, samples = [], []
@@ -117,7 +123,8 @@ def run_size(workers: int, decisions: int, seed: int) -> dict:
         result[name]["decisions"] = count
         result[name + "_choices"] = choices
     exhaustive, indexed = result.pop("cache_aware_exhaustive_choices"), result.pop("cache_aware_indexed_choices")
-    result["cache_aware_same_choice"] = exhaustive == indexed[: len(exhaustive)]
+    masked = result.pop("cache_aware_masked_choices")
+    result["cache_aware_same_choice"] = exhaustive == indexed[: len(exhaustive)] == masked[: len(exhaustive)]
     result["least_loaded_same_choice"] = result.pop("least_loaded_list_choices") == result.pop(
         "least_loaded_book_choices"
     )

@@ -72,8 +72,10 @@ class PrefixPool:
         """Registers blocks [first, upto) of a table under their keys (they are full and computed)."""
         if not self.caching:
             return
-        for i in range(first, min(upto, len(keys))):
-            self.pool.mark_cached(table[i], keys[i], (), parent_hash=keys[i - 1] if i else None)
+        upto = min(upto, len(keys))
+        if first < upto:
+            parent = keys[first - 1] if first else None
+            self.pool.mark_cached_chain(table[first:upto], keys[first:upto], parent_hash=parent)
 
     def release(self, table: Sequence[int]) -> None:
         """Tail first, as the engine frees a sequence: its last blocks are evicted first."""

@@ -39,6 +39,7 @@ from policies.admission import PrefillCostModel
 from policies.prefix_pull import PullPlanner
 from policies.routing import LoadBook, RouteQuery, WorkerLoad, make_policy
 from prefix_index.memory import InProcessPrefixIndex
+from prefix_index.worker_slots import WorkerSlots
 from sim.drive import run_now
 
 INDEX_LEASE_S = 30.0  # ClusterConfig.index_lease_s's default
@@ -121,9 +122,14 @@ class SimRouter:
         self.inflight = [0] * num_prefill  # requests booked, not ended
         self.alive = [True] * num_prefill
         self._loads = [WorkerLoad(worker_id, 0, 0) for worker_id in self.ids]
-        self._book = LoadBook(self._loads)  # the live workers' loads, in load order (what the policy reads)
+        # The index and the book share worker slots (ids are fixed: slot i is prefill-i), so the policy
+        # meets holders and ties with masks (policies/routing/cache_aware.py).
+        slots = WorkerSlots()
+        for worker_id in self.ids:
+            slots.slot(worker_id)
+        self._book = LoadBook(self._loads, slots)  # the live workers' loads, in load order (what the policy reads)
         self.decode_inflight = LeastHeap(num_decode)  # requests in flight per decode instance
-        self.index = InProcessPrefixIndex(INDEX_LEASE_S, clock)
+        self.index = InProcessPrefixIndex(INDEX_LEASE_S, clock, slots)
         self.policy = make_policy(policy, self.index)
         self._feeds: list[_Feed | None] = [None] * num_prefill
         self._dirty: set[int] = set()  # workers with events the index has not applied

@@ -10,6 +10,9 @@ a list insert: a memmove, no Python loop over the fleet).
 It is a `Sequence[WorkerLoad]` too, so every policy accepts it where it accepts a list; the list view
 is rebuilt only when something indexes it. `ids` and `version` change only when membership does, so a
 policy can cache what it derives from membership (the `prefix_hash` ring) and check it in O(1).
+Given the `WorkerSlots` of an in-process prefix index, the book also keeps, per queue length, the mask
+of the workers at that length in the index's bit positions (`masks_ascending`), so a policy can meet
+a holder level's least queued member, or a tie, with ANDs of masks (policies/routing/cache_aware.py).
 Not thread-safe: owned by one router's (or the simulator's) event loop, as the policies are.
 """
 
@@ -20,12 +23,19 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 from policies.routing.base import WorkerLoad
+from prefix_index.worker_slots import WorkerSlots
 
 _Key = tuple[int, int]  # (queued prompt tokens, requests in flight)
 
 
 class LoadBook(Sequence[WorkerLoad]):
-    def __init__(self, loads: Iterable[WorkerLoad] = ()):
+    def __init__(self, loads: Iterable[WorkerLoad] = (), slots: WorkerSlots | None = None):
+        self.slots = slots
+        self._queued_masks: dict[int, int] = {}  # with slots: queued tokens → mask of the workers at it
+        self._queued_values: list[int] = []  # with slots: the keys of _queued_masks, ascending
+        self.mask = 0  # with slots: every worker's bit
+        self._bits: dict[str, int] = {}  # with slots: worker id → 1 << its slot
+        self._bits_releases = 0 if slots is None else slots.releases
         self._loads: dict[str, WorkerLoad] = {}
         self._buckets: dict[_Key, list[str]] = {}  # ids sorted
         self._keys: list[_Key] = []  # sorted keys of the non-empty buckets
@@ -44,7 +54,11 @@ class LoadBook(Sequence[WorkerLoad]):
             if old == load:
                 return
             self._unfile(old)
+            if self.slots is not None:
+                self._refile_bit(load.worker_id, old.queued_prompt_tokens, load.queued_prompt_tokens)
         else:
+            if self.slots is not None:
+                self._refile_bit(load.worker_id, None, load.queued_prompt_tokens)
             self.version += 1
             self._ids = None
         self._loads[load.worker_id] = load
@@ -64,6 +78,8 @@ class LoadBook(Sequence[WorkerLoad]):
         if old is None:
             return
         self._unfile(old)
+        if self.slots is not None:
+            self._refile_bit(worker_id, old.queued_prompt_tokens, None)
         self.version += 1
         self._ids = None
         self._list = None
@@ -76,6 +92,38 @@ class LoadBook(Sequence[WorkerLoad]):
         if not bucket:
             del self._buckets[key]
             del self._keys[bisect.bisect_left(self._keys, key)]
+
+    def _refile_bit(self, worker_id: str, old_queued: int | None, new_queued: int | None) -> None:
+        """Moves the worker's bit between queue masks (None: not in the book). A change of requests alone
+        moves nothing, and the fleet's mask changes only when a worker joins or leaves."""
+        if old_queued == new_queued:
+            return
+        assert self.slots is not None
+        if self._bits_releases != self.slots.releases:  # a slot was freed: it may be someone else's now
+            self._bits.clear()
+            self._bits_releases = self.slots.releases
+        bit = self._bits.get(worker_id)
+        if bit is None:
+            bit = self._bits[worker_id] = 1 << self.slots.slot(worker_id)
+        masks = self._queued_masks
+        if old_queued is None:
+            self.mask |= bit
+        else:
+            mask = masks[old_queued] ^ bit
+            if mask:
+                masks[old_queued] = mask
+            else:
+                del masks[old_queued]
+                del self._queued_values[bisect.bisect_left(self._queued_values, old_queued)]
+        if new_queued is None:
+            self.mask ^= bit
+            return
+        joined = masks.get(new_queued)
+        if joined is None:
+            masks[new_queued] = bit
+            bisect.insort(self._queued_values, new_queued)
+        else:
+            masks[new_queued] = joined | bit
 
     # ---- reads ------------------------------------------------------------------------------------
     def get(self, worker_id: str) -> WorkerLoad | None:
@@ -113,6 +161,16 @@ class LoadBook(Sequence[WorkerLoad]):
             for worker_id in self._buckets[key]:
                 yield self._loads[worker_id]
 
+    def masks_ascending(self) -> Iterator[tuple[int, int]]:
+        """(queued tokens, mask of the workers queueing exactly that) by queued tokens; needs `slots`."""
+        masks = self._queued_masks
+        for queued in self._queued_values:
+            yield queued, masks[queued]
+
+    def mask_with_queued(self, queued: int) -> int:
+        """The mask of the workers queueing exactly `queued` tokens; needs `slots`."""
+        return self._queued_masks.get(queued, 0)
+
     def with_queued(self, queued: int) -> Iterator[str]:
         """The ids of the workers with exactly `queued` queued tokens, by (requests, id)."""
         for i in range(bisect.bisect_left(self._keys, (queued, -1)), len(self._keys)):
@@ -141,6 +199,14 @@ class LoadBook(Sequence[WorkerLoad]):
                 load = self._loads[worker_id]
                 assert (load.queued_prompt_tokens, load.inflight_requests) == key, f"{worker_id} in the wrong bucket"
         assert self.total_queued == sum(w.queued_prompt_tokens for w in self._loads.values()), "total_queued drifted"
+        if self.slots is not None:
+            expected: dict[int, int] = {}
+            for worker_id, load in self._loads.items():
+                bit = 1 << self.slots.slot(worker_id)
+                expected[load.queued_prompt_tokens] = expected.get(load.queued_prompt_tokens, 0) | bit
+            assert self._queued_masks == expected, "queue masks disagree with the loads"
+            assert self._queued_values == sorted(expected), "queue lengths out of order"
+            assert self.mask == self.slots.mask_of(set(self._loads)), "the book's mask disagrees with its workers"
 
     # ---- Sequence ---------------------------------------------------------------------------------
     def __len__(self) -> int:

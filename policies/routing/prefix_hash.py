@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from policies.routing.base import RouteDecision, RouteQuery, RoutingPolicy, WorkerLoad, require_workers
 from policies.routing.load_book import LoadBook
+from prefix_index.worker_slots import WorkerSlots
 
 DEFAULT_PREFIX_BLOCKS = 2
 DEFAULT_VIRTUAL_NODES = 128
@@ -48,16 +49,17 @@ class HashRing:
     """A consistent-hash ring over a fixed set of worker ids."""
 
     def __init__(self, worker_ids: Sequence[str], virtual_nodes: int = DEFAULT_VIRTUAL_NODES):
-        points = sorted(
-            (ring_point(f"{worker_id}#{i}".encode()), worker_id)
-            for worker_id in worker_ids
-            for i in range(virtual_nodes)
-        )
-        self.points = [p for p, _ in points]
-        self.owners = [w for _, w in points]
+        # Sorted by point, then by the order of `worker_ids` (sorted ids: a tie of two points, as likely
+        # as a 64-bit collision, goes to the smaller id); the points sort as plain ints, not as tuples.
+        labels = [(worker_id, f"{worker_id}#{i}".encode()) for worker_id in worker_ids for i in range(virtual_nodes)]
+        raw = [ring_point(label) for _, label in labels]
+        order = sorted(range(len(raw)), key=raw.__getitem__)
+        self.points = [raw[i] for i in order]
+        self.owners = [labels[i][0] for i in order]
         self.worker_ids = frozenset(worker_ids)
         self._own_points: dict[str, list[int]] = {}  # each worker's points, sorted
-        for point, worker_id in points:
+        self._point_slots: tuple[WorkerSlots, int, list[int]] | None = None  # (registry, its releases, slots)
+        for point, worker_id in zip(self.points, self.owners, strict=True):
             self._own_points.setdefault(worker_id, []).append(point)
 
     def owner(self, key: bytes) -> str:
@@ -79,6 +81,23 @@ class HashRing:
 
     def preference(self, key: bytes) -> list[str]:
         return list(self.walk(key))
+
+    def first_in_mask(self, key: bytes, mask: int, slots: WorkerSlots) -> str | None:
+        """The first worker met walking from the key whose bit (in `slots`) `mask` sets; None when none
+        does. A point whose owner is not a member is passed at the cost of a shift and a test: no set of
+        workers met is kept, since the first hit ends the walk."""
+        point_slots = self._slots_of_points(slots)
+        start = bisect.bisect(self.points, ring_point(key))
+        for index in itertools.chain(range(start, len(point_slots)), range(start)):
+            if mask >> point_slots[index] & 1:
+                return self.owners[index]
+        return None
+
+    def _slots_of_points(self, slots: WorkerSlots) -> list[int]:
+        cached = self._point_slots
+        if cached is None or cached[0] is not slots or cached[1] != slots.releases:
+            cached = self._point_slots = (slots, slots.releases, [slots.slot(owner) for owner in self.owners])
+        return cached[2]
 
     def first_of(self, key: bytes, among: Iterable[str]) -> str:
         """The first of `among` (a few members) met walking from the key: each member's distance to its
@@ -153,6 +172,12 @@ class PrefixHashPolicy(RoutingPolicy):
         if len(among) <= FEW_TIED:
             return ring.first_of(key, among)
         return next(w for w in ring.walk(key) if w in among)
+
+    def first_in_ring_mask(
+        self, query: RouteQuery, workers: Sequence[WorkerLoad], mask: int, slots: WorkerSlots
+    ) -> str | None:
+        """`first_in_ring_where` for the members of a mask (bits of `slots`; only of `workers`' ids)."""
+        return self._ring_for(workers).first_in_mask(prefix_key(query, self.prefix_blocks), mask, slots)
 
     def first_in_ring_where(
         self, query: RouteQuery, workers: Sequence[WorkerLoad], accept: Callable[[str], bool], limit: int = 0

@@ -1,4 +1,5 @@
 """BlockPool: allocation order, LRU eviction, prefix-hit revival, events, integrity checks."""
+
 import pytest
 
 from engine.block_hash import BlockHash
@@ -188,7 +189,6 @@ def test_num_blocks_validation(bad):
 
 def _corrupt_negative_ref(pool):
     pool._ref_counts[3] = -1
-    del pool._free[3]
 
 
 def _corrupt_used_block_in_free_queue(pool):
@@ -196,7 +196,7 @@ def _corrupt_used_block_in_free_queue(pool):
 
 
 def _corrupt_free_block_missing_from_queue(pool):
-    del pool._free[4]
+    pool._ref_counts[1] = 0  # block 1 is in use: a count of 0 says free, but no queue holds it
 
 
 def _corrupt_hash_map_points_elsewhere(pool):
@@ -207,13 +207,16 @@ def _corrupt_stale_hash_entry(pool):
     pool._hash_to_block[h(9)] = 2
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (_corrupt_negative_ref, "negative ref count"),
-    (_corrupt_used_block_in_free_queue, "block 0 .* free queue iff"),
-    (_corrupt_free_block_missing_from_queue, "block 4 .* free queue iff"),
-    (_corrupt_hash_map_points_elsewhere, "does not map back"),
-    (_corrupt_stale_hash_entry, "differ in size"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (_corrupt_negative_ref, "negative ref count"),
+        (_corrupt_used_block_in_free_queue, "block 0 .* free queue iff"),
+        (_corrupt_free_block_missing_from_queue, "block 1 .* free queue iff"),
+        (_corrupt_hash_map_points_elsewhere, "does not map back"),
+        (_corrupt_stale_hash_entry, "differ in size"),
+    ],
+)
 def test_check_integrity_catches_corruption(corrupt, message):
     pool, _ = make_pool(6)
     pool.allocate(2)
@@ -222,3 +225,42 @@ def test_check_integrity_catches_corruption(corrupt, message):
     corrupt(pool)
     with pytest.raises(IntegrityError, match=message):
         pool.check_integrity()
+
+
+def test_mark_cached_chain_announces_each_run_of_new_blocks_once():
+    """Blocks 0-4 of one sequence; hash 3 is already cached in block 5 (another sequence computed it), so
+    the chain caches 0-2 and 4 as two runs, each naming the hash before it as its parent."""
+    pool, events = make_pool(8)
+    pool.allocate(6)
+    pool.mark_cached(5, h(3), [3])
+    events.clear()
+    pool.mark_cached_chain([0, 1, 2, 3, 4], [h(0), h(1), h(2), h(3), h(4)], [[0], [1], [2], [3], [4]], parent_hash=h(9))
+    assert events == [
+        BlockStored((h(0), h(1), h(2)), h(9), (0, 1, 2)),
+        BlockStored((h(4),), h(3), (4,)),
+    ]
+    assert [pool.lookup(h(i)) for i in range(5)] == [0, 1, 2, 5, 4]
+    pool.mark_cached_chain([0, 1], [h(0), h(1)])  # already cached: nothing new, nothing announced
+    assert len(events) == 2
+    pool.check_integrity()
+
+
+def test_mark_cached_chain_announces_what_it_cached_before_a_bad_block():
+    pool, events = make_pool(4)
+    pool.allocate(2)
+    with pytest.raises(ValueError, match="block 3 is free"):
+        pool.mark_cached_chain([0, 1, 3], [h(0), h(1), h(2)])
+    assert events == [BlockStored((h(0), h(1)), None, ())]
+    pool.check_integrity()
+
+
+def test_release_checks_every_id_before_releasing_any():
+    pool, _ = make_pool(4)
+    pool.allocate(3)
+    for bad, message in (([0, 7], "block id must be in"), ([0, 3], "ref count 0"), ([1, 1], "released 2x")):
+        with pytest.raises(ValueError, match=message):
+            pool.release(bad)
+        assert [pool.ref_count(b) for b in range(4)] == [1, 1, 1, 0]
+    pool.release([2, 0])
+    assert pool.allocate(3) == [3, 2, 0]  # the fresh block first, then the freed ones in release order
+    pool.check_integrity()

@@ -24,6 +24,7 @@ from policies.routing.base import least_loaded
 from policies.routing.cache_aware import CacheAwarePolicy, ExhaustiveCacheAwarePolicy
 from policies.store_fetch_cost import StoreFetchCost
 from prefix_index.memory import InProcessPrefixIndex
+from prefix_index.worker_slots import WorkerSlots
 from sim.drive import run_now
 
 NS = HashNamespace("model/fast", 4)
@@ -52,12 +53,15 @@ def random_fleet(rng: random.Random, index: InProcessPrefixIndex) -> tuple[list[
     return alive, prompts
 
 
+@pytest.mark.parametrize("masks", [False, True], ids=["walked", "masked"])
 @pytest.mark.parametrize("seed", range(40))
-def test_cache_aware_walk_equals_scoring_every_worker(seed):
+def test_cache_aware_walk_equals_scoring_every_worker(seed, masks):
+    """`masked`: the index and the book share worker slots, so the policy searches with masks."""
     rng = random.Random(seed)
-    index = InProcessPrefixIndex(lease_s=30)
+    slots = WorkerSlots() if masks else None
+    index = InProcessPrefixIndex(lease_s=30, slots=slots)
     alive, prompts = random_fleet(rng, index)
-    book = LoadBook(alive)
+    book = LoadBook(alive, slots)
     fast, exhaustive = CacheAwarePolicy(index), ExhaustiveCacheAwarePolicy(index)
     for prompt in [*prompts, [7, 7]]:
         cut = prompt[: rng.randint(1, len(prompt))]
@@ -65,14 +69,23 @@ def test_cache_aware_walk_equals_scoring_every_worker(seed):
         expected = run_now(exhaustive.choose(query, alive))
         assert run_now(fast.choose(query, book)) == expected
         assert run_now(fast.choose(query, alive)) == expected  # a plain list takes the same walk
+        if masks:  # the book changes under the policy (bookings, a death), the masks follow
+            victim = rng.choice(alive)
+            book.set(victim._replace(queued_prompt_tokens=victim.queued_prompt_tokens + rng.choice([0, 4, 400])))
+            alive = list(book)
+            assert run_now(fast.choose(query, book)) == run_now(exhaustive.choose(query, alive))
     book.check_integrity()
     fast.check_integrity()
+    run_now(index.check_integrity())
+    if slots is not None:
+        slots.check_integrity()
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_load_book_stays_in_load_order_through_updates(seed):
     rng = random.Random(seed)
-    book, truth = LoadBook(), {}
+    slots = WorkerSlots() if seed % 2 else None  # with slots the book keeps a mask per queue length too
+    book, truth = LoadBook(slots=slots), {}
     for _ in range(400):
         worker_id = f"w{rng.randrange(30)}"
         if rng.random() < 0.15:
@@ -89,6 +102,12 @@ def test_load_book_stays_in_load_order_through_updates(seed):
             query = RouteQuery((), 1, 4, b"")
             assert run_now(make_policy("least_loaded").choose(query, book)).worker_id == book.least().worker_id
         assert sorted(book, key=lambda w: w.worker_id) == sorted(truth.values(), key=lambda w: w.worker_id)
+        if slots is not None:
+            by_queue: dict[int, set[str]] = {}
+            for load in truth.values():
+                by_queue.setdefault(load.queued_prompt_tokens, set()).add(load.worker_id)
+            assert [(q, set(slots.owners_of(m))) for q, m in book.masks_ascending()] == sorted(by_queue.items())
+            assert set(slots.owners_of(book.mask)) == set(truth)
     book.check_integrity()
 
 
@@ -104,10 +123,12 @@ def test_prefix_hash_on_a_book_equals_on_a_list(seed):
         assert run_now(on_book.choose(query, book)) == run_now(on_list.choose(query, loads))
 
 
-def test_a_busy_holder_level_behind_many_idle_workers_is_listed_not_walked():
+@pytest.mark.parametrize("masks", [False, True], ids=["walked", "masked"])
+def test_a_busy_holder_level_behind_many_idle_workers_is_listed_not_walked(masks):
     """40 workers hold 6 blocks and are busy; 160 idle ones hold the 2-block system prompt only: the walk
     in load order gives up on the 6-block level after LOAD_WALK_STEPS workers and lists it instead."""
-    index = InProcessPrefixIndex(lease_s=30)
+    slots = WorkerSlots() if masks else None
+    index = InProcessPrefixIndex(lease_s=30, slots=slots)
     prompt = list(range(40))
     loads = []
     for i in range(200):
@@ -117,7 +138,7 @@ def test_a_busy_holder_level_behind_many_idle_workers_is_listed_not_walked():
     for cut in (40, 30, 24, 12):
         query = RouteQuery(tuple(hash_blocks(NS, prompt[:cut])), cut, 4, b"p")
         expected = run_now(ExhaustiveCacheAwarePolicy(index).choose(query, loads))
-        assert run_now(CacheAwarePolicy(index).choose(query, LoadBook(loads))) == expected
+        assert run_now(CacheAwarePolicy(index).choose(query, LoadBook(loads, slots))) == expected
         assert expected.holder_blocks == min(6, cut // 4)
 
 

@@ -24,6 +24,7 @@ from prefix_index import (
     RedisPrefixIndex,
     make_redis_index,
 )
+from prefix_index.worker_slots import WorkerSlots
 
 NS = HashNamespace("contract-model", 4)
 E1 = 1_700_000_000_000_000_001  # realistic nanosecond epochs: beyond a double's exact integers
@@ -82,13 +83,15 @@ class Backend:
 _namespaces = itertools.count()
 
 
-@pytest.fixture(params=["in_process", "redis", "redis_cluster"])
+@pytest.fixture(params=["in_process", "in_process_shared_slots", "redis", "redis_cluster"])
 def backend(request) -> Backend:
-    if request.param == "in_process":
+    if request.param.startswith("in_process"):
         clock = FakeClock()
 
         async def advance(seconds: float) -> None:
             clock.now_s += seconds
+        if request.param == "in_process_shared_slots":  # slots a LoadBook shares: never freed by the index
+            return Backend(lambda lease_s: InProcessPrefixIndex(lease_s, clock, WorkerSlots()), advance)
         return Backend(lambda lease_s: InProcessPrefixIndex(lease_s, clock), advance)
     if request.param == "redis_cluster":  # one cluster per module: each test its own namespace
         cluster = request.getfixturevalue("redis_cluster")
