@@ -84,9 +84,8 @@ runpy.run_path(converter, run_name="__main__")
 """
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llamacpp-python", required=True, help="python of a venv with llama-cpp-python")
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint and its GGUF files: the flags every llama.cpp comparison takes."""
     parser.add_argument(
         "--converter", default=None, help="llama.cpp's convert_hf_to_gguf.py (unless --gguf-dir has the files)"
     )
@@ -95,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--model", default=None, help="checkpoint directory (default: benchmarks/trained_model.py's)")
     parser.add_argument("--trained-steps", type=int, default=60)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llamacpp-python", required=True, help="python of a venv with llama-cpp-python")
+    add_checkpoint_args(parser)
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--min-prompt", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=128)

@@ -55,7 +55,7 @@ from pathlib import Path
 import ray
 import torch
 
-from benchmarks.bench_llamacpp import hf_greedy, prepare_gguf
+from benchmarks.bench_llamacpp import add_checkpoint_args, hf_greedy, prepare_gguf
 from benchmarks.bench_quant_perplexity import cpu_name
 from benchmarks.bench_quant_throughput import _requests
 from benchmarks.trained_model import ensure_trained_model
@@ -97,14 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--llamacpp-python", default=None, help="python of a venv with llama-cpp-python (quantizes the GGUF files)"
     )
-    parser.add_argument(
-        "--converter", default=None, help="llama.cpp's convert_hf_to_gguf.py (unless --gguf-dir has the files)"
-    )
-    parser.add_argument(
-        "--gguf-dir", default=None, help="GGUF files are written (or found) here; default: a temporary folder"
-    )
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: benchmarks/trained_model.py's)")
-    parser.add_argument("--trained-steps", type=int, default=60)
+    add_checkpoint_args(parser)
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight (llama-server's slots)")
     parser.add_argument("--batch1-requests", type=int, default=4, help="requests sent one at a time per round")
     parser.add_argument("--agreement-prompts", type=int, default=4, help="prompts of the greedy text check")

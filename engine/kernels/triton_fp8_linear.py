@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_int8_linear import LaunchPlan, heuristic_plan, launch_target
+from engine.kernels.triton_int8_linear import LaunchPlan, heuristic_plan, launch_target, store_tile
 
 
 @triton.jit
@@ -83,12 +83,7 @@ def _fp8_linear(
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        tl.store(out_ptr + split * rows * out_features + m[:, None] * out_features + n[None, :], acc, mask=out_mask)
-    else:
-        out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + m[:, None] * out_features + n[None, :], out, mask=out_mask)
+    store_tile(out_ptr, acc, split, rows, out_features, m, n, m_ok, n_ok, SPLIT)
 
 
 def fp8_linear(

@@ -139,6 +139,17 @@ def _int8_linear(
         tl.store(out_ptr + m[:, None] * out_features + n[None, :], out, mask=out_mask)
 
 
+@triton.jit
+def store_tile(out_ptr, acc, split, rows, out_features, m, n, m_ok, n_ok, SPLIT: tl.constexpr):
+    """A tile's fp32 sums: into its split's slice of the workspace (SPLIT), else rounded to out's dtype.
+    The epilogue of the kernels whose weights need no per-column scale after the sum (int4, fp8)."""
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(out_ptr + split * rows * out_features + m[:, None] * out_features + n[None, :], acc, mask=out_mask)
+    else:
+        tl.store(out_ptr + m[:, None] * out_features + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 def launch_target(
     plan: LaunchPlan, rows: int, out_features: int, x: torch.Tensor
 ) -> tuple[tuple[int, int, int], bool, torch.Tensor]:
