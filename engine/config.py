@@ -105,6 +105,10 @@ class ModelConfig:
     identity: str = ""  # stable id of the checkpoint (arch + digest of config.json); seeds block hashes
     moe: MoEConfig | None = None  # None: every layer's feed-forward block is dense
     mla: MLAConfig | None = None  # None: grouped-query attention with per-head K/V
+    # Sliding-window attention, per layer: the query at position p sees keys (p - window, p], the
+    # window counting p itself (HF's masks); None for a layer attending to its whole context. Empty:
+    # no layer slides.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -114,6 +118,10 @@ class ModelConfig:
     def kv_planes(self) -> int:
         """Tensors the KV cache stores per token, layer and head: K and V (2), or MLA's latent (1)."""
         return 1 if self.mla is not None else 2
+
+    def sliding_window(self, layer: int) -> int | None:
+        """Layer `layer`'s window in tokens, or None where it attends to its whole context."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @property
     def rope_dim(self) -> int:

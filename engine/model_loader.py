@@ -101,6 +101,69 @@ def _mla(raw: dict) -> MLAConfig:
     )
 
 
+# Sliding-window attention, per layer, as each family's transformers modeling code decides it (HF's
+# masks: the query at p sees keys (p - sliding_window, p]). A window of None or 0 slides nothing.
+_LAYER_KINDS = {"full_attention": False, "sliding_attention": True}
+
+
+def _no_windows(raw: dict) -> tuple[int | None, ...]:
+    return ()
+
+
+def _window_size(raw: dict, enabled: bool) -> int | None:
+    window = raw.get("sliding_window")
+    if not enabled or not window:
+        return None
+    if not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"sliding_window: must be a positive integer, got {window!r}")
+    return window
+
+
+def _layer_windows(raw: dict, window: int | None, slides: Callable[[int], bool]) -> tuple[int | None, ...]:
+    """`window` for the layers i where `slides(i)`; empty when no layer slides."""
+    if window is None:
+        return ()
+    windows = tuple(window if slides(i) else None for i in range(raw["num_hidden_layers"]))
+    return windows if any(w is not None for w in windows) else ()
+
+
+def _by_layer_types(raw: dict, default: Callable[[int], bool]) -> Callable[[int], bool]:
+    """The config's `layer_types` (transformers 5.x) where it has them, else the family's `default`."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        return default
+    if len(kinds) != raw["num_hidden_layers"] or any(kind not in _LAYER_KINDS for kind in kinds):
+        raise UnsupportedModelError(
+            f"layer_types: must list one of {sorted(_LAYER_KINDS)} for each of the {raw['num_hidden_layers']} layers, "
+            f"got {kinds!r}"
+        )
+    return lambda i: _LAYER_KINDS[kinds[i]]
+
+
+def _every_layer_windows(raw: dict) -> tuple[int | None, ...]:
+    # Mistral, Mixtral: every layer slides when sliding_window is set (their modeling ignores layer_types).
+    return _layer_windows(raw, _window_size(raw, True), lambda i: True)
+
+
+def _qwen3_moe_windows(raw: dict) -> tuple[int | None, ...]:
+    # Qwen3-MoE: every layer, with use_sliding_window (max_window_layers and layer_types are not read).
+    return _layer_windows(raw, _window_size(raw, bool(raw.get("use_sliding_window"))), lambda i: True)
+
+
+def _qwen_windows(raw: dict) -> tuple[int | None, ...]:
+    # Qwen2, Qwen3: with use_sliding_window, the layers from max_window_layers on (or as layer_types say).
+    window = _window_size(raw, bool(raw.get("use_sliding_window")))
+    first = raw.get("max_window_layers", 28)
+    return _layer_windows(raw, window, _by_layer_types(raw, lambda i: i >= first))
+
+
+def _qwen2_moe_windows(raw: dict) -> tuple[int | None, ...]:
+    # Qwen2-MoE: with use_sliding_window, the even layers below max_window_layers (or as layer_types say).
+    window = _window_size(raw, bool(raw.get("use_sliding_window")))
+    below = raw.get("max_window_layers", 28)
+    return _layer_windows(raw, window, _by_layer_types(raw, lambda i: i % 2 == 0 and i < below))
+
+
 @dataclass(frozen=True)
 class ArchitectureTraits:
     qkv_bias: bool | None  # None: read `attention_bias` from the config
@@ -109,19 +172,24 @@ class ArchitectureTraits:
     mla: bool = False  # multi-head latent attention (engine/models/mla.py)
     # Checkpoint name fragments renamed at load to the engine's module names (HF's differ by family).
     renames: tuple[tuple[str, str], ...] = ()
+    windows: Callable[[dict], tuple[int | None, ...]] = _no_windows  # each layer's sliding window
 
 
 _DEEPSEEK_RENAMES = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 ARCHITECTURES = {
     "LlamaForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=False),
-    "MistralForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=False),
-    "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=True),
+    "MistralForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=False, windows=_every_layer_windows),
+    "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias=True, qk_norm=False, windows=_qwen_windows),
+    "Qwen3ForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=True, windows=_qwen_windows),
     "MixtralForCausalLM": ArchitectureTraits(
-        qkv_bias=None, qk_norm=False, moe=_mixtral_moe, renames=((".block_sparse_moe.", ".mlp."),)
+        qkv_bias=None,
+        qk_norm=False,
+        moe=_mixtral_moe,
+        renames=((".block_sparse_moe.", ".mlp."),),
+        windows=_every_layer_windows,
     ),
-    "Qwen2MoeForCausalLM": ArchitectureTraits(qkv_bias=True, qk_norm=False, moe=_qwen_moe),
-    "Qwen3MoeForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=True, moe=_qwen_moe),
+    "Qwen2MoeForCausalLM": ArchitectureTraits(qkv_bias=True, qk_norm=False, moe=_qwen_moe, windows=_qwen2_moe_windows),
+    "Qwen3MoeForCausalLM": ArchitectureTraits(qkv_bias=None, qk_norm=True, moe=_qwen_moe, windows=_qwen3_moe_windows),
     "DeepseekV2ForCausalLM": ArchitectureTraits(
         qkv_bias=None, qk_norm=False, moe=_deepseek_v2_moe, mla=True, renames=_DEEPSEEK_RENAMES
     ),
@@ -167,6 +235,7 @@ def load_model_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig
         identity=_identity(arch, config_path, model_dir) + _quantization_label(raw),
         moe=traits.moe(raw) if traits.moe is not None else None,
         mla=mla,
+        sliding_windows=traits.windows(raw),
     )
 
 
@@ -312,11 +381,8 @@ def _rope_config(raw: dict) -> RopeConfig:
 
 
 def _max_positions(raw: dict) -> int:
-    limit = raw.get("max_position_embeddings", 2048)
-    window = raw.get("sliding_window")
-    uses_window = window is not None and raw.get("use_sliding_window", True)
-    # Within the window, sliding-window attention equals full attention: serve up to the window only.
-    return min(limit, window) if uses_window else limit
+    # Sliding-window layers attend within their window at any position: the limit is the positions'.
+    return raw.get("max_position_embeddings", 2048)
 
 
 def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:

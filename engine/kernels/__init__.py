@@ -33,7 +33,7 @@ CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthre
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # name → (C signature): each kernel is `int name(...)` in `name.c`, returning 0 on success.
 SIGNATURES = {
-    "paged_decode_attention": [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float, _I64],
+    "paged_decode_attention": [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float, _I64, _I64],
     "int8_linear": [_PTR] * 4 + [_I64] * 4,
     "fp32_linear": [_PTR] * 4 + [_I64] * 4,
     "int4_linear": [_PTR] * 5 + [_I64] * 5,

@@ -11,6 +11,8 @@
  * heads that share the KV head, with an exact two-pass softmax in fp32. Items are spread over
  * `num_threads` POSIX threads, interleaved so long and short sequences mix. head_dim 64 with at most
  * four query heads per KV head (the demo model, most Llama-likes) takes a register-blocked path.
+ * A sliding window (`window` > 0; 0: none) keeps the last `window` positions of each context: the
+ * query at position n - 1 sees keys n - window .. n - 1; the blocks before them are never read.
  */
 #include <math.h>
 #include <pthread.h>
@@ -29,7 +31,7 @@ typedef struct {
     const float *k_scale, *v_scale; /* NULL for KIND_F32 */
     float *out;
     const int64_t *block_tables, *context_lens;
-    int64_t kind, batch, heads, kv_heads, head_dim, num_blocks, block_size, max_blocks, max_context;
+    int64_t kind, batch, heads, kv_heads, head_dim, num_blocks, block_size, max_blocks, max_context, window;
     float scale;
     int64_t thread_index, num_threads;
     int status;
@@ -65,9 +67,11 @@ static void softmax_rows(float *restrict scores, int64_t n, int64_t group, float
     }
 }
 
-/* Where one (sequence, kv head) item reads: the first key/value/scale of the head's block 0. */
+/* Where one (sequence, kv head) item reads: the first key/value/scale of the head's block 0. Its keys
+ * are positions start .. end - 1 (n = end - start of them, scores indexed from start), in blocks
+ * first_block .. num_blocks - 1. */
 typedef struct {
-    int64_t b, h, group, n, num_blocks;
+    int64_t b, h, group, n, start, end, first_block, num_blocks;
     const int64_t *table;
     const float *q;
     float *out;
@@ -80,8 +84,11 @@ static inline Item item_of(const Job *job, int64_t item) {
     it.b = item / job->kv_heads;
     it.h = item % job->kv_heads;
     it.group = job->heads / job->kv_heads;
-    it.n = job->context_lens[it.b];
-    it.num_blocks = (it.n + job->block_size - 1) / job->block_size;
+    it.end = job->context_lens[it.b];
+    it.start = job->window > 0 && it.end > job->window ? it.end - job->window : 0;
+    it.n = it.end - it.start;
+    it.first_block = it.start / job->block_size;
+    it.num_blocks = (it.end + job->block_size - 1) / job->block_size;
     it.table = job->block_tables + it.b * job->max_blocks;
     it.q = job->q + (it.b * job->heads + it.h * it.group) * job->head_dim;
     it.out = job->out + (it.b * job->heads + it.h * it.group) * job->head_dim;
@@ -105,9 +112,9 @@ static inline __attribute__((always_inline)) void attend_any(const Job *job, int
     const int64_t dim = job->head_dim, bs = job->block_size, n = it.n, group = it.group;
     const int64_t row_bytes = dim * element_bytes(kind);
     /* Pass 1: scores, walking the sequence block by block (no per-token division). */
-    for (int64_t blk = 0; blk < it.num_blocks; blk++) {
-        const int64_t block = it.table[blk], first = blk * bs, count = n - first < bs ? n - first : bs;
-        for (int64_t o = 0; o < count; o++) {
+    for (int64_t blk = it.first_block; blk < it.num_blocks; blk++) {
+        const int64_t block = it.table[blk], first = blk * bs - it.start, count = n - first < bs ? n - first : bs;
+        for (int64_t o = first < 0 ? -first : 0; o < count; o++) {
             const char *key = it.k_head + (block * bs + o) * row_bytes;
             const float ks = token_scale(it.ks_head, block, bs, o) * job->scale;
             for (int64_t g = 0; g < group; g++) {
@@ -123,14 +130,14 @@ static inline __attribute__((always_inline)) void attend_any(const Job *job, int
     softmax_rows(scores, n, group, inv_sum);
     memset(it.out, 0, sizeof(float) * group * dim);
     /* Pass 2: weighted sum of values, one query head at a time over each block. */
-    for (int64_t blk = 0; blk < it.num_blocks; blk++) {
-        const int64_t block = it.table[blk], first = blk * bs, count = n - first < bs ? n - first : bs;
+    for (int64_t blk = it.first_block; blk < it.num_blocks; blk++) {
+        const int64_t block = it.table[blk], first = blk * bs - it.start, count = n - first < bs ? n - first : bs;
         for (int64_t g = 0; g < group; g++) {
-            const float *restrict w = scores + g * n + first;
+            const float *restrict w = scores + g * n;
             float *restrict og = it.out + g * dim;
-            for (int64_t o = 0; o < count; o++) {
+            for (int64_t o = first < 0 ? -first : 0; o < count; o++) {
                 const char *value = it.v_head + (block * bs + o) * row_bytes;
-                const float wo = w[o] * token_scale(it.vs_head, block, bs, o);
+                const float wo = w[first + o] * token_scale(it.vs_head, block, bs, o);
 #pragma omp simd
                 for (int64_t d = 0; d < dim; d++) og[d] += wo * load1(value, d, kind);
             }
@@ -173,9 +180,9 @@ static inline __attribute__((always_inline)) void attend64_any(const Job *job, i
                                                                float *restrict scores, int64_t kind) {
     const Item it = item_of(job, item);
     const int64_t bs = job->block_size, n = it.n, group = it.group, row_bytes = 64 * element_bytes(kind);
-    for (int64_t blk = 0; blk < it.num_blocks; blk++) {
-        const int64_t block = it.table[blk], first = blk * bs, count = n - first < bs ? n - first : bs;
-        for (int64_t o = 0; o < count; o++) {
+    for (int64_t blk = it.first_block; blk < it.num_blocks; blk++) {
+        const int64_t block = it.table[blk], first = blk * bs - it.start, count = n - first < bs ? n - first : bs;
+        for (int64_t o = first < 0 ? -first : 0; o < count; o++) {
             const char *key = it.k_head + (block * bs + o) * row_bytes;
             const float ks = token_scale(it.ks_head, block, bs, o) * job->scale;
             vf kv[CHUNKS];
@@ -197,9 +204,9 @@ static inline __attribute__((always_inline)) void attend64_any(const Job *job, i
         vf acc[4][SWEEP];
         for (int64_t g = 0; g < group; g++)
             for (int c = 0; c < SWEEP; c++) acc[g][c] = (vf){0};
-        for (int64_t blk = 0; blk < it.num_blocks; blk++) {
-            const int64_t block = it.table[blk], first = blk * bs, count = n - first < bs ? n - first : bs;
-            for (int64_t o = 0; o < count; o++) {
+        for (int64_t blk = it.first_block; blk < it.num_blocks; blk++) {
+            const int64_t block = it.table[blk], first = blk * bs - it.start, count = n - first < bs ? n - first : bs;
+            for (int64_t o = first < 0 ? -first : 0; o < count; o++) {
                 const char *value = it.v_head + (block * bs + o) * row_bytes;
                 const float vs = token_scale(it.vs_head, block, bs, o);
                 vf x[SWEEP];
@@ -245,8 +252,9 @@ int paged_decode_attention(const float *q, const void *k, const void *v, const f
                            const float *v_scale, float *out, const int64_t *block_tables,
                            const int64_t *context_lens, int64_t kind, int64_t batch, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                           int64_t max_blocks, int64_t max_context, float scale, int64_t num_threads) {
-    if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || num_threads <= 0) return 2;
+                           int64_t max_blocks, int64_t max_context, float scale, int64_t window,
+                           int64_t num_threads) {
+    if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || num_threads <= 0 || window < 0) return 2;
     if (kind < KIND_F32 || kind > KIND_F8 || (kind != KIND_F32 && (!k_scale || !v_scale))) return 3;
     if (num_threads > 64) num_threads = 64;
     /* A thread is created per call: each gets at least 16 MiB of K/V to read (the longest context's
@@ -260,8 +268,8 @@ int paged_decode_attention(const float *q, const void *k, const void *v, const f
     for (int64_t i = 0; i < num_threads; i++) {
         jobs[i] = (Job){q, (const char *)k, (const char *)v, kind == KIND_F32 ? NULL : k_scale,
                         kind == KIND_F32 ? NULL : v_scale, out, block_tables, context_lens, kind, batch, heads,
-                        kv_heads, head_dim, num_blocks, block_size, max_blocks, max_context, scale, i,
-                        num_threads, 0};
+                        kv_heads, head_dim, num_blocks, block_size, max_blocks, max_context, window, scale,
+                        i, num_threads, 0};
     }
     for (int64_t i = 1; i < num_threads; i++)
         started[i] = pthread_create(&threads[i], NULL, run_job, &jobs[i]) == 0;

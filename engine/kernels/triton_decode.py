@@ -12,7 +12,9 @@ Split-K ("flash decoding"), two launches:
    sum and weighted values. Splits past a sequence's length do nothing.
 2. `_combine`: program (sequence, query head) merges the splits that hold tokens.
 The split count only depends on the batch size and the table width, so a CUDA graph captured for a
-batch size keeps its launch shapes while the sequences grow.
+batch size keeps its launch shapes while the sequences grow. A sliding window (`window` > 0) keeps
+positions context_len - window .. context_len - 1: splits wholly before it do nothing and are left out
+of the merge.
 
 Precision: fp32 caches take IEEE fp32 dots (no tf32), so fp32 runs stay HF-equal; bf16/fp16 caches
 take tensor-core dots with fp32 accumulation, the probabilities rounded to the cache dtype before the
@@ -51,12 +53,13 @@ def split_plan(batch: int, num_kv_heads: int, table_width: int, block_size: int)
 
 @triton.jit
 def _tile(
-    q, tokens, context_len, row_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_base, scale_base, dims, dim_ok, scale,
+    q, tokens, low, context_len, row_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_base, scale_base, dims, dim_ok, scale,
     running_max, running_sum, acc,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """One tile of `tokens` folded into the online softmax (running max, sum, weighted values)."""
-    valid = tokens < context_len
+    """One tile of `tokens` folded into the online softmax (running max, sum, weighted values); the
+    tokens in [low, context_len) count."""
+    valid = (tokens < context_len) & (tokens >= low)
     k, v, slot = load_paged_kv(tokens, valid, row_ptr, k_ptr, v_ptr, kv_base, dims, dim_ok, BLOCK_SIZE, HEAD_DIM)
     if QUANTIZED:
         k = k.to(tl.float32) * tl.load(ks_ptr + scale_base + slot, mask=valid, other=0.0)[:, None]
@@ -77,6 +80,7 @@ def _partial(
     max_ptr,
     sum_ptr,
     scale,
+    window,
     table_width,
     num_heads,
     num_splits,
@@ -95,8 +99,9 @@ def _partial(
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(lens_ptr + seq).to(tl.int32)
+    low = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)  # the first position in view
     first = split * TILES_PER_SPLIT * TILE
-    if first < context_len:
+    if first < context_len and first + TILES_PER_SPLIT * TILE > low:
         rows = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, BLOCK_D)
         row_ok = rows < GROUP
@@ -109,25 +114,26 @@ def _partial(
         running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         running_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        # The split's tiles up to the context's end; within the last one, tokens past it are masked (no
-        # memory traffic, weights exp(-inf) = 0; the first tile always holds a token, so the running
-        # max is finite). The split count follows the table's width (graph-safe), so with a long
-        # max_model_len a split spans thousands of tiles that a short context never reaches: a loop
-        # over all of them cost 40 ms per step at batch 64 with 131,072-token tables on an H200.
-        # Triton's CPU interpreter (the CPU tests) cannot bound a loop by a loaded value: there every
-        # tile of the split runs, masked (BOUNDED false), with the same result.
+        # The split's tiles from the window's start up to the context's end; within the edge ones, tokens
+        # outside are masked (no memory traffic, weights exp(-inf) = 0). The split count follows the
+        # table's width (graph-safe), so with a long max_model_len a split spans thousands of tiles that
+        # a short context never reaches: a loop over all of them cost 40 ms per step at batch 64 with
+        # 131,072-token tables on an H200. Triton's CPU interpreter (the CPU tests) cannot bound a loop
+        # by a loaded value: there every tile of the split runs, masked (BOUNDED false), with the same
+        # result.
         row = tables_ptr + seq * table_width
         if BOUNDED:
-            for t in range(tl.minimum(tl.cdiv(context_len - first, TILE), TILES_PER_SPLIT)):
+            start = tl.maximum(low - first, 0) // TILE
+            for t in range(start, tl.minimum(tl.cdiv(context_len - first, TILE), TILES_PER_SPLIT)):
                 running_max, running_sum, acc = _tile(
-                    q, first + t * TILE + tl.arange(0, TILE), context_len, row, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                    q, first + t * TILE + tl.arange(0, TILE), low, context_len, row, k_ptr, v_ptr, ks_ptr, vs_ptr,
                     kv_head * stride_kh, kv_head * stride_sh, dims, dim_ok, scale, running_max, running_sum, acc,
                     BLOCK_SIZE, HEAD_DIM, QUANTIZED, IEEE,
                 )  # fmt: skip
         else:
             for t in range(TILES_PER_SPLIT):
                 running_max, running_sum, acc = _tile(
-                    q, first + t * TILE + tl.arange(0, TILE), context_len, row, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                    q, first + t * TILE + tl.arange(0, TILE), low, context_len, row, k_ptr, v_ptr, ks_ptr, vs_ptr,
                     kv_head * stride_kh, kv_head * stride_sh, dims, dim_ok, scale, running_max, running_sum, acc,
                     BLOCK_SIZE, HEAD_DIM, QUANTIZED, IEEE,
                 )  # fmt: skip
@@ -144,6 +150,7 @@ def _combine(
     sum_ptr,
     lens_ptr,
     out_ptr,
+    window,
     num_heads,
     num_splits,
     split_tokens,
@@ -152,10 +159,13 @@ def _combine(
     BLOCK_S: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
-    used = tl.cdiv(tl.load(lens_ptr + seq).to(tl.int32), split_tokens)  # splits that hold tokens
+    context_len = tl.load(lens_ptr + seq).to(tl.int32)
+    used = tl.cdiv(context_len, split_tokens)  # splits that hold tokens
+    low = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+    skipped = low // split_tokens  # splits wholly before the window: never written
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    ok = splits < used
+    ok = (splits < used) & (splits >= skipped)
     part = (seq * num_heads + head) * num_splits + splits
     maxes = tl.load(max_ptr + part, mask=ok, other=float("-inf"))
     overall = tl.max(maxes, axis=0)
@@ -180,9 +190,11 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     plan: SplitPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [batch, heads, head_dim] → [batch, heads * head_dim] in q's dtype. Every context_len >= 1.
-    `plan` overrides `split_plan` (its tiles_per_split must be a power of two)."""
+    `plan` overrides `split_plan` (its tiles_per_split must be a power of two); `window`: a sliding
+    window in tokens (None: the whole context)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -205,6 +217,7 @@ def paged_decode_attention(
         maxes,
         sums,
         scale,
+        window or 0,
         block_tables.shape[1],
         num_heads,
         plan.num_splits,
@@ -229,6 +242,7 @@ def paged_decode_attention(
         sums,
         context_lens,
         out,
+        window or 0,
         num_heads,
         plan.num_splits,
         plan.tiles_per_split * TILE_TOKENS,

@@ -31,15 +31,17 @@ def load_paged_kv(
 @triton.jit
 def fold_tile(q, k, v, allowed, scale, running_max, running_sum, acc, IEEE: tl.constexpr):
     """Scores of q's rows over k's rows, masked to `allowed` (broadcast to [rows, tokens]), folded into
-    the online softmax. A row's running max must be finite after its first tile (it sees a key there)."""
+    the online softmax. A row that has seen no key yet (a sliding window's rows before it starts) keeps
+    a running max of -inf; its exponents are shifted by 0 instead, so they add exact zeros, not NaN."""
     if IEEE:  # noqa: SIM108 - Triton JIT code: a constexpr if compiles only its branch
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         scores = tl.dot(q, tl.trans(k))
     scores = tl.where(allowed, scores * scale, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    weights = tl.exp(scores - new_max[:, None])
-    correction = tl.exp(running_max - new_max)
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    weights = tl.exp(scores - shift[:, None])
+    correction = tl.exp(running_max - shift)
     running_sum = running_sum * correction + tl.sum(weights, axis=1)
     if IEEE:
         acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")

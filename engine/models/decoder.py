@@ -2,10 +2,11 @@
 mixture-of-experts / latent-attention ones: Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V2/V3).
 
 They differ only in switches taken from the checkpoint config: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), tied embeddings, RoPE scaling; the attention of a layer is grouped-query (`Attention`) or
-latent (engine/models/mla.py, when the config has `mla`), its feed-forward block dense or a mixture
-of experts (engine/models/moe.py, when the config has `moe`). Tokens of a step are flattened to `[num_tokens, hidden]`
-(no padding); attention reads/writes the paged cache through `engine.attention`.
+(Qwen3), tied embeddings, RoPE scaling, each layer's sliding window (Mistral, Qwen); the attention of a
+layer is grouped-query (`Attention`) or latent (engine/models/mla.py, when the config has `mla`), its
+feed-forward block dense or a mixture of experts (engine/models/moe.py, when the config has `moe`).
+Tokens of a step are flattened to `[num_tokens, hidden]` (no padding); attention reads/writes the paged
+cache through `engine.attention`.
 
 Module names mirror HF's so checkpoint tensors map by name; `PACKED_WEIGHTS` says which HF tensors
 were fused into which of our parameters.
@@ -60,6 +61,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.sliding_windows = cfg.sliding_windows  # per layer; forward reads its layer's by index
 
     def forward(self, rope, hidden, kv_cache: KVCacheStorage, index: int, meta: AttentionMetadata) -> torch.Tensor:
         """`rope`: this step's (cos, sin) rows from `RotaryEmbedding.lookup`; reads layer `index` of the cache."""
@@ -73,7 +75,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.rotate(q, *rope), RotaryEmbedding.rotate(k, *rope)
-        return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
+        window = self.sliding_windows[index] if self.sliding_windows else None
+        return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale, window))
 
 
 # A layer's attention, by whether the config has MLA.
