@@ -130,8 +130,28 @@ def layer_inputs(
     return captured
 
 
-def _load(args: QuantizeArgs) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+def _load(args: QuantizeArgs, projections: tuple[str, ...]) -> PreTrainedModel:
+    """The checkpoint in fp32, refused in one line where a calibrated method cannot reach its projections:
+    calibration captures each dense projection's inputs, and mixture-of-experts layers (routed experts) and
+    latent attention have none of those modules to hook (`--method rtn` rounds every layer kind)."""
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    for index, layer in enumerate(model.model.layers):
+        missing = [name for name in projections if not _has_submodule(layer, name)]
+        if missing:
+            raise SystemExit(
+                f"--method: {args.method} calibrates dense attention and MLP projections only; decoder layer "
+                f"{index} has no {', '.join(missing)} (a mixture-of-experts or latent-attention model): "
+                "use --method rtn"
+            )
+    return model
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def quantize_rtn(args: QuantizeArgs) -> Path:
@@ -140,7 +160,7 @@ def quantize_rtn(args: QuantizeArgs) -> Path:
 
 def quantize_gptq(args: QuantizeArgs) -> Path:
     fmt = _gptq_format(args, args.act_order)
-    model, tokens = _load(args), calibration_tokens(args)
+    model, tokens = _load(args, PROJECTIONS), calibration_tokens(args)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for index in tqdm(range(len(model.model.layers)), desc="gptq", unit="layer"):
         inputs = layer_inputs(model, index, PROJECTIONS, tokens)
@@ -169,7 +189,8 @@ def quantize_gptq(args: QuantizeArgs) -> Path:
 
 def quantize_awq(args: QuantizeArgs) -> Path:
     fmt = AwqFormat(group_size=args.group_size)
-    model, tokens = _load(args), calibration_tokens(args)
+    awq_modules = tuple(name for names, producer in AWQ_GROUPS for name in (*names, producer))
+    model, tokens = _load(args, awq_modules), calibration_tokens(args)
     for index in tqdm(range(len(model.model.layers)), desc="awq", unit="layer"):
         layer = model.model.layers[index]
         inputs = layer_inputs(model, index, tuple(group[0] for group, _ in AWQ_GROUPS), tokens)

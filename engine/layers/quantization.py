@@ -18,7 +18,10 @@ knows about number formats. A tiny registry (`QUANTIZATIONS`) names the methods:
   act-order GPTQ layer's inputs are sorted by group at load and its activations' columns permuted to
   match on every call (`input_order`); any other checkpoint is rounded to nearest at load, in groups
   of `quantization_group_size` (default INT4_GROUP_SIZE, or the largest of 64 and 32 that divides the
-  layer's inputs). Under tensor parallelism a row-parallel shard must hold whole groups.
+  layer's inputs). Under tensor parallelism a row-parallel shard must hold whole groups, except an
+  act-order layer's: its rank holds every group its inputs touch, as whole groups or as runs of 32
+  inputs with the group's scale (whichever is smaller), padded with reads of a zero feature appended
+  to the activations (`input_padded`; GroupQuantized.shard_in_group_order).
 
 The registry `STORED_FORMS` names checkpoint formats whose own weights a device multiplies by directly
 when `quantization` is none (`weight_quantization` picks it per device): an FP8 checkpoint on CUDA keeps
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UnsupportedModelError
@@ -166,15 +170,15 @@ class Int4GroupWise(LinearMethod):
         # set by the first part loaded; None where the groups are consecutive already.
         layer.register_buffer("input_order", None, persistent=False)
         layer.input_order_loaded = False
+        layer.input_padded = False  # input_order reads a zero feature appended to x (act-order shards)
 
     def _load(self, layer, loaded: torch.Tensor, shard_id, input_size_local: int) -> None:
-        form = getattr(loaded, "group_quantized", None) or _round_at_load(loaded, self.group_size)
-        if form.bits != 4:
-            raise UnsupportedModelError(
-                f"layer {form.name}: int4 weights cannot hold {form.bits}-bit values; serve it with quantization none"
-            )
-        form, order = form.in_group_order()
-        _take_input_order(layer, form.name, order, sharded=input_size_local != form.values.shape[1])
+        full = int4_form(loaded, self.group_size)
+        form, order = full.in_group_order()
+        if order is not None and input_size_local != form.values.shape[1]:
+            _load_act_order_shard(layer, full, shard_id, input_size_local)
+            return
+        _take_input_order(layer, form.name, order)
         if input_size_local % form.group_size:
             raise UnsupportedModelError(
                 f"layer {form.name}: a tensor-parallel shard of {input_size_local} input features would split its "
@@ -190,19 +194,47 @@ class Int4GroupWise(LinearMethod):
 
     def apply(self, layer, x, bias=None):
         if layer.input_order is not None:
-            x = x.index_select(-1, layer.input_order)
+            x = (
+                x.index_select(-1, layer.input_order)
+                if not layer.input_padded
+                else F.pad(x, (0, 1))[..., layer.input_order]
+            )
         y = int4_matmul(x, layer.weight, layer.weight_scale, layer.weight_zero)
         return y if bias is None else y + bias
 
 
-def _take_input_order(layer: Any, name: str, order: torch.Tensor | None, sharded: bool) -> None:
+def int4_form(loaded: torch.Tensor, group_size: int | None) -> GroupQuantized:
+    """A checkpoint tensor's 4-bit integer form: a GPTQ / AWQ layer's own, or the weight rounded at load."""
+    form = getattr(loaded, "group_quantized", None) or _round_at_load(loaded, group_size)
+    if form.bits != 4:
+        raise UnsupportedModelError(
+            f"layer {form.name}: int4 weights cannot hold {form.bits}-bit values; serve it with quantization none"
+        )
+    return form
+
+
+def _load_act_order_shard(layer: Any, form: GroupQuantized, shard_id, input_size_local: int) -> None:
+    """A row-parallel rank's shard of an act-order layer: the layer's own loader says which input
+    columns are this rank's (it slices a row of column indices as it slices the weight), and each group
+    they touch is held whole (GroupQuantized.shard_in_group_order)."""
+    columns = torch.empty(1, input_size_local, dtype=torch.long)
+    layer.weight_loader(columns, torch.arange(form.values.shape[1])[None], shard_id)
+    # Whole groups (fewer scales) or runs of BLOCK inputs (less padding: a rank holds about 1 / TP of
+    # each group): whichever stores fewer bytes for this shard.
+    shard, order = min(
+        (form.shard_in_group_order(columns[0], run) for run in sorted({form.group_size, BLOCK}, reverse=True)),
+        key=lambda candidate: candidate[0].values.numel() // 2 + 8 * candidate[0].scales.numel(),
+    )
+    _take_input_order(layer, form.name, order)
+    layer.input_padded = True
+    layer.weight.data = pack_int4(shard.values)
+    layer.weight_scale.data = shard.scales.t().contiguous()
+    layer.weight_zero.data = shard.zeros.t().contiguous()
+
+
+def _take_input_order(layer: Any, name: str, order: torch.Tensor | None) -> None:
     """Keeps a part's input order on its layer: every part of a fused layer (q/k/v, gate/up) reads the
     same inputs, so they must share one order (GPTQ's act-order gives inputs with one Hessian one order)."""
-    if order is not None and sharded:
-        raise UnsupportedModelError(
-            f"layer {name}: its act-order groups (g_idx) span the tensor-parallel shards of its inputs; "
-            "serve it with quantization none or without tensor parallelism"
-        )
     if layer.input_order_loaded:
         kept = layer.input_order
         if (order is None) != (kept is None) or (order is not None and not torch.equal(order, kept)):

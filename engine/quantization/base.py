@@ -46,6 +46,27 @@ class GroupQuantized(NamedTuple):
             return self._replace(g_idx=None), None
         return self._replace(values=self.values[:, order], g_idx=None), order
 
+    def shard_in_group_order(self, columns: torch.Tensor, run_size: int) -> tuple[GroupQuantized, torch.Tensor]:
+        """The input features `columns` of an act-order layer (a row-parallel rank's shard) as a layer of
+        their own in groups of `run_size` consecutive inputs (a divisor of `group_size`), and the order
+        that reads them: `x[:, columns] @ weight[:, columns]ᵀ == pad(x[:, columns])[:, order] @ shardᵀ`,
+        where `pad` appends one zero feature. A shard holds parts of groups (g_idx scatters them over the
+        inputs), so each group it touches becomes whole runs of `run_size` (each with the group's scale
+        and zero point) whose missing inputs read the zero feature (index `len(columns)`)."""
+        self.in_group_order()  # every group holds group_size inputs, or it fails naming the layer
+        assert self.g_idx is not None and self.group_size % run_size == 0
+        group_of = self.g_idx.long()[columns]
+        by_group = torch.argsort(group_of, stable=True)
+        groups, rank_of, counts = torch.unique(group_of[by_group], return_inverse=True, return_counts=True)
+        runs = -(-counts // run_size)  # runs each touched group takes
+        first_input, first_slot = torch.cumsum(counts, 0) - counts, (torch.cumsum(runs, 0) - runs) * run_size
+        slot = first_slot[rank_of] + torch.arange(columns.numel()) - first_input[rank_of]
+        order = torch.full((int(runs.sum()) * run_size,), columns.numel(), dtype=torch.long)
+        order[slot] = by_group
+        padded = torch.cat([self.values[:, columns], self.values.new_zeros(self.values.shape[0], 1)], dim=1)
+        scales, zeros = (t[groups].repeat_interleave(runs, dim=0) for t in (self.scales, self.zeros))
+        return self._replace(values=padded[:, order], scales=scales, zeros=zeros, group_size=run_size), order
+
 
 class Float8Stored(NamedTuple):
     """An FP8 layer as its checkpoint stores it, for weight formats that keep it (CUDA,

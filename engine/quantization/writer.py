@@ -18,6 +18,10 @@ from tqdm import tqdm
 from engine.quantization.base import CheckpointFormat
 
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Latent attention's projections (DeepSeek-V2/V3), which their GPTQ / AWQ releases quantize too.
+MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+# Mixtral names its experts' projections apart (`...experts.N.w1`); GPTQ / AWQ releases quantize them too.
+EXPERT_PROJECTIONS = ("w1", "w2", "w3")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 # prefix ("model.layers.0.self_attn.q_proj") and its fp32 weight → the stored parts of the layer.
@@ -26,7 +30,9 @@ LayerQuantizer = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 
 def is_quantized_projection(name: str) -> bool:
     parts = name.split(".")
-    return name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in QUANTIZED_PROJECTIONS
+    expert = len(parts) > 4 and parts[-4] == "experts" and parts[-2] in EXPERT_PROJECTIONS
+    projection = parts[-2] in QUANTIZED_PROJECTIONS or parts[-2] in MLA_PROJECTIONS or expert
+    return name.startswith("model.layers.") and parts[-1] == "weight" and projection
 
 
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:

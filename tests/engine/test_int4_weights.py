@@ -120,14 +120,37 @@ def test_an_act_order_layer_is_stored_in_int4_with_its_inputs_sorted_by_group(ro
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_act_order_groups_split_over_shards_or_fused_parts_in_other_orders_fail_naming_the_layer():
-    form = _act_order_layer("model.layers.3.mlp.down_proj", 8, 64, 32, seed=1)
-    rank1 = TensorParallelGroup(rank=1, size=2, process_group=object())  # loading runs no collective
-    layer = RowParallelLinear(64, 8, bias=False, dtype=torch.float32, tp=rank1, method=Int4GroupWise())
-    with pytest.raises(
-        UnsupportedModelError, match=r"model.layers.3.mlp.down_proj: its act-order groups \(g_idx\) span"
-    ):
+@pytest.mark.parametrize("rows", [1, NATIVE_MAX_ROWS + 5])
+@pytest.mark.parametrize(("group_size", "tp_size"), [(32, 2), (128, 2), (128, 4)])
+def test_each_row_parallel_rank_of_an_act_order_layer_holds_the_groups_its_inputs_touch(rows, group_size, tp_size):
+    """A rank's inputs hold parts of groups: each group it touches is stored whole or as runs of 32
+    (whichever is smaller), padded with reads of a zero feature; the ranks' partial sums add up to the
+    whole layer's product."""
+    out_features, in_features = 24, 1024
+    form = _act_order_layer("model.layers.0.mlp.down_proj", out_features, in_features, group_size, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(9))
+    total = torch.zeros(rows, out_features, dtype=torch.float64)
+    local = in_features // tp_size
+    for rank in range(tp_size):
+        group = TensorParallelGroup(rank=rank, size=tp_size, process_group=object())  # loading runs no collective
+        layer = RowParallelLinear(in_features, 24, False, torch.float32, tp=group, method=Int4GroupWise())
         layer.weight.weight_loader(layer.weight, _loaded_weight(form))
+        read = layer.input_order[layer.input_order < local]  # the rest read the zero feature (index `local`)
+        assert layer.input_padded and torch.equal(read.sort().values, torch.arange(local))  # each input once
+        stored = layer.weight.numel() + 8 * layer.weight_scale.numel()
+        columns = torch.arange(rank * local, (rank + 1) * local)
+        candidates = [form.shard_in_group_order(columns, run)[0] for run in (group_size, 32)]
+        assert stored == min(c.values.numel() // 2 + 8 * c.scales.numel() for c in candidates)
+        total += layer.method.apply(layer, x[:, rank * local : (rank + 1) * local]).double()
+        # Random act-order touches every group from every rank: whole groups cost the unsharded layer;
+        # runs of 32 about 1 / TP of it plus the padding of each group's last run and more scales.
+        unsharded = out_features * in_features // 2 + 8 * out_features * in_features // group_size
+        assert stored <= {(32, 2): 1.0, (128, 2): 0.9, (128, 4): 0.6}[(group_size, tp_size)] * unsharded
+    torch.testing.assert_close(total, x.double() @ _dequantized(form).double().t(), rtol=1e-5, atol=1e-4)
+
+
+def test_fused_parts_in_other_act_orders_fail_naming_the_layer():
+    form = _act_order_layer("model.layers.3.mlp.down_proj", 8, 64, 32, seed=1)
     fused = MergedColumnParallelLinear(64, [8, 8], bias=False, dtype=torch.float32, method=Int4GroupWise())
     fused.weight.weight_loader(fused.weight, _loaded_weight(form._replace(name="gate_proj")), 0)
     other = _act_order_layer("model.layers.3.mlp.up_proj", 8, 64, 32, seed=2)

@@ -92,3 +92,13 @@ def test_awq_scales_reconstruct_the_layer_output_better_than_round_to_nearest():
     scales = search_scales(inputs, [weight], bits=4, group_size=64)
     awq = fake_quantize(weight * scales, 4, 64) / scales
     assert _output_error(inputs, weight, awq) < 0.9 * _output_error(inputs, weight, fake_quantize(weight, 4, 64))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_refuse_a_mixture_of_experts_model_in_one_line(method, tmp_path):
+    from tests.moe_factories import make_moe_checkpoint, moe_spec
+
+    model_dir = make_moe_checkpoint(tmp_path / "model", moe_spec("mixtral", num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(SystemExit, match=rf"--method: {method} calibrates dense .* layer 0 has no .*use --method rtn"):
+        cli_main(["quantize", str(model_dir), str(tmp_path / "out"), "--method", method, *CALIBRATION])
+    assert not (tmp_path / "out").exists()

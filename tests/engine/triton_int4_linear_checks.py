@@ -59,6 +59,51 @@ def check_exact(device, dtype, tolerance):
             assert error <= tolerance, (rows, k, n, group_size, plan, dtype, error)
 
 
+def check_experts(device, dtype, tolerance):
+    """int4 experts (engine/layers/fused_moe.py `Int4Experts`, act-order ones included) with every matmul
+    on the kernel, against the fp64 top-k sum of the dequantized experts, relative to the output's size."""
+    import torch.nn.functional as F
+
+    from engine.layers.fused_moe import FusedMoE
+    from engine.quantization.base import GroupQuantized
+
+    experts, hidden, inter, tokens, top_k = 4, 64, 96, 6, 2
+    gen = torch.Generator().manual_seed(11)
+    layer = FusedMoE(experts, hidden, inter, dtype, quantization="int4")
+    dense = {}
+    for expert in range(experts):
+        act_order = expert % 2 == 0  # gate and up share one order; down has its own
+        orders = [torch.randperm(n, generator=gen) if act_order else torch.arange(n) for n in (hidden, inter)]
+        for half, (out_features, in_features, order) in enumerate(
+            [(inter, hidden, orders[0]), (inter, hidden, orders[0]), (hidden, inter, orders[1])]
+        ):
+            values = torch.randint(0, 16, (out_features, in_features), generator=gen)
+            scales = torch.rand(in_features // 32, out_features, generator=gen) * 0.1 + 0.01
+            zeros = torch.randint(0, 16, scales.shape, generator=gen).float()
+            g_idx = torch.empty(in_features, dtype=torch.long)
+            g_idx[order] = torch.arange(in_features) // 32
+            form = GroupQuantized(f"e{expert}.{half}", values, scales, zeros, 32, 4, g_idx if act_order else None)
+            weight = ((values - zeros[g_idx].t()) * scales[g_idx].t()).float()
+            weight.group_quantized = form  # type: ignore[attr-defined]
+            dense[(expert, half)] = weight.double()
+            param = layer.w2_weight if half == 2 else layer.w13_weight
+            param.weight_loader(param, weight, (expert, None if half == 2 else half))
+    layer.to(device)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    expert_ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    with triton_backend_forced():
+        got = layer(x.to(device), expert_ids.to(device), weights.to(device)).double().cpu()
+    exact = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for k in range(top_k):
+            e, row = int(expert_ids[t, k]), x[t].double()
+            h = F.silu(row @ dense[(e, 0)].t()) * (row @ dense[(e, 1)].t())
+            exact[t] += weights[t, k].double() * (h @ dense[(e, 2)].t())
+    error = ((got - exact).abs().max() / exact.abs().max()).item()
+    assert error <= tolerance, ("experts", dtype, error)
+
+
 @contextmanager
 def triton_backend_forced():
     """`int4_matmul` dispatches every call to the Triton kernel (interpreted on the CPU)."""
@@ -73,4 +118,5 @@ def triton_backend_forced():
 if __name__ == "__main__":
     check_exact("cpu", torch.float32, 1e-6)
     check_exact("cpu", torch.float16, 2e-3)  # the interpreter has no bf16 (numpy): CUDA tests take it
+    check_experts("cpu", torch.float32, 1e-5)
     print("interpreted int4 linear checks passed")
