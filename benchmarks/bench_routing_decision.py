@@ -17,7 +17,10 @@ untimed decision builds the `prefix_hash` ring (rebuilt only when membership cha
 Through the router's own objects (`WorkerChooser`: membership, monitor, ledger, cluster client; no
 actors are called), on the same fleet with one decode instance per 4 prefill workers: `router_scan`
 lists the healthy workers and their ledger loads per request and scans the decode pool (the router's
-code before it kept `RoutableLoads`, kept here as the baseline), `router_books` decides over the books.
+code before it kept `RoutableLoads`, kept here as the baseline), `router_books` decides over the books
+with the policy walking worker by worker (a book without slots, as with a Redis index), and
+`router_masked` is the router as it runs with its in-process index: the prefill book shares the index's
+worker slots and the policy walks with masks.
 Before each decision the ledger books one request on a random worker and releases the one booked 8
 decisions before (inside the timed call: the books' updates are part of the decision's cost).
 """
@@ -59,11 +62,9 @@ NS = HashNamespace("bench-routing", BLOCK_SIZE)
 
 
 def build_fleet(workers: int, rng: random.Random):
-    # Slots shared with the books of the `masked` arm (the simulator's arrangement): one per worker.
-    slots = WorkerSlots()
-    for w in range(workers):
-        slots.slot(f"prefill-{w}")
-    index = InProcessPrefixIndex(lease_s=3600, slots=slots)
+    # The index's own slots (the router's arrangement), shared with the books of the masked arms; the
+    # workers register in order, so prefill-w has slot w.
+    index = InProcessPrefixIndex(lease_s=3600)
     system = [rng.randrange(32000) for _ in range(2 * BLOCK_SIZE)]
     docs = [system + [rng.randrange(32000) for _ in range((DOC_BLOCKS - 2) * BLOCK_SIZE)] for _ in range(4 * workers)]
     doc_hashes = [hash_blocks(NS, d) for d in docs]
@@ -140,6 +141,13 @@ def _member(role: str, slot: int) -> Member:
     return Member(worker_id, role, 1, (), info)
 
 
+class _WalkingPolicy(CacheAwarePolicy):
+    """`cache_aware` offering the router no slots to share: its book keeps no masks (a Redis index's case)."""
+
+    def holder_slots(self) -> WorkerSlots | None:
+        return None
+
+
 async def _scan_pick(chooser: WorkerChooser, query: RouteQuery):
     """The router's pick before `RoutableLoads`: list the healthy workers and their loads, scan decode."""
     healthy = [h for h in chooser.cluster.prefill if chooser.monitor.is_healthy(h.worker_id)]
@@ -166,7 +174,7 @@ def run_router(workers: int, decisions: int, seed: int) -> dict:
     # a prefix of the prompts (100 at 1,000 workers, 10 at 10,000).
     scan_n = min(decisions, max(10, 100_000 // workers))
     result: dict = {"workers": workers, "decode_instances": decode_n}
-    for name, count in (("router_scan", scan_n), ("router_books", decisions)):
+    for name, count in (("router_scan", scan_n), ("router_books", decisions), ("router_masked", decisions)):
         members = tuple(_member("prefill", i) for i in range(workers)) + tuple(
             _member("decode", i) for i in range(decode_n)
         )
@@ -174,7 +182,9 @@ def run_router(workers: int, decisions: int, seed: int) -> dict:
         no_controller = cast(ControllerHandle, None)
         view = ClusterView(LaunchedCluster(ClusterConfig(), "", no_controller, Membership("bench", 1, members), False))
         monitor, ledger = WorkerMonitor(view), RouteLedger()
-        chooser = WorkerChooser(view, CacheAwarePolicy(index), monitor, ledger, ClusterClient(view))
+        policy = CacheAwarePolicy(index) if name == "router_masked" else _WalkingPolicy(index)
+        chooser = WorkerChooser(view, policy, monitor, ledger, ClusterClient(view))
+        assert (chooser.loads.prefill.slots is index.slots) == (name == "router_masked")
         pick = (lambda q, c=chooser: _scan_pick(c, q)) if name == "router_scan" else chooser._pick
         run_now(pick(queries[0]))  # builds the ring: not timed
         gc.collect()
@@ -192,7 +202,8 @@ def run_router(workers: int, decisions: int, seed: int) -> dict:
         result[name]["decisions"] = count
         result[name + "_choices"] = choices
     scan, books = result.pop("router_scan_choices"), result.pop("router_books_choices")
-    result["router_same_choice"] = scan == books[: len(scan)]
+    masked = result.pop("router_masked_choices")
+    result["router_same_choice"] = scan == books[: len(scan)] == masked[: len(scan)] and books == masked
     return result
 
 

@@ -10,6 +10,7 @@ Checked with the rest of the cluster config; errors name the key (`kv_store.url:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from common.config_parsing import ConfigError, check
@@ -30,6 +31,9 @@ class KVStoreConfig:
     timeout_s: float = 1.0  # longest one store call may take; slower is a miss
     retry_after_s: float = 1.0  # after a store error, answer misses this long before calling it again
     max_queued_writes: int = 256  # batches waiting for the writer; beyond it the oldest are dropped
+    # The host-tier read bandwidth the router prices a worker's host-tier fetches at until that worker
+    # reported fetches of its own (then its measured fit replaces it)
+    host_read_prior_bytes_per_s: float = 2e9
 
     @property
     def enabled(self) -> bool:
@@ -52,3 +56,8 @@ def check_kv_store(config: KVStoreConfig) -> None:
     check(config.timeout_s > 0, "kv_store.timeout_s", "must be > 0")
     check(config.retry_after_s > 0, "kv_store.retry_after_s", "must be > 0")
     check(config.max_queued_writes >= 1, "kv_store.max_queued_writes", "must be >= 1")
+    check(
+        math.isfinite(config.host_read_prior_bytes_per_s) and config.host_read_prior_bytes_per_s > 0,
+        "kv_store.host_read_prior_bytes_per_s",
+        "must be a finite number > 0",
+    )

@@ -171,6 +171,10 @@ class StoreReads:
     # host-tier fetch by these, per worker).
     host_fetched_bytes: int = 0
     host_fetch_s: float = 0.0
+    # Hex digests of the layouts of the head shards a TP decode instance stores (one per head range, in
+    # head order: kv_store/block_shards.py), which it assembles blocks from; empty when decode instances
+    # write whole records. The router counts a block held as a complete set of these as held.
+    shard_layouts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from common.messages import FilledBlocks, GenerateRequest, Liveness, TokenUpdate
 from common.worker_telemetry import WorkerTelemetry
 from decode_worker.outbox import Outbox
 from decode_worker.rank_setup import RankSetup, build_rank
+from decode_worker.rank_tier_stats import OtherRankTierStats
 from decode_worker.shard_store import FollowerShards, LeaderShards
 from decode_worker.tp_group import TensorParallelEngine
 from decode_worker.trace import DecodeSpans
@@ -86,11 +87,14 @@ class DecodeRank:
             # TP: only blocks a step filled are stored, as shards; nothing is already stored under their keys
             storage = engine.runner.kv_cache
             self.kv_tiers = WorkerKVTiers(self.config.kv_store, storage, engine.kv, tp_size == 1, heads=heads)
+            writers: list[DecodeRankHandle] = []
             if isinstance(engine, TensorParallelEngine):
                 writers = [f for r, f in enumerate(self._followers, 1) if writes_shards(r, num_kv_heads, tp_size)]
                 self.leader_shards = LeaderShards(self.kv_tiers, engine, writers, self.config.block_size)
-            if self.telemetry is not None:
-                self.telemetry.metrics.registry.register(KVTierCollector(instance_id, "decode", self.kv_tiers))
+            if self.telemetry is not None:  # the instance's series: every rank writing shards counts
+                others = OtherRankTierStats(writers) if writers else None
+                collector = KVTierCollector(instance_id, "decode", self.kv_tiers, others)
+                self.telemetry.metrics.registry.register(collector)
         self.receiver = KVReceiver(self.setup.transport, self.setup.runner.kv_cache)
         self._recv_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-recv")
         self._leases: dict[str, float] = {}  # rank 0: reserved, not yet adopted → deadline

@@ -11,12 +11,15 @@
 | splitserve_worker_kv_store_writes_dropped_total | counter | worker, role |
 
 Hit rate of a tier = rate(hits) / (rate(hits) + rate(misses)). Registered on the worker's own registry
-(which adds `model_name`), so the series come out of the worker's metrics port.
+(which adds `model_name`), so the series come out of the worker's metrics port. A tensor-parallel decode
+instance exports from rank 0 the sum over its ranks (each stores its heads of every block as a shard
+record of its own: `blocks_stored` then counts shard records); the other ranks' counters are asked
+for at scrape time, and a rank that does not answer counts with its last answer, so no counter falls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -41,12 +44,36 @@ _WORKER_COUNTERS = {
 }
 
 
+TierStats = dict[str, dict[str, int]]  # `WorkerKVTiers.stats()`: tier name (and "worker") → counters
+
+
+def sum_tier_stats(parts: Sequence[TierStats]) -> TierStats:
+    """Several ranks' tier counters as one instance's: each tier's and the worker's summed key by key (a
+    tier only some ranks have counts theirs)."""
+    total: TierStats = {}
+    for part in parts:
+        for tier, counters in part.items():
+            into = total.setdefault(tier, {})
+            for key, value in counters.items():
+                into[key] = into.get(key, 0) + value
+    return total
+
+
 class KVTierCollector(Collector):
-    def __init__(self, worker_id: str, role: str, tiers: WorkerKVTiers):
-        self.worker_id, self.role, self.tiers = worker_id, role, tiers
+    def __init__(
+        self,
+        worker_id: str,
+        role: str,
+        tiers: WorkerKVTiers,
+        other_ranks: Callable[[], Sequence[TierStats]] | None = None,
+    ):
+        """`other_ranks`: the counters of the instance's other ranks (rank 0 of a TP decode instance)."""
+        self.worker_id, self.role, self.tiers, self.other_ranks = worker_id, role, tiers, other_ranks
 
     def collect(self) -> Iterator[Metric]:
         stats = self.tiers.stats()
+        if self.other_ranks is not None:
+            stats = sum_tier_stats([stats, *self.other_ranks()])
         worker = stats.pop("worker")
         identity = [self.worker_id, self.role]
         for key, doc in _TIER_GAUGES.items():

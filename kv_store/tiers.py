@@ -66,14 +66,22 @@ class TieredStore:
             tier.close()
 
 
-def held_run(tier: BlockStore, keys: Sequence[bytes]) -> int:
-    """How many leading `keys` `tier` holds, asking one window per round trip (what the router's store
-    location answers; reads no values)."""
+def held_run(tier: BlockStore, keys: Sequence[bytes], shard_keys: Sequence[Sequence[bytes]] = ()) -> int:
+    """How many leading blocks `tier` holds, block i whole (`keys[i]`) or, when `shard_keys` is given, as
+    every one of its shard records (`shard_keys[i]`: kv_store/block_shards.py). One round trip per window
+    of CHAIN_WINDOW blocks asks for their whole and shard keys together (what the router's store location
+    answers; reads no values)."""
     held = 0
     for start in range(0, len(keys), CHAIN_WINDOW):
-        for present in tier.contains_many(list(keys[start : start + CHAIN_WINDOW])):
-            if not present:
+        window = list(keys[start : start + CHAIN_WINDOW])
+        shards = [list(k) for k in shard_keys[start : start + len(window)]]
+        present = tier.contains_many(window + [key for block in shards for key in block])
+        offset = len(window)  # the shard answers follow the whole ones, block by block
+        for i, whole in enumerate(present[: len(window)]):
+            width = len(shards[i]) if shards else 0
+            if not (whole or (width and all(present[offset : offset + width]))):
                 return held
+            offset += width
             held += 1
     return held
 

@@ -204,7 +204,12 @@ class WorkerKVTiers:
 
     def reads(self) -> StoreReads:
         return StoreReads(
-            self.codec.layout.hex(), self.fetched_bytes, self.fetch_s, self.host_fetched_bytes, self.host_fetch_s
+            self.codec.layout.hex(),
+            self.fetched_bytes,
+            self.fetch_s,
+            self.host_fetched_bytes,
+            self.host_fetch_s,
+            tuple(layout.hex() for layout in self.shards.layouts) if self.shards is not None else (),
         )
 
     def status(self) -> tuple[KVTierStatus, ...]:

@@ -7,22 +7,33 @@ Which blocks a worker's host tier holds comes from the prefix index (workers pub
 bytes) / per_token_s, with fetch_s fitted per worker (latency + bytes / bandwidth) from what that worker
 measured on its own fetches served wholly by its host tier (`StoreReads.host_fetched_bytes` /
 `host_fetch_s`: read, checked and loaded into the pool), and per_token_s the prefill cost model's fitted
-per-token time (the pull planner's). A worker whose fetches were not seen yet is priced by HOST_READ_PRIOR.
+per-token time (the pull planner's). A worker whose fetches were not seen yet is priced by the prior:
+HOST_READ_LATENCY_S plus its bytes at `kv_store.host_read_prior_bytes_per_s` (`host_read_prior`).
 """
 
 from __future__ import annotations
 
 import math
 
+from common.kv_store_config import KVStoreConfig
 from common.messages import StoreReads
 from policies.admission import PrefillCostModel
 from policies.admission.cost_model import TransferCostModel, TransferTimeFit
 from policies.admission.step_stats import TransferStep
 
 # A cold router's guess for a host tier (memory next to the worker: no network, but a checksum and a copy
-# into the pool per block): 1 ms of engine hops, then 2 GB/s. Each worker's own fit replaces it after 8
-# reported intervals with host-tier fetches; docs/performance.md has what CPU workers measure.
-HOST_READ_PRIOR = TransferTimeFit(latency_s=0.001, per_byte_s=5e-10)
+# into the pool per block): 1 ms of engine hops, then the configured bandwidth (2 GB/s by default). Each
+# worker's own fit replaces it after 8 reported intervals with host-tier fetches; docs/performance.md has
+# what CPU workers measure.
+HOST_READ_LATENCY_S = 0.001
+
+
+def host_read_prior(config: KVStoreConfig) -> TransferTimeFit:
+    """The host-tier read time assumed for a worker that has reported no host-tier fetch yet."""
+    return TransferTimeFit(latency_s=HOST_READ_LATENCY_S, per_byte_s=1.0 / config.host_read_prior_bytes_per_s)
+
+
+HOST_READ_PRIOR = host_read_prior(KVStoreConfig())
 MIN_PER_TOKEN_S = 1e-9  # a fit that says tokens are free would price every fetch out
 
 

@@ -6,7 +6,9 @@ Held blocks: the store itself is asked (key presence over the prompt's chain, on
 blocks, on a thread of its own with `timeout_s`), so the answer follows the store's own LRU eviction
 and outlives every worker that wrote the blocks. The keys carry the workers' KV layout digest, which
 the router learns from their stats; until a worker reported one, or while the store cannot answer, it
-holds nothing.
+holds nothing. A block a tensor-parallel decode instance stored as head shards (a migrated request's
+generated blocks) counts as held when every shard of it is: the same round trip asks for the shard
+keys of the layouts the workers report (`StoreReads.shard_layouts`), since they assemble such blocks.
 
 Price: fetch_tokens(n) = fetch_s(n blocks' bytes) / per_token_s, with fetch_s fitted (latency + bytes /
 bandwidth) from what the prefill workers measured on their own fetches (`StoreReads`: read, checked
@@ -17,6 +19,7 @@ planner's, fed by the workers' engine steps). Until fetches were seen it uses ST
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +58,7 @@ class StoreFetchCost:
         self.timeout_s = timeout_s
         self.read_cost = TransferCostModel(prior=read_prior)
         self.layout: bytes | None = None
+        self.shard_layouts: tuple[bytes, ...] = ()  # a TP decode instance's head ranges, in head order
         self._seen: dict[tuple[str, int], StoreReads] = {}  # (worker, epoch) → its last report
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store-probe")
 
@@ -73,8 +77,9 @@ class StoreFetchCost:
         if layout is None or not block_hashes:
             return 0
         keys = [block_key(layout, h) for h in block_hashes]
-        loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(loop.run_in_executor(self._pool, held_run, self.store, keys), self.timeout_s)
+        shard_keys = [[block_key(shard, h) for shard in self.shard_layouts] for h in block_hashes]
+        held = functools.partial(held_run, self.store, keys, shard_keys if self.shard_layouts else ())
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._pool, held), self.timeout_s)
 
     def fetch_tokens(self, num_blocks: int) -> int:
         if num_blocks <= 0:
@@ -88,6 +93,7 @@ class StoreFetchCost:
         if role != "prefill" or reads is None:
             return
         self.layout = bytes.fromhex(reads.layout)
+        self.shard_layouts = tuple(bytes.fromhex(layout) for layout in reads.shard_layouts)
         last = self._seen.get((worker_id, epoch))
         self._seen[(worker_id, epoch)] = reads
         if last is None:

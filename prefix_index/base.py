@@ -168,6 +168,10 @@ class PrefixIndex(ABC):
     index is not shared across event loops or threads. All methods follow the module's apply rules.
     """
 
+    # An index whose holder levels are masks of worker slots (in-process) names its registry here: a
+    # caller's LoadBook given the same one lines its masks up with the levels' (None: no masks).
+    slots: WorkerSlots | None = None
+
     @abstractmethod
     async def apply(self, batch: KVEventBatch) -> None:
         """Apply one worker's batch; idempotent, epoch- and gap-checked; refreshes the worker's lease."""

@@ -4,7 +4,9 @@ Two maps kept in step: block hash → holders (for lookups) and worker → its e
 deadline and held hashes (for epoch drops, snapshots and expiry without scanning every block).
 Holders are a bitmask of worker slots, not a set: a lookup is a chain of ANDs, and an int costs a
 tenth of a set's memory and is invisible to the garbage collector (200k sets made full collections
-in the router's process cost milliseconds). A forgotten worker's slot is reused once its bits are gone.
+in the router's process cost milliseconds). The index claims a worker's slot while it holds the worker
+(`prefix_index/worker_slots.py`), so a forgotten worker's slot is reused once its bits are gone and no
+book sharing the registry still holds it.
 The host tier has its own pair of maps (`host` sets, `_host_holders` masks), empty unless workers
 publish host-tier events, so lookups of an index without them cost what they did.
 Expired workers are reaped at the start of every call, so a dead worker's memory is freed on the
@@ -32,7 +34,7 @@ from prefix_index.base import (
     check_worker,
     sort_matches,
 )
-from prefix_index.worker_slots import WorkerSlots
+from prefix_index.worker_slots import CountedSlots, WorkerSlots
 
 
 @dataclass
@@ -49,8 +51,9 @@ class InProcessPrefixIndex(PrefixIndex):
     """Not thread-safe: no method awaits, so each call is atomic on the one event loop that owns it."""
 
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic, slots: WorkerSlots | None = None):
-        """`slots`: a registry shared with the caller's `LoadBook` (its masks then line up with the holder
-        levels'); by default the index's own, a slot freed when its worker is forgotten."""
+        """`slots`: the registry of the holder masks' bits (`slots` below), which a `LoadBook` may share so
+        its masks line up with the holder levels'; by default a `CountedSlots` of the index's own, a slot
+        freed when its worker is forgotten and no sharer holds it."""
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
         self.lease_s = lease_s
@@ -58,8 +61,7 @@ class InProcessPrefixIndex(PrefixIndex):
         self._workers: dict[str, _Worker] = {}
         self._holders: dict[BlockHash, int] = {}  # bit `slot` set: that worker holds the block
         self._host_holders: dict[BlockHash, int] = {}  # bit `slot` set: that worker's host tier holds it
-        self.slots = slots if slots is not None else WorkerSlots()
-        self._owns_slots = slots is None
+        self.slots: WorkerSlots = slots if slots is not None else CountedSlots()
         self._earliest_deadline_s = math.inf  # no worker's deadline is earlier (see _reap)
 
     async def apply(self, batch: KVEventBatch) -> None:
@@ -155,13 +157,15 @@ class InProcessPrefixIndex(PrefixIndex):
         return None if worker is None else (worker.epoch, worker.last_seq)
 
     async def check_integrity(self) -> None:
-        if self._owns_slots:
-            _require(
-                self.slots.owners == {w.slot: worker_id for worker_id, w in self._workers.items()},
-                "slot owners disagree with the workers' slots",
-            )
         for worker_id, worker in self._workers.items():
             _require(self.slots.get(worker_id) == worker.slot, f"{worker_id}'s slot disagrees with the registry")
+        if isinstance(self.slots, CountedSlots):  # exactly its workers' slots are claimed for it, none leaked
+            try:
+                self.slots.check_integrity()
+            except AssertionError as err:
+                raise IntegrityError(f"worker slots: {err}") from None
+            claimed = self.slots.claimed_by(self)
+            _require(claimed == set(self._workers), f"claims {sorted(claimed)} != workers {sorted(self._workers)}")
         for worker_id, worker in self._workers.items():
             _require(worker.last_seq >= 0, f"{worker_id} has cursor {worker.last_seq}")
             for block_hash in worker.blocks:
@@ -185,11 +189,11 @@ class InProcessPrefixIndex(PrefixIndex):
                     )
 
     async def close(self) -> None:
+        for worker_id in self._workers:
+            self.slots.unclaim(worker_id, self)
         self._workers.clear()
         self._holders.clear()
         self._host_holders.clear()
-        if self._owns_slots:
-            self.slots = WorkerSlots()
 
     def _owners(self, mask: int) -> list[str]:
         try:
@@ -198,7 +202,7 @@ class InProcessPrefixIndex(PrefixIndex):
             raise IntegrityError(f"holder bit {err.args[0]} has no worker") from None
 
     def _register(self, worker_id: str, epoch: int) -> _Worker:
-        worker = self._workers[worker_id] = _Worker(self.slots.slot(worker_id), epoch, 0, 0.0)
+        worker = self._workers[worker_id] = _Worker(self.slots.claim(worker_id, self), epoch, 0, 0.0)
         return worker
 
     def _apply_event(self, worker: _Worker, event) -> None:
@@ -235,8 +239,7 @@ class InProcessPrefixIndex(PrefixIndex):
                 _drop_bit(self._holders, block_hash, bit)
             for block_hash in worker.host:
                 _drop_bit(self._host_holders, block_hash, bit)
-            if self._owns_slots:
-                self.slots.release(worker_id)  # reusable: none of its bits is left
+            self.slots.unclaim(worker_id, self)  # none of its bits is left here
 
     def _extend(self, worker: _Worker) -> None:
         worker.deadline_s = self._clock() + self.lease_s

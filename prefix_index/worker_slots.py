@@ -6,9 +6,12 @@ the book then keeps a mask of the workers at each queue length in the same bit p
 routing policy answers "the least queued worker holding this prefix" or "the workers tied on cost" with
 a few ANDs of masks instead of visiting workers one by one (policies/routing/cache_aware.py).
 
-Slots are assigned on first sight, smallest free first. `release` frees one for reuse; a registry
-shared by an index and a book is released by whoever owns the fleet's membership (the index never
-releases a shared slot: the book may still hold the worker). Not thread-safe, like its users.
+Slots are assigned on first sight, smallest free first. The structures that set a worker's bit (an
+index, a book) `claim` its slot while they hold it and `unclaim` it when they let the worker go. A plain
+`WorkerSlots` keeps every slot until `release` (the simulator's fixed fleet); `CountedSlots` frees a slot
+when its last claimant lets go, so a router whose fleet changes shares one registry between its index
+and its book, and a slot is reused only once neither holds the departed worker: a new member never
+inherits its blocks or its load. Not thread-safe, like its users.
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ class WorkerSlots:
             self._free.append(slot)
             self.releases += 1
 
+    def claim(self, worker_id: str, user: object) -> int:
+        """The worker's slot, held for `user` (the index or book setting its bit) until `unclaim`."""
+        return self.slot(worker_id)
+
+    def unclaim(self, worker_id: str, user: object) -> None:
+        """`user` no longer holds the worker's bit; a plain registry keeps the slot until `release`."""
+
     def mask_of(self, worker_ids: list[str] | set[str] | frozenset[str]) -> int:
         """The mask with the bits of `worker_ids` set (each assigned a slot if it has none)."""
         mask = 0
@@ -82,6 +92,42 @@ class WorkerSlots:
         assert not set(self._free) & set(self.owners), "a freed slot is still owned"
         assert all(0 <= s < self._next for s in [*self._free, *self.owners]), "a slot out of range"
         assert len(self._free) + len(self.owners) == self._next, "a slot is lost"
+
+
+class CountedSlots(WorkerSlots):
+    """Slots freed when their last claimant lets go: what a router's index and prefill book share while
+    membership changes (users are compared by identity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._users: dict[str, list[object]] = {}  # worker id → the structures holding its bit
+
+    def claim(self, worker_id: str, user: object) -> int:
+        slot = self.slot(worker_id)
+        users = self._users.setdefault(worker_id, [])
+        if not any(u is user for u in users):
+            users.append(user)
+        return slot
+
+    def unclaim(self, worker_id: str, user: object) -> None:
+        users = self._users.get(worker_id)
+        if users is None:
+            return
+        users[:] = [u for u in users if u is not user]
+        if not users:  # nobody holds its bit any more: the slot may go to a new worker
+            self.release(worker_id)
+
+    def release(self, worker_id: str) -> None:
+        self._users.pop(worker_id, None)
+        super().release(worker_id)
+
+    def claimed_by(self, user: object) -> set[str]:
+        """The workers whose slots `user` holds (tests compare it with what the user holds)."""
+        return {w for w, users in self._users.items() if any(u is user for u in users)}
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert set(self._users) == set(self._slot_of), "a slot without a claimant, or a claim without a slot"
 
 
 FEW_BITS = 8  # up to this many set bits, peeling each costs less than a pass over a fleet-wide mask's bytes

@@ -12,6 +12,12 @@ quadratic), so the router keeps them instead, in two `LoadBook`s that change one
   are refiled) and the monitor (a worker found dead leaves its book at once).
 Routing hands `prefill` to the policy as it is (policies take a LoadBook for a list) and takes the
 decode book's least, so neither walks the pool. Owned by the router's event loop, as the books are.
+
+With an in-process index the prefill book shares the index's worker slots (`holder_slots`), so
+`cache_aware` meets holders and ties with masks (docs/architecture.md#routing-and-admission). A member
+that leaves lets go of its slot here at once and in the index when the feeder drops its entries; the
+registry (`CountedSlots`) reuses the slot only after both, so a worker joining later never inherits a
+departed one's blocks or load. A Redis index has no slots: the book keeps no masks and the policy walks.
 """
 
 from __future__ import annotations
@@ -20,14 +26,24 @@ from cluster.client import ClusterClient
 from cluster.cluster_view import ClusterView
 from common.membership import SERVING, Member, Membership, membership_delta
 from policies.routing import LoadBook, WorkerLoad
+from prefix_index.worker_slots import WorkerSlots
 from router.ledger import RouteLedger
 from router.worker_monitor import WorkerMonitor
 
 
 class RoutableLoads:
-    def __init__(self, view: ClusterView, monitor: WorkerMonitor, ledger: RouteLedger, client: ClusterClient):
+    def __init__(
+        self,
+        view: ClusterView,
+        monitor: WorkerMonitor,
+        ledger: RouteLedger,
+        client: ClusterClient,
+        slots: WorkerSlots | None = None,
+    ):
+        """`slots`: the routing policy's holder slots (its in-process index's), shared by the prefill book."""
         self.view, self.monitor, self.ledger, self.client = view, monitor, ledger, client
-        self.prefill = LoadBook()
+        self.slots = slots
+        self.prefill = LoadBook(slots=slots)
         self.decode = LoadBook()
         self._members: dict[str, Member] = {}  # every member of the current membership, by id
         self._file_all(view.membership)
@@ -72,7 +88,9 @@ class RoutableLoads:
 
     # ---- filing -----------------------------------------------------------------------------------
     def _file_all(self, membership: Membership) -> None:
-        self.prefill, self.decode = LoadBook(), LoadBook()
+        for worker_id in list(self.prefill.ids):  # the old book lets go of its slots
+            self.prefill.remove(worker_id)
+        self.prefill, self.decode = LoadBook(slots=self.slots), LoadBook()
         self._members = {m.worker_id: m for m in membership.members}
         for member in membership.members:
             self._file(member)
@@ -97,6 +115,8 @@ class RoutableLoads:
 
     def check_integrity(self) -> None:
         """The books hold exactly the routable workers with their current loads (tests)."""
+        if self.slots is not None:
+            self.slots.check_integrity()
         for role, book in (("prefill", self.prefill), ("decode", self.decode)):
             book.check_integrity()
             routable = {m.worker_id for m in self.view.membership.serving(role) if self.monitor.is_healthy(m.worker_id)}

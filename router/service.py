@@ -22,7 +22,7 @@ from common.messages import GenerateRequest
 from engine.block_hash import check_spec_fingerprint
 from engine.errors import InvalidRequestError
 from policies.admission.gate import AdmissionGate
-from policies.host_fetch_cost import HostFetchCost
+from policies.host_fetch_cost import HostFetchCost, host_read_prior
 from policies.prefix_pull import PullPlanner
 from policies.routing import RoutingPolicy
 from policies.store_fetch_cost import StoreFetchCost
@@ -93,7 +93,9 @@ class RouterService:
         self.host_location: HostFetchCost | None = None
         if cluster.config.kv_store.host_tier_bytes > 0:
             self.host_location = HostFetchCost(
-                self.info.kv_bytes_per_token * self.info.block_size, self.pull_planner.prefill_cost
+                self.info.kv_bytes_per_token * self.info.block_size,
+                self.pull_planner.prefill_cost,
+                host_read_prior(cluster.config.kv_store),
             )
             policy.locate_host_tier(self.host_location)
             self.monitor.listeners.append(self.host_location.observe_stats)

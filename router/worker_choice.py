@@ -29,7 +29,8 @@ class WorkerChooser:
         client: ClusterClient,
     ):
         self.cluster, self.policy, self.monitor, self.ledger, self.client = cluster, policy, monitor, ledger, client
-        self.loads = RoutableLoads(cluster, monitor, ledger, client)
+        # With an in-process index the prefill book shares its worker slots: the policy walks with masks.
+        self.loads = RoutableLoads(cluster, monitor, ledger, client, policy.holder_slots())
 
     async def choose(self, query: RouteQuery, deadline_s: float | None):
         """A serving prefill worker and decode instance for the query; waits for membership (a dead worker's

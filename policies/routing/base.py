@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
 from engine.block_hash import BlockHash
+from prefix_index.worker_slots import WorkerSlots
 
 
 class NoWorkersError(RuntimeError):
@@ -67,6 +68,11 @@ class RoutingPolicy(ABC):
     def locate_host_tier(self, host) -> None:  # noqa: B027 - a default on purpose: most policies price no fetch
         """Gives the policy the workers' host tiers as a location (`host_tier_choice.HostTierLocation`);
         policies that do not price fetches from them ignore it."""
+
+    def holder_slots(self) -> WorkerSlots | None:
+        """The worker slots of the holder masks this policy reads (its in-process index's), for a caller's
+        `LoadBook` to share so the policy meets holders with masks; None: the policy reads no masks."""
+        return None
 
     def check_integrity(self) -> None:  # noqa: B027 - a default on purpose: stateless policies override nothing
         """Raises AssertionError if internal state is inconsistent; stateless policies have none."""

@@ -56,6 +56,7 @@ from policies.routing.host_tier_choice import HostTierLocation, best_host_fetch
 from policies.routing.load_book import LoadBook, as_book
 from policies.routing.prefix_hash import FEW_TIED, PrefixHashPolicy
 from prefix_index.base import HolderLevels, MatchLevels
+from prefix_index.worker_slots import WorkerSlots
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,9 @@ class CacheAwarePolicy(RoutingPolicy):
             return self.fallback.choose_now(query, workers)
         self._degraded = False
         return self._decide(query, workers, levels, await self._store_blocks(query))
+
+    def holder_slots(self) -> WorkerSlots | None:
+        return getattr(self.index, "slots", None)  # an index of the PrefixIndex contract says; others have none
 
     def locate_store(self, store: StoreLocation) -> None:
         self.store = store

@@ -13,6 +13,8 @@ policy can cache what it derives from membership (the `prefix_hash` ring) and ch
 Given the `WorkerSlots` of an in-process prefix index, the book also keeps, per queue length, the mask
 of the workers at that length in the index's bit positions (`masks_ascending`), so a policy can meet
 a holder level's least queued member, or a tie, with ANDs of masks (policies/routing/cache_aware.py).
+It claims each worker's slot while the worker is in the book, so a shared `CountedSlots` never gives
+that slot to another worker before the book lets it go.
 Not thread-safe: owned by one router's (or the simulator's) event loop, as the policies are.
 """
 
@@ -23,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 from policies.routing.base import WorkerLoad
-from prefix_index.worker_slots import WorkerSlots
+from prefix_index.worker_slots import CountedSlots, WorkerSlots
 
 _Key = tuple[int, int]  # (queued prompt tokens, requests in flight)
 
@@ -58,6 +60,7 @@ class LoadBook(Sequence[WorkerLoad]):
                 self._refile_bit(load.worker_id, old.queued_prompt_tokens, load.queued_prompt_tokens)
         else:
             if self.slots is not None:
+                self.slots.claim(load.worker_id, self)  # its bit is ours until it leaves the book
                 self._refile_bit(load.worker_id, None, load.queued_prompt_tokens)
             self.version += 1
             self._ids = None
@@ -80,6 +83,7 @@ class LoadBook(Sequence[WorkerLoad]):
         self._unfile(old)
         if self.slots is not None:
             self._refile_bit(worker_id, old.queued_prompt_tokens, None)
+            self.slots.unclaim(worker_id, self)  # its slot is retired once the index lets it go too
         self.version += 1
         self._ids = None
         self._list = None
@@ -207,6 +211,8 @@ class LoadBook(Sequence[WorkerLoad]):
             assert self._queued_masks == expected, "queue masks disagree with the loads"
             assert self._queued_values == sorted(expected), "queue lengths out of order"
             assert self.mask == self.slots.mask_of(set(self._loads)), "the book's mask disagrees with its workers"
+            if isinstance(self.slots, CountedSlots):
+                assert self.slots.claimed_by(self) == set(self._loads), "the book's claims disagree with its workers"
 
     # ---- Sequence ---------------------------------------------------------------------------------
     def __len__(self) -> int:

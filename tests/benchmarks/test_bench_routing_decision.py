@@ -15,3 +15,4 @@ def test_each_timed_pair_decides_alike(workers):
     router = run_router(workers, decisions=40, seed=workers)
     assert router["router_same_choice"]
     assert router["router_scan"]["decisions"] == router["router_books"]["decisions"] == 40
+    assert router["router_masked"]["decisions"] == 40

@@ -5,7 +5,7 @@ request whose decode instance was SIGKILLed (decode stores its blocks as they fi
 equals HF transformers; a corrupt block in the store is recomputed, tenants never share blocks, and
 Redis dying under load fails no request (served by a decode instance of two ranks); a decode instance of
 two ranks stores each block as two head shards, and a request resumed off it after one of its ranks was
-SIGKILLed reads them back whole."""
+SIGKILLed reads them back whole (and the router prices them as held)."""
 
 from __future__ import annotations
 
@@ -302,4 +302,15 @@ def test_a_stream_resumed_off_a_tp2_instance_whose_rank_1_died_reads_the_shards_
     cluster = _members(stack)
     assembled = sum(s["worker"]["blocks_assembled"] for s in _tier_stats(cluster.prefill)) - assembled_before
     assert assembled >= 2 * 2, "each resumed stream read its generated blocks whole from the two ranks' shards"
+    # The router prices those blocks as held too: the prompt's 18 blocks are whole records, blocks 18 and
+    # 19 (filled while decoding) complete sets of the two ranks' shards, whose layouts the prefill
+    # worker reports.
+    location, info = stack.server.service.store_location, stack.server.service.info
+    deadline_s = time.monotonic() + 20
+    while len(location.shard_layouts) != 2:
+        assert time.monotonic() < deadline_s, "no prefill worker reported the decode shards' layouts"
+        time.sleep(0.1)
+    for prompt, tokens in zip(prompts, streams.tokens, strict=True):
+        query = route_query(prompt + tokens[: 2 * BLOCK + 2], "", info.model_identity, BLOCK)
+        assert stack.loop.call(location.held_blocks(query.block_hashes)) >= 300 // BLOCK + 2
     wait_workers_clean(cluster)

@@ -110,3 +110,18 @@ def test_a_reader_assembles_shard_runs_after_whole_blocks_and_stops_at_a_bad_sha
     assert reader.records_refused == 1
     writer.close()
     reader.close()
+
+
+def test_a_reader_reports_the_shard_layouts_it_assembles_from():
+    """What the router prices shard-held blocks by (`StoreReads.shard_layouts`): the layouts the ranks of
+    a TP decode instance write their shards under, in head order; none when decode writes whole records."""
+    config = KVStoreConfig(host_tier_bytes=1 << 20, host_tier="memory")
+    whole = _storage("int8", heads=4)
+    reader = WorkerKVTiers(config, _storage("int8", heads=4), None, decode_tp_size=2)
+    ranks = [BlockCodec(_rank_storage(whole, heads), heads) for heads in head_ranges(4, 2)]
+    assert reader.reads().shard_layouts == tuple(rank.layout.hex() for rank in ranks)
+    assert reader.reads().layout == BlockCodec(whole).layout.hex()
+    single = WorkerKVTiers(config, _storage("int8", heads=4), None, decode_tp_size=1)
+    assert single.reads().shard_layouts == ()
+    reader.close()
+    single.close()

@@ -10,13 +10,15 @@ import random
 
 import pytest
 
+from common.config import ClusterConfig, ConfigError
 from common.kv_events import KVEventBatch
+from common.kv_store_config import KVStoreConfig
 from common.messages import StoreReads
 from engine.block_hash import HashNamespace, hash_blocks
 from engine.block_pool import MEDIUM_HOST, BlockStored
 from policies.admission import PrefillCostModel
 from policies.admission.cost_model import PrefillTimeFit, TransferCostModel, TransferTimeFit
-from policies.host_fetch_cost import HOST_READ_PRIOR, HostFetchCost
+from policies.host_fetch_cost import HOST_READ_PRIOR, HostFetchCost, host_read_prior
 from policies.routing import RouteQuery, WorkerLoad
 from policies.routing.cache_aware import CacheAwarePolicy, ExhaustiveCacheAwarePolicy
 from prefix_index.memory import InProcessPrefixIndex
@@ -133,3 +135,17 @@ def test_on_random_fleets_the_choice_is_the_least_cost_over_every_workers_option
             assert cost(chosen) == least, policy_type
             fetch_free = min(load.queued_prompt_tokens + own(pools[load.worker_id]) for load in loads)
             assert (decision.host_blocks > 0) == (least < fetch_free)
+
+
+def test_the_prior_bandwidth_is_the_configured_one_and_a_bad_value_names_the_key():
+    """`kv_store.host_read_prior_bytes_per_s` prices the host tier of a worker that reported no fetch yet."""
+    prefill = PrefillCostModel(prior=PrefillTimeFit(0.0, 1e-3, 0.0))  # 1 ms a token
+    slow = HostFetchCost(BLOCK_BYTES, prefill, host_read_prior(KVStoreConfig(host_read_prior_bytes_per_s=1e5)))
+    assert slow.bandwidth_bytes_per_s("a") == pytest.approx(1e5)
+    assert slow.fetch_tokens("a", 9) in (91, 92)  # 1 ms + 9 kB at 100 kB/s = 91 ms, rounded up
+    assert host_read_prior(KVStoreConfig()) == HOST_READ_PRIOR  # the default: 2 GB/s
+    config = ClusterConfig.from_dict({"kv_store": {"host_tier_bytes": 1 << 20, "host_read_prior_bytes_per_s": 5e8}})
+    assert host_read_prior(config.kv_store).bandwidth_bytes_per_s == pytest.approx(5e8)
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ConfigError, match=r"kv_store\.host_read_prior_bytes_per_s: must be a finite number > 0"):
+            ClusterConfig.from_dict({"kv_store": {"host_read_prior_bytes_per_s": bad}})
