@@ -130,11 +130,20 @@ def _free_port() -> int:
 class Server:
     """A server subprocess with its log file; `url` answers once `ready_path` returns 200."""
 
-    def __init__(self, name: str, command: list[str], port: int, ready_path: str, log: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        ready_path: str,
+        log: Path,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
         self.name, self.url, self.log = name, f"http://127.0.0.1:{port}", log
         self.ready_path = ready_path
         with log.open("w") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         self.model = ""
 
     def wait_ready(self, deadline_s: float) -> None:

@@ -110,8 +110,9 @@ class PrefillWorkerApi(WorkerApi, Protocol):
         """Requester side of a prefix pull: receives the blocks a holder announced."""
         ...
 
-    async def read_kv_events(self, since_seq: int) -> KVEventBatch:
-        """The prefix-cache events after `since_seq` (the in-process prefix index pulls them)."""
+    async def read_kv_events(self, since_seq: int, max_wait_s: float = 0.0) -> KVEventBatch:
+        """The prefix-cache events after `since_seq` (the in-process prefix index pulls them); with
+        `max_wait_s`, waits up to that long for one when there is none yet (a long poll)."""
         ...
 
 
@@ -273,8 +274,10 @@ class PrefillHandle(WorkerHandle):
     def receive_prefix(self, holder_peer: str, request_id: str) -> ObjectRef[None]:
         return self.actor.receive_prefix.remote(holder_peer, request_id)
 
-    def read_kv_events(self, since_seq: int) -> ObjectRef[KVEventBatch]:
-        return self.actor.read_kv_events.remote(since_seq)
+    def read_kv_events(self, since_seq: int, max_wait_s: float = 0.0) -> ObjectRef[KVEventBatch]:
+        if max_wait_s > 0:
+            return self.actor.read_kv_events.remote(since_seq, max_wait_s)
+        return self.actor.read_kv_events.remote(since_seq)  # the call a worker of any release takes
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,15 @@ entries are all gone) from one it is following.
 Events name their medium (`BlockStored.medium`): the pool's come from the engine thread, the host
 tier's from the tier's writer thread (kv_store/worker_tiers.py), into this same numbered buffer; a
 snapshot lists both.
+
+A reader that has every event can long-poll (`wait_past`) instead of asking again and again: an idle
+worker then answers one call per wait bound, not one per polling interval.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -58,9 +63,15 @@ class KVEventBuffer:
         self._host: dict[BlockHash, None] = {}  # and of what its host tier holds
         self._last_seq = 0
         self._lock = threading.Lock()
+        # Long-polling readers (`wait_past`), on one event loop: `_armed` means one waits and no wake is
+        # on its way, so an append wakes them once, not once per event of a step.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._appended: asyncio.Event | None = None
+        self._armed = False
 
     def append(self, event: KVCacheEvent) -> None:
         with self._lock:
+            wake, self._armed = self._armed, False
             self._last_seq += 1
             self._events.append((self._last_seq, event))
             held = self._host if event.medium == MEDIUM_HOST else self._cached
@@ -69,6 +80,24 @@ class KVEventBuffer:
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
                     held.pop(block_hash, None)
+            loop, appended = self._loop, self._appended
+        if wake and loop is not None and appended is not None:
+            loop.call_soon_threadsafe(appended.set)
+
+    async def wait_past(self, seq: int, timeout_s: float) -> None:
+        """Returns once `read_since(seq)` has something to give (an event past `seq`, or a snapshot for a
+        cursor beyond this epoch's last number), or after `timeout_s`."""
+        with self._lock:
+            if seq != self._last_seq:
+                return
+            loop = asyncio.get_running_loop()
+            if self._loop is not loop or self._appended is None:
+                self._loop, self._appended = loop, asyncio.Event()
+            appended = self._appended
+            appended.clear()
+            self._armed = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(appended.wait(), timeout_s)
 
     def read_since(self, since_seq: int, max_events: int = 8192, *, epoch: int | None = None) -> KVEventBatch:
         """Events after `since_seq` (at most `max_events`); a snapshot if some were already dropped.

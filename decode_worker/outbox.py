@@ -28,6 +28,11 @@ class Outbox:
         self._owner_of: dict[str, str] = {}
         self._pending: dict[str, dict[str, TokenUpdate]] = {}  # owner → request id → update
         self._events: dict[str, asyncio.Event] = {}
+        # Owners whose poll is waiting now. Only those are woken, once per wait: a wake is a write to the
+        # event loop's socket and a switch of the GIL to the loop thread, costs the engine thread pays
+        # mid-step, and one more per step while a poll is away (its router busy with the last answer)
+        # would buy nothing: that poll finds the updates pending when it comes back.
+        self._waiting: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_poll_s: dict[str, float] = {}  # owner → time.monotonic() of its latest poll
 
@@ -48,6 +53,7 @@ class Outbox:
         with self._lock:
             self._pending.pop(owner, None)
             self._events.pop(owner, None)
+            self._waiting.discard(owner)
             self._last_poll_s.pop(owner, None)
 
     def assign(self, request_id: str, owner: str) -> None:
@@ -102,7 +108,9 @@ class Outbox:
                     )
                 pending[update.request_id] = update
                 owners.add(owner)
-            events = [event for event in (self._events.get(owner) for owner in owners) if event is not None]
+            woken = owners & self._waiting
+            self._waiting -= woken
+            events = [event for event in (self._events.get(owner) for owner in woken) if event is not None]
             return self._loop, events
 
     @staticmethod
@@ -123,6 +131,7 @@ class Outbox:
             event = self._events.setdefault(owner, asyncio.Event())
             if not self._pending.get(owner):
                 event.clear()
+                self._waiting.add(owner)
                 wait = True
             else:
                 wait = False
@@ -130,6 +139,8 @@ class Outbox:
             try:
                 await asyncio.wait_for(event.wait(), max_wait_s)
             except TimeoutError:
+                with self._lock:
+                    self._waiting.discard(owner)
                 return []
         with self._lock:
             updates = list(self._pending.pop(owner, {}).values())

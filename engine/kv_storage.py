@@ -89,10 +89,16 @@ class KVCacheStorage:
         shape = (num_layers, planes, num_kv_heads, num_blocks, block_size)
         self.values = torch.zeros(*shape, head_dim, dtype=fmt.storage_dtype, device=device)
         self.scales = torch.zeros(shape, dtype=torch.float32, device=device) if fmt.quantized else None
+        # Every layer's views, made once: a decode step asks for each layer's, and four tensor selects
+        # per layer per step are a measurable share of a small model's batch-1 step on CPU.
+        self._layers = tuple(self._layer_views(index) for index in range(num_layers)) if planes == 2 else ()
 
     def layer(self, index: int) -> LayerKV:
-        scales = self.scales
         assert self.planes == 2, "an MLA cache is read through latent()"
+        return self._layers[index]
+
+    def _layer_views(self, index: int) -> LayerKV:
+        scales = self.scales
         return LayerKV(
             self.values[index, 0],
             self.values[index, 1],

@@ -154,9 +154,12 @@ def attention_metadata(
     """`native_decode`: a kernel reads the paged cache in place (the C kernel on CPU, Triton on CUDA),
     so the padded slot tensors are not built; `prefill_tiles`: the Triton prefill kernel reads it in
     place too, so no chunk's context slots are built. Tensors are made on the step's device."""
-    offsets = torch.arange(block_size, dtype=torch.int64, device=step.slot_mapping.device)
+    # Slots within a block; built only where a path reads slots (a native decode step reads none).
+    offsets = None
+    if (step.num_decode_tokens and not native_decode) or (prefill_tiles is None and step.prefill_query_lens):
+        offsets = torch.arange(block_size, dtype=torch.int64, device=step.slot_mapping.device)
     decode_slots = padding = None
-    if step.num_decode_tokens and not native_decode:
+    if offsets is not None and step.num_decode_tokens and not native_decode:
         tables = step.decode_block_tables
         decode_slots = (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)
         columns = torch.arange(decode_slots.shape[1], device=offsets.device)
@@ -165,7 +168,7 @@ def attention_metadata(
     for index, (q_len, ctx_len) in enumerate(zip(step.prefill_query_lens, step.prefill_context_lens, strict=True)):
         slots = None
         # Attends to earlier KV in the cache (a prefix hit or an earlier chunk), read here by slot.
-        if ctx_len > q_len and prefill_tiles is None:
+        if ctx_len > q_len and prefill_tiles is None and offsets is not None:
             table = step.prefill_block_tables[index]
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
         segments.append(PrefillSegment(start, q_len, ctx_len, slots))

@@ -276,8 +276,11 @@ class PrefillWorker:
         self.first_tokens.abort(request_id)
         return aborted
 
-    async def read_kv_events(self, since_seq: int) -> KVEventBatch:
-        """The prefix-cache events after `since_seq` of this worker's current epoch (see KVEventBatch)."""
+    async def read_kv_events(self, since_seq: int, max_wait_s: float = 0.0) -> KVEventBatch:
+        """The prefix-cache events after `since_seq` of this worker's current epoch (see KVEventBatch);
+        with `max_wait_s`, a reader that has them all waits up to that long for the next (a long poll)."""
+        if max_wait_s > 0:
+            await self.kv_events.wait_past(since_seq, max_wait_s)
         return self.kv_events.read_since(since_seq)
 
     async def check_integrity(self) -> dict:

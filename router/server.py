@@ -209,7 +209,11 @@ async def _make_index(cluster: ClusterView, config: ClusterConfig):
     index = make_prefix_index(config.redis_url, namespace, config.index_lease_s)
     if config.redis_url is not None:
         return index, None
-    return index, IndexFeeder(cluster, index, interval_s=config.router.index_poll_interval_s)
+    # An idle worker's long poll comes back within a quarter of the lease: its entries never lapse meanwhile.
+    feeder = IndexFeeder(
+        cluster, index, interval_s=config.router.index_poll_interval_s, max_wait_s=min(1.0, config.index_lease_s / 4)
+    )
+    return index, feeder
 
 
 def _make_admission(cluster: ClusterView, config: ClusterConfig) -> AdmissionGate | None:

@@ -1,6 +1,9 @@
-"""KVEventBuffer: numbered events per epoch, cursors, a snapshot when a reader fell behind."""
+"""KVEventBuffer: numbered events per epoch, cursors, a snapshot when a reader fell behind, and the
+long poll of a reader that has every event."""
+
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -96,3 +99,45 @@ def test_a_reader_following_a_concurrent_writer_ends_with_its_cache():
         cursor = batch.last_seq
     writer.join(10)
     assert known == set(buffer.read_since(-1).snapshot)
+
+
+def test_a_long_poll_returns_at_once_with_events_to_read_and_is_woken_once_by_a_writer_thread():
+    buffer = KVEventBuffer("w", epoch=5)
+    store(buffer, 0)
+
+    async def run() -> tuple[list[int], list[int], int]:
+        loop = asyncio.get_running_loop()
+        wakes = []
+        schedule = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            wakes.append(callback)
+            return schedule(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign, assignment]  # counts the buffer's wakes
+        await asyncio.wait_for(buffer.wait_past(0, 60.0), 5.0)  # behind: nothing to wait for
+        behind = seqs(buffer.read_since(0))
+        waiting = asyncio.ensure_future(buffer.wait_past(1, 60.0))
+        await asyncio.sleep(0.05)  # the reader is waiting before the writer appends
+        writer = threading.Thread(target=store, args=(buffer, 1, 2, 3))  # three events: one wake
+        writer.start()
+        writer.join(5.0)
+        await asyncio.wait_for(waiting, 5.0)
+        return behind, seqs(buffer.read_since(1)), len(wakes)
+
+    behind, woken, wakes = asyncio.run(run())
+    assert (behind, woken, wakes) == ([1], [2, 3, 4], 1)
+
+
+def test_a_long_poll_with_nothing_new_ends_at_its_bound_and_other_epochs_cursors_do_not_wait():
+    buffer = KVEventBuffer("w", epoch=5)
+    store(buffer, 0, 1)
+
+    async def run() -> tuple[list[int], object]:
+        await asyncio.wait_for(buffer.wait_past(2, 0.05), 5.0)  # up to date: the bound ends it
+        quiet = seqs(buffer.read_since(2))
+        await asyncio.wait_for(buffer.wait_past(7, 60.0), 5.0)  # beyond this epoch: a snapshot is due now
+        return quiet, buffer.read_since(7).snapshot
+
+    quiet, snapshot = asyncio.run(run())
+    assert quiet == [] and snapshot == (H[0], H[1])

@@ -1,7 +1,7 @@
 """The decode instance's outbox (decode_worker/outbox.py), with a real engine's step updates: each
 router drains its own requests' tokens only, a request's tokens that pile up between polls merge into
 one update, a step wakes a waiting poll once with every update of that step, and a router that stops
-polling is named stale."""
+polling is named stale. A poll is woken once per wait, and steps while no poll waits wake nothing."""
 
 from __future__ import annotations
 
@@ -80,3 +80,37 @@ def test_finished_and_unowned_requests_and_stale_owners(engine):
     assert outbox.stale_owners(0.01) == {"A"}
     outbox.drop_owner("A")
     assert outbox.stale_owners(0.0) == set()
+
+
+def test_a_waiting_poll_is_woken_once_and_steps_while_no_poll_waits_wake_nothing(engine):
+    outbox = Outbox()
+    _add(engine, ["r"], max_tokens=8)
+    outbox.assign("r", "A")
+
+    async def run() -> tuple[list[TokenUpdate], int, list[TokenUpdate], int]:
+        loop = asyncio.get_running_loop()
+        wakes = []
+        schedule = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            wakes.append(callback)
+            return schedule(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign, assignment]  # counts the outbox's wakes
+        waiting = asyncio.ensure_future(outbox.drain("A", 5.0))
+        await asyncio.sleep(0.05)  # the poll is waiting before the steps land
+        for _ in range(3):  # three steps on the engine thread, in a row, before the poll runs again
+            stepper = threading.Thread(target=lambda: outbox.push_step(engine, engine.step()))
+            stepper.start()
+            stepper.join(5.0)
+        first = await waiting
+        woken_while_waiting = len(wakes)
+        for _ in range(2):  # no poll waits now: these steps' tokens wait for the next poll, unannounced
+            outbox.push_step(engine, engine.step())
+        second = await outbox.drain("A", 5.0)
+        return first, woken_while_waiting, second, len(wakes)
+
+    first, woken_while_waiting, second, wakes = asyncio.run(run())
+    assert woken_while_waiting == 1 and wakes == 1
+    assert [len(u.token_ids) for u in first] == [3]  # the prefill's token and two decode tokens, merged
+    assert [len(u.token_ids) for u in second] == [2]
