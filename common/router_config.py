@@ -17,7 +17,7 @@ ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_hash", "cache_aware")
 PREFIX_PULL_MODES = ("auto", "always", "never")
 # The OpenAI front's output parsers, as vLLM names them (router/openai/tools.py and reasoning.py hold the
 # registries; a test keeps these names equal to theirs).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # The API key as vLLM takes it (`splitserve serve --api-key` sets it; the router reads it where it starts):
 # the bearer token, like auth_token_file, kept out of the config so that it is not shared with the cluster.

@@ -15,6 +15,7 @@ from engine.model_source import resolve_model
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.stop_checker import hides_stop_token
 from engine.tokenizer import load_tokenizer
 
 
@@ -115,12 +116,12 @@ class LLM:
     ) -> RequestOutput:
         completions = []
         for index, seq in enumerate(seqs):
-            text = (
-                seq.stop_text
-                if seq.stop_text is not None
-                else self._decode(seq.output_token_ids, params.skip_special_tokens)
-            )
             assert seq.finish_reason is not None, "_run returns finished sequences only"
+            text = seq.stop_text
+            if text is None:  # no stop string: the whole output, less the stop token that ended it
+                hide_last = hides_stop_token(seq.finish_reason.value, None, params.include_stop_str_in_output)
+                shown = seq.output_token_ids[:-1] if hide_last else seq.output_token_ids
+                text = self._decode(shown, params.skip_special_tokens)
             metrics = RequestMetrics(
                 seq.arrival_time_s,
                 seq.first_token_time_s,

@@ -6,6 +6,14 @@ from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
 
 
+def hides_stop_token(finish_reason: str | None, text_end_chars: int | None, include_stop_str_in_output: bool) -> bool:
+    """Whether the output text leaves out the last token: the EOS or stop token id that ended the request
+    (a stop string ends the text at `text_end_chars` instead). Its id stays in the token ids; its text
+    shows only with `include_stop_str_in_output`, as vLLM renders it, so `skip_special_tokens: false`
+    never ends a completion with the EOS token's text (which would read as content to a tool-call parser)."""
+    return finish_reason == FinishReason.STOP.value and text_end_chars is None and not include_stop_str_in_output
+
+
 class StopChecker:
     """EOS (unless ignore_eos), stop token ids, stop strings (after min_tokens), max_tokens, and the
     model's length limit. The tokenizer is loaded only when a request uses stop strings."""

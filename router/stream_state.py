@@ -6,6 +6,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from engine.stop_checker import hides_stop_token
 from router.migration import Migrations
 from router.text_stream import TextStream
 from router.validation import RouterRequest
@@ -54,11 +55,13 @@ class StreamState:
         self.token_ids.extend(chunk.token_ids)
         delta = ""
         if self.text is not None:
-            delta = (
-                self.text.finish(chunk.token_ids, chunk.text_end_chars)
-                if chunk.finish_reason
-                else self.text.push(chunk.token_ids)
-            )
+            if chunk.finish_reason:
+                hide_last = hides_stop_token(
+                    chunk.finish_reason, chunk.text_end_chars, self.request.params.include_stop_str_in_output
+                )
+                delta = self.text.finish(chunk.token_ids, chunk.text_end_chars, hide_last)
+            else:
+                delta = self.text.push(chunk.token_ids)
         usage = None
         if chunk.finish_reason:
             self.finished = True

@@ -9,7 +9,7 @@ end the held-back text is released up to where the engine cut it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine.tokenizer import IncrementalDetokenizer
 
@@ -27,11 +27,13 @@ class TextStream:
         visible = max(len(self._detokenizer.text) - self._holdback_chars, self._sent_chars)
         return self._take(visible)
 
-    def finish(self, token_ids: Iterable[int] = (), text_end_chars: int | None = None) -> str:
+    def finish(self, token_ids: Sequence[int] = (), text_end_chars: int | None = None, hide_last: bool = False) -> str:
         """The rest of the text, with the last chunk's `token_ids`, ending where the engine cut it when a stop
         string ended the request (`text_end_chars`). The last tokens must come here, not through `push`: the
-        token that completes a stop string may carry more characters after it, which `push` would release."""
-        for token_id in token_ids:
+        token that completes a stop string may carry more characters after it, which `push` would release.
+        `hide_last`: the last token is the stop token that ended the request, not rendered
+        (engine.stop_checker.hides_stop_token)."""
+        for token_id in token_ids[:-1] if hide_last else token_ids:
             self._detokenizer.append(token_id)
         text = self._final_text()
         end = len(text) if text_end_chars is None else text_end_chars

@@ -167,7 +167,8 @@ def parser(prog: str, *, pools: bool = True, router: bool = True, need_ray: bool
         )
         p.add_argument(
             "--tool-call-parser",
-            help=f"find tool calls in chat output (tool_choice auto): {_one_of(TOOL_CALL_PARSERS)}",
+            help=f"find tool calls in chat output (tool_choice auto), with vLLM's parser of that name: "
+            f"{_one_of(TOOL_CALL_PARSERS)} (the format each reads: docs/api.md)",
         )
         p.add_argument(
             "--enable-auto-tool-choice",

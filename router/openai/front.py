@@ -5,22 +5,22 @@
     front.url          # http://127.0.0.1:8000
     await front.stop(grace_s=5.0)
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (whole or streamed as server-sent events
-ending `data: [DONE]`), `GET /v1/models` (a card per served name), vLLM's `POST /tokenize` and
-`POST /detokenize` (`router.openai.tokenize`) and `GET /version`, `GET /health`, `GET /metrics` (the router's Prometheus
-registry), `GET /openapi.json` (the OpenAPI 3.1 document of these routes, `router.openai.openapi`, built
-once at start from the served model's limits). A body is read up to `parse.MAX_BODY_BYTES` (a longer one is
-a 413) and decoded only when nested at most `parse.MAX_JSON_DEPTH` levels (a deeper one is a 400 naming
-`body`); aiohttp's own refusals (an unknown path, a wrong method) come in OpenAI's error shape too. Every
-request goes through the same
-`RouterService.generate` as gRPC: validation rules, admission, routing, metrics, deadlines and
-cancellation are the service's. The bearer token (the API key), when set, guards `/v1/`, `/tokenize`,
-`/detokenize` and `/openapi.json`; `/health`, `/version` and `/metrics` stay open for probes and
-scrapers. A client that disconnects cancels its handler (aiohttp's handler cancellation), which aborts
-the request on its workers. A streamed request's status
-is decided before the 200 is sent: the first output (or the failure) of its choices comes first, so
-admission's 429, a bad field's 400 or a deadline's 504 arrive as statuses; a failure after that is sent
-as an error event, then `[DONE]`.
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (whole or streamed as server-sent events ending
+`data: [DONE]`), `POST /v1/responses` (OpenAI's Responses API over the chat path: a body parsed by
+`router.openai.responses_parse`, written by `router.openai.responses`), `GET /v1/models` (a card per served
+name), vLLM's `POST /tokenize` and `POST /detokenize` (`router.openai.tokenize`) and `GET /version`,
+`GET /health`, `GET /metrics` (the router's Prometheus registry), `GET /openapi.json` (the OpenAPI 3.1 document of
+these routes, `router.openai.openapi`, built once at start from the served model's limits). A body is read up
+to `parse.MAX_BODY_BYTES` (a longer one is a 413) and decoded only when nested at most `parse.MAX_JSON_DEPTH`
+levels (a deeper one is a 400 naming `body`); aiohttp's own refusals (an unknown path, a wrong method) come in
+OpenAI's error shape too. Every request goes through the same `RouterService.generate` as gRPC: validation
+rules, admission, routing, metrics, deadlines and cancellation are the service's. The bearer token (the API
+key), when set, guards `/v1/`, `/tokenize`, `/detokenize` and `/openapi.json`; `/health`, `/version` and
+`/metrics` stay open for probes and scrapers. A client that disconnects cancels its handler (aiohttp's handler
+cancellation), which aborts the request on its workers. A streamed request's status is decided before the 200
+is sent: the first output (or the failure) of its choices comes first, so admission's 429, a bad field's 400
+or a deadline's 504 arrive as statuses; a failure after that is the renderer's failure events (chat: an error
+event, then `[DONE]`; Responses: `error`, then `response.failed`).
 aiohttp was measured against uvicorn (bare ASGI and Starlette) and grpc.aio: benchmarks/http_stacks.py.
 """
 
@@ -32,7 +32,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from importlib import metadata
 
@@ -55,13 +55,17 @@ from router.openai.parse import (
     parse_chat,
     parse_completion,
 )
-from router.openai.render import DONE_EVENT, Renderer
+from router.openai.render import Renderer
+from router.openai.responses import ResponsesRenderer
+from router.openai.responses_parse import parse_responses
 from router.openai.tokenize import detokenize, tokenize
 from router.service import RouterService
 from router.validation import client_wait_s
 from splitserve_client.sdk_types import SENT_AT_KEY
 
 log = logging.getLogger(__name__)
+AnyRenderer = Renderer | ResponsesRenderer  # chunk, add, response, closing and failure
+RendererType = Callable[..., AnyRenderer]  # (the parsed request, the tokenizer)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -110,6 +114,7 @@ class HttpFront:
         app.middlewares.extend((access_log, openai_errors))
         app.router.add_post("/v1/completions", front._completions)
         app.router.add_post("/v1/chat/completions", front._chat)
+        app.router.add_post("/v1/responses", front._responses)
         app.router.add_get("/v1/models", front._models)
         app.router.add_post("/tokenize", front._tokenize)
         app.router.add_post("/detokenize", front._detokenize)
@@ -163,6 +168,9 @@ class HttpFront:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat, "messages")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_responses, "input", ResponsesRenderer)
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
@@ -227,30 +235,32 @@ class HttpFront:
 
     # ---- generation ----
 
-    async def _generate(self, request: web.Request, parse, prompt_field: str) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, parse, prompt_field: str, render: RendererType = Renderer
+    ) -> web.StreamResponse:
+        """`parse` reads the body into an ApiRequest; `render` writes its outputs (JSON, or events)."""
         try:
             self._authorize(request)
             body = decode_body(await read_body(request))
             api = parse(body, self.context, request.headers.get("X-Request-Id"))
             deadline_s = None if api.timeout_s is None else time.monotonic() + api.timeout_s
             waited_s = waited_s_from(request.headers)
+            renderer = render(api, self.context.tokenizer)
             if api.stream:
-                return await self._stream(request, api, deadline_s, waited_s, prompt_field)
-            return await self._whole(api, deadline_s, waited_s)
+                return await self._stream(request, api, renderer, deadline_s, waited_s, prompt_field)
+            return await self._whole(api, renderer, deadline_s, waited_s)
         except Exception as err:  # noqa: BLE001 - every error becomes an HTTP error (_failed classifies and logs)
             return self._error_response(self._failed(err, prompt_field))
 
-    async def _whole(self, api: ApiRequest, deadline_s, waited_s) -> web.Response:
-        renderer = Renderer(api, self.context.tokenizer)
+    async def _whole(self, api: ApiRequest, renderer: AnyRenderer, deadline_s, waited_s) -> web.Response:
         async with aclosing(run_choices(self.service, api, deadline_s, waited_s)) as outputs:
             async for position, output in outputs:
                 renderer.add(position, output)
         return web.Response(body=renderer.response(), content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, api: ApiRequest, deadline_s, waited_s, prompt_field: str
+        self, request: web.Request, api: ApiRequest, renderer: AnyRenderer, deadline_s, waited_s, prompt_field: str
     ) -> web.StreamResponse:
-        renderer = Renderer(api, self.context.tokenizer)
         async with aclosing(run_choices(self.service, api, deadline_s, waited_s)) as outputs:
             iterator = aiter(outputs)
             first = await anext(iterator)  # a failure here is still a status
@@ -262,19 +272,17 @@ class HttpFront:
         return response
 
     async def _events(
-        self, response: web.StreamResponse, renderer: Renderer, first, iterator, prompt_field: str
+        self, response: web.StreamResponse, renderer: AnyRenderer, first, iterator, prompt_field: str
     ) -> None:
         try:
             await response.write(renderer.chunk(*first))
             async for position, output in iterator:
                 await response.write(renderer.chunk(position, output))
-            if renderer.api.include_usage:
-                await response.write(renderer.usage_event())
+            await response.write(renderer.closing())
         except ConnectionError:
             raise
-        except Exception as err:  # noqa: BLE001 - after the 200: an error event, then the usual end
-            await response.write(self._failed(err, prompt_field).event)
-        await response.write(DONE_EVENT)
+        except Exception as err:  # noqa: BLE001 - after the 200: the renderer's failure events end the stream
+            await response.write(renderer.failure(self._failed(err, prompt_field)))
         await response.write_eof()
 
     # ---- errors ----

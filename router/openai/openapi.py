@@ -28,6 +28,9 @@ from router.openai.parse import (
     UNSUPPORTED_FIELDS,
     Context,
 )
+from router.openai.responses_schema import request_body as responses_body
+from router.openai.responses_schema import response_schemas as responses_api_schemas
+from router.openai.responses_schema import server_rules as responses_rules
 from router.openai.structured_fields import SERVER_RULES as STRUCTURED_OUTPUT_RULES
 from router.openai.structured_fields import openapi_schemas as structured_output_schemas
 from router.openai.tools import _NAME, MAX_TOOLS, TOOL_CHOICES
@@ -106,6 +109,19 @@ def openapi_document(context: Context, *, auth: bool, max_body_bytes: int) -> di
                     secured,
                 )
             },
+            "/v1/responses": {
+                "post": _generate(
+                    "createResponse",
+                    "OpenAI's Responses API, stateless, over the chat path",
+                    responses_body({**fields._shared(), **_chat_fields()}, fields.max_tokens, {"type": "string"}),
+                    "Response",
+                    "ResponseStreamEvent",
+                    responses_rules(chat_rules),
+                    secured,
+                    "the whole response, or with stream: server-sent events (event: TYPE, data: JSON) ending with "
+                    "response.completed (or, after a failure, error and response.failed)",
+                )
+            },
             "/v1/models": {"get": _get("listModels", "The served model", _json_ref("ModelList"), secured)},
             "/tokenize": {
                 "post": _tokenizer_route(
@@ -151,7 +167,7 @@ def openapi_document(context: Context, *, auth: bool, max_body_bytes: int) -> di
             },
         },
         "components": {
-            "schemas": response_schemas(),
+            "schemas": {**response_schemas(), **responses_api_schemas()},
             **({"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}} if auth else {}),
         },
     }
@@ -212,6 +228,7 @@ def _generate(
     chunk: str,
     rules: dict[str, str],
     security: list | None,
+    stream_description: str = "the whole response, or with stream: server-sent events ending `data: [DONE]`",
 ) -> dict:
     statuses = sorted({status for status, _, _ in ALL_ERRORS})
     event_data = {
@@ -253,7 +270,7 @@ def _generate(
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
         "responses": {
             "200": {
-                "description": "the whole response, or with stream: server-sent events ending `data: [DONE]`",
+                "description": stream_description,
                 "content": {**_json_ref(whole), "text/event-stream": {"schema": event_data}},
             },
             **{

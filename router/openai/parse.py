@@ -233,11 +233,14 @@ def parse_chat(body, context: Context, request_id: str | None = None) -> ApiRequ
     if top is not None:
         names["logprobs"] = "top_logprobs"
     values = _sampling_values(body, max_tokens, logprobs)
+    output = _output_parsing(tools, context)
+    if output is not None and output.tool_parser is not None and output.tool_parser.reads_special_tokens:
+        values.setdefault("skip_special_tokens", False)  # the parser's markers are special tokens
     structured = tools.structured_output() if tools is not None else None
     api = _api_request(
         "chat", model, body, context, [(text, tokens)], values, names, [None], logprobs, request_id, structured
     )
-    return replace(api, output=_output_parsing(tools, context))
+    return replace(api, output=output)
 
 
 def _template_options(body: dict, context: Context, tools: ToolRequest | None) -> TemplateOptions:
@@ -266,7 +269,7 @@ def _output_parsing(tools: ToolRequest | None, context: Context) -> OutputParsin
     if tools is None and reasoning is None:
         return None
     auto = tools is not None and tools.choice == "auto" and context.tool_call_parser is not None
-    parser = tool_call_parser(context.tool_call_parser) if auto and context.tool_call_parser else None
+    parser = tool_call_parser(context.tool_call_parser, tools=tools) if auto and context.tool_call_parser else None
     return OutputParsing(tools, parser, reasoning)
 
 

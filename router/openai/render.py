@@ -17,6 +17,7 @@ import json
 import time
 from typing import Any
 
+from router.openai.errors import HttpError
 from router.openai.parse import ApiRequest, Choice
 from router.openai.tool_stream import ChatOutput
 from router.service_types import RouterOutput
@@ -86,6 +87,14 @@ class Renderer:
         return (
             f'{self._head}{state.choice.index},{body},"logprobs":{logprobs},"finish_reason":{finish}{ids}}}]{tail}'
         ).encode()
+
+    def closing(self) -> bytes:
+        """What ends a stream after its last output: the usage event (with include_usage), then [DONE]."""
+        return (self.usage_event() if self.api.include_usage else b"") + DONE_EVENT
+
+    def failure(self, error: HttpError) -> bytes:
+        """A failure after the 200: the error as an event, then the usual end."""
+        return error.event + DONE_EVENT
 
     def usage_event(self) -> bytes:
         """The last event with `stream_options.include_usage`: no choices, the whole request's usage."""

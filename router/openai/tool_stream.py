@@ -4,10 +4,11 @@ as stream deltas.
 The text goes through the reasoning parser (when the router has one), then what is left through tool
 parsing (`router.openai.tools`: the `--tool-call-parser` for `auto`, the forced JSON for `required` and a
 named choice). Streaming rescans the whole text at each step and sends what grew since the last delta:
-the parsers' outputs only grow, so the deltas reassemble to the whole response. A call is sent as
-OpenAI streams them: its first delta carries `index`, `id`, `type` and `function.name` (and the
-arguments so far), later ones `index` and argument fragments. A named choice's arguments stream as they
-are generated; a parser's call is sent when it is complete (its JSON is only known then).
+the parsers' outputs only grow (`router.openai.tool_parsers.base`), so the deltas reassemble to the
+whole response. A call is sent as OpenAI streams them: its first delta carries `index`, `id`, `type` and
+`function.name` (and the arguments so far), later ones `index` and argument fragments, as the model
+writes them: JSON arguments as raw text, other formats one argument at a time. `required` calls stream
+the same way from the JSON array the grammar holds the output to, a named choice's as generated.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.openai.reasoning import ReasoningParser
-from router.openai.tools import ToolCall, ToolCallParser, ToolRequest, forced_calls, new_call_id
+from router.openai.tools import ToolCall, ToolCallParser, ToolRequest, forced_scan, new_call_id
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,10 @@ class ChatOutput:
         self.text = ""
         self._ids: list[str] = []  # call ids by index, fixed when a call is first sent
         self._sent = Parts("", "", ())
+        self._memo: dict = {}  # where the tool-call scans of this growing text got to
 
-    def parts(self, text: str, final: bool) -> Parts:
+    def parts(self, text: str, final: bool, memo: dict | None = None) -> Parts:
+        """The text's parts; `memo` (streaming only) lets a scan read on from where the last one got."""
         reasoning, rest = "", text
         if self.parsing.reasoning is not None:
             split = self.parsing.reasoning.scan(text, final)
@@ -54,16 +57,16 @@ class ChatOutput:
             calls = (ToolCall(tools.name, rest.lstrip()),) if rest.strip() else ()
             return Parts(reasoning, "", calls)
         if tools.choice == "required":
-            return Parts(reasoning, "", forced_calls(rest, tools) if final else ())
+            return Parts(reasoning, "", forced_scan(rest, final, memo))
         if self.parsing.tool_parser is None:
             return Parts(reasoning, rest, ())
-        scan = self.parsing.tool_parser.scan(rest, final)
+        scan = self.parsing.tool_parser.scan(rest, final, memo)
         return Parts(reasoning, scan.content, scan.calls)
 
     def delta(self, text: str, final: bool) -> dict:
         """The delta for `text` (this step's) and whether the choice ended; {} when nothing is settled."""
         self.text += text
-        now = self.parts(self.text, final)
+        now = self.parts(self.text, final, self._memo)
         sent, delta = self._sent, dict[str, object]()
         if len(now.reasoning) > len(sent.reasoning):
             delta["reasoning_content"] = now.reasoning[len(sent.reasoning) :]
@@ -107,6 +110,7 @@ class ChatOutput:
         return reason
 
     def _with_id(self, index: int, call: ToolCall) -> ToolCall:
+        parser = self.parsing.tool_parser
         while len(self._ids) <= index:
-            self._ids.append(new_call_id())
+            self._ids.append(parser.new_call_id() if parser is not None else new_call_id())
         return ToolCall(call.name, call.arguments, self._ids[index])

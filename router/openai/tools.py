@@ -12,34 +12,56 @@ they reach the chat template as given (transformers' `apply_chat_template(tools=
   arguments of one call to N.
 
 `required` and named choices are enforced with structured outputs (`engine.structured`), as vLLM does,
-so their arguments always match the declared schema. Parsers live in `TOOL_CALL_PARSERS`; an unknown
-name fails listing the known ones.
+so their arguments always match the declared schema. Parsers live in `TOOL_CALL_PARSERS`
+(`router.openai.tool_parsers`, one module each); an unknown name fails listing the known ones.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import NoReturn
 
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutputSpec
+from router.openai.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    GraniteParser,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    PythonicParser,
+    Qwen3CoderParser,
+    Scan,
+    ToolCall,
+    ToolCallParser,
+)
+from router.openai.tool_parsers.base import new_call_id, skip_space
+from router.openai.tool_parsers.json_calls import read_calls
+
+# Re-exported: the chat and responses routes take the parsing API from this module.
+__all__ = [
+    "TOOL_CALL_PARSERS",
+    "GraniteParser",
+    "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "PythonicParser",
+    "Qwen3CoderParser",
+    "Scan",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolRequest",
+    "forced_calls",
+    "forced_scan",
+    "new_call_id",
+    "parse_tools",
+    "tool_call_parser",
+]
 
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI's function-name rule (dots and colons as vLLM allows)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object's text, as OpenAI sends it
-    id: str = ""  # given when the call is sent (router.openai.tool_stream), stable across a stream's rescans
-
-    def to_json(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -122,152 +144,36 @@ def _parameters(tool: dict) -> dict:
     return parameters if parameters is not None else {"type": "object"}
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+# ---- parsing a model's text: the parsers are in router.openai.tool_parsers ----
 
 
-# ---- parsing a model's text ----
-
-
-@dataclass(frozen=True)
-class Scan:
-    """What a text holds so far: the content outside calls that can no longer change, and the calls
-    complete so far. Both only grow as the text grows, which is what streaming relies on."""
-
-    content: str
-    calls: tuple[ToolCall, ...]
-
-
-class ToolCallParser:
-    """Finds calls in a model's text. `scan(text, final)`: with final False the text may still grow, so a
-    marker cut at the end is held back and an open call is not yet a call."""
-
-    def scan(self, text: str, final: bool) -> Scan:
-        raise NotImplementedError
-
-
-class HermesParser(ToolCallParser):
-    """Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, with text
-    around them. A block that is not such JSON stays in the content, as written."""
-
-    start, end = "<tool_call>", "</tool_call>"
-
-    def scan(self, text: str, final: bool) -> Scan:
-        content: list[str] = []
-        calls: list[ToolCall] = []
-        position = 0
-        while True:
-            opened = text.find(self.start, position)
-            if opened < 0:
-                content.append(text[position:] if final else _hold_back(text[position:], self.start))
-                break
-            content.append(text[position:opened])
-            closed = text.find(self.end, opened)
-            if closed < 0:
-                if final:  # an unfinished call (max_tokens): left as the text it is
-                    content.append(text[opened:])
-                break
-            call = _call(text[opened + len(self.start) : closed], "arguments")
-            if call is None:
-                content.append(text[opened : closed + len(self.end)])
-            else:
-                calls.append(call)
-            position = closed + len(self.end)
-        return Scan("".join(content), tuple(calls))
-
-
-class Llama3JsonParser(ToolCallParser):
-    """Llama 3.x JSON tool calls: the whole answer is `{"name": ..., "parameters": {...}}` (optionally after
-    `<|python_tag|>`), several joined with `;`. Any other answer is content. A call's JSON is only whole
-    at the end, so a streamed answer that opens like a call is held back until then."""
-
-    tag = "<|python_tag|>"
-
-    def scan(self, text: str, final: bool) -> Scan:
-        body = text.lstrip()
-        body = body[len(self.tag) :].lstrip() if body.startswith(self.tag) else body
-        looks_like_call = body.startswith("{") or (not final and (not body or self.tag.startswith(body)))
-        if not looks_like_call:
-            return Scan(text, ())
-        if not final:
-            return Scan("", ())
-        calls = []
-        for part in _split_top_level(body, ";"):
-            call = _call(part, "parameters")
-            if call is None:
-                return Scan(text, ())
-            calls.append(call)
-        return Scan("", tuple(calls))
-
-
-def _call(text: str, arguments_key: str) -> ToolCall | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get(arguments_key, value.get("arguments", {}))
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _split_top_level(text: str, separator: str) -> list[str]:
-    """`text` split at `separator` outside JSON strings and brackets."""
-    parts, depth, start, in_string, escaped = [], 0, 0, False, False
-    for i, char in enumerate(text):
-        if in_string:
-            escaped = char == "\\" and not escaped
-            in_string = escaped or char != '"'
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        elif char == separator and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [part for part in parts if part.strip()]
-
-
-def _hold_back(text: str, marker: str) -> str:
-    """`text` without a tail that could be the start of `marker` (it may complete with the next token)."""
-    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:keep]):
-            return text[:-keep]
-    return text
-
-
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
-
-
-def tool_call_parser(name: str, key: str = "router.tool_call_parser") -> ToolCallParser:
+def tool_call_parser(
+    name: str, key: str = "router.tool_call_parser", tools: ToolRequest | None = None
+) -> ToolCallParser:
+    """The parser named `name` for a request's `tools` (their schemas type the arguments of formats that
+    are not JSON); an unknown name fails listing the known ones, `key` naming where it came from."""
     parser = TOOL_CALL_PARSERS.get(name)
     if parser is None:
         raise ValueError(f"{key}: unknown tool-call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
-    return parser()
+    return parser(tools.schemas() if tools is not None else None)
+
+
+def forced_scan(text: str, final: bool, memo: dict | None = None) -> tuple[ToolCall, ...]:
+    """The calls of a `required` choice's output so far: the JSON array the grammar holds it to, each
+    call's `parameters` as generated (a text cut by max_tokens keeps the calls begun). `memo` as a
+    parser's scan takes it."""
+    start = skip_space(text, 0)
+    if start >= len(text) or text[start] != "[":
+        return ()
+    return read_calls(text, start + 1, ("parameters",), final, closer="]", memo=memo).calls
 
 
 def forced_calls(text: str, tools: ToolRequest) -> tuple[ToolCall, ...]:
-    """The calls of a `required` or named choice's output (held to the grammar, so it parses; a text cut
-    by max_tokens does not, and is then no call)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return ()
+    """The calls of a `required` or named choice's whole output."""
     if tools.choice == "named":
         assert tools.name is not None
-        return (ToolCall(tools.name, json.dumps(value, ensure_ascii=False)),)
-    if not isinstance(value, list):
-        return ()
-    return tuple(
-        ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
-        for item in value
-        if isinstance(item, dict) and isinstance(item.get("name"), str)
-    )
+        return (ToolCall(tools.name, text.lstrip()),) if text.strip() else ()
+    return forced_scan(text, final=True)
 
 
 def _fail(field: str, message: str) -> NoReturn:

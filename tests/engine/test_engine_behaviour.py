@@ -50,6 +50,12 @@ def test_stop_token_ids_eos_and_max_tokens(checkpoint, make_llm):
                        use_tqdm=False)[0]
     assert list(out.token_ids) == reference[: reference.index(stop_at) + 1]
     assert out.finish_reason == "stop"
+    # the stop token's id is returned, its text only on request (as vLLM renders it)
+    tokenizer = llm.tokenizer
+    assert out.text == tokenizer.decode(out.token_ids[:-1], skip_special_tokens=True)
+    shown = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at],
+                                                  include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert shown.token_ids == out.token_ids and shown.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                 min_tokens=12, stop_token_ids=[stop_at]), use_tqdm=False)[0]
     assert len(out.token_ids) == 12 and out.finish_reason == "length"

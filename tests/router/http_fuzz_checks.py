@@ -2,7 +2,8 @@
 
 They replace the built-in positive-data check (a valid body may still be refused for a rule the schema
 cannot state, and only for one the document lists) and add what the built-in ones do not hold the HTTP
-front to: every 400 names a documented field, a 504 comes only from the body's own `timeout_ms`, and no
+front to: every 400 names a documented field (or, in a body that admits no other field, the unknown one
+it got), a 504 comes only from the body's own `timeout_ms`, and no
 response carries JSON that only Python reads (NaN, Infinity).
 """
 
@@ -27,6 +28,8 @@ def _documented(case) -> set[str]:
     raw = case.operation.definition.raw
     body = raw.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
     fields = {name for branch in [body, *body.get("anyOf", [])] for name in branch.get("properties", {})}
+    if body.get("additionalProperties") is False and isinstance(case.body, dict):
+        fields |= set(case.body)  # a body that admits no other field: a 400 names the unknown one it got
     return fields | {p["name"] for p in raw.get("parameters", [])} | {"body"}
 
 

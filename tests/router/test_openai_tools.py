@@ -265,8 +265,8 @@ def test_requests_without_tools_or_parsers_keep_the_text_as_it_is(context):
 def test_config_names_match_the_registries():
     assert set(TOOL_CALL_PARSERS) == set(tools.TOOL_CALL_PARSERS)
     assert set(REASONING_PARSERS) == set(reasoning.REASONING_PARSERS)
-    with pytest.raises(ValueError, match="known: hermes, llama3_json"):
-        tools.tool_call_parser("mistral")
+    with pytest.raises(ValueError, match="unknown tool-call parser 'kimi_k2'; known: hermes, llama3_json, mistral, pythonic, qwen3_coder, granite"):
+        tools.tool_call_parser("kimi_k2")
 
 
 def test_a_vllm_only_flag_fails_the_start_naming_it(capsys):
@@ -288,3 +288,21 @@ def test_the_api_key_and_the_token_file_are_one_token(tmp_path):
     assert read_auth_token(None, "key") == "key" and read_auth_token(None) is None
     with pytest.raises(ConfigError, match="router.auth_token_file: SPLITSERVE_API_KEY is set too"):
         read_auth_token(str(token_file), "key")
+
+
+def test_a_parser_whose_markers_are_special_tokens_gets_them_in_the_text(context):
+    """`mistral` reads `[TOOL_CALLS]`, a special token in Mistral's tokenizers: its requests keep special
+    tokens in their text unless they say otherwise (the stop token that ends them is still not rendered)."""
+    from dataclasses import replace
+
+    mistral = replace(context, tool_call_parser="mistral")
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+
+    def skips(ctx, **extra) -> bool:
+        return parse_chat({**body, **extra}, ctx).choices[0].request.params.skip_special_tokens
+
+    assert skips(mistral) is False
+    assert skips(mistral, skip_special_tokens=True) is True
+    assert skips(mistral, tool_choice="none") is True  # nothing is parsed: the default stands
+    assert skips(context) is True  # hermes' markers are plain text
+    assert parse_chat({"messages": body["messages"]}, mistral).choices[0].request.params.skip_special_tokens

@@ -57,3 +57,30 @@ def test_a_request_that_did_not_stop_on_a_string_gets_all_its_text(tokenizer):
     lead = tokenizer.encode("ab cd ", add_special_tokens=False)
     chunks = [TokenChunk(tuple(lead), (), None), TokenChunk((token_id,), (), "length")]
     assert "".join(_stream(tokenizer, text[1:3], chunks)) == tokenizer.decode(lead) + text
+
+
+def _state(tokenizer, params: SamplingParams) -> StreamState:
+    return StreamState(RouterRequest("r", (1, 2), params, 0, "", None, None, True, None), tokenizer, 0.0, 3)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_that_ended_a_request_is_not_rendered_unless_asked(tokenizer, include):
+    """EOS or a stop token id: its id is streamed, its text shows only with include_stop_str_in_output
+    (vLLM's rendering), even with skip_special_tokens false, where EOS would read as content."""
+    token_id, text = _long_ascii_token(tokenizer)
+    lead = tokenizer.encode("ab cd ", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    assert eos is not None and tokenizer.decode([eos]) != ""
+    for stop_token, params in (
+        (eos, SamplingParams(max_tokens=10, skip_special_tokens=False, include_stop_str_in_output=include)),
+        (token_id, SamplingParams(max_tokens=10, stop_token_ids=[token_id], include_stop_str_in_output=include)),
+    ):
+        state = _state(tokenizer, params)
+        first, _ = state.add(TokenChunk(tuple(lead), (), None))
+        last, _ = state.add(TokenChunk((token_id, stop_token) if stop_token == eos else (stop_token,), (), "stop"))
+        shown = tokenizer.decode(lead) + (text if stop_token == eos else "")
+        assert first + last == shown + (tokenizer.decode([stop_token]) if include else "")
+        assert state.token_ids[-1] == stop_token
+    # a request cut by max_tokens shows every token
+    state = _state(tokenizer, SamplingParams(max_tokens=10, skip_special_tokens=False))
+    assert state.add(TokenChunk((token_id, eos), (), "length"))[0] == text + tokenizer.decode([eos])
