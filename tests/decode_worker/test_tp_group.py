@@ -105,20 +105,6 @@ class Agents:
             agent.stop()
 
 
-@pytest.fixture(scope="module")
-def agents():
-    pool = Agents(4)
-    yield pool
-    pool.stop()
-
-
-@pytest.fixture(scope="module")
-def rendezvous():
-    from kvtransfer.store import create_rendezvous_store
-
-    return create_rendezvous_store(HOST)
-
-
 # ---- jobs (run inside agents) ----------------------------------------------------------------------
 def _engine_config(model_dir: str, tp_size: int) -> EngineConfig:
     # Small chunk and batch budgets: prompts span several chunks and steps mix decode and prefill rows.

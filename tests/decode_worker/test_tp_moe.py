@@ -12,24 +12,10 @@ import pytest
 
 from decode_worker.tp_group import StepFollower, TensorParallelEngine, build_follower_runner, create_tp_group
 from engine.config import EngineConfig
-from tests.decode_worker.test_tp_group import HOST, Agents, _generate, _new_instance
+from tests.decode_worker.test_tp_group import HOST, _generate, _new_instance
 
 GROUP_TIMEOUT_S = 30.0
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def agents():
-    pool = Agents(2)
-    yield pool
-    pool.stop()
-
-
-@pytest.fixture(scope="module")
-def rendezvous():
-    from kvtransfer.store import create_rendezvous_store
-
-    return create_rendezvous_store(HOST)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from tests.conftest import assert_engine_clean
 from tests.decode_worker.test_tp_group import (GROUP_TIMEOUT_S, HOST, _CountingEngine, _finish_instance, _generate,
-                                               _new_instance, agents, rendezvous)  # noqa: F401 (fixtures)
+                                               _new_instance)
 
 MAX_TOKENS = 8
 
