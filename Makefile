@@ -18,8 +18,8 @@ TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 # A second, minimal venv holding the client SDK installed from sdk/ (grpcio and protobuf, nothing else): the SDK
 # test runs in it. Rebuilt when the lock, the SDK's build file or its source change (their hash names the stamp).
 SDK_VENV := .venv-sdk
-SDK_HASH := $(shell cat requirements.txt sdk/pyproject.toml $(sort $(wildcard splitserve_client/*.py \
-	splitserve_client/protocol/*)) | sha1sum | cut -c1-12)
+SDK_HASH := $(shell cat requirements.txt sdk/pyproject.toml $(sort $(filter-out %/__pycache__,$(wildcard splitserve_client/*.py \
+	splitserve_client/protocol/*))) | sha1sum | cut -c1-12)
 SDK_STAMP := $(SDK_VENV)/.installed-$(SDK_HASH)
 # A third venv holding exactly the lower bounds of the runtime dependencies: tests/test_lower_bounds.py
 # serves a request from it, so the bounds in pyproject.toml are a tested claim.
@@ -28,7 +28,7 @@ LOWER_HASH := $(shell $(PYTHON) scripts/lower_bounds.py pyproject.toml | sha1sum
 LOWER_STAMP := $(LOWER_VENV)/.installed-$(LOWER_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: setup sdk-venv lower-venv lock run lint test suite test-deps bench-engine demo-model clean
+.PHONY: setup sdk-venv lower-venv lock run lint lint-block test suite test-deps bench-engine demo-model clean
 
 setup: $(STAMP)
 
@@ -94,9 +94,13 @@ lint: setup
 
 # The three venvs install side by side; lint (one core, mostly mypy) runs beside the suite, whose cluster
 # tests leave the CPU idle while they wait on rates and timeouts. Either failing fails `make test`; a
-# lint failure is reported once the suite ends (`make lint` alone fails fast).
+# lint failure is reported once the suite ends (`make lint` alone fails fast). Lint's output is printed in
+# one block when it ends, so that the suite's progress streams as it runs.
 test:
-	$(MAKE) --no-print-directory -j3 --output-sync=line lint suite
+	$(MAKE) --no-print-directory -j3 lint-block suite
+
+lint-block: setup
+	@out=$$($(MAKE) --no-print-directory lint 2>&1); status=$$?; printf '%s\n' "$$out"; exit $$status
 
 suite: setup test-deps
 	PY=$(PY) scripts/run_tests.sh $(PYTEST_ARGS)

@@ -50,8 +50,10 @@ def test_a_short_chaos_run_on_2p2d_loses_nothing(ray_session, checkpoint):
     stack = start_router(checkpoint(TinySpec()), replace(config, prefill=replace(config.prefill, replicas=2),
                                                          decode=replace(config.decode, replicas=2)))
     try:
-        for decode in stack.cluster.decode:  # decoding takes long enough for kills to land mid-stream
-            ray.get(decode.actor.debug_set_step_delay.remote(0.01), timeout=10)
+        # ~1 s of decoding a request at 4 req/s: both instances hold streams when a kill lands (ties between
+        # idle instances go to the first, so shorter streams leave the second idle at times)
+        for decode in stack.cluster.decode:
+            ray.get(decode.actor.debug_set_step_delay.remote(0.03), timeout=10)
         chaos = parse_chaos(["--target", stack.target, "--workload", "poisson", "--rate", "4",
                              "--num-requests", "400", "--prompt-len", "uniform:16,80", "--output-len", "fixed:32",
                              "--duration-s", "11", "--grace-s", "60", "--kill", "any", "--every-s", "3",
