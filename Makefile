@@ -102,8 +102,12 @@ test:
 lint-block: setup
 	@out=$$($(MAKE) --no-print-directory lint 2>&1); status=$$?; printf '%s\n' "$$out"; exit $$status
 
+# Two test processes (pytest-xdist), each module whole on one of them (its module-scoped cluster starts
+# once): the cluster tests spend much of their time waiting on rates, timeouts and process starts, so two
+# share 2 cores with room to spare. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 suite: setup test-deps
-	PY=$(PY) scripts/run_tests.sh $(PYTEST_ARGS)
+	PY=$(PY) scripts/run_tests.sh $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope) $(PYTEST_ARGS)
 
 bench-engine: setup
 	scripts/in_sandbox.sh $(PY) -m benchmarks.bench_engine
