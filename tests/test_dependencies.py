@@ -32,7 +32,7 @@ IMPORT_NAMES = {"grpcio": "grpc", "grpcio-health-checking": "grpc_health", "grpc
 # Declared but never imported, on purpose: (distribution, why).
 NOT_IMPORTED = {"hiredis": "redis-py's C reply parser, used by redis-py when present",
                 "pytest-timeout": "a pytest plugin: the suite's per-test timeout (pyproject [tool.pytest])",
-                "pytest-xdist": "a pytest plugin: `make test` runs the suite on two processes (-n 2)",
+                "pytest-xdist": "a pytest plugin: `make test TEST_WORKERS=2` runs the suite on two processes",
                 "accelerate": "transformers loads a block-scaled FP8 checkpoint itself only with it installed",
                 "httptools": "uvicorn's HTTP parser, loaded by name (http='httptools') in benchmarks/http_stack_servers.py",
                 "ruff": "`make lint`: a command-line tool", "mypy": "`make lint`: a command-line tool",
